@@ -1,0 +1,121 @@
+"""Engine configuration: one typed object whose fields say when to change them."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Literal, Sequence
+
+from tinypipe.errors import ConfigError
+
+Precision = Literal["fp32", "bf16"]
+PinMode = Literal["register", "pageable"]
+StashPlace = Literal["device", "host"]
+NonFinitePolicy = Literal["raise", "skip"]
+
+
+@dataclass
+class Config:
+    """How the engine trains.
+
+    Memory/speed knobs (the planner chooses them; set them by hand to pin a plan):
+
+    * ``pack_size`` -- decoder blocks per pack: an int for uniform packs or a list of sizes
+      (uneven packs, summing to the block count). Bigger packs: fewer pipeline bubbles and
+      fewer boundary stashes, more device memory (every layer of a pack is resident at once).
+    * ``prefetch_window`` -- how many layers are uploaded ahead of the one computing. 0 means no
+      overlap of upload and compute; 1-2 is enough when compute per layer exceeds its upload.
+    * ``micro_batch_size`` / ``backward_micro_batch_size`` -- sequences per micro-batch in the
+      forward and backward passes (backward defaults to forward). Bigger: faster kernels, more
+      activation memory. Must divide nothing: the last micro-batch may be smaller.
+    * ``stash`` -- where each pack's input is kept between forward and backward: on the device
+      (fast, costs device memory) or in host memory (costs link bandwidth). A list gives it per
+      pack boundary.
+    * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
+      copy, no power-of-two rounding); ``"pageable"`` leaves them pageable (slower transfers,
+      nothing locked). Ignored on CPU devices.
+    """
+
+    devices: Sequence[str] = ("cpu",)
+    micro_batch_size: int = 1
+    backward_micro_batch_size: int | None = None
+    pack_size: int | Sequence[int] = 1
+    prefetch_window: int = 1
+    precision: Precision = "fp32"
+    lr: float = 1e-5
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = None
+    stash: StashPlace | Sequence[StashPlace] = "device"
+    pin_memory: PinMode = "register"
+    head_chunk_tokens: int = 4096
+    grad_slots: int | None = None
+    nonfinite: NonFinitePolicy = "raise"
+    trace: bool = False
+    host_grad_buffers: int = 3
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.devices = tuple(str(d) for d in self.devices)
+        self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ConfigError (one line) for any value that cannot work."""
+        if not self.devices:
+            raise ConfigError("devices: give at least one device, e.g. ['cuda:0'] or ['cpu']")
+        for d in self.devices:
+            if not (d == "cpu" or d == "cuda" or d.startswith("cuda:")):
+                raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
+        if self.micro_batch_size < 1:
+            raise ConfigError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
+        if self.backward_micro_batch_size is not None and self.backward_micro_batch_size < 1:
+            raise ConfigError(
+                f"backward_micro_batch_size must be >= 1, got {self.backward_micro_batch_size}"
+            )
+        if isinstance(self.pack_size, int):
+            if self.pack_size < 1:
+                raise ConfigError(f"pack_size must be >= 1, got {self.pack_size}")
+        else:
+            self.pack_size = tuple(int(p) for p in self.pack_size)
+            if not self.pack_size or min(self.pack_size) < 1:
+                raise ConfigError(f"pack_size list must hold positive sizes, got {self.pack_size}")
+        if self.prefetch_window < 0:
+            raise ConfigError(f"prefetch_window must be >= 0, got {self.prefetch_window}")
+        if self.precision not in ("fp32", "bf16"):
+            raise ConfigError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        if not self.lr >= 0:
+            raise ConfigError(f"lr must be >= 0, got {self.lr}")
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas}")
+        if not self.eps > 0:
+            raise ConfigError(f"eps must be > 0, got {self.eps}")
+        if not self.weight_decay >= 0:
+            raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
+        if self.max_grad_norm is not None and not self.max_grad_norm > 0:
+            raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
+        stashes = (self.stash,) if isinstance(self.stash, str) else tuple(self.stash)
+        for s in stashes:
+            if s not in ("device", "host"):
+                raise ConfigError(f"stash must be 'device' or 'host', got {s!r}")
+        if not isinstance(self.stash, str):
+            self.stash = tuple(self.stash)
+        if self.pin_memory not in ("register", "pageable"):
+            raise ConfigError(f"pin_memory must be 'register' or 'pageable', got {self.pin_memory!r}")
+        if self.head_chunk_tokens < 1:
+            raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+        if self.grad_slots is not None and self.grad_slots < 1:
+            raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")
+        if self.nonfinite not in ("raise", "skip"):
+            raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        if self.host_grad_buffers < 1:
+            raise ConfigError(f"host_grad_buffers must be >= 1, got {self.host_grad_buffers}")
+
+    @property
+    def bwd_micro_batch_size(self) -> int:
+        return self.backward_micro_batch_size or self.micro_batch_size
+
+    def replace(self, **changes: object) -> "Config":
+        """A copy with some fields changed (validated)."""
+        return dataclasses.replace(self, **changes)

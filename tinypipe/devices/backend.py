@@ -1,0 +1,161 @@
+"""The one interface behind which the CUDA-only parts live.
+
+Streams, events, page-locked host memory and allocator statistics differ between CUDA and the
+CPU. Everything else in tinypipe is device-agnostic and talks to a :class:`Backend`. On the CPU
+the "device" is host memory: copies are synchronous in the calling thread, so an event is
+complete as soon as it is recorded, and pinning is a no-op.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Iterator
+
+import torch
+
+from tinypipe.errors import ConfigError
+
+
+class Backend:
+    """Device-specific operations for one compute device."""
+
+    device: torch.device
+    is_cuda: bool = False
+
+    def new_stream(self) -> object:
+        raise NotImplementedError
+
+    def use_stream(self, stream: object) -> contextlib.AbstractContextManager:
+        raise NotImplementedError
+
+    def record_event(self, stream: object, timing: bool = False) -> object | None:
+        """Record an event on ``stream``; None where work is synchronous (CPU)."""
+        return None
+
+    def wait_event(self, stream: object, event: object | None) -> None:
+        """Make ``stream`` wait for ``event`` without blocking the host."""
+
+    def sync_event(self, event: object | None) -> None:
+        """Block the host until ``event`` completes."""
+
+    def synchronize(self) -> None:
+        """Block the host until all work on the device completes."""
+
+    def memory_stats(self) -> dict[str, int]:
+        """Allocator counters: allocated, reserved and their peaks (bytes); empty on CPU."""
+        return {}
+
+    def reset_peak(self) -> None:
+        """Reset the allocator's peak counters."""
+
+
+class CpuBackend(Backend):
+    """The CPU as a compute device: synchronous, nothing to pin, no allocator counters."""
+
+    def __init__(self) -> None:
+        self.device = torch.device("cpu")
+
+    def new_stream(self) -> object:
+        return None
+
+    def use_stream(self, stream: object) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+
+class CudaBackend(Backend):
+    """A CUDA device: work is queued on streams and ordered with events."""
+
+    is_cuda = True
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def new_stream(self) -> object:
+        return torch.cuda.Stream(device=self.device)
+
+    def use_stream(self, stream: object) -> contextlib.AbstractContextManager:
+        return torch.cuda.stream(stream)  # type: ignore[arg-type]
+
+    def record_event(self, stream: object, timing: bool = False) -> object | None:
+        event = torch.cuda.Event(enable_timing=timing)
+        event.record(stream)  # type: ignore[arg-type]
+        return event
+
+    def wait_event(self, stream: object, event: object | None) -> None:
+        if event is not None:
+            stream.wait_event(event)  # type: ignore[attr-defined]
+
+    def sync_event(self, event: object | None) -> None:
+        if event is not None:
+            event.synchronize()  # type: ignore[attr-defined]
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+    def memory_stats(self) -> dict[str, int]:
+        return {
+            "allocated": torch.cuda.memory_allocated(self.device),
+            "reserved": torch.cuda.memory_reserved(self.device),
+            "peak_allocated": torch.cuda.max_memory_allocated(self.device),
+            "peak_reserved": torch.cuda.max_memory_reserved(self.device),
+        }
+
+    def reset_peak(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def make_backend(name: str) -> Backend:
+    """Backend for a device name such as ``"cpu"`` or ``"cuda:1"``; checks the device exists."""
+    if name == "cpu":
+        return CpuBackend()
+    if name.startswith("cuda"):
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device {name!r}: CUDA is not available on this machine")
+        device = torch.device(name)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        count = torch.cuda.device_count()
+        if index >= count:
+            raise ConfigError(f"device {name!r} does not exist: this machine has {count} CUDA device(s)")
+        return CudaBackend(torch.device("cuda", index))
+    raise ConfigError(f"unknown device {name!r}; use 'cpu' or 'cuda:N'")
+
+
+class HostPinner:
+    """Page-locks host tensors in place with cudaHostRegister (no copy, no size rounding).
+
+    ``tensor.pin_memory()`` copies into a new allocation rounded up to a power of two; for tens
+    of GB of master weights that doubles host memory transiently and wastes up to half of it
+    permanently. Registering the buffer we already own costs neither. Registration is undone by
+    :meth:`release`. A no-op when CUDA is absent or ``enabled`` is False.
+    """
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled and torch.cuda.is_available()
+        self._registered: list[tuple[int, torch.Tensor]] = []
+        self.bytes = 0
+
+    def pin(self, tensor: torch.Tensor) -> None:
+        if not self.enabled or tensor.numel() == 0:
+            return
+        ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        code = getattr(err, "value", err)
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {code}")
+        self._registered.append((ptr, tensor))
+        self.bytes += size
+
+    def release(self) -> None:
+        if not self.enabled:
+            return
+        for ptr, _ in self._registered:
+            torch.cuda.cudart().cudaHostUnregister(ptr)
+        self._registered.clear()
+        self.bytes = 0
+
+
+@contextlib.contextmanager
+def maybe_stream(backend: Backend, stream: object) -> Iterator[None]:
+    """Run the body with ``stream`` current on ``backend``'s device (a no-op on CPU)."""
+    with backend.use_stream(stream):
+        yield

@@ -1,0 +1,35 @@
+"""User-facing error types.
+
+Every error a user can cause by bad input derives from :class:`TinypipeError` and carries a
+one-line message: the CLI prints it without a traceback (exit code 2).
+"""
+
+from __future__ import annotations
+
+
+class TinypipeError(Exception):
+    """Base class for errors caused by input or environment, shown to users as one line."""
+
+
+class ConfigError(TinypipeError, ValueError):
+    """An invalid configuration value or combination."""
+
+
+class UnsupportedModelError(TinypipeError):
+    """The model cannot be decomposed into embedding, blocks and head."""
+
+
+class PlanDoesNotFitError(TinypipeError):
+    """No plan fits the memory budgets; the message says what would be needed."""
+
+
+class BatchError(TinypipeError, ValueError):
+    """A batch passed to ``Engine.step`` is malformed."""
+
+
+class WorkerError(TinypipeError, RuntimeError):
+    """A background worker (upload, compute, download, optimizer) failed; wraps the cause."""
+
+
+class NonFiniteError(TinypipeError, FloatingPointError):
+    """The loss or the gradients became NaN or infinite."""

@@ -1,0 +1,43 @@
+"""A bounded pool of host buffers that gradient chunks land in on their way to the optimizer.
+
+One pool per device (so downloads from one device can never starve another's and deadlock the
+in-order optimizer). Its size, not model depth, bounds host gradient memory. Buffers are
+page-aligned and registered (pinned) once for fast device-to-host copies.
+"""
+
+from __future__ import annotations
+
+import queue
+
+import torch
+
+from tinypipe.devices.backend import HostPinner
+from tinypipe.memory.host_buffers import aligned_empty, registrable
+from tinypipe.runtime.signals import POLL_S, Abort
+
+
+class HostGradPool:
+    """``count`` fp32 buffers of ``chunk`` elements each, handed out and returned."""
+
+    def __init__(self, count: int, chunk: int, pinner: HostPinner) -> None:
+        self.chunk = chunk
+        self.buffers = [aligned_empty(chunk, torch.float32) for _ in range(count)]
+        for b in self.buffers:
+            pinner.pin(registrable(b))
+        self._free: queue.Queue[torch.Tensor] = queue.Queue()
+        for b in self.buffers:
+            self._free.put(b)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * 4 for b in self.buffers)
+
+    def acquire(self, abort: Abort) -> torch.Tensor:
+        while True:
+            try:
+                return self._free.get(timeout=POLL_S)
+            except queue.Empty:
+                abort.check()
+
+    def release(self, buf: torch.Tensor) -> None:
+        self._free.put(buf)

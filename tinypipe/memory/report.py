@@ -1,0 +1,59 @@
+"""Byte-exact memory accounting shared by the runtime's report and the planner."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+GIB = 1024**3
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass
+class MemoryReport:
+    """Host bytes by category, device bytes by category per device entry, and measured peaks."""
+
+    host: dict[str, int]
+    devices: dict[str, dict[str, int]]
+    device_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
+    host_rss: int | None = None
+    host_rss_peak: int | None = None
+
+    @property
+    def host_total(self) -> int:
+        return sum(self.host.values())
+
+    def device_total(self, name: str) -> int:
+        return sum(self.devices[name].values())
+
+    def as_dict(self) -> dict:
+        return {
+            "host": dict(self.host, total=self.host_total),
+            "devices": {k: dict(v, total=self.device_total(k)) for k, v in self.devices.items()},
+            "device_peaks": self.device_peaks,
+            "host_rss": self.host_rss,
+            "host_rss_peak": self.host_rss_peak,
+        }
+
+    def to_text(self) -> str:
+        lines = ["host memory (tinypipe-owned):"]
+        for k, v in self.host.items():
+            lines.append(f"  {k:<24} {fmt_bytes(v):>12}")
+        lines.append(f"  {'total':<24} {fmt_bytes(self.host_total):>12}")
+        if self.host_rss is not None:
+            lines.append(f"  {'process RSS (now)':<24} {fmt_bytes(self.host_rss):>12}")
+        if self.host_rss_peak is not None:
+            lines.append(f"  {'process RSS (peak)':<24} {fmt_bytes(self.host_rss_peak):>12}")
+        for name, cats in self.devices.items():
+            lines.append(f"device {name}:")
+            for k, v in cats.items():
+                lines.append(f"  {k:<24} {fmt_bytes(v):>12}")
+            lines.append(f"  {'total (static)':<24} {fmt_bytes(self.device_total(name)):>12}")
+            for k, v in self.device_peaks.get(name, {}).items():
+                lines.append(f"  {k:<24} {fmt_bytes(v):>12}")
+        return "\n".join(lines)

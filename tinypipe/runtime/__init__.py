@@ -1,0 +1,1 @@
+"""Executes schedules: lanes (threads) per device stream, events, the CPU optimizer."""

@@ -1,0 +1,74 @@
+"""Batch-major activation buffers that micro-batches are written into and read from.
+
+Each pack boundary has one ``[batch, seq, hidden]`` buffer for activations (it doubles as the
+stash the backward pass recomputes from) and one for gradients. A buffer lives on one device or
+in host memory; writers and readers on other devices copy the rows they need, so forward and
+backward may use different micro-batch sizes.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from tinypipe.devices.backend import Backend
+
+
+def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """``dst.copy_(src)`` queued on the current stream(s); keeps cross-stream memory alive."""
+    dst.copy_(src, non_blocking=True)
+    if dst.device != src.device:
+        for t in (dst, src):
+            if t.is_cuda:
+                t.record_stream(torch.cuda.current_stream(t.device))
+
+
+class RowBuffer:
+    """A lazily allocated ``shape`` tensor on ``device`` (or a fixed host tensor)."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype, owner: Backend | None,
+                 owner_stream: object = None, host: torch.Tensor | None = None) -> None:
+        self.shape = shape
+        self.dtype = dtype
+        self.owner = owner
+        self.owner_stream = owner_stream
+        self.tensor: torch.Tensor | None = host
+        self._lock = threading.Lock()
+
+    @property
+    def device(self) -> torch.device:
+        return self.owner.device if self.owner is not None else torch.device("cpu")
+
+    def _ensure(self) -> torch.Tensor:
+        with self._lock:
+            if self.tensor is None:
+                assert self.owner is not None
+                with self.owner.use_stream(self.owner_stream):
+                    self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self.owner.device)
+            return self.tensor
+
+    def adopt(self, tensor: torch.Tensor) -> None:
+        """Use ``tensor`` (already on the owner device, right shape) as the whole buffer."""
+        with self._lock:
+            self.tensor = tensor
+
+    def write(self, lo: int, hi: int, src: torch.Tensor) -> None:
+        copy_into(self._ensure()[lo:hi], src)
+
+    def read(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
+        """Rows ``lo:hi`` on ``device``: a view when already there, else a fresh copy."""
+        t = self.tensor
+        assert t is not None, "read of a buffer nothing has written"
+        rows = t[lo:hi]
+        if rows.device == device:
+            return rows
+        out = torch.empty(rows.shape, dtype=rows.dtype, device=device)
+        copy_into(out, rows)
+        return out
+
+    def free(self) -> None:
+        """Drop a device buffer once its last reader is done (host buffers are kept for reuse)."""
+        if self.owner is not None:
+            with self._lock:
+                self.tensor = None

@@ -1,0 +1,312 @@
+"""The Engine: a Hugging Face causal LM trained through Tiny-Pipe swapping on 1..N devices."""
+
+from __future__ import annotations
+
+import os
+import resource
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import psutil
+import torch
+from torch import nn
+
+from tinypipe.config import Config
+from tinypipe.devices.backend import HostPinner, make_backend
+from tinypipe.errors import BatchError, ConfigError, NonFiniteError
+from tinypipe.memory.device_pool import DevicePool
+from tinypipe.memory.grad_pool import HostGradPool
+from tinypipe.memory.host_buffers import aligned_empty, registrable
+from tinypipe.memory.host_store import HostStore
+from tinypipe.memory.report import MemoryReport
+from tinypipe.models.decompose import Decomposition, Shell
+from tinypipe.models.export import save_hf_directory
+from tinypipe.runtime.device import DeviceRuntime
+from tinypipe.runtime.optimizer import CpuAdamW
+from tinypipe.runtime.step import StepInputs, StepRunner, StepState, host_times
+from tinypipe.runtime.updater import StepUpdater
+from tinypipe.schedule.builder import build_schedule
+from tinypipe.schedule.plan import Plan, make_plan
+from tinypipe.schedule.render import chrome_trace, to_text
+from tinypipe.schedule.tasks import Schedule, Task
+from tinypipe.schedule.validate import validate
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step did."""
+
+    loss: float
+    grad_norm: float
+    clipped: bool
+    skipped: bool
+    tokens: int
+    seconds: float
+    step: int
+    lr: float
+    timings: list = field(default_factory=list, repr=False)
+
+
+class Engine:
+    """Trains ``model`` (a Hugging Face causal LM) with Tiny-Pipe's layer-wise swapping.
+
+    The model's parameters move into the engine's host store (one fp32 copy; the model's
+    parameters become views of it). Every :meth:`step` streams layers through the configured
+    devices and steps AdamW on the host, overlapped with the backward pass.
+    """
+
+    def __init__(self, model: nn.Module, config: Config | None = None, plan: Plan | None = None) -> None:
+        self.config = config or Config()
+        cfg = self.config
+        self.model = model
+        self.backends = [make_backend(d) for d in cfg.devices]
+        self.dtype = _DTYPES[cfg.precision]
+        self.decomposition = Decomposition(model)
+        dec = self.decomposition
+        self.plan = plan or make_plan(
+            dec.num_blocks,
+            pack_size=cfg.pack_size,
+            fwd_micro_batch=cfg.micro_batch_size,
+            bwd_micro_batch=cfg.bwd_micro_batch_size,
+            num_devices=len(cfg.devices),
+            prefetch_window=cfg.prefetch_window,
+            stash=cfg.stash,
+            tied=dec.tied,
+            grad_slots=cfg.grad_slots,
+        )
+        if self.plan.num_devices != len(cfg.devices):
+            raise ConfigError(f"plan is for {self.plan.num_devices} devices, config lists {len(cfg.devices)}")
+        if self.plan.num_blocks != dec.num_blocks:
+            raise ConfigError(f"plan covers {self.plan.num_blocks} blocks, the model has {dec.num_blocks}")
+        any_cuda = any(b.is_cuda for b in self.backends)
+        self.pinner = HostPinner(enabled=any_cuda and cfg.pin_memory == "register")
+        self.store = HostStore(model, dec, self.pinner)
+        self.hidden_size = int(model.config.hidden_size)
+        slot_numel = max(layer.numel for layer in dec.blocks)
+        grad_chunk = max(slot_numel, 1 << 16)
+        self.devices: list[DeviceRuntime] = []
+        for i, backend in enumerate(self.backends):
+            has_packs = i in self.plan.fwd_device or i in self.plan.bwd_device
+            resident = {}
+            if i == self.plan.embed_device:
+                resident[0] = dec.embed.numel
+            if i == self.plan.head_device:
+                resident[dec.num_blocks + 1] = dec.head.numel
+            pool = DevicePool(
+                backend,
+                self.dtype,
+                slot_numel,
+                self.plan.param_slots() if has_packs else 0,
+                self.plan.grad_slot_count() if has_packs else 0,
+                resident,
+                staging_numel=slot_numel,
+            )
+            gpool = HostGradPool(cfg.host_grad_buffers, grad_chunk, self.pinner)
+            shell = Shell(model, dec, backend.device)
+            self.devices.append(DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool))
+        self.optimizer = CpuAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
+        retain = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"
+        self._retained: dict[int, torch.Tensor] | None = {} if retain else None
+        self._schedules: dict[int, Schedule] = {}
+        self._host_stash: dict[int, torch.Tensor] = {}
+        self._last_state: StepState | None = None
+        self._last_origin = 0.0
+        self.step_count = 0
+        self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
+        self._rss_peak = 0
+
+    # ------------------------------------------------------------------ training
+
+    def schedule_for(self, batch: int) -> Schedule:
+        """The (validated) schedule for a global batch of ``batch`` sequences."""
+        if batch not in self._schedules:
+            sched = build_schedule(self.plan, batch, self.decomposition.tied)
+            validate(sched)
+            self._schedules[batch] = sched
+        return self._schedules[batch]
+
+    def _inputs(self, batch: Mapping[str, torch.Tensor]) -> StepInputs:
+        if "input_ids" not in batch:
+            raise BatchError("batch needs 'input_ids' (LongTensor[batch, seq])")
+        ids = batch["input_ids"]
+        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
+            raise BatchError("input_ids must be an integer tensor of shape [batch, seq]")
+        ids = ids.long().cpu()
+        B, S = ids.shape
+        if B == 0 or S < 2:
+            raise BatchError(f"batch of shape {tuple(ids.shape)} is too small: need >= 1 sequence of >= 2 tokens")
+        vocab = int(self.model.config.vocab_size)
+        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
+            raise BatchError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        if max_pos is not None and S > int(max_pos):
+            raise BatchError(f"sequence length {S} exceeds the model's max_position_embeddings {max_pos}")
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, S):
+                raise BatchError(f"attention_mask must have shape {(B, S)}")
+            mask = mask.long().cpu()
+        labels = batch.get("labels")
+        if labels is None:
+            labels = ids.clone()
+            if mask is not None:
+                labels[mask == 0] = -100
+        else:
+            if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (B, S):
+                raise BatchError(f"labels must have shape {(B, S)}")
+            labels = labels.long().cpu()
+        shifted = torch.full_like(labels, -100)
+        shifted[:, :-1] = labels[:, 1:]
+        denom = int((shifted != -100).sum())
+        if denom == 0:
+            raise BatchError("batch has no labelled tokens (all labels are -100)")
+        bad = (shifted != -100) & ((shifted < 0) | (shifted >= vocab))
+        if bool(bad.any()):
+            raise BatchError(f"labels hold ids outside the vocabulary [0, {vocab}) (use -100 to ignore)")
+        return StepInputs(ids, mask, shifted, denom)
+
+    def _prepare_host_stash(self, B: int, S: int) -> None:
+        shape = (B, S, self.hidden_size)
+        for q, on_host in enumerate(self.plan.stash_on_host):
+            if not on_host or q == 0:
+                continue
+            t = self._host_stash.get(q)
+            if t is None or t.shape != shape:
+                flat = aligned_empty(B * S * self.hidden_size, self.dtype)
+                self.pinner.pin(registrable(flat))
+                self._host_stash[q] = flat.view(shape)
+
+    def step(self, batch: Mapping[str, torch.Tensor], lr: float | None = None) -> StepResult:
+        """One optimizer step over the global ``batch`` (dict with input_ids, optional
+        attention_mask and labels; labels default to input_ids with padding ignored)."""
+        t0 = time.perf_counter()
+        inputs = self._inputs(batch)
+        sched = self.schedule_for(inputs.batch)
+        self._prepare_host_stash(inputs.batch, inputs.seq)
+        lr = self.config.lr if lr is None else float(lr)
+        updater = StepUpdater(self.store, self.optimizer, lr, self.config.max_grad_norm, self._retained)
+        for d in self.devices:
+            d.backend.reset_peak()
+        runner = StepRunner(
+            sched, inputs, self.devices, self.store, updater, self.dtype, self.hidden_size,
+            self.config.head_chunk_tokens, self._host_stash, self.config.trace, self.fault,
+        )
+        self._last_origin = t0
+        state = runner.run()
+        outcome = updater.finalize()
+        self._last_state = state
+        self._sample_rss()
+        loss = state.loss_value if state.loss_value is not None else float("nan")
+        self.step_count += 0 if outcome.skipped else 1
+        result = StepResult(
+            loss=loss, grad_norm=outcome.grad_norm, clipped=outcome.clipped, skipped=outcome.skipped,
+            tokens=int(inputs.batch * inputs.seq), seconds=time.perf_counter() - t0,
+            step=self.step_count, lr=lr, timings=state.timings,
+        )
+        if outcome.nonfinite is not None and self.config.nonfinite == "raise":
+            raise NonFiniteError(
+                f"step {self.step_count + 1}: non-finite {outcome.nonfinite} (loss={loss}); "
+                "layers after it were not updated"
+                + ("" if self._retained is None else " and earlier ones were rolled back")
+            )
+        return result
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master weights under the keys of ``model.state_dict()`` (live views)."""
+        return self.store.state_dict()
+
+    def optimizer_state(self) -> dict[str, object]:
+        """AdamW moments and step counts per layer (live views), for checkpoints."""
+        return {
+            s.spec.name: {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step}
+            for s in self.store.layers
+        }
+
+    def save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+        """Write a directory ``AutoModelForCausalLM.from_pretrained`` loads (config + safetensors)."""
+
+        def tensors():
+            for s in self.store.layers:
+                for p in s.spec.params:
+                    yield p.name, s.master[p.offset : p.offset + p.numel].view(p.shape)
+
+        return save_hf_directory(self.model, tensors(), out_dir, dtype=dtype)
+
+    # ------------------------------------------------------------------ observability
+
+    def _sample_rss(self) -> int:
+        rss = psutil.Process().memory_info().rss
+        self._rss_peak = max(self._rss_peak, rss)
+        return rss
+
+    def memory_report(self) -> MemoryReport:
+        """Host bytes by category, device bytes by category, and measured peaks."""
+        grad_pool = sum(d.grad_pool.nbytes for d in self.devices)
+        stash = sum(t.numel() * t.element_size() for t in self._host_stash.values())
+        retained = sum(t.numel() * 4 for t in (self._retained or {}).values())
+        host = {
+            "master_weights": self.store.master_bytes,
+            "optimizer_state": self.store.optimizer_bytes,
+            "pinned_grad_pool": grad_pool,
+            "gradient_buffers": retained,
+            "stashed_activations": stash,
+        }
+        devices, peaks = {}, {}
+        for d in self.devices:
+            name = f"{d.index}:{d.name}"
+            devices[name] = d.pool.bytes_by_category()
+            stats = d.backend.memory_stats()
+            if stats:
+                static = sum(devices[name].values())
+                devices[name]["activations_peak"] = max(0, stats["peak_allocated"] - static)
+                peaks[name] = {"peak_allocated": stats["peak_allocated"], "peak_reserved": stats["peak_reserved"]}
+        rss = self._sample_rss()
+        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return MemoryReport(host, devices, peaks, host_rss=rss, host_rss_peak=max(self._rss_peak, peak_kb * 1024))
+
+    def schedule_text(self, batch: int) -> str:
+        return to_text(self.schedule_for(batch))
+
+    def export_trace(self, path: str | os.PathLike) -> Path:
+        """Chrome/Perfetto trace of the last step (per lane; device times when ``trace=True``)."""
+        if self._last_state is None:
+            raise ConfigError("no step has run yet: nothing to trace")
+        events = host_times(self._last_state.timings, self._last_origin)
+        if self.config.trace:
+            events = self._device_events(events)
+        return chrome_trace(events, path)
+
+    def _device_events(self, host_events: list[dict]) -> list[dict]:
+        """Replace host times of CUDA tasks with their device times (aligned per device)."""
+        timings = self._last_state.timings if self._last_state else []
+        firsts: dict[int, tuple[object, float]] = {}
+        out = []
+        for t, h in zip(timings, host_events):
+            if t.events is None:
+                out.append(h)
+                continue
+            ev0, ev1 = t.events
+            dev = id(ev0.device) if hasattr(ev0, "device") else 0
+            if dev not in firsts:
+                firsts[dev] = (ev0, h["start_us"])
+            ref, ref_us = firsts[dev]
+            start = ref_us + ref.elapsed_time(ev0) * 1000.0  # type: ignore[attr-defined]
+            dur = ev0.elapsed_time(ev1) * 1000.0  # type: ignore[attr-defined]
+            out.append(dict(h, start_us=start, dur_us=dur))
+        return out
+
+    def close(self) -> None:
+        """Unpin host memory; the engine is unusable afterwards."""
+        self.pinner.release()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,69 @@
+"""AdamW on the CPU over flat layer buffers, chunk by chunk, plus its exact inverse.
+
+The step is torch's own fused CPU AdamW (``torch.optim.adamw.adamw(fused=True)``), applied to
+slices of a layer's flat master/moment buffers: AdamW is elementwise, so stepping a layer in
+chunks as its gradient chunks arrive equals stepping it whole.
+
+The inverse exists for exact global-norm clipping with overlap: a layer is stepped as soon as
+its gradients arrive (speculating that clipping will not trigger); if the global norm turns out
+to exceed ``max_grad_norm``, each speculative step is undone algebraically (in float64, from the
+retained gradient) and redone with the clipped gradient.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.optim.adamw as _adamw
+
+from tinypipe.memory.host_store import LayerState
+
+
+class CpuAdamW:
+    """Hyper-parameters plus chunked step / undo over :class:`LayerState` buffers."""
+
+    def __init__(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+        self.lr = lr
+        self.beta1, self.beta2 = betas
+        self.eps = eps
+        self.weight_decay = weight_decay
+
+    def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float) -> None:
+        """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``."""
+        steps = [torch.tensor(float(step - 1))]
+        _adamw.adamw(
+            [state.master[lo:hi]],
+            [grad],
+            [state.exp_avg[lo:hi]],
+            [state.exp_avg_sq[lo:hi]],
+            [],
+            steps,
+            fused=True,
+            amsgrad=False,
+            beta1=self.beta1,
+            beta2=self.beta2,
+            lr=lr,
+            weight_decay=self.weight_decay,
+            eps=self.eps,
+            maximize=False,
+        )
+
+    def undo(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float) -> None:
+        """Invert :meth:`step` number ``step`` on ``lo:hi`` given the gradient it used."""
+        b1, b2 = self.beta1, self.beta2
+        p1 = state.master[lo:hi].double()
+        m1 = state.exp_avg[lo:hi].double()
+        v1 = state.exp_avg_sq[lo:hi].double()
+        g = grad.double()
+        bc1 = 1.0 - b1**step
+        bc2 = 1.0 - b2**step
+        denom = v1.sqrt() / bc2**0.5 + self.eps
+        p0 = (p1 + (lr / bc1) * m1 / denom) / (1.0 - lr * self.weight_decay)
+        if step == 1:
+            m0 = torch.zeros_like(m1)
+            v0 = torch.zeros_like(v1)
+        else:
+            m0 = (m1 - (1.0 - b1) * g) / b1
+            v0 = ((v1 - (1.0 - b2) * g * g) / b2).clamp_(min=0.0)
+        state.master[lo:hi].copy_(p0)
+        state.exp_avg[lo:hi].copy_(m0)
+        state.exp_avg_sq[lo:hi].copy_(v0)

@@ -1,0 +1,435 @@
+"""Execute one schedule: a thread per lane, each running its tasks in order.
+
+Lanes: per device ``compute``, ``h2d`` (uploads) and ``d2h`` (gradient downloads), plus one host
+``optimizer`` lane. A task first waits for its dependencies' signals (the host only until the
+producer has queued its work; the lane's stream then waits on the producer's event), runs, and
+fires its own signal. Any exception aborts the step: every waiting lane notices within a poll
+interval and the caller gets the first error with its lane and task.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from tinypipe.errors import WorkerError
+from tinypipe.memory.host_store import HostStore
+from tinypipe.models.decompose import LayerSpec, map_tensors, slice_rows
+from tinypipe.runtime.buffers import RowBuffer
+from tinypipe.runtime.device import DeviceRuntime
+from tinypipe.runtime.signals import POLL_S, Abort, Aborted, Signal
+from tinypipe.runtime.updater import StepUpdater
+from tinypipe.schedule.tasks import Kind, Schedule, Task
+
+
+@dataclass
+class StepInputs:
+    """The global batch, already validated, on the host."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    shifted_labels: torch.Tensor  # labels[:, 1:] padded with -100: position t predicts this
+    denom: int  # labelled tokens in the whole global batch
+
+    @property
+    def batch(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+@dataclass
+class TaskTiming:
+    lane: str
+    task: str
+    host_start: float
+    host_end: float
+    events: tuple[object, object] | None = None
+
+
+@dataclass
+class StepState:
+    """Buffers and accumulators alive for one step."""
+
+    acts: list[RowBuffer]
+    grads: list[RowBuffer]
+    contexts: dict[int, list] = field(default_factory=dict)
+    context_lock: threading.Lock = field(default_factory=threading.Lock)
+    loss_sum: torch.Tensor | None = None
+    layer_queues: dict[int, "queue.Queue"] = field(default_factory=dict)
+    timings: list[TaskTiming] = field(default_factory=list)
+    loss_value: float | None = None
+
+
+class StepRunner:
+    """Runs ``schedule`` once over ``inputs`` with the engine's devices and host store."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        inputs: StepInputs,
+        devices: list[DeviceRuntime],
+        store: HostStore,
+        updater: StepUpdater,
+        compute_dtype: torch.dtype,
+        hidden_size: int,
+        head_chunk_tokens: int,
+        host_stash: dict[int, torch.Tensor],
+        trace: bool,
+        fault: Callable[[Task], None] | None = None,
+    ) -> None:
+        self.s = schedule
+        self.inp = inputs
+        self.devices = devices
+        self.store = store
+        self.updater = updater
+        self.dtype = compute_dtype
+        self.head_chunk = head_chunk_tokens
+        self.trace = trace
+        self.fault = fault
+        self.abort = Abort()
+        self.signals = {tid: Signal() for tid in schedule.tasks}
+        plan = schedule.plan
+        B, S, Hd = inputs.batch, inputs.seq, hidden_size
+        P = plan.num_packs
+        shape = (B, S, Hd)
+
+        def buffer(dev_index: int, on_host: bool, q: int, kind: str) -> RowBuffer:
+            if on_host:
+                key = (q if kind == "act" else -1 - q)
+                host = host_stash.get(key)
+                if host is None or host.shape != shape or host.dtype != compute_dtype:
+                    raise RuntimeError(f"host stash for {kind} {q} not prepared")
+                return RowBuffer(shape, compute_dtype, None, host=host)
+            d = devices[dev_index]
+            return RowBuffer(shape, compute_dtype, d.backend, d.streams["compute"])
+
+        acts = []
+        for q in range(P + 1):
+            owner = plan.embed_device if q == 0 else (plan.fwd_device[q] if q < P else plan.head_device)
+            acts.append(buffer(owner, q > 0 and plan.stash_on_host[q], q, "act"))
+        grads = []
+        for q in range(P + 1):
+            owner = plan.embed_device if q == 0 else plan.bwd_device[q - 1]
+            grads.append(buffer(owner, False, q, "grad"))
+        self.state = StepState(acts=acts, grads=grads)
+        self.state.layer_queues = {layer: queue.Queue() for layer in range(schedule.num_layers)}
+
+    # ------------------------------------------------------------------ orchestration
+
+    def run(self) -> StepState:
+        threads = []
+        for lane, ids in self.s.lanes.items():
+            t = threading.Thread(target=self._lane, args=(lane, ids), name=f"tinypipe-{lane}", daemon=True)
+            threads.append(t)
+            t.start()
+        for t in threads:
+            while t.is_alive():
+                t.join(timeout=0.5)
+        if self.abort.error is not None:
+            err = self.abort.error
+            raise WorkerError(f"{self.abort.where} failed: {type(err).__name__}: {err}") from err
+        for d in self.devices:
+            d.backend.synchronize()
+        return self.state
+
+    def _lane(self, lane: str, ids: list[str]) -> None:
+        tid = ""
+        try:
+            for tid in ids:
+                task = self.s.tasks[tid]
+                dev = self.devices[task.device] if task.device >= 0 else None
+                stream = dev.streams[lane.split(":")[1]] if dev is not None else None
+                backend = dev.backend if dev is not None else None
+                for dep in task.deps:
+                    self.signals[dep].wait(self.abort, backend, stream)
+                start = time.perf_counter()
+                ev0 = backend.record_event(stream, timing=True) if (self.trace and backend and backend.is_cuda) else None
+                if dev is not None:
+                    with dev.backend.use_stream(stream):
+                        self._dispatch(task, dev)
+                else:
+                    self._dispatch(task, None)
+                ev1 = backend.record_event(stream, timing=True) if ev0 is not None else None
+                self.signals[tid].fire(backend, stream)
+                self.state.timings.append(
+                    TaskTiming(lane, tid, start, time.perf_counter(), (ev0, ev1) if ev0 is not None else None)
+                )
+        except Aborted:
+            return
+        except BaseException as exc:  # noqa: BLE001 - surfaced to the caller by run()
+            self.abort.fail(f"{lane} task {tid}", exc)
+
+    def _dispatch(self, task: Task, dev: DeviceRuntime | None) -> None:
+        if self.fault is not None:
+            self.fault(task)
+        handler = {
+            Kind.RESIDENT_UPLOAD: self._upload,
+            Kind.UPLOAD: self._upload,
+            Kind.EMBED_FWD: self._embed_fwd,
+            Kind.FWD: self._fwd,
+            Kind.HEAD: self._head,
+            Kind.BWD: self._bwd,
+            Kind.EMBED_BWD: self._embed_bwd,
+            Kind.DOWNLOAD: self._download,
+            Kind.UPDATE: self._update,
+        }[task.kind]
+        handler(task, dev)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _spec(self, layer: int) -> LayerSpec:
+        return self.store.layers[layer].spec
+
+    def _bind(self, dev: DeviceRuntime, layer: int, slot: int | None, grad: bool) -> list[torch.Tensor]:
+        """Point the shell's parameters of ``layer`` at its device buffer; return them in order."""
+        flat = dev.pool.params(layer, slot)
+        out = []
+        for p in self._spec(layer).params:
+            view = flat[p.offset : p.offset + p.numel].view(p.shape)
+            if grad:
+                view = view.detach().requires_grad_(True)
+            dev.shell.bind(p.name, view)
+            out.append(view)
+        return out
+
+    def _bind_borrowed(self, dev: DeviceRuntime, layer: int, grad: bool) -> list[tuple[torch.Tensor, int, int, int]]:
+        """Bind parameters ``layer`` borrows (tied embeddings); returns (tensor, owner, offset, numel)."""
+        out = []
+        for name, owner in self._spec(layer).borrowed:
+            p = next(x for x in self._spec(owner).params if x.name == name)
+            view = dev.pool.params(owner, None)[p.offset : p.offset + p.numel].view(p.shape)
+            if grad:
+                view = view.detach().requires_grad_(True)
+            dev.shell.bind(name, view)
+            out.append((view, owner, p.offset, p.numel))
+        return out
+
+    def _accumulate(self, dev: DeviceRuntime, layer: int, slot: int | None, grads: list[torch.Tensor | None]) -> None:
+        acc = dev.pool.grads(layer, slot)
+        for p, g in zip(self._spec(layer).params, grads):
+            if g is not None:
+                acc[p.offset : p.offset + p.numel].view(p.shape).add_(g)
+
+    def _zero_grads(self, dev: DeviceRuntime, layer: int, slot: int | None) -> None:
+        dev.pool.grads(layer, slot)[: self._spec(layer).numel].zero_()
+
+    def _context(self, dev: DeviceRuntime) -> list:
+        """The block arguments captured by the embedding forward, on ``dev``'s device."""
+        with self.state.context_lock:
+            ctx = self.state.contexts.get(dev.index)
+            if ctx is None:
+                src = self.state.contexts[self.s.plan.embed_device]
+                ctx = map_tensors(src, lambda t: t.to(dev.device, non_blocking=True))
+                self.state.contexts[dev.index] = ctx
+            return ctx
+
+    def _rows(self, task: Task, dev: DeviceRuntime, t: torch.Tensor) -> torch.Tensor:
+        lo, hi = task.rows
+        return t[lo:hi].to(dev.device, non_blocking=True)
+
+    # ------------------------------------------------------------------ task handlers
+
+    def _upload(self, task: Task, dev: DeviceRuntime) -> None:
+        layer = task.layers[0]
+        src = self.store.layers[layer].master
+        dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
+        staging = dev.pool.staging
+        n = src.numel()
+        if staging is None:
+            dst[:n].copy_(src, non_blocking=True)
+            return
+        step = staging.numel()
+        for lo in range(0, n, step):
+            hi = min(n, lo + step)
+            staging[: hi - lo].copy_(src[lo:hi], non_blocking=True)
+            dst[lo:hi].copy_(staging[: hi - lo])
+
+    def _embed_fwd(self, task: Task, dev: DeviceRuntime) -> None:
+        self._bind(dev, 0, None, grad=False)
+        ids = self.inp.input_ids.to(dev.device, non_blocking=True)
+        mask = self.inp.attention_mask
+        mask = mask.to(dev.device, non_blocking=True) if mask is not None else None
+        with torch.no_grad():
+            hidden, calls = dev.shell.embed_forward(ids, mask)
+        with self.state.context_lock:
+            self.state.contexts[dev.index] = calls
+        buf = self.state.acts[0]
+        if buf.device == dev.device and buf.owner is not None:
+            buf.adopt(hidden.to(self.dtype))
+        else:
+            buf.write(0, self.inp.batch, hidden.to(self.dtype))
+
+    def _run_pack(self, task: Task, dev: DeviceRuntime, x: torch.Tensor) -> torch.Tensor:
+        ctx = self._context(dev)
+        lo, hi = task.rows
+        for layer in task.layers:
+            call = slice_rows(ctx[layer - 1], lo, hi, self.inp.batch)
+            x = dev.shell.block_forward(layer - 1, x, call)
+        return x
+
+    def _fwd(self, task: Task, dev: DeviceRuntime) -> None:
+        q = task.pack
+        for layer, slot in zip(task.layers, task.slots):
+            self._bind(dev, layer, slot, grad=False)
+        x = self.state.acts[q].read(*task.rows, dev.device)
+        with torch.no_grad():
+            y = self._run_pack(task, dev, x)
+        self.state.acts[q + 1].write(*task.rows, y)
+
+    def _head(self, task: Task, dev: DeviceRuntime) -> None:
+        H = self.s.num_layers - 1
+        P = self.s.plan.num_packs
+        if task.first:
+            self._zero_grads(dev, H, None)
+            if self._spec(H).borrowed and self.s.plan.embed_device == dev.index:
+                self._zero_grads(dev, 0, None)
+            self.state.loss_sum = torch.zeros((), dtype=torch.float64, device=dev.device)
+        own = self._bind(dev, H, None, grad=True)
+        borrowed = self._bind_borrowed(dev, H, grad=True)
+        x = self.state.acts[P].read(*task.rows, dev.device)
+        labels = self._rows(task, dev, self.inp.shifted_labels)
+        hidden = x.shape[-1]
+        flat_x = x.reshape(-1, hidden)
+        flat_y = labels.reshape(-1)
+        grad_x = torch.zeros_like(flat_x)
+        params = own + [b[0] for b in borrowed]
+        denom = float(self.inp.denom)
+        for c0 in range(0, flat_x.shape[0], self.head_chunk):
+            c1 = min(flat_x.shape[0], c0 + self.head_chunk)
+            y = flat_y[c0:c1]
+            if not bool((y != -100).any()):
+                continue
+            xc = flat_x[c0:c1].detach().requires_grad_(True)
+            with torch.enable_grad():
+                logits = dev.shell.head_logits(xc)
+                loss = F.cross_entropy(logits.float(), y, ignore_index=-100, reduction="sum") / denom
+            grads = torch.autograd.grad(loss, [xc] + params, allow_unused=True)
+            grad_x[c0:c1] = grads[0]
+            self._accumulate(dev, H, None, list(grads[1 : 1 + len(own)]))
+            acc_e = dev.pool.grads(0, None) if borrowed else None
+            for (view, owner, off, n), g in zip(borrowed, grads[1 + len(own) :]):
+                if g is not None:
+                    acc_e[off : off + n].view(view.shape).add_(g)  # type: ignore[index]
+            self.state.loss_sum += loss.detach().double()
+            del logits, loss, grads
+        self.state.grads[P].write(*task.rows, grad_x.view_as(x))
+        if task.last and self.state.acts[P].owner is not None:
+            self.state.acts[P].free()
+
+    def _bwd(self, task: Task, dev: DeviceRuntime) -> None:
+        q = task.pack
+        if task.first:
+            for layer, g in zip(task.layers, task.grad_slots):
+                self._zero_grads(dev, layer, g)
+        params: list[torch.Tensor] = []
+        counts = []
+        for layer, slot in zip(task.layers, task.slots):
+            ps = self._bind(dev, layer, slot, grad=True)
+            params += ps
+            counts.append(len(ps))
+        x = self.state.acts[q].read(*task.rows, dev.device).detach().requires_grad_(True)
+        gout = self.state.grads[q + 1].read(*task.rows, dev.device)
+        with torch.enable_grad():
+            y = self._run_pack(task, dev, x)
+        grads = torch.autograd.grad(y, [x] + params, gout, allow_unused=True)
+        self.state.grads[q].write(*task.rows, grads[0])
+        i = 1
+        for layer, g, n in zip(task.layers, task.grad_slots, counts):
+            self._accumulate(dev, layer, g, list(grads[i : i + n]))
+            i += n
+        del y, grads, x, gout
+        if task.last:
+            self.state.grads[q + 1].free()
+            if q > 0:
+                self.state.acts[q].free()
+
+    def _embed_bwd(self, task: Task, dev: DeviceRuntime) -> None:
+        if not self._spec(self.s.num_layers - 1).borrowed or self.s.plan.head_device != dev.index:
+            self._zero_grads(dev, 0, None)
+        params = self._bind(dev, 0, None, grad=True)
+        ids = self.inp.input_ids.to(dev.device, non_blocking=True)
+        mask = self.inp.attention_mask
+        mask = mask.to(dev.device, non_blocking=True) if mask is not None else None
+        gout = self.state.grads[0].read(0, self.inp.batch, dev.device)
+        with torch.enable_grad():
+            hidden, _ = dev.shell.embed_forward(ids, mask)
+        grads = torch.autograd.grad(hidden.to(self.dtype), params, gout, allow_unused=True)
+        self._accumulate(dev, 0, None, list(grads))
+        self.state.grads[0].free()
+        self.state.acts[0].free()
+
+    def _download(self, task: Task, dev: DeviceRuntime) -> None:
+        layer = task.layers[0]
+        n = self._spec(layer).numel
+        acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)[:n]
+        q = self.state.layer_queues[layer]
+        norm = torch.linalg.vector_norm(acc, dtype=torch.float64)
+        q.put(("norm", norm, dev.backend.record_event(dev.streams["d2h"]), dev))
+        pool = dev.grad_pool
+        for lo in range(0, n, pool.chunk):
+            hi = min(n, lo + pool.chunk)
+            buf = pool.acquire(self.abort)
+            buf[: hi - lo].copy_(acc[lo:hi], non_blocking=True)
+            q.put(("chunk", (lo, hi, buf), dev.backend.record_event(dev.streams["d2h"]), dev))
+        q.put(("end", None, None, dev))
+
+    def _get(self, q: "queue.Queue") -> tuple:
+        while True:
+            try:
+                return q.get(timeout=POLL_S)
+            except queue.Empty:
+                self.abort.check()
+
+    def _update(self, task: Task, dev: None) -> None:
+        layer = task.layers[0]
+        q = self.state.layer_queues[layer]
+        kind, norm, event, src = self._get(q)
+        assert kind == "norm"
+        src.backend.sync_event(event)
+        norm_sq = float(norm.item()) ** 2
+        loss_finite = True
+        if layer == self.s.num_layers - 1:  # the head's update runs first: check the loss
+            H_last = f"head/{len(self.s.fwd_rows()) - 1}"
+            self.signals[H_last].synchronize(self.abort)
+            self.state.loss_value = float(self.state.loss_sum.item()) if self.state.loss_sum is not None else 0.0
+            loss_finite = bool(torch.isfinite(torch.tensor(self.state.loss_value)))
+        decision = self.updater.decide(layer, norm_sq, loss_finite)
+        state = self.store.layers[layer]
+        keep = self.updater.retain_buffer(layer)
+        step_no = state.step + 1
+        while True:
+            kind, payload, event, src = self._get(q)
+            if kind == "end":
+                break
+            lo, hi, buf = payload
+            src.backend.sync_event(event)
+            grad = buf[: hi - lo]
+            if keep is not None:
+                keep[lo:hi].copy_(grad)
+            if decision == "step":
+                self.updater.optimizer.step(state, lo, hi, grad, step_no, self.updater.lr)
+            src.grad_pool.release(buf)
+        if decision == "step":
+            state.step = step_no
+
+
+def host_times(timings: list[TaskTiming], origin: float) -> list[dict]:
+    """Timings as trace events (microseconds since ``origin``; device events when recorded)."""
+    out = []
+    for t in timings:
+        out.append({
+            "lane": t.lane,
+            "name": t.task,
+            "start_us": (t.host_start - origin) * 1e6,
+            "dur_us": (t.host_end - t.host_start) * 1e6,
+        })
+    return out

@@ -1,0 +1,111 @@
+"""Per-step optimizer decisions on the host: speculative steps, exact clipping, non-finite checks.
+
+Layers are stepped the moment their gradients arrive, speculating that global-norm clipping
+will not trigger. Each layer's squared gradient norm arrives first (computed on the device), so
+once the running norm already exceeds ``max_grad_norm`` the remaining layers are deferred rather
+than stepped. At the end of the step the true global norm is known: if clipping applies, every
+speculative step is undone exactly (from the retained gradient) and redone with the clipped
+gradient, and deferred layers are stepped with it. When clipping does not apply -- the common
+case -- nothing is redone and all optimizer work overlapped the backward pass.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from tinypipe.memory.host_buffers import aligned_empty
+from tinypipe.memory.host_store import HostStore
+from tinypipe.runtime.optimizer import CpuAdamW
+
+REDO_CHUNK = 1 << 24
+
+
+@dataclass
+class UpdateOutcome:
+    grad_norm: float
+    clipped: bool
+    skipped: bool
+    nonfinite: str | None
+    clip_coef: float = 1.0
+
+
+@dataclass
+class StepUpdater:
+    """Decisions and bookkeeping for one optimizer step."""
+
+    store: HostStore
+    optimizer: CpuAdamW
+    lr: float
+    max_grad_norm: float | None
+    retained: dict[int, torch.Tensor] | None  # layer -> fp32 gradient copy (None: not retaining)
+    norms_sq: dict[int, float] = field(default_factory=dict)
+    stepped: list[int] = field(default_factory=list)
+    deferred: list[int] = field(default_factory=list)
+    nonfinite: str | None = None
+
+    def decide(self, layer: int, norm_sq: float, loss_finite: bool = True) -> str:
+        """'step', 'defer' or 'skip' for ``layer`` given its squared gradient norm."""
+        self.norms_sq[layer] = norm_sq
+        if self.nonfinite is None and not loss_finite:
+            self.nonfinite = "loss"
+        if self.nonfinite is None and not math.isfinite(norm_sq):
+            self.nonfinite = f"gradients of {self.store.layers[layer].spec.name}"
+        if self.nonfinite is not None:
+            return "skip"
+        if self.max_grad_norm is not None:
+            partial = math.sqrt(sum(self.norms_sq.values()))
+            if partial + 1e-6 > self.max_grad_norm:
+                self.deferred.append(layer)
+                return "defer"
+        self.stepped.append(layer)
+        return "step"
+
+    def retain_buffer(self, layer: int) -> torch.Tensor | None:
+        if self.retained is None:
+            return None
+        if layer not in self.retained:
+            self.retained[layer] = aligned_empty(self.store.layers[layer].spec.numel, torch.float32)
+        return self.retained[layer]
+
+    def finalize(self) -> UpdateOutcome:
+        """Apply clipping / roll back as the completed step requires."""
+        total = math.sqrt(sum(self.norms_sq.values())) if self.norms_sq else 0.0
+        if self.nonfinite is not None:
+            if self.retained is not None:
+                for layer in self.stepped:
+                    self._undo(layer)
+            return UpdateOutcome(total, False, True, self.nonfinite)
+        coef = 1.0
+        if self.max_grad_norm is not None:
+            coef = min(1.0, self.max_grad_norm / (total + 1e-6))
+        clipped = coef < 1.0
+        if clipped:
+            for layer in self.stepped:
+                self._undo(layer)
+                self._redo(layer, coef)
+        for layer in self.deferred:
+            self.store.layers[layer].step += 1
+            self._redo(layer, coef)
+        return UpdateOutcome(total, clipped, False, None, coef)
+
+    def _chunks(self, layer: int) -> list[tuple[int, int]]:
+        n = self.store.layers[layer].spec.numel
+        return [(lo, min(n, lo + REDO_CHUNK)) for lo in range(0, n, REDO_CHUNK)]
+
+    def _undo(self, layer: int) -> None:
+        state = self.store.layers[layer]
+        grad = self.retained[layer]  # type: ignore[index]
+        for lo, hi in self._chunks(layer):
+            self.optimizer.undo(state, lo, hi, grad[lo:hi], state.step, self.lr)
+        if self.nonfinite is not None:
+            state.step -= 1
+
+    def _redo(self, layer: int, coef: float) -> None:
+        state = self.store.layers[layer]
+        grad = self.retained[layer]  # type: ignore[index]
+        for lo, hi in self._chunks(layer):
+            g = grad[lo:hi] * coef if coef != 1.0 else grad[lo:hi]
+            self.optimizer.step(state, lo, hi, g, state.step, self.lr)

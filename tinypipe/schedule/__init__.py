@@ -1,0 +1,2 @@
+"""The schedule as data: per-lane task lists with explicit dependencies, a builder, a validator,
+text dumps and timeline export."""

@@ -1,0 +1,138 @@
+"""A plan: the packing, micro-batching, placement and prefetch decisions one schedule realises."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Sequence
+
+from tinypipe.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Decisions for one training step, independent of any model object.
+
+    ``packs`` hold block indices (0-based). Pack ``q``'s forward runs on ``fwd_device[q]`` and its
+    backward on ``bwd_device[q]``; the embedding and head are special packs with resident buffers
+    on ``embed_device`` / ``head_device``. ``stash_on_host[q]`` says whether the input of pack
+    ``q`` (``q == len(packs)``: the head's input) is kept in host memory instead of on the device.
+    """
+
+    packs: tuple[tuple[int, ...], ...]
+    fwd_micro_batch: int
+    bwd_micro_batch: int
+    num_devices: int = 1
+    prefetch_window: int = 1
+    stash_on_host: tuple[bool, ...] = ()
+    fwd_device: tuple[int, ...] = ()
+    bwd_device: tuple[int, ...] = ()
+    embed_device: int = 0
+    head_device: int = 0
+    grad_slots: int | None = None
+    extra: dict = field(default_factory=dict, compare=False)
+
+    @property
+    def num_packs(self) -> int:
+        return len(self.packs)
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(p) for p in self.packs)
+
+    def param_slots(self) -> int:
+        """Layer slots per device: the largest pack plus the prefetch window."""
+        return max(len(p) for p in self.packs) + self.prefetch_window
+
+    def grad_slot_count(self) -> int:
+        return self.grad_slots or max(len(p) for p in self.packs) + max(1, self.prefetch_window)
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d.pop("extra")
+        return json.dumps(d, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json())
+
+    @staticmethod
+    def from_json(text: str) -> "Plan":
+        d = json.loads(text)
+        for key in ("packs",):
+            d[key] = tuple(tuple(p) for p in d[key])
+        for key in ("stash_on_host", "fwd_device", "bwd_device"):
+            d[key] = tuple(d.get(key, ()))
+        return Plan(**d)
+
+    @staticmethod
+    def load(path: str | Path) -> "Plan":
+        return Plan.from_json(Path(path).read_text())
+
+
+def split_packs(num_blocks: int, pack_size: int | Sequence[int]) -> tuple[tuple[int, ...], ...]:
+    """Consecutive block packs from a uniform size (last pack may be smaller) or explicit sizes."""
+    if isinstance(pack_size, int):
+        sizes = [pack_size] * (num_blocks // pack_size)
+        if num_blocks % pack_size:
+            sizes.append(num_blocks % pack_size)
+    else:
+        sizes = list(pack_size)
+        if sum(sizes) != num_blocks:
+            raise ConfigError(f"pack sizes {sizes} sum to {sum(sizes)}, the model has {num_blocks} blocks")
+    packs, start = [], 0
+    for s in sizes:
+        packs.append(tuple(range(start, start + s)))
+        start += s
+    return tuple(packs)
+
+
+def round_robin_devices(num_packs: int, num_devices: int, tied: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+    """Tiny-Pipe placement: the execution sequence [embed, fwd packs, head, bwd packs] is dealt
+    round-robin over the devices, so no device owns a fixed stage and backward continues the
+    rotation in reverse. The embedding is resident on device 0 (its backward runs there too);
+    a tied head shares the embedding's device so one resident copy serves both."""
+    n = num_devices
+    fwd = tuple((1 + q) % n for q in range(num_packs))
+    head = 0 if tied else (1 + num_packs) % n
+    bwd = tuple((2 + num_packs + (num_packs - 1 - q)) % n for q in range(num_packs))
+    return fwd, bwd, 0, head
+
+
+def make_plan(
+    num_blocks: int,
+    *,
+    pack_size: int | Sequence[int],
+    fwd_micro_batch: int,
+    bwd_micro_batch: int,
+    num_devices: int,
+    prefetch_window: int,
+    stash: str | Sequence[str],
+    tied: bool,
+    grad_slots: int | None = None,
+) -> Plan:
+    """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes)."""
+    packs = split_packs(num_blocks, pack_size)
+    if isinstance(stash, str):
+        stash_host = tuple(stash == "host" for _ in range(len(packs) + 1))
+    else:
+        stash_host = tuple(s == "host" for s in stash)
+        if len(stash_host) != len(packs) + 1:
+            raise ConfigError(f"stash list needs {len(packs) + 1} entries (one per pack input incl. the head), got {len(stash_host)}")
+    if num_devices == 1:
+        fwd, bwd, e, h = (0,) * len(packs), (0,) * len(packs), 0, 0
+    else:
+        fwd, bwd, e, h = round_robin_devices(len(packs), num_devices, tied)
+    return Plan(
+        packs=packs,
+        fwd_micro_batch=fwd_micro_batch,
+        bwd_micro_batch=bwd_micro_batch,
+        num_devices=num_devices,
+        prefetch_window=prefetch_window,
+        stash_on_host=stash_host,
+        fwd_device=fwd,
+        bwd_device=bwd,
+        embed_device=e,
+        head_device=h,
+        grad_slots=grad_slots,
+    )

@@ -1,0 +1,76 @@
+"""Check a schedule without running it: dependencies exist, lanes cannot deadlock, and no slot is
+overwritten while its previous occupant may still be in use."""
+
+from __future__ import annotations
+
+from tinypipe.errors import ConfigError
+from tinypipe.schedule.tasks import COMPUTE_KINDS, Kind, Schedule
+
+
+def validate(sched: Schedule) -> None:
+    """Raise ConfigError naming the first problem found."""
+    tasks = sched.tasks
+    for t in tasks.values():
+        for d in t.deps:
+            if d not in tasks:
+                raise ConfigError(f"schedule: task {t.id} depends on unknown task {d}")
+    _check_no_deadlock(sched)
+    _check_slots(sched)
+
+
+def _check_no_deadlock(sched: Schedule) -> None:
+    """Simulate the lanes: each runs its list in order, a task only once all deps have run."""
+    heads = {lane: 0 for lane in sched.lanes}
+    done: set[str] = set()
+    remaining = len(sched.tasks)
+    while remaining:
+        progressed = False
+        for lane, ids in sched.lanes.items():
+            while heads[lane] < len(ids):
+                t = sched.tasks[ids[heads[lane]]]
+                if not all(d in done for d in t.deps):
+                    break
+                done.add(t.id)
+                heads[lane] += 1
+                remaining -= 1
+                progressed = True
+        if not progressed:
+            stuck = []
+            for lane, ids in sched.lanes.items():
+                if heads[lane] < len(ids):
+                    t = sched.tasks[ids[heads[lane]]]
+                    stuck.append(f"{lane}:{t.id} waits for {[d for d in t.deps if d not in done]}")
+            raise ConfigError("schedule deadlocks: " + "; ".join(stuck))
+
+
+def _check_slots(sched: Schedule) -> None:
+    """Every upload into a slot must depend on the last task that used the slot's previous layer,
+    and every compute task must depend (directly or via an earlier task of its pack) on the
+    uploads of its layers."""
+    last_user: dict[tuple[int, int], str] = {}
+    occupant: dict[tuple[int, int], int] = {}
+    for tid in sched.order:
+        t = sched.tasks[tid]
+        if t.kind is Kind.UPLOAD:
+            key = (t.device, t.slots[0])
+            if key in last_user and last_user[key] not in t.deps:
+                raise ConfigError(f"schedule: {t.id} overwrites slot {key} before {last_user[key]} finished")
+            occupant[key] = t.layers[0]
+            last_user.pop(key, None)
+        elif t.kind in (Kind.FWD, Kind.BWD):
+            for layer, slot in zip(t.layers, t.slots):
+                key = (t.device, slot)
+                if occupant.get(key) != layer:
+                    raise ConfigError(f"schedule: {t.id} expects layer {layer} in slot {key}, holds {occupant.get(key)}")
+                last_user[key] = t.id
+    grad_user: dict[tuple[int, int], str] = {}
+    for tid in sched.order:
+        t = sched.tasks[tid]
+        if t.kind is Kind.BWD and t.first:
+            for g in t.grad_slots:
+                key = (t.device, g)
+                if key in grad_user and grad_user[key] not in t.deps:
+                    raise ConfigError(f"schedule: {t.id} reuses gradient slot {key} before {grad_user[key]}")
+        elif t.kind is Kind.DOWNLOAD and t.grad_slots:
+            grad_user[(t.device, t.grad_slots[0])] = t.id
+    assert all(t.kind in COMPUTE_KINDS or t.kind not in COMPUTE_KINDS for t in sched.tasks.values())

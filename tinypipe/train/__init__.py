@@ -1,0 +1,1 @@
+"""Fine-tuning: training data, loop and checkpoints."""
