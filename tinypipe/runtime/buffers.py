@@ -24,6 +24,17 @@ def copy_into(dst: torch.Tensor, src: torch.Tensor) -> None:
                 t.record_stream(torch.cuda.current_stream(t.device))
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor aliasing ``t``'s memory with its own autograd version counter.
+
+    Views share their base's version counter, so a writer filling *other* rows of a buffer
+    would make autograd reject a reader's saved rows; an alias built with ``set_`` does not.
+    """
+    return torch.empty(0, dtype=t.dtype, device=t.device).set_(
+        t.untyped_storage(), t.storage_offset(), t.shape, t.stride()
+    )
+
+
 class RowBuffer:
     """A lazily allocated ``shape`` tensor on ``device`` (or a fixed host tensor)."""
 
@@ -62,7 +73,7 @@ class RowBuffer:
         assert t is not None, "read of a buffer nothing has written"
         rows = t[lo:hi]
         if rows.device == device:
-            return rows
+            return _alias(rows)
         out = torch.empty(rows.shape, dtype=rows.dtype, device=device)
         copy_into(out, rows)
         return out
