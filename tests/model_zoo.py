@@ -33,7 +33,8 @@ def make_config(family: str, layers: int = 4, tied: bool | None = None) -> trans
                                                  max_position_embeddings=128, tie_word_embeddings=True))
     elif family == "gpt2":
         cfg = transformers.GPT2Config(**_common(n_embd=32, n_layer=layers, n_head=4, n_positions=128,
-                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0))
+                                                resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                                bos_token_id=0, eos_token_id=0))
     elif family == "opt":
         cfg = transformers.OPTConfig(**_common(hidden_size=32, ffn_dim=64, num_hidden_layers=layers,
                                                num_attention_heads=4, max_position_embeddings=128,

@@ -1,0 +1,58 @@
+"""Plain single-device PyTorch training: the ground truth tinypipe must reproduce."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class RefRun:
+    model: torch.nn.Module
+    losses: list[float]
+    grad_norms: list[float]
+
+
+def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, eps: float, weight_decay: float,
+                    betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None) -> RefRun:
+    """Whole model on the CPU, torch.optim.AdamW over model.parameters(), loss from the HF model."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+    losses, norms = [], []
+    for b in batches:
+        labels = b.get("labels")
+        if labels is None:
+            labels = b["input_ids"].clone()
+            if "attention_mask" in b:
+                labels[b["attention_mask"] == 0] = -100
+        out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=labels)
+        out.loss.backward()
+        if max_grad_norm is not None:
+            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+        else:
+            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+        opt.step()
+        opt.zero_grad()
+        losses.append(float(out.loss.detach()))
+    return RefRun(model, losses, norms)
+
+
+def randomize_biases(model: torch.nn.Module, seed: int = 1) -> None:
+    """Biases start at zero in HF inits; give them values so relative weight errors are meaningful."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def compare(state: dict[str, torch.Tensor], ref: torch.nn.Module, init: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(max per-tensor relative weight error, relative error of the whole update vector)."""
+    rsd = ref.state_dict()
+    assert set(state) == set(rsd), f"key mismatch: {sorted(set(state) ^ set(rsd))[:5]}"
+    worst = max(float((state[k] - rsd[k]).norm() / rsd[k].norm()) for k in rsd)
+    diff = sum(float(((state[k] - rsd[k]) ** 2).sum()) for k in rsd) ** 0.5
+    delta = sum(float(((rsd[k] - init[k]) ** 2).sum()) for k in rsd) ** 0.5
+    return worst, diff / delta
