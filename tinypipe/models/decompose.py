@@ -179,6 +179,9 @@ class Decomposition:
         self.pre_names, self.post_names = self._probe_order(model, trunk, blocks)
         self.layers = self._assign_params(model, trunk, blocks, head)
         self.aliases = self._aliases(model)
+        canonical = {id(p): n for n, p in model.named_parameters()}
+        weight = getattr(head, "weight", None)
+        self.head_weight_name: str | None = canonical.get(id(weight)) if weight is not None else None
 
     # -- construction helpers -------------------------------------------------------------
 
@@ -292,6 +295,14 @@ class Decomposition:
     @property
     def tied(self) -> bool:
         return bool(self.head.borrowed)
+
+    def locate(self, name: str) -> tuple[int, ParamSlice]:
+        """(owning layer index, slice) of canonical parameter ``name``."""
+        for layer in self.layers:
+            for p in layer.params:
+                if p.name == name:
+                    return layer.index, p
+        raise KeyError(name)
 
     def param_index(self) -> dict[str, tuple[int, ParamSlice]]:
         """Canonical parameter name -> (owning layer, slice)."""

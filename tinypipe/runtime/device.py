@@ -25,7 +25,7 @@ class DeviceRuntime:
     streams: dict[str, object] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for lane in ("compute", "h2d", "d2h"):
+        for lane in ("compute", "h2d", "d2h", "stash_in", "stash_out"):
             self.streams[lane] = self.backend.new_stream()
 
     @property

@@ -47,17 +47,20 @@ class Abort:
 class Signal:
     """Set once when a task's work has been queued (CUDA) or completed (CPU)."""
 
-    __slots__ = ("_set", "event", "backend")
+    __slots__ = ("_set", "events")
 
     def __init__(self) -> None:
         self._set = threading.Event()
-        self.event: object | None = None
-        self.backend: Backend | None = None
+        self.events: list[object] = []
 
-    def fire(self, backend: Backend | None, stream: object) -> None:
+    @property
+    def is_set(self) -> bool:
+        return self._set.is_set()
+
+    def fire(self, backend: Backend | None, streams: list[object]) -> None:
+        """Mark done; on CUDA record an event on every stream the task's work went to."""
         if backend is not None and backend.is_cuda:
-            self.event = backend.record_event(stream)
-            self.backend = backend
+            self.events = [backend.record_event(s) for s in streams]
         self._set.set()
 
     def wait_host(self, abort: Abort) -> None:
@@ -69,15 +72,14 @@ class Signal:
     def wait(self, abort: Abort, backend: Backend | None, stream: object) -> None:
         """Order ``stream`` after the task (host waits only for the enqueue)."""
         self.wait_host(abort)
-        if self.event is None:
-            return
-        if backend is not None and backend.is_cuda:
-            backend.wait_event(stream, self.event)
-        else:  # a host consumer of device work: wait for completion
-            self.event.synchronize()  # type: ignore[attr-defined]
+        for event in self.events:
+            if backend is not None and backend.is_cuda:
+                backend.wait_event(stream, event)
+            else:  # a host consumer of device work: wait for completion
+                event.synchronize()  # type: ignore[attr-defined]
 
     def synchronize(self, abort: Abort) -> None:
         """Block the host until the task's device work is complete."""
         self.wait_host(abort)
-        if self.event is not None:
-            self.event.synchronize()  # type: ignore[attr-defined]
+        for event in self.events:
+            event.synchronize()  # type: ignore[attr-defined]

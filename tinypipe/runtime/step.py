@@ -16,11 +16,11 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 import torch
-import torch.nn.functional as F
 
 from tinypipe.errors import WorkerError
 from tinypipe.memory.host_store import HostStore
 from tinypipe.models.decompose import LayerSpec, map_tensors, slice_rows
+from tinypipe.models.head import autograd_head_chunk, fused_head_chunk, is_plain_linear
 from tinypipe.runtime.buffers import RowBuffer
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.signals import POLL_S, Abort, Aborted, Signal
@@ -97,6 +97,8 @@ class StepRunner:
         self.fault = fault
         self.abort = Abort()
         self.signals = {tid: Signal() for tid in schedule.tasks}
+        self._extra: dict[str, list[object]] = {}  # lane -> side streams the current task used
+        self._prefetched: dict[tuple, tuple[torch.Tensor, object]] = {}
         plan = schedule.plan
         B, S, Hd = inputs.batch, inputs.seq, hidden_size
         P = plan.num_packs
@@ -153,13 +155,14 @@ class StepRunner:
                     self.signals[dep].wait(self.abort, backend, stream)
                 start = time.perf_counter()
                 ev0 = backend.record_event(stream, timing=True) if (self.trace and backend and backend.is_cuda) else None
+                self._extra[lane] = []
                 if dev is not None:
                     with dev.backend.use_stream(stream):
                         self._dispatch(task, dev)
                 else:
                     self._dispatch(task, None)
                 ev1 = backend.record_event(stream, timing=True) if ev0 is not None else None
-                self.signals[tid].fire(backend, stream)
+                self.signals[tid].fire(backend, [stream] + self._extra[lane])
                 self.state.timings.append(
                     TaskTiming(lane, tid, start, time.perf_counter(), (ev0, ev1) if ev0 is not None else None)
                 )
@@ -236,6 +239,63 @@ class StepRunner:
         lo, hi = task.rows
         return t[lo:hi].to(dev.device, non_blocking=True)
 
+    def _write_rows(self, buf: RowBuffer, lo: int, hi: int, src: torch.Tensor, dev: DeviceRuntime) -> None:
+        """Write rows; a device-to-host stash copy goes on a side stream so compute never waits."""
+        if buf.owner is None and dev.backend.is_cuda:
+            side = dev.streams["stash_out"]
+            dev.backend.wait_event(side, dev.backend.record_event(dev.streams["compute"]))
+            with dev.backend.use_stream(side):
+                buf.tensor[lo:hi].copy_(src, non_blocking=True)  # type: ignore[index]
+            src.record_stream(side)  # type: ignore[arg-type]
+            self._extra[f"dev{dev.index}:compute"].append(side)
+        else:
+            buf.write(lo, hi, src)
+
+    def _read_rows(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime) -> torch.Tensor:
+        """Rows on ``dev``: prefetched copy, a view, or a fresh copy."""
+        hit = self._prefetched.pop((id(buf), lo, hi, dev.index), None)
+        if hit is not None:
+            tensor, event = hit
+            dev.backend.wait_event(dev.streams["compute"], event)
+            return tensor
+        return buf.read(lo, hi, dev.device)
+
+    def _prefetch_rows(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime, producers: list[str]) -> None:
+        """Start copying host-stashed rows to ``dev`` on a side stream, if their producers are done."""
+        if buf.owner is not None or not dev.backend.is_cuda or buf.tensor is None:
+            return
+        if not all(self.signals[p].is_set for p in producers):
+            return
+        key = (id(buf), lo, hi, dev.index)
+        if key in self._prefetched:
+            return
+        side = dev.streams["stash_in"]
+        for p in producers:
+            for event in self.signals[p].events:
+                dev.backend.wait_event(side, event)
+        out = torch.empty(buf.tensor[lo:hi].shape, dtype=buf.dtype, device=dev.device)  # compute-stream memory
+        with dev.backend.use_stream(side):
+            out.copy_(buf.tensor[lo:hi], non_blocking=True)
+        self._prefetched[key] = (out, dev.backend.record_event(side))
+
+    def _prefetch_next(self, task: Task, dev: DeviceRuntime) -> None:
+        """Prefetch the host-stashed input rows of this pack's next micro-batch."""
+        q = task.pack
+        if task.kind is Kind.FWD:
+            rows = self.s.fwd_rows()
+            if task.mb + 1 >= len(rows) or q == 0:
+                return
+            lo, hi = rows[task.mb + 1]
+            self._prefetch_rows(self.state.acts[q], lo, hi, dev, [f"fwd/{q - 1}/{task.mb + 1}"])
+        elif task.kind is Kind.BWD:
+            rows = self.s.bwd_rows()
+            if task.mb + 1 >= len(rows) or q == 0:
+                return
+            lo, hi = rows[task.mb + 1]
+            frows = self.s.fwd_rows()
+            prods = [f"fwd/{q - 1}/{m}" for m, (a, b) in enumerate(frows) if a < hi and b > lo]
+            self._prefetch_rows(self.state.acts[q], lo, hi, dev, prods)
+
     # ------------------------------------------------------------------ task handlers
 
     def _upload(self, task: Task, dev: DeviceRuntime) -> None:
@@ -280,47 +340,59 @@ class StepRunner:
         q = task.pack
         for layer, slot in zip(task.layers, task.slots):
             self._bind(dev, layer, slot, grad=False)
-        x = self.state.acts[q].read(*task.rows, dev.device)
+        x = self._read_rows(self.state.acts[q], *task.rows, dev)
+        self._prefetch_next(task, dev)
         with torch.no_grad():
             y = self._run_pack(task, dev, x)
-        self.state.acts[q + 1].write(*task.rows, y)
+        self._write_rows(self.state.acts[q + 1], *task.rows, y, dev)
 
     def _head(self, task: Task, dev: DeviceRuntime) -> None:
         H = self.s.num_layers - 1
         P = self.s.plan.num_packs
+        spec = self._spec(H)
+        tied = bool(spec.borrowed)
         if task.first:
             self._zero_grads(dev, H, None)
-            if self._spec(H).borrowed and self.s.plan.embed_device == dev.index:
+            if tied:
                 self._zero_grads(dev, 0, None)
             self.state.loss_sum = torch.zeros((), dtype=torch.float64, device=dev.device)
         own = self._bind(dev, H, None, grad=True)
         borrowed = self._bind_borrowed(dev, H, grad=True)
-        x = self.state.acts[P].read(*task.rows, dev.device)
+        x = self._read_rows(self.state.acts[P], *task.rows, dev)
         labels = self._rows(task, dev, self.inp.shifted_labels)
-        hidden = x.shape[-1]
-        flat_x = x.reshape(-1, hidden)
+        flat_x = x.reshape(-1, x.shape[-1])
         flat_y = labels.reshape(-1)
         grad_x = torch.zeros_like(flat_x)
-        params = own + [b[0] for b in borrowed]
         denom = float(self.inp.denom)
+        shell = dev.shell
+        wname = shell.decomposition.head_weight_name
+        fast = wname is not None and is_plain_linear(shell.lm_head)
+        if fast:
+            owner, wslice = shell.decomposition.locate(wname)
+            wacc = dev.pool.grads(owner, None)[wslice.offset : wslice.offset + wslice.numel].view(wslice.shape)
+            post = [(p, t) for p, t in zip(spec.params, own) if p.name != wname]
+            post_params = [t for _, t in post]
         for c0 in range(0, flat_x.shape[0], self.head_chunk):
             c1 = min(flat_x.shape[0], c0 + self.head_chunk)
             y = flat_y[c0:c1]
             if not bool((y != -100).any()):
                 continue
-            xc = flat_x[c0:c1].detach().requires_grad_(True)
-            with torch.enable_grad():
-                logits = dev.shell.head_logits(xc)
-                loss = F.cross_entropy(logits.float(), y, ignore_index=-100, reduction="sum") / denom
-            grads = torch.autograd.grad(loss, [xc] + params, allow_unused=True)
-            grad_x[c0:c1] = grads[0]
-            self._accumulate(dev, H, None, list(grads[1 : 1 + len(own)]))
-            acc_e = dev.pool.grads(0, None) if borrowed else None
-            for (view, owner, off, n), g in zip(borrowed, grads[1 + len(own) :]):
-                if g is not None:
-                    acc_e[off : off + n].view(view.shape).add_(g)  # type: ignore[index]
-            self.state.loss_sum += loss.detach().double()
-            del logits, loss, grads
+            if fast:
+                loss, gx, pgrads, _ = fused_head_chunk(shell.post, shell.lm_head, flat_x[c0:c1], y, denom,
+                                                       post_params, wacc)
+                acc = dev.pool.grads(H, None)
+                for (p, _), g in zip(post, pgrads):
+                    if g is not None:
+                        acc[p.offset : p.offset + p.numel].view(p.shape).add_(g)
+            else:
+                params = own + [b[0] for b in borrowed]
+                loss, gx, grads = autograd_head_chunk(shell.head_logits, flat_x[c0:c1], y, denom, params)
+                self._accumulate(dev, H, None, grads[: len(own)])
+                for (view, owner, off, n), g in zip(borrowed, grads[len(own) :]):
+                    if g is not None:
+                        dev.pool.grads(owner, None)[off : off + n].view(view.shape).add_(g)
+            grad_x[c0:c1] = gx
+            self.state.loss_sum += loss.double()
         self.state.grads[P].write(*task.rows, grad_x.view_as(x))
         if task.last and self.state.acts[P].owner is not None:
             self.state.acts[P].free()
@@ -336,7 +408,8 @@ class StepRunner:
             ps = self._bind(dev, layer, slot, grad=True)
             params += ps
             counts.append(len(ps))
-        x = self.state.acts[q].read(*task.rows, dev.device).detach().requires_grad_(True)
+        x = self._read_rows(self.state.acts[q], *task.rows, dev).detach().requires_grad_(True)
+        self._prefetch_next(task, dev)
         gout = self.state.grads[q + 1].read(*task.rows, dev.device)
         with torch.enable_grad():
             y = self._run_pack(task, dev, x)

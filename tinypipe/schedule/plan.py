@@ -114,7 +114,8 @@ def make_plan(
     """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes)."""
     packs = split_packs(num_blocks, pack_size)
     if isinstance(stash, str):
-        stash_host = tuple(stash == "host" for _ in range(len(packs) + 1))
+        # the embedding's output and the head's input are consumed on the spot: never host-stashed
+        stash_host = tuple(stash == "host" and 0 < q < len(packs) for q in range(len(packs) + 1))
     else:
         stash_host = tuple(s == "host" for s in stash)
         if len(stash_host) != len(packs) + 1:

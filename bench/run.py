@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Run a named workload through tinypipe and print tokens/s, memory, losses and the bound analysis.
+
+    python bench/run.py W1 --devices cuda:0 --cap-gib 24 --pack-size 1 --micro-batch 2
+
+Prints a table last; ``--json FILE`` writes everything, ``--trace FILE`` the last step's
+Chrome/Perfetto timeline (per device stream and host worker).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import tinypipe  # noqa: E402
+from tinypipe.bench.analysis import overlap_table, step_bound  # noqa: E402
+from tinypipe.bench.machine import measure  # noqa: E402
+from tinypipe.bench.rss import RssSampler  # noqa: E402
+from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.runtime.step import host_times  # noqa: E402
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("workload", choices=sorted(WORKLOADS))
+    ap.add_argument("--devices", default="cuda:0", help="comma-separated, e.g. cuda:0,cuda:0")
+    ap.add_argument("--cap-gib", type=float, default=24.0, help="per-process GPU memory cap (GiB); 0 = none")
+    ap.add_argument("--pack-size", default="1", help="int or comma-separated sizes")
+    ap.add_argument("--micro-batch", type=int, default=2)
+    ap.add_argument("--bwd-micro-batch", type=int, default=None)
+    ap.add_argument("--window", type=int, default=1)
+    ap.add_argument("--stash", default="device", help="device | host | comma list per boundary")
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--pin", default="register")
+    ap.add_argument("--trace", default=None)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--no-measure", action="store_true", help="skip machine-rate measurement")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    w = WORKLOADS[a.workload]
+    devices = a.devices.split(",")
+    cuda = devices[0].startswith("cuda")
+    rates = None if a.no_measure else measure(devices[0])
+    if cuda and a.cap_gib > 0:
+        for dev in sorted(set(devices)):
+            total = torch.cuda.get_device_properties(dev).total_memory
+            torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 1024**3 / total), torch.device(dev))
+    pack = [int(x) for x in a.pack_size.split(",")]
+    stash = a.stash.split(",") if "," in a.stash else a.stash
+    results = []
+    with RssSampler() as rss:
+        rss_before = rss.sample()
+        t0 = time.perf_counter()
+        model = build_model(w)
+        t_build = time.perf_counter() - t0
+        cfg = tinypipe.Config(
+            devices=devices, micro_batch_size=a.micro_batch, backward_micro_batch_size=a.bwd_micro_batch,
+            pack_size=pack[0] if len(pack) == 1 else pack, prefetch_window=a.window, precision=a.precision,
+            lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, stash=stash, pin_memory=a.pin,
+            trace=a.trace is not None,
+        )
+        t0 = time.perf_counter()
+        engine = tinypipe.Engine(model, cfg)
+        t_engine = time.perf_counter() - t0
+        batch = make_batch(w)
+        for i in range(a.warmup + a.steps):
+            r = engine.step(batch)
+            results.append(r)
+            print(f"step {i + 1}: loss {r.loss:.4f}  {r.seconds:.2f} s  {r.tokens / r.seconds:,.0f} tok/s"
+                  f"{'  (warm-up)' if i < a.warmup else ''}", flush=True)
+        report = engine.memory_report()
+        events = host_times(engine._last_state.timings, engine._last_origin) if engine._last_state else []
+        if a.trace:
+            engine.export_trace(a.trace)
+            events = engine._device_events(events)
+    timed = results[a.warmup:]
+    sec = sum(r.seconds for r in timed) / len(timed)
+    tps = w.tokens / sec
+    peaks = {}
+    if cuda:
+        peaks = {"peak_reserved": torch.cuda.max_memory_reserved(devices[0]),
+                 "peak_allocated": torch.cuda.max_memory_allocated(devices[0])}
+    dec = engine.decomposition
+    block_params = sum(b.param_count for b in dec.blocks)
+    head_params = dec.head.param_count + (dec.embed.param_count if dec.tied else 0)
+    params = engine.store.param_count
+    out = {
+        "workload": w.name, "devices": devices, "config": {k: str(v) for k, v in vars(a).items()},
+        "tokens_per_s": tps, "seconds_per_step": sec, "losses": [r.loss for r in results],
+        "steps_s": [r.seconds for r in results], "peak_rss": rss.peak, "rss_before": rss_before,
+        "build_s": t_build, "engine_init_s": t_engine, "params": params, **peaks,
+        "memory_report": report.as_dict(), "torch": torch.__version__,
+    }
+    print(report.to_text())
+    bound = None
+    if rates is not None:
+        bound = step_bound(params, block_params, head_params, dec.num_blocks, int(model.config.hidden_size),
+                           w.seq, w.batch, rates)
+        out["rates"] = rates.as_dict()
+        out["bound"] = {k: v for k, v in bound.rows()} | {"bound_s": bound.bound_s}
+    if events:
+        out["overlap"] = overlap_table(events)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+    gib = 1024**3
+    print("\n=== tinypipe", w.name, "===")
+    if rates is not None:
+        print(f"machine: {rates.device_name}  H2D {rates.h2d_gbs:.1f} GB/s  D2H {rates.d2h_gbs:.1f} GB/s  "
+              f"both {rates.both_gbs:.1f} GB/s  bf16 mm {rates.matmul_tflops:.0f} TFLOP/s  "
+              f"CPU AdamW {rates.adamw_gparams_s:.2f} Gparam/s")
+    print(f"losses: {' '.join(f'{r.loss:.4f}' for r in results)}")
+    if events:
+        print("lane busy (last step):  lane, busy s, fraction overlapped with compute")
+        for lane, busy, hid in out["overlap"]:
+            print(f"  {lane:<18} {busy:7.3f} s  {hid * 100:5.1f}%")
+    if bound is not None:
+        for name, s in bound.rows():
+            print(f"  bound {name:<14} {s:7.3f} s")
+        print(f"  physical bound {bound.bound_s:.3f} s/step -> measured/bound = {sec / bound.bound_s:.2f}")
+    print(f"| workload | tokens/s | s/step | peak GPU reserved | peak GPU allocated | peak host RSS |")
+    print(f"| {w.name} | {tps:,.0f} | {sec:.3f} | {peaks.get('peak_reserved', 0) / gib:.2f} GiB | "
+          f"{peaks.get('peak_allocated', 0) / gib:.2f} GiB | {rss.peak / gib:.2f} GiB |")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

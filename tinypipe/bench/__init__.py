@@ -1,0 +1,1 @@
+"""Benchmarks: named workloads, machine rates, host-memory sampling and bound analysis."""

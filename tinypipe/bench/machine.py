@@ -1,0 +1,75 @@
+"""Measured machine rates: the inputs of the physical bound (DESIGN.md section 4)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.optim.adamw as _adamw
+
+
+@dataclass
+class MachineRates:
+    h2d_gbs: float
+    d2h_gbs: float
+    both_gbs: float
+    matmul_tflops: float
+    adamw_gparams_s: float
+    device_name: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def _cpu_adamw_rate(n: int = 50_000_000) -> float:
+    p, g, m, v = (torch.randn(n) for _ in range(4))
+    v.abs_()
+    steps = [torch.tensor(0.0)]
+    for i in range(3):
+        t = time.perf_counter()
+        _adamw.adamw([p], [g], [m], [v], [], steps, fused=True, amsgrad=False, beta1=0.9, beta2=0.999,
+                     lr=1e-5, weight_decay=0.0, eps=1e-8, maximize=False)
+        dt = time.perf_counter() - t
+    return n / dt / 1e9
+
+
+def measure(device: str = "cuda:0") -> MachineRates:
+    """Pinned H2D / D2H / bidirectional bandwidth (1 GiB), bf16 8192^3 matmul, CPU fused AdamW."""
+    adamw = _cpu_adamw_rate()
+    if not device.startswith("cuda") or not torch.cuda.is_available():
+        return MachineRates(0.0, 0.0, 0.0, 0.0, adamw, "cpu")
+    dev = torch.device(device)
+    n = 1 << 30
+    host = torch.empty(n, dtype=torch.uint8).pin_memory()
+    host2 = torch.empty(n, dtype=torch.uint8).pin_memory()
+    d = torch.empty(n, dtype=torch.uint8, device=dev)
+    d2 = torch.empty(n, dtype=torch.uint8, device=dev)
+    s1, s2 = torch.cuda.Stream(dev), torch.cuda.Stream(dev)
+
+    def timed(fn, reps: int = 3) -> float:
+        fn()
+        torch.cuda.synchronize(dev)
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize(dev)
+        return (time.perf_counter() - t) / reps
+
+    h2d = n / timed(lambda: d.copy_(host, non_blocking=True)) / 1e9
+    d2h = n / timed(lambda: host.copy_(d, non_blocking=True)) / 1e9
+
+    def both() -> None:
+        with torch.cuda.stream(s1):
+            d.copy_(host, non_blocking=True)
+        with torch.cuda.stream(s2):
+            host2.copy_(d2, non_blocking=True)
+
+    bidir = 2 * n / timed(both) / 1e9
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    mm = timed(lambda: a @ b, reps=10)
+    tflops = 2 * 8192**3 / mm / 1e12
+    del host, host2, d, d2, a, b
+    torch.cuda.empty_cache()
+    return MachineRates(h2d, d2h, bidir, tflops, adamw, torch.cuda.get_device_name(dev))
