@@ -31,6 +31,8 @@ class Config:
     * ``stash`` -- where each pack's input is kept between forward and backward: on the device
       (fast, costs device memory) or in host memory (costs link bandwidth). A list gives it per
       pack boundary.
+    * ``head_chunk_tokens`` -- tokens per chunk of the fused head (None: chosen from the vocabulary
+      so one chunk's logits stay near 512 MiB). Logits for a whole batch are never materialised.
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
       copy, no power-of-two rounding); ``"pageable"`` leaves them pageable (slower transfers,
       nothing locked). Ignored on CPU devices.
@@ -49,7 +51,7 @@ class Config:
     max_grad_norm: float | None = None
     stash: StashPlace | Sequence[StashPlace] = "device"
     pin_memory: PinMode = "register"
-    head_chunk_tokens: int = 4096
+    head_chunk_tokens: int | None = None
     grad_slots: int | None = None
     nonfinite: NonFinitePolicy = "raise"
     trace: bool = False
@@ -103,7 +105,7 @@ class Config:
             self.stash = tuple(self.stash)
         if self.pin_memory not in ("register", "pageable"):
             raise ConfigError(f"pin_memory must be 'register' or 'pageable', got {self.pin_memory!r}")
-        if self.head_chunk_tokens < 1:
+        if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         if self.grad_slots is not None and self.grad_slots < 1:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")

@@ -20,10 +20,18 @@ def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> N
     """``acc += a @ b`` with ``acc`` fp32 and ``a``, ``b`` possibly lower precision."""
     if a.dtype == acc.dtype:
         acc.addmm_(a, b)
-    elif acc.is_cuda:
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    elif acc.is_cuda and _HAS_OUT_DTYPE[0]:
+        try:
+            torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+            return
+        except (RuntimeError, TypeError):  # older torch: no bf16 -> fp32 addmm
+            _HAS_OUT_DTYPE[0] = False
+        acc.add_(a @ b)
     else:
         acc.add_(a @ b)
+
+
+_HAS_OUT_DTYPE = [True]
 
 
 def chunk_tokens_for(vocab: int, budget_bytes: int = 512 * 1024**2) -> int:

@@ -23,6 +23,7 @@ from tinypipe.memory.host_store import HostStore
 from tinypipe.memory.report import MemoryReport
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
+from tinypipe.models.head import chunk_tokens_for
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optimizer import CpuAdamW
 from tinypipe.runtime.step import StepInputs, StepRunner, StepState, host_times
@@ -86,6 +87,7 @@ class Engine:
         self.pinner = HostPinner(enabled=any_cuda and cfg.pin_memory == "register")
         self.store = HostStore(model, dec, self.pinner)
         self.hidden_size = int(model.config.hidden_size)
+        self.head_chunk = cfg.head_chunk_tokens or chunk_tokens_for(int(model.config.vocab_size))
         slot_numel = max(layer.numel for layer in dec.blocks)
         grad_chunk = max(slot_numel, 1 << 16)
         self.devices: list[DeviceRuntime] = []
@@ -167,6 +169,9 @@ class Engine:
         bad = (shifted != -100) & ((shifted < 0) | (shifted >= vocab))
         if bool(bad.any()):
             raise BatchError(f"labels hold ids outside the vocabulary [0, {vocab}) (use -100 to ignore)")
+        if any(b.is_cuda for b in self.backends):  # pinned: device copies never sync a stream
+            ids, shifted = ids.pin_memory(), shifted.pin_memory()
+            mask = mask.pin_memory() if mask is not None else None
         return StepInputs(ids, mask, shifted, denom)
 
     def _prepare_host_stash(self, B: int, S: int) -> None:
@@ -193,7 +198,7 @@ class Engine:
             d.backend.reset_peak()
         runner = StepRunner(
             sched, inputs, self.devices, self.store, updater, self.dtype, self.hidden_size,
-            self.config.head_chunk_tokens, self._host_stash, self.config.trace, self.fault,
+            self.head_chunk, self._host_stash, self.config.trace, self.fault,
         )
         self._last_origin = t0
         state = runner.run()

@@ -372,10 +372,12 @@ class StepRunner:
             wacc = dev.pool.grads(owner, None)[wslice.offset : wslice.offset + wslice.numel].view(wslice.shape)
             post = [(p, t) for p, t in zip(spec.params, own) if p.name != wname]
             post_params = [t for _, t in post]
+        lo, hi = task.rows
+        host_y = self.inp.shifted_labels[lo:hi].reshape(-1)  # decide skips on the host: no device sync
         for c0 in range(0, flat_x.shape[0], self.head_chunk):
             c1 = min(flat_x.shape[0], c0 + self.head_chunk)
             y = flat_y[c0:c1]
-            if not bool((y != -100).any()):
+            if not bool((host_y[c0:c1] != -100).any()):
                 continue
             if fast:
                 loss, gx, pgrads, _ = fused_head_chunk(shell.post, shell.lm_head, flat_x[c0:c1], y, denom,
