@@ -56,6 +56,7 @@ class Config:
     nonfinite: NonFinitePolicy = "raise"
     trace: bool = False
     host_grad_buffers: int = 3
+    stall_timeout_s: float = 300.0
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -111,6 +112,8 @@ class Config:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")
         if self.nonfinite not in ("raise", "skip"):
             raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        if not self.stall_timeout_s > 0:
+            raise ConfigError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.host_grad_buffers < 1:
             raise ConfigError(f"host_grad_buffers must be >= 1, got {self.host_grad_buffers}")
 

@@ -25,7 +25,7 @@ from tinypipe.runtime.buffers import RowBuffer
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.signals import POLL_S, Abort, Aborted, Signal
 from tinypipe.runtime.updater import StepUpdater
-from tinypipe.schedule.tasks import Kind, Schedule, Task
+from tinypipe.schedule.tasks import STREAMING_KINDS, Kind, Schedule, Task
 
 
 @dataclass
@@ -85,6 +85,7 @@ class StepRunner:
         host_stash: dict[int, torch.Tensor],
         trace: bool,
         fault: Callable[[Task], None] | None = None,
+        stall_timeout: float = 300.0,
     ) -> None:
         self.s = schedule
         self.inp = inputs
@@ -99,6 +100,8 @@ class StepRunner:
         self.signals = {tid: Signal() for tid in schedule.tasks}
         self._extra: dict[str, list[object]] = {}  # lane -> side streams the current task used
         self._prefetched: dict[tuple, tuple[torch.Tensor, object]] = {}
+        self._current: dict[str, str] = {}
+        self.stall_timeout = stall_timeout
         plan = schedule.plan
         B, S, Hd = inputs.batch, inputs.seq, hidden_size
         P = plan.num_packs
@@ -133,9 +136,16 @@ class StepRunner:
             t = threading.Thread(target=self._lane, args=(lane, ids), name=f"tinypipe-{lane}", daemon=True)
             threads.append(t)
             t.start()
+        last_progress, last_count = time.monotonic(), 0
         for t in threads:
             while t.is_alive():
                 t.join(timeout=0.5)
+                count = len(self.state.timings)
+                if count != last_count:
+                    last_progress, last_count = time.monotonic(), count
+                elif time.monotonic() - last_progress > self.stall_timeout and not self.abort.failed:
+                    self.abort.fail("watchdog", TimeoutError(
+                        f"no task finished for {self.stall_timeout:.0f} s; waiting: {self._waiting()}"))
         if self.abort.error is not None:
             err = self.abort.error
             raise WorkerError(f"{self.abort.where} failed: {type(err).__name__}: {err}") from err
@@ -143,16 +153,22 @@ class StepRunner:
             d.backend.synchronize()
         return self.state
 
+    def _waiting(self) -> str:
+        """Each lane's current task (for stall reports)."""
+        return ", ".join(f"{lane}:{tid}" for lane, tid in sorted(self._current.items()) if tid)
+
     def _lane(self, lane: str, ids: list[str]) -> None:
         tid = ""
         try:
             for tid in ids:
+                self._current[lane] = tid
                 task = self.s.tasks[tid]
                 dev = self.devices[task.device] if task.device >= 0 else None
                 stream = dev.streams[lane.split(":")[1]] if dev is not None else None
                 backend = dev.backend if dev is not None else None
-                for dep in task.deps:
-                    self.signals[dep].wait(self.abort, backend, stream)
+                if task.kind not in STREAMING_KINDS:  # an UPDATE streams its download's chunks
+                    for dep in task.deps:
+                        self.signals[dep].wait(self.abort, backend, stream)
                 start = time.perf_counter()
                 ev0 = backend.record_event(stream, timing=True) if (self.trace and backend and backend.is_cuda) else None
                 self._extra[lane] = []
@@ -166,6 +182,7 @@ class StepRunner:
                 self.state.timings.append(
                     TaskTiming(lane, tid, start, time.perf_counter(), (ev0, ev1) if ev0 is not None else None)
                 )
+            self._current[lane] = ""
         except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller by run()

@@ -17,8 +17,12 @@ class Kind(str, enum.Enum):
     BWD = "bwd"  # one pack x one backward micro-batch: recompute from the stash, then backward
     EMBED_BWD = "embed_bwd"  # embedding backward over the whole batch
     DOWNLOAD = "download"  # a layer's accumulated gradients -> host, chunk by chunk
-    UPDATE = "update"  # AdamW on the host as the gradient chunks arrive
+    UPDATE = "update"  # AdamW on the host as the gradient chunks arrive (streams from its DOWNLOAD)
 
+
+#: Kinds whose dependencies only need to have *started*: an UPDATE consumes its DOWNLOAD's chunks
+#: as they land (through a bounded pool), so waiting for the whole download would deadlock.
+STREAMING_KINDS = frozenset({Kind.UPDATE})
 
 COMPUTE_KINDS = frozenset({Kind.EMBED_FWD, Kind.FWD, Kind.HEAD, Kind.BWD, Kind.EMBED_BWD})
 

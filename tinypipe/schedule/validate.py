@@ -4,7 +4,7 @@ overwritten while its previous occupant may still be in use."""
 from __future__ import annotations
 
 from tinypipe.errors import ConfigError
-from tinypipe.schedule.tasks import COMPUTE_KINDS, Kind, Schedule
+from tinypipe.schedule.tasks import STREAMING_KINDS, Kind, Schedule
 
 
 def validate(sched: Schedule) -> None:
@@ -22,13 +22,20 @@ def _check_no_deadlock(sched: Schedule) -> None:
     """Simulate the lanes: each runs its list in order, a task only once all deps have run."""
     heads = {lane: 0 for lane in sched.lanes}
     done: set[str] = set()
+    started: set[str] = set()  # at the head of its lane with all deps done
     remaining = len(sched.tasks)
     while remaining:
         progressed = False
         for lane, ids in sched.lanes.items():
+            if heads[lane] < len(ids):
+                t = sched.tasks[ids[heads[lane]]]
+                if all(d in done for d in t.deps):
+                    started.add(t.id)
+        for lane, ids in sched.lanes.items():
             while heads[lane] < len(ids):
                 t = sched.tasks[ids[heads[lane]]]
-                if not all(d in done for d in t.deps):
+                need = started if t.kind in STREAMING_KINDS else done
+                if not all(d in need or d in done for d in t.deps):
                     break
                 done.add(t.id)
                 heads[lane] += 1
@@ -73,4 +80,3 @@ def _check_slots(sched: Schedule) -> None:
                     raise ConfigError(f"schedule: {t.id} reuses gradient slot {key} before {grad_user[key]}")
         elif t.kind is Kind.DOWNLOAD and t.grad_slots:
             grad_user[(t.device, t.grad_slots[0])] = t.id
-    assert all(t.kind in COMPUTE_KINDS or t.kind not in COMPUTE_KINDS for t in sched.tasks.values())
