@@ -10,6 +10,7 @@ Chrome/Perfetto timeline (per device stream and host worker).
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import sys
@@ -46,15 +47,24 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-measure", action="store_true", help="skip machine-rate measurement")
+    ap.add_argument("--watchdog", type=float, default=0, help="dump all thread stacks and exit after S s")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
+    if a.watchdog > 0:
+        faulthandler.dump_traceback_later(a.watchdog, exit=True)
     w = WORKLOADS[a.workload]
+    t_start = time.perf_counter()
+
+    def phase(name: str) -> None:
+        print(f"[{time.perf_counter() - t_start:7.1f} s] {name}", flush=True)
+
     devices = a.devices.split(",")
     cuda = devices[0].startswith("cuda")
     rates = None if a.no_measure else measure(devices[0])
+    phase("machine measured")
     if cuda and a.cap_gib > 0:
         for dev in sorted(set(devices)):
             total = torch.cuda.get_device_properties(dev).total_memory
@@ -67,6 +77,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         model = build_model(w)
         t_build = time.perf_counter() - t0
+        phase(f"model built ({t_build:.1f} s)")
         cfg = tinypipe.Config(
             devices=devices, micro_batch_size=a.micro_batch, backward_micro_batch_size=a.bwd_micro_batch,
             pack_size=pack[0] if len(pack) == 1 else pack, prefetch_window=a.window, precision=a.precision,
@@ -76,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         engine = tinypipe.Engine(model, cfg)
         t_engine = time.perf_counter() - t0
+        phase(f"engine ready ({t_engine:.1f} s)")
         batch = make_batch(w)
         for i in range(a.warmup + a.steps):
             r = engine.step(batch)

@@ -44,8 +44,13 @@ class HostStore:
         named = dict(model.named_parameters())
         self.layers: list[LayerState] = []
         for spec in decomposition.layers:
-            master = aligned_empty(spec.numel, torch.float32, zero=True)
+            master = aligned_empty(spec.numel, torch.float32)
             with torch.no_grad():
+                end = 0
+                for p in spec.params:  # zero only the alignment gaps: the copies fill the rest
+                    master[end : p.offset].zero_()
+                    end = p.offset + p.numel
+                master[end:].zero_()
                 for p in spec.params:
                     param = named[p.name]
                     view = master[p.offset : p.offset + p.numel].view(p.shape)
@@ -55,8 +60,10 @@ class HostStore:
             state = LayerState(
                 spec=spec,
                 master=master,
-                exp_avg=torch.zeros(spec.numel, dtype=torch.float32),
-                exp_avg_sq=torch.zeros(spec.numel, dtype=torch.float32),
+                # uninitialised until the first step zeroes them chunk by chunk, overlapped with
+                # backward (first-touching tens of GB here would stall start-up)
+                exp_avg=torch.empty(spec.numel, dtype=torch.float32),
+                exp_avg_sq=torch.empty(spec.numel, dtype=torch.float32),
             )
             self.layers.append(state)
 

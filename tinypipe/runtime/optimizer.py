@@ -29,6 +29,9 @@ class CpuAdamW:
 
     def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float) -> None:
         """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``."""
+        if step == 1:  # moments start at zero; they were left uninitialised at allocation
+            state.exp_avg[lo:hi].zero_()
+            state.exp_avg_sq[lo:hi].zero_()
         steps = [torch.tensor(float(step - 1))]
         _adamw.adamw(
             [state.master[lo:hi]],
