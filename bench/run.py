@@ -47,6 +47,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--trace", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-measure", action="store_true", help="skip machine-rate measurement")
+    ap.add_argument("--check-finite", action="store_true", help="locate the first NaN/inf (slow: syncs)")
     ap.add_argument("--watchdog", type=float, default=0, help="dump all thread stacks and exit after S s")
     return ap.parse_args(argv)
 
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
             devices=devices, micro_batch_size=a.micro_batch, backward_micro_batch_size=a.bwd_micro_batch,
             pack_size=pack[0] if len(pack) == 1 else pack, prefetch_window=a.window, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, stash=stash, pin_memory=a.pin,
-            trace=a.trace is not None,
+            trace=a.trace is not None, check_finite=a.check_finite,
         )
         t0 = time.perf_counter()
         engine = tinypipe.Engine(model, cfg)

@@ -57,6 +57,7 @@ class Config:
     trace: bool = False
     host_grad_buffers: int = 3
     stall_timeout_s: float = 300.0
+    check_finite: bool = False
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

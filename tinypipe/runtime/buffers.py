@@ -45,6 +45,7 @@ class RowBuffer:
         self.owner = owner
         self.owner_stream = owner_stream
         self.tensor: torch.Tensor | None = host
+        self._ready: object | None = None
         self._lock = threading.Lock()
 
     @property
@@ -57,6 +58,9 @@ class RowBuffer:
                 assert self.owner is not None
                 with self.owner.use_stream(self.owner_stream):
                     self.tensor = torch.empty(self.shape, dtype=self.dtype, device=self.owner.device)
+                # the block may have been freed by kernels still queued on the owner's stream:
+                # writers on other streams first wait for those (see write())
+                self._ready = self.owner.record_event(self.owner_stream)
             return self.tensor
 
     def adopt(self, tensor: torch.Tensor) -> None:
@@ -65,7 +69,12 @@ class RowBuffer:
             self.tensor = tensor
 
     def write(self, lo: int, hi: int, src: torch.Tensor) -> None:
-        copy_into(self._ensure()[lo:hi], src)
+        dst = self._ensure()
+        if self._ready is not None and src.is_cuda:
+            torch.cuda.current_stream(src.device).wait_event(self._ready)  # type: ignore[arg-type]
+            if dst.device != src.device:
+                torch.cuda.current_stream(dst.device).wait_event(self._ready)  # type: ignore[arg-type]
+        copy_into(dst[lo:hi], src)
 
     def read(self, lo: int, hi: int, device: torch.device) -> torch.Tensor:
         """Rows ``lo:hi`` on ``device``: a view when already there, else a fresh copy."""

@@ -199,7 +199,7 @@ class Engine:
         runner = StepRunner(
             sched, inputs, self.devices, self.store, updater, self.dtype, self.hidden_size,
             self.head_chunk, self._host_stash, self.config.trace, self.fault,
-            stall_timeout=self.config.stall_timeout_s,
+            stall_timeout=self.config.stall_timeout_s, check_finite=self.config.check_finite,
         )
         self._last_origin = t0
         state = runner.run()

@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from tinypipe.errors import WorkerError
+from tinypipe.errors import NonFiniteError, WorkerError
 from tinypipe.memory.host_store import HostStore
 from tinypipe.models.decompose import LayerSpec, map_tensors, slice_rows
 from tinypipe.models.head import autograd_head_chunk, fused_head_chunk, is_plain_linear
@@ -86,6 +86,7 @@ class StepRunner:
         trace: bool,
         fault: Callable[[Task], None] | None = None,
         stall_timeout: float = 300.0,
+        check_finite: bool = False,
     ) -> None:
         self.s = schedule
         self.inp = inputs
@@ -102,6 +103,7 @@ class StepRunner:
         self._prefetched: dict[tuple, tuple[torch.Tensor, object]] = {}
         self._current: dict[str, str] = {}
         self.stall_timeout = stall_timeout
+        self.check_finite = check_finite
         plan = schedule.plan
         B, S, Hd = inputs.batch, inputs.seq, hidden_size
         P = plan.num_packs
@@ -242,6 +244,11 @@ class StepRunner:
     def _zero_grads(self, dev: DeviceRuntime, layer: int, slot: int | None) -> None:
         dev.pool.grads(layer, slot)[: self._spec(layer).numel].zero_()
 
+    def _check(self, task: Task, what: str, t: torch.Tensor | None) -> None:
+        """With ``check_finite``: stop at the first task whose output holds NaN/inf (syncs)."""
+        if self.check_finite and t is not None and not bool(torch.isfinite(t).all()):
+            raise NonFiniteError(f"{task.id}: non-finite {what}")
+
     def _context(self, dev: DeviceRuntime) -> list:
         """The block arguments captured by the embedding forward, on ``dev``'s device."""
         with self.state.context_lock:
@@ -290,9 +297,13 @@ class StepRunner:
         for p in producers:
             for event in self.signals[p].events:
                 dev.backend.wait_event(side, event)
-        out = torch.empty(buf.tensor[lo:hi].shape, dtype=buf.dtype, device=dev.device)  # compute-stream memory
         with dev.backend.use_stream(side):
+            # allocated on the side stream: memory the compute stream freed but may still be
+            # reading must not be overwritten by this copy; record_stream keeps it alive until
+            # the compute stream is done with it
+            out = torch.empty(buf.tensor[lo:hi].shape, dtype=buf.dtype, device=dev.device)
             out.copy_(buf.tensor[lo:hi], non_blocking=True)
+        out.record_stream(dev.streams["compute"])  # type: ignore[arg-type]
         self._prefetched[key] = (out, dev.backend.record_event(side))
 
     def _prefetch_next(self, task: Task, dev: DeviceRuntime) -> None:
@@ -359,8 +370,10 @@ class StepRunner:
             self._bind(dev, layer, slot, grad=False)
         x = self._read_rows(self.state.acts[q], *task.rows, dev)
         self._prefetch_next(task, dev)
+        self._check(task, "input", x)
         with torch.no_grad():
             y = self._run_pack(task, dev, x)
+        self._check(task, "output", y)
         self._write_rows(self.state.acts[q + 1], *task.rows, y, dev)
 
     def _head(self, task: Task, dev: DeviceRuntime) -> None:
@@ -411,6 +424,8 @@ class StepRunner:
                     if g is not None:
                         dev.pool.grads(owner, None)[off : off + n].view(view.shape).add_(g)
             grad_x[c0:c1] = gx
+            self._check(task, "loss", loss)
+            self._check(task, "input gradient", gx)
             self.state.loss_sum += loss.double()
         self.state.grads[P].write(*task.rows, grad_x.view_as(x))
         if task.last and self.state.acts[P].owner is not None:
@@ -432,7 +447,12 @@ class StepRunner:
         gout = self.state.grads[q + 1].read(*task.rows, dev.device)
         with torch.enable_grad():
             y = self._run_pack(task, dev, x)
+        self._check(task, "stashed input", x)
+        self._check(task, "output gradient", gout)
         grads = torch.autograd.grad(y, [x] + params, gout, allow_unused=True)
+        self._check(task, "input gradient", grads[0])
+        for g in grads[1:]:
+            self._check(task, "parameter gradient", g)
         self.state.grads[q].write(*task.rows, grads[0])
         i = 1
         for layer, g, n in zip(task.layers, task.grad_slots, counts):
