@@ -58,6 +58,7 @@ class Config:
     host_grad_buffers: int = 3
     stall_timeout_s: float = 300.0
     check_finite: bool = False
+    optimizer_threads: int | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -29,7 +29,8 @@ class MemoryReport:
         return sum(self.host.values())
 
     def device_total(self, name: str) -> int:
-        return sum(self.devices[name].values())
+        """Static (preallocated) bytes on a device; measured activation peaks are not included."""
+        return sum(v for k, v in self.devices[name].items() if not k.endswith("_peak"))
 
     def as_dict(self) -> dict:
         return {

@@ -52,6 +52,20 @@ class StepResult:
     timings: list = field(default_factory=list, repr=False)
 
 
+def _prefer_expandable_segments() -> None:
+    """Use expandable allocator segments unless the user configured the allocator.
+
+    Activations of varying sizes otherwise fragment fixed segments: measured on W1, 7.5 GiB
+    allocated needed 12.2 GiB reserved.
+    """
+    if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
+        return
+    try:
+        torch.cuda.memory._set_allocator_settings("expandable_segments:True")
+    except Exception:  # noqa: BLE001 - an allocator without the option: keep its default
+        pass
+
+
 class Engine:
     """Trains ``model`` (a Hugging Face causal LM) with Tiny-Pipe's layer-wise swapping.
 
@@ -120,6 +134,13 @@ class Engine:
         self.step_count = 0
         self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
         self._rss_peak = 0
+        self._prefetch_pool: dict = {}
+        cores = os.cpu_count() or 1
+        # leave cores for the lanes that feed the GPUs; an OpenMP team sharing a core with a busy
+        # lane runs at the straggler's pace
+        self._optimizer_threads = cfg.optimizer_threads or (max(1, cores - 1 - len(self.devices)) if any_cuda else None)
+        if any_cuda:
+            _prefer_expandable_segments()
 
     # ------------------------------------------------------------------ training
 
@@ -200,6 +221,7 @@ class Engine:
             sched, inputs, self.devices, self.store, updater, self.dtype, self.hidden_size,
             self.head_chunk, self._host_stash, self.config.trace, self.fault,
             stall_timeout=self.config.stall_timeout_s, check_finite=self.config.check_finite,
+            optimizer_threads=self._optimizer_threads, prefetch_pool=self._prefetch_pool,
         )
         self._last_origin = t0
         state = runner.run()

@@ -87,6 +87,8 @@ class StepRunner:
         fault: Callable[[Task], None] | None = None,
         stall_timeout: float = 300.0,
         check_finite: bool = False,
+        optimizer_threads: int | None = None,
+        prefetch_pool: dict | None = None,
     ) -> None:
         self.s = schedule
         self.inp = inputs
@@ -104,6 +106,8 @@ class StepRunner:
         self._current: dict[str, str] = {}
         self.stall_timeout = stall_timeout
         self.check_finite = check_finite
+        self.optimizer_threads = optimizer_threads
+        self._ring = prefetch_pool if prefetch_pool is not None else {}  # device -> [buffers, next index]
         plan = schedule.plan
         B, S, Hd = inputs.batch, inputs.seq, hidden_size
         P = plan.num_packs
@@ -161,6 +165,8 @@ class StepRunner:
 
     def _lane(self, lane: str, ids: list[str]) -> None:
         tid = ""
+        if lane == "host:optimizer" and self.optimizer_threads:
+            torch.set_num_threads(self.optimizer_threads)
         try:
             for tid in ids:
                 self._current[lane] = tid
@@ -297,14 +303,29 @@ class StepRunner:
         for p in producers:
             for event in self.signals[p].events:
                 dev.backend.wait_event(side, event)
+        out = self._ring_buffer(dev, buf.tensor[lo:hi].shape, buf.dtype)
         with dev.backend.use_stream(side):
-            # allocated on the side stream: memory the compute stream freed but may still be
-            # reading must not be overwritten by this copy; record_stream keeps it alive until
-            # the compute stream is done with it
-            out = torch.empty(buf.tensor[lo:hi].shape, dtype=buf.dtype, device=dev.device)
             out.copy_(buf.tensor[lo:hi], non_blocking=True)
-        out.record_stream(dev.streams["compute"])  # type: ignore[arg-type]
         self._prefetched[key] = (out, dev.backend.record_event(side))
+
+    def _ring_buffer(self, dev: DeviceRuntime, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+        """One of two preallocated prefetch buffers per device, used alternately.
+
+        Fixed buffers keep the side stream away from the caching allocator (no cudaMalloc, no
+        reuse of blocks the compute stream may still read). Buffer k is reused two prefetches
+        later; the side stream first waits for the compute stream's work queued so far, which
+        includes the task that consumed it.
+        """
+        n = int(torch.Size(shape).numel())
+        entry = self._ring.get(dev.index)
+        if entry is None or entry[0][0].numel() < n or entry[0][0].dtype != dtype:
+            bufs = [torch.empty(n, dtype=dtype, device=dev.device) for _ in range(2)]
+            entry = self._ring[dev.index] = [bufs, 0]
+        bufs, i = entry
+        entry[1] = 1 - i
+        side = dev.streams["stash_in"]
+        dev.backend.wait_event(side, dev.backend.record_event(dev.streams["compute"]))
+        return bufs[i][:n].view(shape)
 
     def _prefetch_next(self, task: Task, dev: DeviceRuntime) -> None:
         """Prefetch the host-stashed input rows of this pack's next micro-batch."""
