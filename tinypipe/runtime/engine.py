@@ -35,6 +35,7 @@ from tinypipe.schedule.tasks import Schedule, Task
 from tinypipe.schedule.validate import validate
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+STAGING_MAX = 32 * 1024 * 1024  # elements: the fp32 upload staging buffer (128 MiB) -- chunks larger layers
 
 
 @dataclass
@@ -119,7 +120,7 @@ class Engine:
                 self.plan.param_slots() if has_packs else 0,
                 self.plan.grad_slot_count() if has_packs else 0,
                 resident,
-                staging_numel=slot_numel,
+                staging_numel=min(slot_numel, STAGING_MAX),
             )
             gpool = HostGradPool(cfg.host_grad_buffers, grad_chunk, self.pinner)
             shell = Shell(model, dec, backend.device)
@@ -313,14 +314,14 @@ class Engine:
     def _device_events(self, host_events: list[dict]) -> list[dict]:
         """Replace host times of CUDA tasks with their device times (aligned per device)."""
         timings = self._last_state.timings if self._last_state else []
-        firsts: dict[int, tuple[object, float]] = {}
+        firsts: dict[str, tuple[object, float]] = {}
         out = []
         for t, h in zip(timings, host_events):
             if t.events is None:
                 out.append(h)
                 continue
             ev0, ev1 = t.events
-            dev = id(ev0.device) if hasattr(ev0, "device") else 0
+            dev = t.lane.split(":")[0]  # events of one device share one time base
             if dev not in firsts:
                 firsts[dev] = (ev0, h["start_us"])
             ref, ref_us = firsts[dev]

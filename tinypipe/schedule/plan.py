@@ -46,7 +46,8 @@ class Plan:
         return max(len(p) for p in self.packs) + self.prefetch_window
 
     def grad_slot_count(self) -> int:
-        return self.grad_slots or max(len(p) for p in self.packs) + max(1, self.prefetch_window)
+        # one pack accumulating plus one layer downloading lets the next pack start at once
+        return self.grad_slots or max(len(p) for p in self.packs) + 1
 
     def to_json(self) -> str:
         d = asdict(self)
