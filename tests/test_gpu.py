@@ -48,3 +48,23 @@ def test_cuda_bf16_loss_falls() -> None:
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.5, losses
     assert report.device_peaks["0:cuda:0"]["peak_allocated"] > 0
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs two GPUs")
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_two_gpus_fp32_match_pytorch(family: str) -> None:
+    torch.backends.cuda.matmul.allow_tf32 = False
+    model = make_model(family, layers=6)
+    randomize_biases(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [make_batch(5, 12, seed=i, pad=i == 1) for i in range(3)]
+    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=0.5)
+    cfg = tinypipe.Config(devices=["cuda:0", "cuda:1"], pack_size=[1, 2, 2, 1], micro_batch_size=2,
+                          backward_micro_batch_size=3, stash="host", max_grad_norm=0.5, lr=LR, eps=EPS,
+                          weight_decay=WD)
+    with tinypipe.Engine(model, cfg) as engine:
+        results = [engine.step(b) for b in batches]
+        for r, loss in zip(results, ref.losses):
+            assert abs(r.loss - loss) <= 1e-5 * abs(loss)
+        worst, update_err = compare(engine.state_dict(), ref.model, init)
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)

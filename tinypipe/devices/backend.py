@@ -120,6 +120,9 @@ def make_backend(name: str) -> Backend:
     raise ConfigError(f"unknown device {name!r}; use 'cpu' or 'cuda:N'")
 
 
+_HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, not just the current one
+
+
 class HostPinner:
     """Page-locks host tensors in place with cudaHostRegister (no copy, no size rounding).
 
@@ -138,7 +141,7 @@ class HostPinner:
         if not self.enabled or tensor.numel() == 0:
             return
         ptr, size = tensor.data_ptr(), tensor.numel() * tensor.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(ptr, size, 0)
+        err = torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
         code = getattr(err, "value", err)
         if code != 0:
             raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {code}")

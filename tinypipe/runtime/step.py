@@ -167,6 +167,9 @@ class StepRunner:
         tid = ""
         if lane == "host:optimizer" and self.optimizer_threads:
             torch.set_num_threads(self.optimizer_threads)
+        dev_index = int(lane[3:].split(":")[0]) if lane.startswith("dev") else -1
+        if dev_index >= 0 and self.devices[dev_index].backend.is_cuda:
+            torch.cuda.set_device(self.devices[dev_index].device)  # kernels of this lane default here
         try:
             for tid in ids:
                 self._current[lane] = tid
