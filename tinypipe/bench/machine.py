@@ -70,6 +70,5 @@ def measure(device: str = "cuda:0") -> MachineRates:
     b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
     mm = timed(lambda: a @ b, reps=10)
     tflops = 2 * 8192**3 / mm / 1e12
-    del host, host2, d, d2, a, b
     torch.cuda.empty_cache()
     return MachineRates(h2d, d2h, bidir, tflops, adamw, torch.cuda.get_device_name(dev))
