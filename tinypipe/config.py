@@ -62,6 +62,8 @@ class Config:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if isinstance(self.devices, str):  # "cuda:0" or "cuda:0,cuda:1"
+            self.devices = tuple(d.strip() for d in self.devices.split(",") if d.strip())
         self.devices = tuple(str(d) for d in self.devices)
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
         self.validate()
@@ -73,6 +75,15 @@ class Config:
         for d in self.devices:
             if not (d == "cpu" or d == "cuda" or d.startswith("cuda:")):
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
+        for name in ("micro_batch_size", "backward_micro_batch_size", "prefetch_window", "grad_slots",
+                     "host_grad_buffers", "head_chunk_tokens", "optimizer_threads"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ConfigError(f"{name} must be a whole number, got {value!r}")
+        if not isinstance(self.pack_size, int) and (
+            isinstance(self.pack_size, (str, bytes)) or not all(isinstance(p, int) for p in self.pack_size)
+        ):
+            raise ConfigError(f"pack_size must be a whole number or a list of them, got {self.pack_size!r}")
         if self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.backward_micro_batch_size is not None and self.backward_micro_batch_size < 1:

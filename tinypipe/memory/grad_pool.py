@@ -41,3 +41,10 @@ class HostGradPool:
 
     def release(self, buf: torch.Tensor) -> None:
         self._free.put(buf)
+
+    def reset(self) -> None:
+        """Mark every buffer free. Only valid between steps (no lane holds a buffer then); makes
+        an aborted step -- whose queued chunks were never consumed -- unable to strand buffers."""
+        self._free = queue.Queue()
+        for b in self.buffers:
+            self._free.put(b)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -29,7 +30,7 @@ def save_hf_directory(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    config = model.config
+    config = copy.deepcopy(model.config)  # never mutate the live model's config
     if dtype is not None:
         config.dtype = str(dtype).replace("torch.", "")
     config.save_pretrained(out)

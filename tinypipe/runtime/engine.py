@@ -15,7 +15,7 @@ from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.devices.backend import HostPinner, make_backend
-from tinypipe.errors import BatchError, ConfigError, NonFiniteError
+from tinypipe.errors import BatchError, ConfigError, NonFiniteError, WorkerError
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool
 from tinypipe.memory.host_buffers import aligned_empty, registrable
@@ -129,6 +129,7 @@ class Engine:
         retain = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"
         self._retained: dict[int, torch.Tensor] | None = {} if retain else None
         self._schedules: dict[int, Schedule] = {}
+        self._broken: str | None = None
         self._host_stash: dict[int, torch.Tensor] = {}
         self._last_state: StepState | None = None
         self._last_origin = 0.0
@@ -142,6 +143,7 @@ class Engine:
         self._optimizer_threads = cfg.optimizer_threads or (max(1, cores - 1 - len(self.devices)) if any_cuda else None)
         if any_cuda:
             _prefer_expandable_segments()
+        validate(build_schedule(self.plan, 1, dec.tied))  # an unschedulable plan fails here, not at step 1
 
     # ------------------------------------------------------------------ training
 
@@ -154,6 +156,8 @@ class Engine:
         return self._schedules[batch]
 
     def _inputs(self, batch: Mapping[str, torch.Tensor]) -> StepInputs:
+        if not isinstance(batch, Mapping):
+            raise BatchError(f"batch must be a dict with 'input_ids' (and optional 'labels', 'attention_mask'), got {type(batch).__name__}")
         if "input_ids" not in batch:
             raise BatchError("batch needs 'input_ids' (LongTensor[batch, seq])")
         ids = batch["input_ids"]
@@ -173,7 +177,11 @@ class Engine:
         if mask is not None:
             if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, S):
                 raise BatchError(f"attention_mask must have shape {(B, S)}")
+            if mask.dtype.is_floating_point or mask.is_complex():
+                raise BatchError("attention_mask must hold integers or booleans (1 = token, 0 = padding)")
             mask = mask.long().cpu()
+            if bool(((mask != 0) & (mask != 1)).any()):
+                raise BatchError("attention_mask must hold only 0 (padding) and 1 (token)")
         labels = batch.get("labels")
         if labels is None:
             labels = ids.clone()
@@ -182,6 +190,8 @@ class Engine:
         else:
             if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (B, S):
                 raise BatchError(f"labels must have shape {(B, S)}")
+            if labels.dtype.is_floating_point or labels.is_complex() or labels.dtype == torch.bool:
+                raise BatchError("labels must be integer token ids (-100 = ignored)")
             labels = labels.long().cpu()
         shifted = torch.full_like(labels, -100)
         shifted[:, :-1] = labels[:, 1:]
@@ -210,6 +220,8 @@ class Engine:
     def step(self, batch: Mapping[str, torch.Tensor], lr: float | None = None) -> StepResult:
         """One optimizer step over the global ``batch`` (dict with input_ids, optional
         attention_mask and labels; labels default to input_ids with padding ignored)."""
+        if self._broken is not None:
+            raise WorkerError(f"engine unusable: {self._broken}; create a new Engine (from the last checkpoint)")
         t0 = time.perf_counter()
         inputs = self._inputs(batch)
         sched = self.schedule_for(inputs.batch)
@@ -218,6 +230,7 @@ class Engine:
         updater = StepUpdater(self.store, self.optimizer, lr, self.config.max_grad_norm, self._retained)
         for d in self.devices:
             d.backend.reset_peak()
+            d.grad_pool.reset()
         runner = StepRunner(
             sched, inputs, self.devices, self.store, updater, self.dtype, self.hidden_size,
             self.head_chunk, self._host_stash, self.config.trace, self.fault,
@@ -225,7 +238,14 @@ class Engine:
             optimizer_threads=self._optimizer_threads, prefetch_pool=self._prefetch_pool,
         )
         self._last_origin = t0
-        state = runner.run()
+        try:
+            state = runner.run()
+        except WorkerError as exc:
+            if runner.stuck:
+                self._broken = f"a worker is still stuck in {runner.stuck}"
+            if isinstance(exc.__cause__, NonFiniteError):  # check_finite located a NaN/inf
+                raise NonFiniteError(str(exc.__cause__)) from exc
+            raise
         outcome = updater.finalize()
         self._last_state = state
         self._sample_rss()

@@ -28,6 +28,9 @@ from tinypipe.runtime.updater import StepUpdater
 from tinypipe.schedule.tasks import STREAMING_KINDS, Kind, Schedule, Task
 
 
+ABORT_GRACE_S = 2.0  # after an abort, how long lanes get to notice before the step gives up on them
+
+
 @dataclass
 class StepInputs:
     """The global batch, already validated, on the host."""
@@ -104,6 +107,7 @@ class StepRunner(StashIO, TaskHandlers):
         self._extra: dict[str, list[object]] = {}  # lane -> side streams the current task used
         self._prefetched: dict[tuple, tuple[torch.Tensor, object]] = {}
         self._current: dict[str, str] = {}
+        self.stuck = ""  # lanes still inside a task when the step gave up on them
         self.stall_timeout = stall_timeout
         self.check_finite = check_finite
         self.optimizer_threads = optimizer_threads
@@ -141,21 +145,38 @@ class StepRunner(StashIO, TaskHandlers):
             threads.append(t)
             t.start()
         last_progress, last_count = time.monotonic(), 0
-        for t in threads:
-            while t.is_alive():
-                t.join(timeout=0.5)
-                count = len(self.state.timings)
-                if count != last_count:
-                    last_progress, last_count = time.monotonic(), count
-                elif time.monotonic() - last_progress > self.stall_timeout and not self.abort.failed:
-                    self.abort.fail("watchdog", TimeoutError(
-                        f"no task finished for {self.stall_timeout:.0f} s; waiting: {self._waiting()}"))
+        aborted_at: float | None = None
+        self.stuck = ""
+        while any(t.is_alive() for t in threads):
+            for t in threads:
+                t.join(timeout=0.1)
+            now = time.monotonic()
+            count = len(self.state.timings)
+            if count != last_count:
+                last_progress, last_count = now, count
+            elif now - last_progress > self.stall_timeout and not self.abort.failed:
+                self.abort.fail("watchdog", TimeoutError(
+                    f"no task finished for {self.stall_timeout:.0f} s; waiting: {self._waiting()}"))
+            if self.abort.failed:
+                aborted_at = aborted_at or now
+                if now - aborted_at > ABORT_GRACE_S:  # a lane stuck inside a task: give up on it
+                    self.stuck = self._waiting()
+                    break
+        self._drain_queues()
         if self.abort.error is not None:
             err = self.abort.error
             raise WorkerError(f"{self.abort.where} failed: {type(err).__name__}: {err}") from err
         for d in self.devices:
             d.backend.synchronize()
         return self.state
+
+    def _drain_queues(self) -> None:
+        """Return gradient chunks an aborted update never consumed to their pools."""
+        for q in self.state.layer_queues.values():
+            while not q.empty():
+                kind, payload, _, src = q.get_nowait()
+                if kind == "chunk":
+                    src.grad_pool.release(payload[2])
 
     def _waiting(self) -> str:
         """Each lane's current task (for stall reports)."""
@@ -191,11 +212,12 @@ class StepRunner(StashIO, TaskHandlers):
                 self.state.timings.append(
                     TaskTiming(lane, tid, start, time.perf_counter(), (ev0, ev1) if ev0 is not None else None)
                 )
-            self._current[lane] = ""
         except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller by run()
             self.abort.fail(f"{lane} task {tid}", exc)
+        finally:
+            self._current[lane] = ""
 
     def _dispatch(self, task: Task, dev: DeviceRuntime | None) -> None:
         if self.fault is not None:

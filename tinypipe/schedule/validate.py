@@ -56,6 +56,7 @@ def _check_slots(sched: Schedule) -> None:
     uploads of its layers."""
     last_user: dict[tuple[int, int], str] = {}
     occupant: dict[tuple[int, int], int] = {}
+    loader: dict[tuple[int, int], str] = {}  # (device, slot) -> the upload that filled it
     for tid in sched.order:
         t = sched.tasks[tid]
         if t.kind is Kind.UPLOAD:
@@ -63,12 +64,17 @@ def _check_slots(sched: Schedule) -> None:
             if key in last_user and last_user[key] not in t.deps:
                 raise ConfigError(f"schedule: {t.id} overwrites slot {key} before {last_user[key]} finished")
             occupant[key] = t.layers[0]
+            loader[key] = t.id
             last_user.pop(key, None)
         elif t.kind in (Kind.FWD, Kind.BWD):
             for layer, slot in zip(t.layers, t.slots):
                 key = (t.device, slot)
                 if occupant.get(key) != layer:
                     raise ConfigError(f"schedule: {t.id} expects layer {layer} in slot {key}, holds {occupant.get(key)}")
+                # the first task using a freshly uploaded slot must wait for that upload (later
+                # tasks follow it in lane order; a carried slot was waited for by its first user)
+                if key not in last_user and loader.get(key) not in t.deps:
+                    raise ConfigError(f"schedule: {t.id} uses slot {key} without waiting for {loader.get(key)}")
                 last_user[key] = t.id
     grad_user: dict[tuple[int, int], str] = {}
     for tid in sched.order:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -35,6 +36,7 @@ __all__ = [
     "MissingDependencyError",
     "UnsupportedArchitectureError",
     "load_model",
+    "resolve_model_path",
     "smollm2_path",
 ]
 
@@ -96,26 +98,37 @@ def smollm2_path() -> Path:
 # --------------------------------------------------------------------------- entry point
 
 
-def load_model(path: str | os.PathLike[str]) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    """``(model, tokenizer)`` from a Hugging Face directory or a GGUF file, model in fp32, eval mode."""
+def resolve_model_path(path: str | os.PathLike[str]) -> tuple[str, Path]:
+    """``("hf", directory)`` or ``("gguf", file)`` for ``path``; cheap checks only (no weights read).
+
+    Raises :class:`ModelNotFoundError` / :class:`ModelFilesError` with a one-line reason.
+    """
     p = Path(path).expanduser()
     if not p.exists():
         raise ModelNotFoundError(f"{p}: no such file or directory (give a Hugging Face model directory or a .gguf file)")
     if p.is_file():
         if p.suffix.lower() == ".gguf":
-            return _load_gguf(p)
+            return "gguf", p
         if p.name == "config.json":
-            return _load_hf_dir(p.parent)
+            return "hf", p.parent
         raise ModelFilesError(f"{p}: not a model; give a Hugging Face model directory (with config.json) or a .gguf file")
     if (p / "config.json").is_file():
-        return _load_hf_dir(p)
+        if not _has_weights(p):
+            raise ModelFilesError(f"{p}: config.json but no weights (model.safetensors or sharded *.safetensors)")
+        return "hf", p
     ggufs = sorted(p.glob("*.gguf"))
     if len(ggufs) == 1:
-        return _load_gguf(ggufs[0])
+        return "gguf", ggufs[0]
     if len(ggufs) > 1:
         names = ", ".join(g.name for g in ggufs[:4]) + (", ..." if len(ggufs) > 4 else "")
         raise ModelFilesError(f"{p}: holds {len(ggufs)} .gguf files ({names}); give the path of the one to load")
     raise ModelFilesError(f"{p}: no config.json (nor a .gguf file): not a Hugging Face model directory")
+
+
+def load_model(path: str | os.PathLike[str]) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    """``(model, tokenizer)`` from a Hugging Face directory or a GGUF file, model in fp32, eval mode."""
+    kind, p = resolve_model_path(path)
+    return _load_gguf(p) if kind == "gguf" else _load_hf_dir(p)
 
 
 # --------------------------------------------------------------------------- Hugging Face directories
@@ -139,6 +152,14 @@ def _check_causal_lm(model_type: str | None, where: Path) -> None:
         )
 
 
+def _raw_model_type(folder: Path) -> str | None:
+    try:
+        value = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return value if isinstance(value, str) else None
+
+
 def _load_config(folder: Path):
     from transformers import AutoConfig
 
@@ -146,9 +167,15 @@ def _load_config(folder: Path):
         return AutoConfig.from_pretrained(str(folder))
     except ValueError as exc:  # unknown model_type / malformed config
         msg = _one_line(exc)
-        if "model_type" in msg or "Unrecognized model" in msg:
+        model_type = _raw_model_type(folder)
+        if model_type is not None and any(
+            s in msg for s in ("model_type", "model type", "Unrecognized model", "does not recognize")
+        ):
+            import transformers
+
             raise UnsupportedArchitectureError(
-                f"{folder}: unsupported architecture in config.json ({msg})"
+                f"{folder}: unsupported architecture: model_type {model_type!r} is unknown to "
+                f"transformers {transformers.__version__}"
             ) from None
         raise ModelFilesError(f"{folder}/config.json: {msg}") from None
     except (OSError, TypeError, KeyError) as exc:
@@ -176,8 +203,6 @@ def _load_hf_dir(folder: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
             f"{folder}: {config.model_type!r} is an encoder-decoder model; tinypipe fine-tunes decoder-only causal LMs"
         )
     _check_causal_lm(getattr(config, "model_type", None), folder)
-    if not _has_weights(folder):
-        raise ModelFilesError(f"{folder}: config.json but no weights (model.safetensors or sharded *.safetensors)")
     tokenizer = _load_tokenizer(folder)
     try:
         model, info = AutoModelForCausalLM.from_pretrained(

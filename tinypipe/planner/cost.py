@@ -1,0 +1,166 @@
+"""Predicted step time of a plan on a :class:`HardwareSpec`: a phase-wise roofline.
+
+A step has three phases on the critical path, each as slow as its slowest resource, plus a fill
+at the start and an exposed tail at the end::
+
+    step = fill + forward + head + backward + tail
+
+* **fill** -- before the first pack can compute: the resident embedding/head uploads and the
+  first pack's layer uploads (fp32 master weights, 4 B/param, cast on the GPU).
+* **forward** = max over devices of max(forward compute + per-pack overhead, forward uploads / h2d).
+  On N devices the compute term is scaled by N / (1 + (N-1) * :data:`MULTI_DEVICE_SCALING`):
+  the lanes do not scale linearly (pipeline bubbles, host-side contention).
+* **head** -- fused norm + LM head + loss: 6 * N_head * T FLOPs at :data:`HEAD_EFFICIENCY` of the
+  block rate (token chunks of a few hundred rows run a little below the blocks' GEMMs).
+* **backward** = max over devices of max(recompute + backward compute + overhead,
+  backward uploads / h2d, gradient downloads (4 B/param) / d2h, (uploads + downloads) / bidir),
+  and the CPU optimizer's work that can overlap it (every layer but pack 0 and the embedding).
+* **tail** -- what cannot overlap: pack 0's and the embedding's AdamW steps after the last
+  backward (plus one gradient chunk's download).
+
+Compute counts matmul FLOPs: a block's forward 2 * N_block * T plus causal attention
+2 * S * (heads * head_dim) * T; the recompute repeats the forward, the backward is twice it.
+The achieved rate depends on the micro-batch: ``rate(T) = R * e(T) / e(8192)`` with
+``e(T) = T / (T + T0)`` (:data:`EFFICIENCY_T0`), R being the hardware's achieved rate at
+8192-token micro-batches. Each pack execution (forward or backward, all its micro-batches)
+costs :data:`PACK_OVERHEAD_S` of synchronisation and launch latency.
+
+Calibrated on an H200 box (``h200-pcie5``), bf16, 16 x 2048 tokens: Llama-3.2-3B shape pack 2 /
+micro-batch 4: 2.42 s measured; pack 2 / mb 2: 2.60 s; pack 1 / mb 2: 2.66 s; Llama-2-7B shape
+pack 4 / mb 4: 4.69 s (tests/test_planner.py holds the comparison). Multi-GPU rests on one
+run (two H200s, pack 2 / mb 4: 1.94 s); beyond two devices it is an extrapolation.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+from tinypipe.planner.hardware import HardwareSpec
+from tinypipe.planner.sizes import ModelSizes
+from tinypipe.schedule.plan import Plan
+
+#: Tokens at which a micro-batch runs at half its asymptotic rate (fitted: mb 2 vs mb 4 on W1).
+EFFICIENCY_T0 = 684.0
+#: Micro-batch size (tokens) at which ``HardwareSpec.bf16_tflops`` is quoted.
+REFERENCE_TOKENS = 8192.0
+#: Head throughput relative to the blocks (measured 347 vs 400 TFLOP/s on W1).
+HEAD_EFFICIENCY = 0.87
+#: Fixed cost per pack execution (forward or backward), seconds.
+PACK_OVERHEAD_S = 2.1e-3
+#: Speed-up of the block work per extra device: fitted on one run (Llama-3.2-3B shape, two H200s:
+#: 1.94 s/step measured, i.e. the two compute lanes together ran the blocks 1.36x as fast as one).
+#: Pipeline bubbles and host-side contention between the lanes are folded into it.
+MULTI_DEVICE_SCALING = 0.36
+#: Bytes per parameter moved each way (fp32 master weights up, fp32 gradients down).
+UPLOAD_BYTES = 4
+DOWNLOAD_BYTES = 4
+
+
+@dataclass
+class StepTime:
+    """Predicted seconds per step and the terms behind it."""
+
+    fill_s: float
+    forward_s: float
+    head_s: float
+    backward_s: float
+    tail_s: float
+    step_s: float
+    tokens_per_s: float
+    compute_s: float  # all matmul work at the achieved rate, summed over devices
+    upload_s: float  # busiest device's link, both passes
+    download_s: float
+    optimizer_s: float  # all parameters through the CPU optimizer
+    forward_limit: str
+    backward_limit: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def bound_s(self) -> float:
+        """max(compute, upload, download, optimizer): the step if everything overlapped."""
+        return max(self.compute_s, self.upload_s, self.download_s, self.optimizer_s)
+
+
+def _rate(hw: HardwareSpec, precision: str, tokens: float) -> float:
+    eff = tokens / (tokens + EFFICIENCY_T0)
+    ref = REFERENCE_TOKENS / (REFERENCE_TOKENS + EFFICIENCY_T0)
+    return hw.tflops(precision) * 1e12 * eff / ref
+
+
+def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
+                      precision: str = "bf16") -> StepTime:
+    """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens."""
+    n = plan.num_devices
+    P = plan.num_packs
+    tokens = batch * seq
+    tf = min(plan.fwd_micro_batch, batch) * seq
+    tb = min(plan.bwd_micro_batch, batch) * seq
+    rf, rb = _rate(hw, precision, tf), _rate(hw, precision, tb)
+    attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim  # causal QK^T + AV, forward
+    h2d, d2h, bidir = hw.h2d_gbs * 1e9, hw.d2h_gbs * 1e9, hw.bidir_gbs * 1e9
+    adamw = hw.cpu_adamw_gparams_s * 1e9
+
+    def fwd_flops(q: int) -> float:
+        return sum(2.0 * sizes.block_params[b] + attn_per_token for b in plan.packs[q]) * tokens
+
+    def numel(q: int) -> int:
+        return sum(sizes.block_numels[b] for b in plan.packs[q])
+
+    carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
+    W = plan.prefetch_window
+
+    def exposed(q: int) -> float:
+        """Uploads of pack q that cannot start before the previous pack on its device releases its
+        slots (only W slots are free beforehand); pack q's first micro-batch waits for them."""
+        extra = max(0, len(plan.packs[q]) - W)
+        return extra * max(sizes.block_numels[b] for b in plan.packs[q]) * UPLOAD_BYTES / h2d
+    f_comp, b_comp = [0.0] * n, [0.0] * n
+    f_up, b_up, down = [0.0] * n, [0.0] * n, [0.0] * n
+    for q in range(P):
+        df, db = plan.fwd_device[q], plan.bwd_device[q]
+        f_comp[df] += fwd_flops(q) / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 else 0.0)
+        b_comp[db] += 3.0 * fwd_flops(q) / rb + PACK_OVERHEAD_S + (exposed(q) if q < P - 1 or not carry else 0.0)
+        f_up[df] += numel(q) * UPLOAD_BYTES
+        if not (carry and q == P - 1):
+            b_up[db] += numel(q) * UPLOAD_BYTES
+        down[db] += numel(q) * DOWNLOAD_BYTES
+    e, h = plan.embed_device, plan.head_device
+    down[e] += sizes.embed_numel * DOWNLOAD_BYTES
+    down[h] += sizes.head_numel * DOWNLOAD_BYTES
+
+    # fill: resident uploads then the first pack's layers, on the devices that need them first
+    first = plan.fwd_device[0]
+    resident_up = (sizes.embed_numel + (sizes.head_numel if h == e else 0)) * UPLOAD_BYTES
+    fill = (resident_up if first == e else 0) / h2d + numel(0) * UPLOAD_BYTES / h2d
+    if first != e:
+        fill = max(fill, resident_up / h2d)
+
+    # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
+    slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
+    f_terms = {"compute": max(f_comp) * slowdown, "upload": max(f_up) / h2d}
+    forward = max(f_terms.values())
+    head = 6.0 * sizes.head_matmul_params * tokens / (hw.tflops(precision) * 1e12 * HEAD_EFFICIENCY)
+
+    pack0 = numel(0)
+    overlappable = sizes.total_numel - pack0 - sizes.embed_numel
+    b_terms = {
+        "compute": max(b_comp) * slowdown,
+        "upload": max(b_up) / h2d,
+        "download": max(down) / d2h,
+        "link (both directions)": max(u + d for u, d in zip(b_up, down)) / bidir,
+        "cpu optimizer": overlappable / adamw,
+    }
+    backward = max(b_terms.values())
+    tail = (pack0 + sizes.embed_numel) / adamw + sizes.slot_numel * DOWNLOAD_BYTES / d2h
+
+    step = fill + forward + head + backward + tail
+    compute_total = sum(f_comp) + sum(b_comp) + head
+    return StepTime(
+        fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
+        tokens_per_s=tokens / step, compute_s=compute_total,
+        upload_s=max(fu + bu for fu, bu in zip(f_up, b_up)) / h2d, download_s=max(down) / d2h,
+        optimizer_s=sizes.total_numel / adamw,
+        forward_limit=max(f_terms, key=f_terms.get), backward_limit=max(b_terms, key=b_terms.get),
+    )

@@ -1,0 +1,260 @@
+"""Memory of a plan without running it: the engine's static categories byte for byte, plus a
+calibrated estimate of each device's activation peak.
+
+Static parts mirror :class:`tinypipe.Engine` exactly (same categories, same byte counts as
+``Engine.memory_report()`` after a step):
+
+host
+    ``master_weights`` 4 B and ``optimizer_state`` 8 B per flat element; ``pinned_grad_pool`` one
+    pool per device entry of ``host_grad_buffers`` fp32 chunks of ``max(slot, 64 Ki)`` elements;
+    ``gradient_buffers`` 4 B per flat element when gradients are retained (``max_grad_norm`` set
+    or the non-finite policy ``"skip"``); ``stashed_activations`` one ``[B, S, H]`` buffer in the
+    compute dtype per host-stashed pack input.
+device
+    ``resident_layers`` embedding / head in the compute dtype where they live; ``layer_slots``
+    (largest pack + window) slots of the largest block; ``gradient_accumulators`` (largest pack + 1)
+    fp32 slots plus fp32 resident gradients; ``staging`` an fp32 buffer of min(slot, 32 Mi)
+    elements on CUDA in bf16 mode.
+
+``activations_peak`` (per device; everything the engine allocates on top of the static pools)
+is the maximum over the phases of one step -- embedding forward, each pack's forward, the head,
+each pack's backward, the embedding backward, the embedding's gradient download -- of
+
+* the ``[B, S, H]`` boundary buffers alive on that device in that phase (pack inputs stashed on
+  the device, and the gradient buffers between packs: allocated by the consumer pack, freed
+  after its backward);
+* the phase's own working set: a backward keeps what autograd saves for every block of the pack
+  (``ModelSizes.block_act_bytes`` per token, measured on a probe model) for one backward
+  micro-batch; the head keeps one token chunk of logits in three dtypes; the embedding backward
+  a dense weight gradient and the CUDA kernel's fp32 partial sums;
+* the transient of a gradient download: the runtime computes each layer's gradient norm with
+  ``vector_norm(..., dtype=float64)``, which materialises an fp64 copy of the layer's fp32
+  gradient (:data:`NORM_COPY_BYTES_PER_ELEMENT`). It is counted where it was measured to add to
+  the peak: beside the embedding backward (pack 0's downloads) and for the embedding's own
+  download at the end of the step. Beside a pack's backward it is short compared with the
+  backward's own peak and was not seen to coincide with it (Llama-2-7B shape, pack 4: 9.38 GB
+  measured, 9.40 GB estimated without it, 11.0 GB with it);
+* per CUDA device, the two host-stash prefetch buffers and a constant for library workspaces
+  (cuBLAS) and small tensors (:data:`CUDA_WORKSPACE_BYTES`).
+
+Calibrated on an H200 (bf16, 16 x 2048 tokens; see tests/test_planner.py): Llama-3.2-3B shape
+pack 2 / micro-batch 4 / host stash 3.56 GB measured, micro-batch 2 3.47 GB; Llama-2-7B shape
+pack 4 / micro-batch 4 / device stash 9.38 GB, pack 1 / micro-batch 2 / host stash 3.54 GB.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tinypipe.errors import ConfigError
+from tinypipe.memory.report import MemoryReport
+from tinypipe.planner.sizes import ModelSizes
+from tinypipe.schedule.plan import Plan
+
+#: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
+STAGING_MAX = 32 * 1024 * 1024
+#: Smallest host gradient chunk (the engine's ``max(slot_numel, 1 << 16)``).
+MIN_GRAD_CHUNK = 1 << 16
+#: Bytes per gradient element of the transient fp64 copy ``vector_norm(acc, dtype=float64)``
+#: makes while a layer's gradients are downloaded (0 once the runtime stops making it).
+NORM_COPY_BYTES_PER_ELEMENT = 8
+#: cuBLAS workspaces per stream, loss scalars, contexts: measured residue on the H200 runs.
+CUDA_WORKSPACE_BYTES = 288 * 1024**2
+
+_ELEM = {"bf16": 2, "fp32": 4}
+
+
+def dtype_bytes(precision: str) -> int:
+    try:
+        return _ELEM[precision]
+    except KeyError:
+        raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}") from None
+
+
+def _is_cuda(device: str) -> bool:
+    return device.startswith("cuda")
+
+
+def head_chunk_tokens(vocab: int, budget_bytes: int = 512 * 1024**2) -> int:
+    """Tokens per head chunk (``tinypipe.models.head.chunk_tokens_for``)."""
+    from tinypipe.models.head import chunk_tokens_for
+
+    return chunk_tokens_for(vocab, budget_bytes)
+
+
+def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str, num_devices: int,
+               host_grad_buffers: int = 3, retain_grads: bool = False, hidden: int | None = None) -> dict[str, int]:
+    """Host memory by category (``Engine.memory_report().host`` after a step)."""
+    hidden = hidden or sizes.hidden
+    flat = sizes.total_numel
+    chunk = max(sizes.slot_numel, MIN_GRAD_CHUNK)
+    stashed = sum(1 for q, on_host in enumerate(plan.stash_on_host) if on_host and q > 0)
+    return {
+        "master_weights": 4 * flat,
+        "optimizer_state": 8 * flat,
+        "pinned_grad_pool": num_devices * host_grad_buffers * chunk * 4,
+        "gradient_buffers": 4 * flat if retain_grads else 0,
+        "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
+    }
+
+
+def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, precision: str) -> dict[str, int]:
+    """Preallocated bytes of device entry ``index`` (``DevicePool.bytes_by_category``)."""
+    a = dtype_bytes(precision)
+    slot = sizes.slot_numel
+    has_packs = index in plan.fwd_device or index in plan.bwd_device
+    resident = 0
+    if index == plan.embed_device:
+        resident += sizes.embed_numel
+    if index == plan.head_device:
+        resident += sizes.head_numel
+    slots = plan.param_slots() if has_packs else 0
+    gslots = plan.grad_slot_count() if has_packs else 0
+    staging = min(slot, STAGING_MAX) * 4 if (_is_cuda(device) and precision != "fp32") else 0
+    return {
+        "resident_layers": resident * a,
+        "layer_slots": slots * slot * a,
+        "gradient_accumulators": gslots * slot * 4 + resident * 4,
+        "staging": staging,
+    }
+
+
+def _pack_numels(sizes: ModelSizes, pack: tuple[int, ...]) -> list[int]:
+    return [sizes.block_numels[b] for b in pack]
+
+
+def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
+                     devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
+                     head_chunk: int | None = None, detail: bool = False) -> list[int] | tuple[list[int], list[str]]:
+    """Estimated activation peak per device entry (bytes), and with ``detail`` the phase that
+    sets it. See the module documentation for the model."""
+    H = hidden or sizes.hidden
+    V = vocab or sizes.vocab
+    a = dtype_bytes(precision)
+    P = plan.num_packs
+    n = len(devices)
+    B, S = batch, seq
+    tf = min(plan.fwd_micro_batch, B) * S  # tokens per forward / backward micro-batch
+    tb = min(plan.bwd_micro_batch, B) * S
+    bsh = B * S * H * a
+    chunk = head_chunk or head_chunk_tokens(V)
+    act_tok = sizes.block_act_bytes(precision)
+    cuda = [_is_cuda(d) for d in devices]
+    norm_copy = NORM_COPY_BYTES_PER_ELEMENT
+
+    # ---- phases in global order: EF, F0..F(P-1), HEAD, B(P-1)..B0, EB, DLE ----------------
+    EF, HEAD, EB, DLE = 0, P + 1, 2 * P + 2, 2 * P + 3
+
+    def F(q: int) -> int:
+        return 1 + q
+
+    def Bk(q: int) -> int:
+        return P + 2 + (P - 1 - q)
+
+    nphase = 2 * P + 4
+    boundary = [[0] * nphase for _ in range(n)]
+    work = [[0] * nphase for _ in range(n)]
+    names = ["embedding forward"] + [f"forward pack {q}" for q in range(P)] + ["head"] + \
+        [f"backward pack {q}" for q in reversed(range(P))] + ["embedding backward", "embedding gradient download"]
+
+    def alive(dev: int, lo: int, hi: int, nbytes: int) -> None:
+        for k in range(lo, hi + 1):
+            boundary[dev][k] += nbytes
+
+    # activation buffers: acts[q] is the input of pack q (q == P: the head's)
+    for q in range(P + 1):
+        on_host = q > 0 and plan.stash_on_host[q]
+        if on_host:
+            continue
+        owner = plan.embed_device if q == 0 else (plan.fwd_device[q] if q < P else plan.head_device)
+        if q == 0:
+            alive(owner, EF, EB, bsh)
+        elif q < P:
+            alive(owner, F(q - 1), Bk(q), bsh)
+        else:
+            alive(owner, F(P - 1), HEAD, bsh)
+    # gradient buffers: grads[q] is d loss / d (input of pack q), written by pack q's backward
+    for q in range(P + 1):
+        owner = plan.embed_device if q == 0 else plan.bwd_device[q - 1]
+        start = HEAD if q == P else Bk(q)
+        end = EB if q == 0 else Bk(q - 1)
+        alive(owner, start, end, bsh)
+
+    def remote_rows(q: int, dev: int, tokens: int) -> int:
+        """A micro-batch's input rows copied onto ``dev`` when the pack input lives elsewhere."""
+        on_host = q > 0 and plan.stash_on_host[q]
+        owner = plan.embed_device if q == 0 else (plan.fwd_device[q] if q < P else plan.head_device)
+        return tokens * H * a if (on_host or owner != dev) else 0
+
+    e, h = plan.embed_device, plan.head_device
+    # embedding forward: the trunk's own temporaries beside its output (acts[0], counted above)
+    work[e][EF] += bsh
+    # forward packs (no autograd): one block's largest temporaries for one micro-batch
+    for q in range(P):
+        d = plan.fwd_device[q]
+        work[d][F(q)] += tf * (3 * sizes.intermediate + 4 * H) * a + remote_rows(q, d, tf)
+    # head: input-gradient rows, one chunk of logits (compute dtype, fp32, gradient in compute dtype)
+    work[h][HEAD] += tf * H * a + chunk * V * (2 * a + 4) + chunk * H * 4 + remote_rows(P, h, tf)
+    # backward packs: saved activations of the whole pack for one micro-batch, the backward's
+    # own transient (one block's intermediate gradients), the downloads running beside it
+    for q in range(P):
+        d = plan.bwd_device[q]
+        pack = plan.packs[q]
+        saved = tb * act_tok * len(pack) + tb * H * a * (len(pack) - 1)
+        transient = tb * 2 * sizes.intermediate * a
+        work[d][Bk(q)] += saved + transient + remote_rows(q, d, tb)
+    # embedding backward: recomputed output, dense weight gradient, CUDA fp32 partial sums, and
+    # the downloads of pack 0's layers beside it
+    partials = min(B * S, V) * H * 4 if cuda[e] else 0
+    beside0 = max(_pack_numels(sizes, plan.packs[0])) if plan.bwd_device[0] == e else 0
+    work[e][EB] += bsh + sizes.embed_numel * a + partials + norm_copy * beside0
+    # the embedding's own gradient download (after everything else)
+    work[e][DLE] += norm_copy * sizes.embed_numel
+
+    peaks, where = [], []
+    for d in range(n):
+        totals = [boundary[d][k] + work[d][k] for k in range(nphase)]
+        k = max(range(nphase), key=totals.__getitem__)
+        const = 0
+        if cuda[d]:
+            reads_host = any(plan.stash_on_host[q] and (plan.fwd_device[q] == d or plan.bwd_device[q] == d)
+                             for q in range(1, P))
+            if reads_host and (B > plan.fwd_micro_batch or B > plan.bwd_micro_batch):
+                const += 2 * max(tf, tb) * H * a
+            const += CUDA_WORKSPACE_BYTES
+        peaks.append(int(totals[k] + const))
+        where.append(names[k])
+    return (peaks, where) if detail else peaks
+
+
+def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
+                    devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
+                    host_grad_buffers: int = 3, max_grad_norm: float | None = None,
+                    retain_grads: bool | None = None, head_chunk: int | None = None) -> MemoryReport:
+    """The :class:`MemoryReport` the engine would give for ``plan`` after one step of
+    ``batch`` x ``seq`` tokens: static categories exact, ``activations_peak`` estimated.
+
+    ``retain_grads`` defaults to ``max_grad_norm is not None`` (pass True for the engine's
+    ``nonfinite="skip"`` policy, which retains gradients too).
+    """
+    devices = list(devices)
+    if plan.num_devices != len(devices):
+        raise ConfigError(f"plan is for {plan.num_devices} devices, got {len(devices)} device names")
+    if plan.num_blocks != sizes.num_blocks:
+        raise ConfigError(f"plan covers {plan.num_blocks} blocks, the model has {sizes.num_blocks}")
+    retain = (max_grad_norm is not None) if retain_grads is None else retain_grads
+    host = host_bytes(sizes, plan, batch=batch, seq=seq, precision=precision, num_devices=len(devices),
+                      host_grad_buffers=host_grad_buffers, retain_grads=retain, hidden=hidden)
+    peaks = activation_peaks(sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices,
+                             hidden=hidden, vocab=vocab, head_chunk=head_chunk)
+    devs = {}
+    for i, d in enumerate(devices):
+        cats = device_static_bytes(sizes, plan, i, d, precision)
+        cats["activations_peak"] = peaks[i]
+        devs[f"{i}:{d}"] = cats
+    return MemoryReport(host, devs)
+
+
+def device_need(report: MemoryReport, name: str) -> int:
+    """Static bytes plus the activation peak of one device of an estimate."""
+    return report.device_total(name) + report.devices[name].get("activations_peak", 0)

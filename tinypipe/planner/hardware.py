@@ -1,0 +1,143 @@
+"""Hardware descriptions for the offline planner: GPU memory, link bandwidths, achieved compute
+and the CPU optimizer's rate, as presets or from a JSON file.
+
+Rates are *achieved* rates, not datasheet peaks: ``bf16_tflops`` is what Hugging Face eager
+decoder blocks reach at 8192-token micro-batches (about half the dense-matmul peak; measured 400
+TFLOP/s on an H200 whose 8192^3 matmul runs at ~800), ``cpu_adamw_gparams_s`` is torch's fused
+CPU AdamW in G parameters per second on the whole machine.
+
+A JSON file holds the same fields; memory may be given in bytes or as a size string::
+
+    {"name": "my-box", "gpu_memory": "24GiB", "h2d_gbs": 24, "d2h_gbs": 24, "bidir_gbs": 40,
+     "bf16_tflops": 80, "cpu_adamw_gparams_s": 2.5}
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
+
+from tinypipe.errors import ConfigError
+
+GiB = 1024**3
+
+_UNITS = {
+    "": 1, "b": 1,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4,
+    "tib": 1024**4,
+}
+
+
+def parse_bytes(text: str | int | float) -> int:
+    """``"24GiB"``, ``"24G"``, ``"24000MB"``, ``"1.5TiB"`` or a number of bytes -> bytes.
+
+    ``G``/``GB`` are decimal (10^9), ``GiB`` binary (2^30), as on datasheets and in ``free -g``
+    respectively.
+    """
+    if isinstance(text, bool):
+        raise ConfigError(f"expected a size such as 24GiB, got {text!r}")
+    if isinstance(text, (int, float)):
+        if text <= 0:
+            raise ConfigError(f"size must be positive, got {text}")
+        return int(text)
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ConfigError(f"cannot read size {text!r}; write e.g. 24GiB, 24G, 24000MB")
+    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    if value <= 0:
+        raise ConfigError(f"size must be positive, got {text!r}")
+    return int(value)
+
+
+@dataclass(frozen=True)
+class HardwareSpec:
+    """One GPU type on its host link, and the host's CPU optimizer rate."""
+
+    name: str
+    gpu_memory_bytes: int
+    h2d_gbs: float  # host -> device, pinned, GB/s
+    d2h_gbs: float  # device -> host, pinned, GB/s
+    bidir_gbs: float  # both directions at once, total GB/s
+    bf16_tflops: float  # achieved by HF eager blocks (about half the dense-matmul peak)
+    cpu_adamw_gparams_s: float  # fused CPU AdamW, G params/s, whole machine
+    fp32_tflops: float | None = None  # achieved in fp32 mode (default: bf16_tflops / 8)
+    description: str = ""
+
+    def tflops(self, precision: str) -> float:
+        if precision == "fp32":
+            return self.fp32_tflops or self.bf16_tflops / 8
+        return self.bf16_tflops
+
+    def with_memory(self, gpu_memory_bytes: int | None) -> "HardwareSpec":
+        return self if gpu_memory_bytes is None else replace(self, gpu_memory_bytes=int(gpu_memory_bytes))
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+HARDWARE: dict[str, HardwareSpec] = {
+    h.name: h
+    for h in (
+        HardwareSpec("h200-pcie5", 140 * GiB, 55.5, 55.3, 101.0, 400.0, 4.1, fp32_tflops=35.0,
+                     description="H200 on PCIe 5.0 x16, 16-core host (measured here)"),
+        HardwareSpec("rtx4090-pcie4", 24 * GiB, 25.0, 25.0, 45.0, 90.0, 2.0, fp32_tflops=40.0,
+                     description="RTX 4090 on PCIe 4.0 x16, desktop/workstation CPU"),
+        HardwareSpec("rtx3090-pcie4", 24 * GiB, 22.0, 22.0, 38.0, 35.0, 2.0, fp32_tflops=18.0,
+                     description="RTX 3090 on PCIe 4.0 x16 (Tiny-Pipe's artifact box saw ~16 GB/s)"),
+        HardwareSpec("a5000", 24 * GiB, 22.0, 22.0, 38.0, 50.0, 2.5, fp32_tflops=14.0,
+                     description="RTX A5000 on PCIe 4.0 x16, workstation CPU"),
+        HardwareSpec("l40s", 45 * GiB, 25.0, 25.0, 45.0, 170.0, 3.0, fp32_tflops=45.0,
+                     description="L40S (48 GB, 45 GiB usable) on PCIe 4.0 x16, server CPU"),
+        HardwareSpec("a100-40g-pcie4", 40 * GiB, 24.0, 24.0, 45.0, 150.0, 3.0, fp32_tflops=10.0,
+                     description="A100 40 GB PCIe on PCIe 4.0 x16, server CPU"),
+    )
+}
+
+
+def _from_dict(d: dict, default_name: str) -> HardwareSpec:
+    known = {f.name for f in fields(HardwareSpec)}
+    d = dict(d)
+    if "gpu_memory" in d and "gpu_memory_bytes" not in d:
+        d["gpu_memory_bytes"] = d.pop("gpu_memory")
+    unknown = sorted(set(d) - known)
+    if unknown:
+        raise ConfigError(f"hardware file: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+    d.setdefault("name", default_name)
+    missing = [f.name for f in fields(HardwareSpec) if f.name not in d and f.name not in ("fp32_tflops", "description")]
+    if missing:
+        raise ConfigError(f"hardware file: missing field(s) {', '.join(missing)}")
+    try:
+        d["gpu_memory_bytes"] = parse_bytes(d["gpu_memory_bytes"])
+        for k in ("h2d_gbs", "d2h_gbs", "bidir_gbs", "bf16_tflops", "cpu_adamw_gparams_s"):
+            d[k] = float(d[k])
+            if not d[k] > 0:
+                raise ConfigError(f"hardware file: {k} must be > 0, got {d[k]}")
+        if d.get("fp32_tflops") is not None:
+            d["fp32_tflops"] = float(d["fp32_tflops"])
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(f"hardware file: {exc}") from None
+    return HardwareSpec(**d)
+
+
+def load_hardware(spec: str | HardwareSpec) -> HardwareSpec:
+    """A preset name (case-insensitive) or a JSON file path -> :class:`HardwareSpec`."""
+    if isinstance(spec, HardwareSpec):
+        return spec
+    key = str(spec).strip().lower()
+    if key in HARDWARE:
+        return HARDWARE[key]
+    path = Path(str(spec)).expanduser()
+    if path.is_file():
+        try:
+            d = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read hardware file {path}: {exc}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"hardware file {path}: expected a JSON object")
+        return _from_dict(d, path.stem)
+    raise ConfigError(f"unknown hardware {spec!r}; presets: {', '.join(HARDWARE)} (or a JSON file)")

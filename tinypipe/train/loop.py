@@ -1,0 +1,200 @@
+"""The fine-tuning loop: learning-rate schedule, progress bar, per-step metrics, loss plot.
+
+``train`` drives an :class:`~tinypipe.Engine` over a :class:`~tinypipe.train.data.PackedDataset`
+for a fixed number of optimizer steps (wrapping into further epochs as needed), writes one JSON
+line per step and returns the same records.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Literal
+
+import psutil
+
+from tinypipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+    from tinypipe.runtime.engine import Engine
+    from tinypipe.train.data import PackedDataset
+
+__all__ = ["SCHEDULES", "lr_at", "plot_metrics", "read_metrics", "train"]
+
+Schedule = Literal["cosine", "linear", "constant"]
+SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
+
+
+def lr_at(
+    step: int,
+    *,
+    lr: float,
+    total_steps: int,
+    warmup_steps: int = 0,
+    schedule: Schedule = "cosine",
+    min_lr_ratio: float = 0.0,
+) -> float:
+    """Learning rate of the 0-based optimizer step ``step``.
+
+    Warm-up rises linearly over ``warmup_steps`` steps to ``lr`` (step 0 already trains, at
+    ``lr / (warmup_steps + 1)``); the decay then runs from ``lr`` towards ``lr * min_lr_ratio``,
+    reaching it just after the last step (so no step is wasted at the floor).
+    """
+    if step < warmup_steps:
+        return lr * (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return lr
+    decay_steps = max(1, total_steps - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / decay_steps)
+    floor = lr * min_lr_ratio
+    if schedule == "linear":
+        return floor + (lr - floor) * (1.0 - progress)
+    if schedule == "cosine":
+        return floor + (lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+
+
+def _check(steps: int, global_batch: int, lr: float, warmup_steps: int, schedule: str, min_lr_ratio: float) -> None:
+    if steps < 1:
+        raise ConfigError(f"steps must be >= 1, got {steps}")
+    if global_batch < 1:
+        raise ConfigError(f"global_batch must be >= 1, got {global_batch}")
+    if not lr >= 0:
+        raise ConfigError(f"lr must be >= 0, got {lr}")
+    if warmup_steps < 0:
+        raise ConfigError(f"warmup_steps must be >= 0, got {warmup_steps}")
+    if schedule not in SCHEDULES:
+        raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if not 0.0 <= min_lr_ratio <= 1.0:
+        raise ConfigError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
+
+
+def _batches(dataset: PackedDataset, global_batch: int, seed: int) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Batches forever, epoch after epoch (each epoch its own shuffle)."""
+    epoch = 0
+    while True:
+        for batch in dataset.batches(global_batch, seed, epoch):
+            yield epoch, batch
+        epoch += 1
+
+
+def _fmt_bytes(n: float) -> str:
+    for unit, size in (("GiB", 1024**3), ("MiB", 1024**2)):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n / 1024:.0f}KiB"
+
+
+def train(
+    engine: Engine,
+    dataset: PackedDataset,
+    *,
+    steps: int,
+    global_batch: int,
+    lr: float,
+    warmup_steps: int = 0,
+    schedule: Schedule = "cosine",
+    min_lr_ratio: float = 0.1,
+    seed: int = 0,
+    log_path: str | os.PathLike[str] | None = None,
+    progress: bool = True,
+    append: bool = False,
+) -> list[dict]:
+    """Run ``steps`` optimizer steps of ``global_batch`` rows each; return one record per step.
+
+    Each record (also written as one JSON line to ``log_path``, flushed every step so a crashed
+    run keeps its metrics) holds ``step`` (1-based), ``epoch``, ``loss``, ``lr``, ``grad_norm``,
+    ``tokens``, ``seconds``, ``tokens_per_s``, ``rss_bytes`` (host resident memory after the
+    step), ``clipped`` and ``skipped``. ``log_path`` is truncated first unless ``append``.
+    """
+    _check(steps, global_batch, lr, warmup_steps, schedule, min_lr_ratio)
+    batches = _batches(dataset, global_batch, seed)
+    log = None
+    if log_path is not None:
+        path = Path(log_path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = path.open("a" if append else "w", encoding="utf-8")
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=steps, desc="training", unit="step", dynamic_ncols=True, leave=True)
+    proc = psutil.Process()
+    records: list[dict] = []
+    try:
+        for i in range(steps):
+            epoch, batch = next(batches)
+            step_lr = lr_at(i, lr=lr, total_steps=steps, warmup_steps=warmup_steps,
+                            schedule=schedule, min_lr_ratio=min_lr_ratio)
+            t0 = time.perf_counter()
+            result = engine.step(batch, lr=step_lr)
+            seconds = max(result.seconds, time.perf_counter() - t0)
+            rss = proc.memory_info().rss
+            record = {
+                "step": i + 1,
+                "epoch": epoch,
+                "loss": float(result.loss),
+                "lr": step_lr,
+                "grad_norm": float(result.grad_norm),
+                "tokens": int(result.tokens),
+                "seconds": seconds,
+                "tokens_per_s": result.tokens / seconds if seconds > 0 else float("nan"),
+                "rss_bytes": int(rss),
+                "clipped": bool(result.clipped),
+                "skipped": bool(result.skipped),
+            }
+            records.append(record)
+            if log is not None:
+                log.write(json.dumps(record) + "\n")
+                log.flush()
+            if bar is not None:
+                bar.set_postfix_str(
+                    f"loss={record['loss']:.4f} lr={step_lr:.2e} "
+                    f"tok/s={record['tokens_per_s']:.0f} rss={_fmt_bytes(rss)}",
+                    refresh=False,
+                )
+                bar.update(1)
+    finally:
+        if bar is not None:
+            bar.close()
+        if log is not None:
+            log.close()
+    return records
+
+
+def read_metrics(path: str | os.PathLike[str]) -> list[dict]:
+    """The records of a metrics JSONL file written by :func:`train`."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metrics(records: list[dict], out_png: str | os.PathLike[str]) -> Path:
+    """Draw loss and tokens/s per step into ``out_png`` (matplotlib, Agg; no global backend change)."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in records]
+    fig = Figure(figsize=(9, 3.6), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    ax_loss, ax_tps = fig.subplots(1, 2)
+    ax_loss.plot(steps, [r["loss"] for r in records], marker="o", markersize=3, color="tab:blue")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("training loss")
+    ax_loss.set_title("loss")
+    ax_loss.grid(True, alpha=0.3)
+    ax_tps.plot(steps, [r["tokens_per_s"] for r in records], marker="o", markersize=3, color="tab:green")
+    ax_tps.set_xlabel("step")
+    ax_tps.set_ylabel("tokens / s")
+    ax_tps.set_title("throughput")
+    ax_tps.set_ylim(bottom=0)
+    ax_tps.grid(True, alpha=0.3)
+    fig.savefig(out)
+    return out
