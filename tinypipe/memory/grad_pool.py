@@ -16,6 +16,18 @@ from tinypipe.memory.host_buffers import aligned_empty, registrable
 from tinypipe.runtime.signals import POLL_S, Abort
 
 
+#: Elements per gradient chunk: at least 64 Ki, at most 32 Mi (128 MiB fp32). Layers larger than a
+#: chunk stream through the pool chunk by chunk, so pinned host memory stays bounded whatever the
+#: layer width (a 70B block would otherwise pin 3.4 GB per buffer per device).
+MIN_CHUNK = 1 << 16
+MAX_CHUNK = 1 << 25
+
+
+def chunk_numel(slot_numel: int) -> int:
+    """Gradient chunk size for a model whose largest block layer has ``slot_numel`` elements."""
+    return min(max(slot_numel, MIN_CHUNK), MAX_CHUNK)
+
+
 class HostGradPool:
     """``count`` fp32 buffers of ``chunk`` elements each, handed out and returned."""
 

@@ -7,7 +7,9 @@ at the start and an exposed tail at the end::
 
 * **fill** -- before the first pack can compute: the resident embedding/head uploads and the
   first pack's layer uploads (fp32 master weights, 4 B/param, cast on the GPU).
-* **forward** = max over devices of max(forward compute + per-pack overhead, forward uploads / h2d).
+* **forward** = max over devices of max(forward compute + per-pack overhead, forward uploads / h2d,
+  stash writes / d2h, both / bidir). A host-stashed pack input is written down and read back
+  up in the forward and read up again in the backward.
   On N devices the compute term is scaled by N / (1 + (N-1) * :data:`MULTI_DEVICE_SCALING`):
   the lanes do not scale linearly (pipeline bubbles, host-side contention).
 * **head** -- fused norm + LM head + loss: 6 * N_head * T FLOPs at :data:`HEAD_EFFICIENCY` of the
@@ -34,6 +36,7 @@ run (two H200s, pack 2 / mb 4: 1.94 s); beyond two devices it is an extrapolatio
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from functools import lru_cache
 
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.sizes import ModelSizes
@@ -67,7 +70,7 @@ class StepTime:
     tail_s: float
     step_s: float
     tokens_per_s: float
-    compute_s: float  # all matmul work at the achieved rate, summed over devices
+    compute_s: float  # compute-lane work (matmuls at the achieved rate, pack overheads, exposed uploads), all devices
     upload_s: float  # busiest device's link, both passes
     download_s: float
     optimizer_s: float  # all parameters through the CPU optimizer
@@ -84,9 +87,17 @@ class StepTime:
 
 
 def _rate(hw: HardwareSpec, precision: str, tokens: float) -> float:
-    eff = tokens / (tokens + EFFICIENCY_T0)
-    ref = REFERENCE_TOKENS / (REFERENCE_TOKENS + EFFICIENCY_T0)
-    return hw.tflops(precision) * 1e12 * eff / ref
+    """Achieved FLOP/s for a micro-batch of ``tokens``: below the reference size efficiency drops
+    as T / (T + T0); above it the rate is held at the hardware's figure (not extrapolated)."""
+    eff = min(1.0, (tokens / (tokens + EFFICIENCY_T0)) / (REFERENCE_TOKENS / (REFERENCE_TOKENS + EFFICIENCY_T0)))
+    return hw.tflops(precision) * 1e12 * eff
+
+
+@lru_cache(maxsize=256)
+def pack_stats(sizes: ModelSizes, packs: tuple[tuple[int, ...], ...]) -> tuple[tuple[int, int, int], ...]:
+    """Per pack: (sum of flat numels, largest block numel, sum of raw parameter counts)."""
+    return tuple((sum(sizes.block_numels[b] for b in p), max(sizes.block_numels[b] for b in p),
+                  sum(sizes.block_params[b] for b in p)) for p in packs)
 
 
 def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
@@ -102,11 +113,11 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     h2d, d2h, bidir = hw.h2d_gbs * 1e9, hw.d2h_gbs * 1e9, hw.bidir_gbs * 1e9
     adamw = hw.cpu_adamw_gparams_s * 1e9
 
-    def fwd_flops(q: int) -> float:
-        return sum(2.0 * sizes.block_params[b] + attn_per_token for b in plan.packs[q]) * tokens
+    stats = pack_stats(sizes, plan.packs)
+    fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
 
     def numel(q: int) -> int:
-        return sum(sizes.block_numels[b] for b in plan.packs[q])
+        return stats[q][0]
 
     carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
     W = plan.prefetch_window
@@ -114,18 +125,29 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     def exposed(q: int) -> float:
         """Uploads of pack q that cannot start before the previous pack on its device releases its
         slots (only W slots are free beforehand); pack q's first micro-batch waits for them."""
-        extra = max(0, len(plan.packs[q]) - W)
-        return extra * max(sizes.block_numels[b] for b in plan.packs[q]) * UPLOAD_BYTES / h2d
+        extra = len(plan.packs[q]) - W
+        return extra * stats[q][1] * UPLOAD_BYTES / h2d if extra > 0 else 0.0
+
     f_comp, b_comp = [0.0] * n, [0.0] * n
     f_up, b_up, down = [0.0] * n, [0.0] * n, [0.0] * n
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
-        f_comp[df] += fwd_flops(q) / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 else 0.0)
-        b_comp[db] += 3.0 * fwd_flops(q) / rb + PACK_OVERHEAD_S + (exposed(q) if q < P - 1 or not carry else 0.0)
-        f_up[df] += numel(q) * UPLOAD_BYTES
+        f_comp[df] += fwd_flops[q] / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 else 0.0)
+        b_comp[db] += 3.0 * fwd_flops[q] / rb + PACK_OVERHEAD_S + (exposed(q) if q < P - 1 or not carry else 0.0)
+        f_up[df] += stats[q][0] * UPLOAD_BYTES
         if not (carry and q == P - 1):
-            b_up[db] += numel(q) * UPLOAD_BYTES
-        down[db] += numel(q) * DOWNLOAD_BYTES
+            b_up[db] += stats[q][0] * UPLOAD_BYTES
+        down[db] += stats[q][0] * DOWNLOAD_BYTES
+    # host-stashed pack inputs: written down and read back up in the forward, read up in the backward
+    f_down = [0.0] * n
+    stash_bytes = tokens * sizes.hidden * (2 if precision == "bf16" else 4)
+    for q in range(1, P + 1):
+        if q < len(plan.stash_on_host) and plan.stash_on_host[q]:
+            f_down[plan.fwd_device[q - 1]] += stash_bytes
+            reader = plan.fwd_device[q] if q < P else plan.head_device
+            f_up[reader] += stash_bytes
+            if q < P:
+                b_up[plan.bwd_device[q]] += stash_bytes
     e, h = plan.embed_device, plan.head_device
     down[e] += sizes.embed_numel * DOWNLOAD_BYTES
     down[h] += sizes.head_numel * DOWNLOAD_BYTES
@@ -139,7 +161,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
 
     # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
     slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
-    f_terms = {"compute": max(f_comp) * slowdown, "upload": max(f_up) / h2d}
+    f_terms = {"compute": max(f_comp) * slowdown, "upload": max(f_up) / h2d, "stash download": max(f_down) / d2h,
+               "link (both directions)": max(u + d for u, d in zip(f_up, f_down)) / bidir}
     forward = max(f_terms.values())
     head = 6.0 * sizes.head_matmul_params * tokens / (hw.tflops(precision) * 1e12 * HEAD_EFFICIENCY)
 

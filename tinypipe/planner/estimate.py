@@ -47,17 +47,18 @@ from __future__ import annotations
 from typing import Sequence
 
 from tinypipe.errors import ConfigError
+from tinypipe.memory.grad_pool import chunk_numel
 from tinypipe.memory.report import MemoryReport
+from tinypipe.planner.cost import pack_stats
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.schedule.plan import Plan
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
 STAGING_MAX = 32 * 1024 * 1024
-#: Smallest host gradient chunk (the engine's ``max(slot_numel, 1 << 16)``).
-MIN_GRAD_CHUNK = 1 << 16
-#: Bytes per gradient element of the transient fp64 copy ``vector_norm(acc, dtype=float64)``
-#: makes while a layer's gradients are downloaded (0 once the runtime stops making it).
-NORM_COPY_BYTES_PER_ELEMENT = 8
+#: Bytes per gradient element of a transient copy made while a layer's gradients are downloaded.
+#: The runtime used ``vector_norm(acc, dtype=float64)`` (an fp64 copy: 8 B/element) until
+#: 2026-11-30; it now reduces fp32 chunks in place (0). The H200 calibration points predate the fix.
+NORM_COPY_BYTES_PER_ELEMENT = 0
 #: cuBLAS workspaces per stream, loss scalars, contexts: measured residue on the H200 runs.
 CUDA_WORKSPACE_BYTES = 288 * 1024**2
 
@@ -87,7 +88,7 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
     """Host memory by category (``Engine.memory_report().host`` after a step)."""
     hidden = hidden or sizes.hidden
     flat = sizes.total_numel
-    chunk = max(sizes.slot_numel, MIN_GRAD_CHUNK)
+    chunk = chunk_numel(sizes.slot_numel)
     stashed = sum(1 for q, on_host in enumerate(plan.stash_on_host) if on_host and q > 0)
     return {
         "master_weights": 4 * flat,
@@ -119,10 +120,6 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, 
     }
 
 
-def _pack_numels(sizes: ModelSizes, pack: tuple[int, ...]) -> list[int]:
-    return [sizes.block_numels[b] for b in pack]
-
-
 def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
                      devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
                      head_chunk: int | None = None, detail: bool = False) -> list[int] | tuple[list[int], list[str]]:
@@ -152,14 +149,12 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         return P + 2 + (P - 1 - q)
 
     nphase = 2 * P + 4
-    boundary = [[0] * nphase for _ in range(n)]
+    delta = [[0] * (nphase + 1) for _ in range(n)]  # boundary bytes as a difference array
     work = [[0] * nphase for _ in range(n)]
-    names = ["embedding forward"] + [f"forward pack {q}" for q in range(P)] + ["head"] + \
-        [f"backward pack {q}" for q in reversed(range(P))] + ["embedding backward", "embedding gradient download"]
 
     def alive(dev: int, lo: int, hi: int, nbytes: int) -> None:
-        for k in range(lo, hi + 1):
-            boundary[dev][k] += nbytes
+        delta[dev][lo] += nbytes
+        delta[dev][hi + 1] -= nbytes
 
     # activation buffers: acts[q] is the input of pack q (q == P: the head's)
     for q in range(P + 1):
@@ -206,14 +201,17 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     # embedding backward: recomputed output, dense weight gradient, CUDA fp32 partial sums, and
     # the downloads of pack 0's layers beside it
     partials = min(B * S, V) * H * 4 if cuda[e] else 0
-    beside0 = max(_pack_numels(sizes, plan.packs[0])) if plan.bwd_device[0] == e else 0
+    beside0 = pack_stats(sizes, plan.packs)[0][1] if plan.bwd_device[0] == e else 0
     work[e][EB] += bsh + sizes.embed_numel * a + partials + norm_copy * beside0
     # the embedding's own gradient download (after everything else)
     work[e][DLE] += norm_copy * sizes.embed_numel
 
     peaks, where = [], []
     for d in range(n):
-        totals = [boundary[d][k] + work[d][k] for k in range(nphase)]
+        totals, run = [], 0
+        for k in range(nphase):
+            run += delta[d][k]
+            totals.append(run + work[d][k])
         k = max(range(nphase), key=totals.__getitem__)
         const = 0
         if cuda[d]:
@@ -223,19 +221,33 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
                 const += 2 * max(tf, tb) * H * a
             const += CUDA_WORKSPACE_BYTES
         peaks.append(int(totals[k] + const))
-        where.append(names[k])
+        where.append(_phase_name(k, P))
     return (peaks, where) if detail else peaks
+
+
+def _phase_name(k: int, P: int) -> str:
+    if k == 0:
+        return "embedding forward"
+    if k <= P:
+        return f"forward pack {k - 1}"
+    if k == P + 1:
+        return "head"
+    if k <= 2 * P + 1:
+        return f"backward pack {P - 1 - (k - P - 2)}"
+    return "embedding backward" if k == 2 * P + 2 else "embedding gradient download"
 
 
 def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
                     devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
                     host_grad_buffers: int = 3, max_grad_norm: float | None = None,
-                    retain_grads: bool | None = None, head_chunk: int | None = None) -> MemoryReport:
+                    retain_grads: bool | None = None, head_chunk: int | None = None,
+                    peaks: Sequence[int] | None = None) -> MemoryReport:
     """The :class:`MemoryReport` the engine would give for ``plan`` after one step of
     ``batch`` x ``seq`` tokens: static categories exact, ``activations_peak`` estimated.
 
     ``retain_grads`` defaults to ``max_grad_norm is not None`` (pass True for the engine's
-    ``nonfinite="skip"`` policy, which retains gradients too).
+    ``nonfinite="skip"`` policy, which retains gradients too). ``peaks`` reuses activation
+    peaks computed for a plan that differs only in window or slot counts.
     """
     devices = list(devices)
     if plan.num_devices != len(devices):
@@ -245,8 +257,9 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
     retain = (max_grad_norm is not None) if retain_grads is None else retain_grads
     host = host_bytes(sizes, plan, batch=batch, seq=seq, precision=precision, num_devices=len(devices),
                       host_grad_buffers=host_grad_buffers, retain_grads=retain, hidden=hidden)
-    peaks = activation_peaks(sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices,
-                             hidden=hidden, vocab=vocab, head_chunk=head_chunk)
+    if peaks is None:
+        peaks = activation_peaks(sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices,
+                                 hidden=hidden, vocab=vocab, head_chunk=head_chunk)
     devs = {}
     for i, d in enumerate(devices):
         cats = device_static_bytes(sizes, plan, i, d, precision)

@@ -119,9 +119,12 @@ def config_from_dict(d: dict, where: str = "config") -> transformers.PretrainedC
     d.pop("transformers_version", None)
     try:
         return transformers.AutoConfig.for_model(model_type, **d)
-    except (ValueError, KeyError) as exc:
+    except (ValueError, KeyError):
         raise ConfigError(f"{where}: model_type {model_type!r} is unknown to transformers "
-                          f"{transformers.__version__}: {str(exc).splitlines()[0]}") from None
+                          f"{transformers.__version__}") from None
+    except Exception as exc:  # noqa: BLE001 - the config class rejected a field: one line
+        first = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise ConfigError(f"{where}: invalid {model_type} config: {first}") from None
 
 
 def preset_config(name: str) -> transformers.PretrainedConfig:
@@ -154,5 +157,5 @@ def load_model_config(spec: str) -> transformers.PretrainedConfig:
         return config_from_dict(d, str(path))
     if _preset_key(text) is not None:
         return preset_config(text)
-    raise ConfigError(f"unknown model {spec!r}: not a directory, a config.json or a preset "
-                      f"({', '.join(PRESETS)})")
+    raise ConfigError(f"unknown model {spec!r} (not a model directory, a config.json or a preset); "
+                      f"presets: {', '.join(PRESETS)}")

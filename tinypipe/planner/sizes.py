@@ -180,11 +180,20 @@ def _no_init():
 
 def _build(cfg: transformers.PretrainedConfig, device: str, dtype: torch.dtype) -> nn.Module:
     try:
-        with torch.device(device), _no_init():
-            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    except ValueError as exc:
-        raise UnsupportedModelError(f"no causal LM class for model_type {getattr(cfg, 'model_type', '?')!r}: "
-                                    f"{str(exc).splitlines()[0]}") from exc
+        try:
+            with torch.device(device), _no_init():
+                model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+        except Exception:  # noqa: BLE001 - a model without SDPA support: its eager attention
+            if getattr(cfg, "_attn_implementation", None) != "sdpa":
+                raise
+            cfg = copy.deepcopy(cfg)
+            cfg._attn_implementation = "eager"
+            with torch.device(device), _no_init():
+                model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    except Exception as exc:  # noqa: BLE001 - any failure of the model's own constructor: one line
+        first = " ".join(str(exc).split())[:300] or type(exc).__name__
+        raise UnsupportedModelError(f"cannot build a causal LM for model_type "
+                                    f"{getattr(cfg, 'model_type', '?')!r}: {first}") from exc
     if getattr(cfg, "tie_word_embeddings", False):
         model.tie_weights()
     return model

@@ -17,7 +17,7 @@ from tinypipe.config import Config
 from tinypipe.devices.backend import HostPinner, make_backend
 from tinypipe.errors import BatchError, ConfigError, NonFiniteError, WorkerError
 from tinypipe.memory.device_pool import DevicePool
-from tinypipe.memory.grad_pool import HostGradPool
+from tinypipe.memory.grad_pool import HostGradPool, chunk_numel
 from tinypipe.memory.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import HostStore
 from tinypipe.memory.report import MemoryReport
@@ -104,7 +104,7 @@ class Engine:
         self.hidden_size = int(model.config.hidden_size)
         self.head_chunk = cfg.head_chunk_tokens or chunk_tokens_for(int(model.config.vocab_size))
         slot_numel = max(layer.numel for layer in dec.blocks)
-        grad_chunk = max(slot_numel, 1 << 16)
+        grad_chunk = chunk_numel(slot_numel)
         self.devices: list[DeviceRuntime] = []
         for i, backend in enumerate(self.backends):
             has_packs = i in self.plan.fwd_device or i in self.plan.bwd_device

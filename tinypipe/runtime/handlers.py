@@ -16,6 +16,9 @@ from tinypipe.runtime.signals import POLL_S
 from tinypipe.schedule.tasks import Task
 
 
+NORM_CHUNK = 1 << 24  # elements per partial gradient norm
+
+
 class TaskHandlers:
     """Task handlers and the binding/accumulation helpers they share."""
 
@@ -232,7 +235,10 @@ class TaskHandlers:
         n = self._spec(layer).numel
         acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)[:n]
         q = self.state.layer_queues[layer]
-        norm = torch.linalg.vector_norm(acc, dtype=torch.float64)
+        # fp32 norms of in-place chunks, combined in fp64: no full-size copy on the device (an fp64
+        # reduction materialised an 8 B/element copy -- 3 GB of a 3B model's peak)
+        norms = [torch.linalg.vector_norm(acc[lo : lo + NORM_CHUNK]) for lo in range(0, n, NORM_CHUNK)]
+        norm = torch.linalg.vector_norm(torch.stack(norms).double())
         q.put(("norm", norm, dev.backend.record_event(dev.streams["d2h"]), dev))
         pool = dev.grad_pool
         for lo in range(0, n, pool.chunk):

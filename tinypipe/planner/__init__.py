@@ -1,0 +1,42 @@
+"""Offline planner: exact layer sizes from a config, byte-exact static memory plus estimated
+activation peaks, a calibrated step-time model, and a search over packings, micro-batches,
+prefetch windows and stash placements (``tinypipe plan``). No GPU, no weights.
+
+Public API::
+
+    from tinypipe.planner import plan_for, format_plan
+    result = plan_for("llama-3.1-8b", "rtx4090-pcie4", gpus=2, gpu_memory_bytes=24 * 2**30,
+                      cpu_memory_bytes=128 * 2**30, seq=4096, global_batch=16)
+    print(format_plan(result))
+    engine = tinypipe.Engine(model, tinypipe.Config(**result.config_kwargs()))
+"""
+
+from tinypipe.planner.cost import StepTime, predict_step_time
+from tinypipe.planner.estimate import activation_peaks, device_static_bytes, estimate_memory, host_bytes
+from tinypipe.planner.hardware import HARDWARE, HardwareSpec, load_hardware, parse_bytes
+from tinypipe.planner.presets import PRESETS, load_model_config, preset_names
+from tinypipe.planner.search import Candidate, PlanResult, evaluate, format_plan, plan_for
+from tinypipe.planner.sizes import ModelSizes, model_sizes
+
+__all__ = [
+    "HARDWARE",
+    "PRESETS",
+    "Candidate",
+    "HardwareSpec",
+    "ModelSizes",
+    "PlanResult",
+    "StepTime",
+    "activation_peaks",
+    "device_static_bytes",
+    "estimate_memory",
+    "evaluate",
+    "format_plan",
+    "host_bytes",
+    "load_hardware",
+    "load_model_config",
+    "model_sizes",
+    "parse_bytes",
+    "plan_for",
+    "predict_step_time",
+    "preset_names",
+]

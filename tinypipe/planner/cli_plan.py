@@ -1,0 +1,165 @@
+"""``tinypipe plan``: choose packing, micro-batches, prefetch window and stash placement for a model
+and a machine, offline (no GPU, no weights), in seconds.
+
+    tinypipe plan --model llama-3.1-8b --gpus 2 --gpu-memory 24GiB --cpu-memory 128GiB \\
+                  --seq-len 4096 --global-batch 16 [--hardware rtx4090-pcie4|FILE] [--json]
+
+Exit status: 0 with the plan printed; 1 when no plan fits (one line saying what the smallest plan
+needs); 2 for bad input (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any, Sequence
+
+PROG = "tinypipe plan"
+EXIT_OK, EXIT_NO_FIT, EXIT_USAGE = 0, 1, 2
+DEFAULT_HARDWARE = "rtx4090-pcie4"
+
+
+def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    """Register ``plan`` on an ``add_subparsers()`` object; the parsed args' ``func`` is :func:`run`."""
+    p = subparsers.add_parser(
+        "plan", parents=list(parents), help="plan packing/micro-batches/memory for a model and machine (offline)",
+        description="Choose a Tiny-Pipe plan (pack sizes, micro-batch sizes, prefetch window, where pack inputs "
+                    "are stashed) that fits the GPUs and host memory, and predict its speed. Runs offline from a "
+                    "config: no GPU, no weights.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, metavar="MODEL",
+                   help="Hugging Face model directory, a config.json, or a preset (e.g. llama-3.1-8b; "
+                        "'--model list' shows them)")
+    p.add_argument("--gpus", default="1", metavar="N", help="number of GPUs (default: 1)")
+    p.add_argument("--gpu-memory", default=None, metavar="SIZE",
+                   help="memory per GPU, e.g. 24GiB, 24G, 24000MB (default: the hardware preset's)")
+    p.add_argument("--cpu-memory", default=None, metavar="SIZE",
+                   help="host memory for training, e.g. 128GiB (default: this machine's RAM)")
+    p.add_argument("--seq-len", default=None, metavar="L", help="tokens per sequence (required)")
+    p.add_argument("--global-batch", default=None, metavar="B", help="sequences per optimizer step (required)")
+    p.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="PRESET|FILE",
+                   help=f"GPU + link + CPU rates: a preset or a JSON file (default: {DEFAULT_HARDWARE}; "
+                        "'--hardware list' shows presets)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="compute precision (default: bf16)")
+    p.add_argument("--max-grad-norm", default=None, metavar="X",
+                   help="global-norm clipping (retains gradients on the host: +4 B/param)")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--save-plan", default=None, metavar="FILE",
+                   help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
+
+
+def _positive_int(name: str, text: Any) -> int:
+    from tinypipe.errors import ConfigError
+
+    if text is None:
+        raise ConfigError(f"{name} is required")
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be a whole number, got {text!r}") from None
+    if value < 1:
+        raise ConfigError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _listing(what: str) -> str:
+    from tinypipe.planner.hardware import HARDWARE, GiB
+    from tinypipe.planner.presets import PRESETS
+
+    if what == "model":
+        return "\n".join(f"{name:<16} {d['model_type']}" for name, d in PRESETS.items())
+    return "\n".join(f"{h.name:<16} {h.gpu_memory_bytes / GiB:5.0f} GiB  H2D {h.h2d_gbs:g} GB/s  "
+                     f"{h.bf16_tflops:g} TFLOP/s (achieved bf16)  AdamW {h.cpu_adamw_gparams_s:g} G/s  {h.description}"
+                     for h in HARDWARE.values())
+
+
+def _host_ram() -> int:
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().total)
+    except Exception:  # noqa: BLE001 - no psutil: ask for the flag
+        from tinypipe.errors import ConfigError
+
+        raise ConfigError("cannot read this machine's RAM; give --cpu-memory") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    """Plan and print; returns the exit status (0 plan, 1 nothing fits, 2 bad input)."""
+    from tinypipe.errors import PlanDoesNotFitError, TinypipeError
+
+    debug = bool(getattr(args, "debug", False))
+    try:
+        if str(args.model).strip().lower() == "list":
+            print(_listing("model"))
+            return EXIT_OK
+        if str(args.hardware).strip().lower() == "list":
+            print(_listing("hardware"))
+            return EXIT_OK
+        from tinypipe.planner.hardware import parse_bytes
+        from tinypipe.planner.search import format_plan, plan_for
+
+        gpus = _positive_int("--gpus", args.gpus)
+        seq = _positive_int("--seq-len", args.seq_len)
+        batch = _positive_int("--global-batch", args.global_batch)
+        gpu_mem = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
+        cpu_mem = parse_bytes(args.cpu_memory) if args.cpu_memory is not None else _host_ram()
+        clip = None
+        if args.max_grad_norm is not None and str(args.max_grad_norm).strip().lower() not in ("none", "off", ""):
+            try:
+                clip = float(args.max_grad_norm)
+            except ValueError:
+                from tinypipe.errors import ConfigError
+
+                raise ConfigError(f"--max-grad-norm must be a number, got {args.max_grad_norm!r}") from None
+        result = plan_for(args.model, args.hardware, gpus=gpus, gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_mem,
+                          seq=seq, global_batch=batch, precision=args.precision, max_grad_norm=clip)
+        if args.save_plan:
+            try:
+                result.best.plan.save(args.save_plan)
+            except OSError as exc:
+                from tinypipe.errors import ConfigError
+
+                raise ConfigError(f"cannot write {args.save_plan}: {exc.strerror or exc}") from None
+        if args.json:
+            print(json.dumps(result.as_dict(), indent=1, default=str))
+        else:
+            print(format_plan(result))
+        return EXIT_OK
+    except PlanDoesNotFitError as exc:
+        if debug:
+            raise
+        print(f"{PROG}: {_one_line(exc)}", file=sys.stderr, flush=True)
+        return EXIT_NO_FIT
+    except TinypipeError as exc:
+        if debug:
+            raise
+        print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+def _one_line(exc: BaseException) -> str:
+    return " ".join(str(exc).split()) or type(exc).__name__
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Standalone entry (``python -m tinypipe.planner.cli_plan ...``) until ``tinypipe plan`` is wired."""
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:
+        return exc.code if isinstance(exc.code, int) else EXIT_USAGE
+    return run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,375 @@
+"""Plan search: enumerate packings, micro-batch sizes, prefetch windows and stash placements,
+estimate each plan's memory and step time, keep those that fit, return the fastest and the
+time-memory Pareto front.
+
+Fitting means, for every device, static pools + estimated activation peak + headroom <= the
+GPU's memory, and host bytes (tinypipe-owned, exact) + the process baseline <= the host budget.
+The headroom covers what the estimate leaves out: the CUDA context (outside PyTorch's allocator)
+and allocator fragmentation (:data:`GPU_CONTEXT_BYTES`, :data:`FRAGMENTATION`). The host baseline
+(:data:`HOST_BASELINE_BYTES`) is the Python process with torch and transformers loaded (measured
+~1.8 GB above tinypipe's own bytes on the H200 box).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import transformers
+
+from tinypipe.errors import ConfigError, PlanDoesNotFitError
+from tinypipe.memory.report import GIB, MemoryReport, fmt_bytes
+from tinypipe.planner.cost import REFERENCE_TOKENS, StepTime, predict_step_time
+from tinypipe.planner.estimate import estimate_memory
+from tinypipe.planner.hardware import HardwareSpec, load_hardware
+from tinypipe.planner.presets import load_model_config
+from tinypipe.planner.sizes import ModelSizes, model_sizes
+from tinypipe.schedule.plan import Plan, make_plan
+
+#: GPU memory the CUDA context and library handles take outside PyTorch's allocator.
+GPU_CONTEXT_BYTES = 512 * 1024**2
+#: Share of the activation peak added for allocator fragmentation (expandable segments on).
+FRAGMENTATION = 0.10
+#: Host memory of the process beyond tinypipe's accounted bytes (interpreter, libraries, model
+#: object shells, tokenizer, data).
+HOST_BASELINE_BYTES = 3 * GIB
+#: Plans within this fraction of the fastest count as equally fast; the leanest of them is chosen.
+NEAR_FASTEST = 0.01
+MAX_UNIFORM_PACK = 8
+WINDOWS = (1, 2, 3)
+
+
+@dataclass
+class Candidate:
+    """One evaluated plan."""
+
+    plan: Plan
+    knobs: dict  # the Config fields that select this plan
+    memory: MemoryReport
+    time: StepTime
+    gpu_need: int  # the fullest device: static + activation peak + headroom
+    host_need: int  # tinypipe's host bytes + process baseline
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time.tokens_per_s
+
+    def describe(self) -> str:
+        k = self.knobs
+        pack = k["pack_size"]
+        pack_s = str(pack) if isinstance(pack, int) else "[" + ",".join(map(str, pack)) + "]"
+        stash = k["stash"]
+        if not isinstance(stash, str):
+            hosts = sum(1 for s in stash if s == "host")
+            stash = f"host x{hosts}, device x{len(stash) - hosts}"
+        return (f"pack {pack_s}, micro-batch {k['micro_batch_size']}/{k['backward_micro_batch_size']} "
+                f"(fwd/bwd), window {k['prefetch_window']}, stash {stash}")
+
+
+@dataclass
+class PlanResult:
+    """The search's answer: the fastest fitting plan and the time-memory Pareto front."""
+
+    best: Candidate
+    pareto: list[Candidate]
+    sizes: ModelSizes
+    hardware: HardwareSpec
+    gpus: int
+    gpu_memory_bytes: int
+    cpu_memory_bytes: int
+    seq: int
+    global_batch: int
+    precision: str
+    max_grad_norm: float | None
+    considered: int
+    fitting: int
+    model_name: str = ""
+    notes: list[str] = field(default_factory=list)
+
+    def config_kwargs(self, candidate: Candidate | None = None) -> dict:
+        """``tinypipe.Config`` fields that realise ``candidate`` (default: the best plan)."""
+        c = candidate or self.best
+        out = dict(c.knobs)
+        out["devices"] = [f"cuda:{i}" for i in range(self.gpus)]
+        out["precision"] = self.precision
+        out["max_grad_norm"] = self.max_grad_norm
+        return out
+
+    def as_dict(self) -> dict:
+        def cand(c: Candidate) -> dict:
+            return {
+                "knobs": c.knobs,
+                "plan": {k: v for k, v in c.plan.__dict__.items() if k != "extra"},
+                "gpu_need_bytes": c.gpu_need,
+                "host_need_bytes": c.host_need,
+                "memory": c.memory.as_dict(),
+                "time": c.time.as_dict(),
+                "tokens_per_s": c.tokens_per_s,
+            }
+
+        s = self.sizes
+        return {
+            "model": {"name": self.model_name, "model_type": s.model_type, "params": s.param_count,
+                      "blocks": s.num_blocks, "hidden": s.hidden, "vocab": s.vocab, "tied": s.tied,
+                      "embed_numel": s.embed_numel, "head_numel": s.head_numel, "block_numel": s.slot_numel,
+                      "block_act_bytes_per_token": s.act_bytes_per_token.get(self.precision)},
+            "hardware": self.hardware.as_dict(),
+            "budget": {"gpus": self.gpus, "gpu_memory_bytes": self.gpu_memory_bytes,
+                       "cpu_memory_bytes": self.cpu_memory_bytes},
+            "workload": {"seq": self.seq, "global_batch": self.global_batch, "precision": self.precision,
+                         "max_grad_norm": self.max_grad_norm},
+            "considered": self.considered,
+            "fitting": self.fitting,
+            "best": cand(self.best),
+            "config": self.config_kwargs(),
+            "pareto": [cand(c) for c in self.pareto],
+            "notes": self.notes,
+        }
+
+
+# --------------------------------------------------------------------------- enumeration
+
+
+def pack_options(num_blocks: int, max_uniform: int = MAX_UNIFORM_PACK) -> list[int | tuple[int, ...]]:
+    """Uniform pack sizes 1..max (remainder last, as ``split_packs``) and a few uneven packings:
+    the remainder first, and a first pack of one block (pack 0's optimizer steps are the exposed
+    tail of the step, so a small first pack shortens it)."""
+    L = num_blocks
+    out: list[int | tuple[int, ...]] = []
+    seen: set[tuple[int, ...]] = set()
+
+    def add(sizes: tuple[int, ...], as_int: int | None = None) -> None:
+        if sizes in seen or not sizes or min(sizes) < 1 or sum(sizes) != L:
+            return
+        seen.add(sizes)
+        out.append(as_int if as_int is not None else sizes)
+
+    def uniform(k: int, n: int) -> tuple[int, ...]:
+        return tuple([k] * (n // k) + ([n % k] if n % k else []))
+
+    for k in range(1, min(max_uniform, L) + 1):
+        add(uniform(k, L), k)
+    for k in range(2, min(max_uniform, L) + 1):
+        if L % k:
+            add(tuple([L % k] + [k] * (L // k)))
+        if L > k:
+            add((1,) + uniform(k, L - 1))
+    return out
+
+
+def micro_batch_options(batch: int) -> list[int]:
+    """Divisors of the batch and powers of two up to it."""
+    opts = {d for d in range(1, batch + 1) if batch % d == 0}
+    p = 1
+    while p <= batch:
+        opts.add(p)
+        p *= 2
+    return sorted(opts)
+
+
+def stash_options(num_packs: int) -> list[str | tuple[str, ...]]:
+    """All on the device, all in host memory, and host for the first k pack inputs (the longest
+    lived on the device) for k around a quarter, half and three quarters of the packs."""
+    out: list[str | tuple[str, ...]] = ["device"]
+    if num_packs > 1:
+        out.append("host")
+    ks = sorted({k for k in (num_packs // 4, num_packs // 2, (3 * num_packs) // 4) if 0 < k < num_packs - 1})
+    for k in ks:
+        out.append(tuple(["device"] + ["host"] * k + ["device"] * (num_packs - k)))
+    return out
+
+
+def _useful(options: Sequence[int], all_mbs: Sequence[int], seq: int) -> list[int]:
+    """Micro-batch sizes worth trying: one whose half is also an option and already reaches the
+    cost model's efficiency plateau (REFERENCE_TOKENS) is never faster, only larger."""
+    keep = []
+    for m in sorted(set(options)):
+        if m % 2 == 0 and m // 2 in all_mbs and (m // 2) * seq >= REFERENCE_TOKENS:
+            continue
+        keep.append(m)
+    return keep
+
+
+def _gpu_need(report: MemoryReport) -> int:
+    worst = 0
+    for name, cats in report.devices.items():
+        act = cats.get("activations_peak", 0)
+        need = report.device_total(name) + act + int(FRAGMENTATION * act) + GPU_CONTEXT_BYTES
+        worst = max(worst, need)
+    return worst
+
+
+def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequence[int], fwd_micro_batch: int,
+             bwd_micro_batch: int, prefetch_window: int, stash: str | Sequence[str], gpus: int, seq: int,
+             global_batch: int, precision: str = "bf16", max_grad_norm: float | None = None,
+             host_grad_buffers: int = 3, peaks: Sequence[int] | None = None) -> Candidate:
+    """Build the plan for these knobs and estimate its memory and time (``peaks``: activation
+    peaks already estimated for the same plan with another window)."""
+    plan = make_plan(sizes.num_blocks, pack_size=pack_size if isinstance(pack_size, int) else list(pack_size),
+                     fwd_micro_batch=fwd_micro_batch, bwd_micro_batch=bwd_micro_batch, num_devices=gpus,
+                     prefetch_window=prefetch_window, stash=stash if isinstance(stash, str) else list(stash),
+                     tied=sizes.tied)
+    devices = [f"cuda:{i}" for i in range(gpus)]
+    mem = estimate_memory(sizes, plan, batch=global_batch, seq=seq, precision=precision, devices=devices,
+                          host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks)
+    t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision)
+    knobs = {
+        "pack_size": pack_size if isinstance(pack_size, int) else list(pack_size),
+        "micro_batch_size": fwd_micro_batch,
+        "backward_micro_batch_size": bwd_micro_batch,
+        "prefetch_window": prefetch_window,
+        "stash": stash if isinstance(stash, str) else list(stash),
+    }
+    return Candidate(plan, knobs, mem, t, _gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)
+
+
+def _pareto(cands: list[Candidate]) -> list[Candidate]:
+    """Plans no other plan beats on both step time and GPU need (fastest first)."""
+    front: list[Candidate] = []
+    for c in sorted(cands, key=lambda c: (c.time.step_s, c.gpu_need, c.host_need)):
+        if not front or c.gpu_need < front[-1].gpu_need:
+            front.append(c)
+    return front
+
+
+def _resolve(config: transformers.PretrainedConfig | str) -> tuple[transformers.PretrainedConfig, str]:
+    if isinstance(config, transformers.PretrainedConfig):
+        return config, getattr(config, "name_or_path", "") or getattr(config, "model_type", "")
+    return load_model_config(str(config)), str(config)
+
+
+def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, *, gpus: int,
+             gpu_memory_bytes: int | None = None, cpu_memory_bytes: int, seq: int, global_batch: int,
+             precision: str = "bf16", max_grad_norm: float | None = None, host_grad_buffers: int = 3,
+             max_pareto: int = 8) -> PlanResult:
+    """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
+    and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front.
+
+    Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
+    """
+    if gpus < 1:
+        raise ConfigError(f"--gpus must be >= 1, got {gpus}")
+    if seq < 2:
+        raise ConfigError(f"sequence length must be >= 2, got {seq}")
+    if global_batch < 1:
+        raise ConfigError(f"global batch must be >= 1, got {global_batch}")
+    if precision not in ("bf16", "fp32"):
+        raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    if max_grad_norm is not None and not max_grad_norm > 0:
+        raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    hw = load_hardware(hardware)
+    gpu_mem = int(gpu_memory_bytes) if gpu_memory_bytes else hw.gpu_memory_bytes
+    if cpu_memory_bytes <= 0:
+        raise ConfigError("host memory budget must be positive")
+    cfg, name = _resolve(config)
+    max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    notes = []
+    if isinstance(max_pos, int) and seq > max_pos:
+        raise ConfigError(f"sequence length {seq} exceeds the model's max_position_embeddings {max_pos}")
+    sizes = model_sizes(cfg)
+    if sizes.act_source != "probe":
+        notes.append("activation sizes come from a generic formula (the probe model could not be built)")
+
+    mbs = micro_batch_options(global_batch)
+    cands: list[Candidate] = []
+    fits: list[Candidate] = []
+    for pack in pack_options(sizes.num_blocks):
+        num_packs = len(pack) if isinstance(pack, tuple) else -(-sizes.num_blocks // pack)
+        largest = max(pack) if isinstance(pack, tuple) else pack
+        windows = [w for w in WINDOWS if w <= max(1, largest)]
+        for stash in stash_options(num_packs):
+            for b in _useful(mbs, mbs, seq):
+                for f in _useful([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq):
+                    peaks = None
+                    for w in windows:
+                        c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=f, bwd_micro_batch=b,
+                                     prefetch_window=w, stash=stash, gpus=gpus, seq=seq, global_batch=global_batch,
+                                     precision=precision, max_grad_norm=max_grad_norm,
+                                     host_grad_buffers=host_grad_buffers, peaks=peaks)
+                        peaks = [c.memory.devices[k]["activations_peak"] for k in c.memory.devices]
+                        cands.append(c)
+                        if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes:
+                            fits.append(c)
+    if not fits:
+        raise PlanDoesNotFitError(_why_not(cands, gpu_mem, cpu_memory_bytes, gpus))
+    front = _pareto(fits)
+    fastest = front[0].time.step_s
+    best = min((c for c in front if c.time.step_s <= fastest * (1 + NEAR_FASTEST)), key=lambda c: c.gpu_need)
+    return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
+                      gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=global_batch,
+                      precision=precision, max_grad_norm=max_grad_norm, considered=len(cands), fitting=len(fits),
+                      model_name=name, notes=notes)
+
+
+def _gib(n: float) -> str:
+    return f"{n / GIB:.1f} GiB"
+
+
+def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> str:
+    """One line: what the smallest configuration needs and what to try."""
+    host_ok = [c for c in cands if c.host_need <= cpu_mem]
+    gpu_ok = [c for c in cands if c.gpu_need <= gpu_mem]
+    min_host = min(cands, key=lambda c: c.host_need)
+    min_gpu = min(cands, key=lambda c: c.gpu_need)
+    if not host_ok:
+        return (f"needs {_gib(min_host.host_need)} host memory, have {_gib(cpu_mem)} "
+                f"({_gib(min_host.memory.host['master_weights'] + min_host.memory.host['optimizer_state'])} of it "
+                "fp32 master weights + AdamW state); try --lora or more RAM")
+    if not gpu_ok:
+        return (f"needs {_gib(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}), have "
+                f"{_gib(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch, more GPUs or --lora")
+    # each budget can be met alone, but no plan meets both: the GPU-lean plans stash on the host
+    best = min(host_ok, key=lambda c: c.gpu_need)
+    return (f"needs {_gib(best.gpu_need)} GPU memory per device with host memory under {_gib(cpu_mem)} "
+            f"(or {_gib(min_gpu.host_need)} host memory at {_gib(min_gpu.gpu_need)} GPU memory); have "
+            f"{_gib(gpu_mem)} GPU memory; try a shorter --seq-len, more RAM or more GPUs")
+
+
+# --------------------------------------------------------------------------- report
+
+
+def format_plan(result: PlanResult) -> str:
+    """Human-readable plan: the choice, predicted speed, memory per GPU and host by category."""
+    b = result.best
+    s = result.sizes
+    t = b.time
+    lines = [
+        f"model: {result.model_name or s.model_type} ({s.model_type}, {s.param_count / 1e9:.2f} B params, "
+        f"{s.num_blocks} blocks, hidden {s.hidden}, vocab {s.vocab}{', tied embeddings' if s.tied else ''})",
+        f"hardware: {result.gpus} x {result.hardware.name} ({_gib(result.gpu_memory_bytes)} each), "
+        f"host {_gib(result.cpu_memory_bytes)}; {result.precision}, {result.global_batch} x {result.seq} tokens/step"
+        + (f", clip {result.max_grad_norm}" if result.max_grad_norm is not None else ""),
+        f"plan: {b.describe()}",
+        f"predicted: {t.step_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s "
+        f"(fill {t.fill_s:.2f} + forward {t.forward_s:.2f} [{t.forward_limit}] + head {t.head_s:.2f} + "
+        f"backward {t.backward_s:.2f} [{t.backward_limit}] + tail {t.tail_s:.2f})",
+        f"bound: compute {t.compute_s:.2f} s, upload {t.upload_s:.2f} s, download {t.download_s:.2f} s, "
+        f"cpu optimizer {t.optimizer_s:.2f} s",
+        "",
+        "GPU memory per device (static pools exact, activations estimated):",
+    ]
+    for name, cats in b.memory.devices.items():
+        act = cats.get("activations_peak", 0)
+        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in cats.items())
+        total = b.memory.device_total(name) + act
+        lines.append(f"  {name}: {fmt_bytes(total)} ({parts})")
+    lines.append(f"  + headroom (CUDA context, fragmentation): need {fmt_bytes(b.gpu_need)} of "
+                 f"{fmt_bytes(result.gpu_memory_bytes)} on the fullest device")
+    lines.append("host memory:")
+    for k, v in b.memory.host.items():
+        lines.append(f"  {k:<24} {fmt_bytes(v):>12}")
+    lines.append(f"  {'total (tinypipe)':<24} {fmt_bytes(b.memory.host_total):>12}   "
+                 f"+ process ~{fmt_bytes(HOST_BASELINE_BYTES)} = {fmt_bytes(b.host_need)} of "
+                 f"{fmt_bytes(result.cpu_memory_bytes)}")
+    kw = result.config_kwargs()
+    lines.append("")
+    lines.append("tinypipe.Config(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")")
+    if len(result.pareto) > 1:
+        lines.append("")
+        lines.append(f"time-memory trade-offs ({result.fitting} of {result.considered} plans fit):")
+        for c in result.pareto:
+            lines.append(f"  {c.time.step_s:6.2f} s/step {c.tokens_per_s:>9,.0f} tok/s  GPU {_gib(c.gpu_need):>9}  "
+                         f"host {_gib(c.host_need):>9}  {c.describe()}")
+    for note in result.notes:
+        lines.append(f"note: {note}")
+    return "\n".join(lines)
