@@ -55,7 +55,7 @@ class Config:
     grad_slots: int | None = None
     nonfinite: NonFinitePolicy = "raise"
     trace: bool = False
-    host_grad_buffers: int = 3
+    host_grad_buffers: int | None = None
     stall_timeout_s: float = 300.0
     check_finite: bool = False
     optimizer_threads: int | None = None
@@ -127,7 +127,7 @@ class Config:
             raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
         if not self.stall_timeout_s > 0:
             raise ConfigError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
-        if self.host_grad_buffers < 1:
+        if self.host_grad_buffers is not None and self.host_grad_buffers < 1:
             raise ConfigError(f"host_grad_buffers must be >= 1, got {self.host_grad_buffers}")
 
     @property

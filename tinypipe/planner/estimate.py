@@ -6,7 +6,7 @@ Static parts mirror :class:`tinypipe.Engine` exactly (same categories, same byte
 
 host
     ``master_weights`` 4 B and ``optimizer_state`` 8 B per flat element; ``pinned_grad_pool`` one
-    pool per device entry of ``host_grad_buffers`` fp32 chunks of ``max(slot, 64 Ki)`` elements;
+    pool per device entry of ``buffer_count(...)`` fp32 chunks of ``chunk_numel(slot)`` elements;
     ``gradient_buffers`` 4 B per flat element when gradients are retained (``max_grad_norm`` set
     or the non-finite policy ``"skip"``); ``stashed_activations`` one ``[B, S, H]`` buffer in the
     compute dtype per host-stashed pack input.
@@ -47,7 +47,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tinypipe.errors import ConfigError
-from tinypipe.memory.grad_pool import chunk_numel
+from tinypipe.memory.grad_pool import buffer_count, chunk_numel
 from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.cost import pack_stats
 from tinypipe.planner.sizes import ModelSizes
@@ -84,7 +84,7 @@ def head_chunk_tokens(vocab: int, budget_bytes: int = 512 * 1024**2) -> int:
 
 
 def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str, num_devices: int,
-               host_grad_buffers: int = 3, retain_grads: bool = False, hidden: int | None = None) -> dict[str, int]:
+               host_grad_buffers: int | None = None, retain_grads: bool = False, hidden: int | None = None) -> dict[str, int]:
     """Host memory by category (``Engine.memory_report().host`` after a step)."""
     hidden = hidden or sizes.hidden
     flat = sizes.total_numel
@@ -93,7 +93,7 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
     return {
         "master_weights": 4 * flat,
         "optimizer_state": 8 * flat,
-        "pinned_grad_pool": num_devices * host_grad_buffers * chunk * 4,
+        "pinned_grad_pool": num_devices * buffer_count(sizes.slot_numel, host_grad_buffers) * chunk * 4,
         "gradient_buffers": 4 * flat if retain_grads else 0,
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
     }
@@ -239,7 +239,7 @@ def _phase_name(k: int, P: int) -> str:
 
 def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
                     devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
-                    host_grad_buffers: int = 3, max_grad_norm: float | None = None,
+                    host_grad_buffers: int | None = None, max_grad_norm: float | None = None,
                     retain_grads: bool | None = None, head_chunk: int | None = None,
                     peaks: Sequence[int] | None = None) -> MemoryReport:
     """The :class:`MemoryReport` the engine would give for ``plan`` after one step of

@@ -202,7 +202,7 @@ def _gpu_need(report: MemoryReport) -> int:
 def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequence[int], fwd_micro_batch: int,
              bwd_micro_batch: int, prefetch_window: int, stash: str | Sequence[str], gpus: int, seq: int,
              global_batch: int, precision: str = "bf16", max_grad_norm: float | None = None,
-             host_grad_buffers: int = 3, peaks: Sequence[int] | None = None) -> Candidate:
+             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None) -> Candidate:
     """Build the plan for these knobs and estimate its memory and time (``peaks``: activation
     peaks already estimated for the same plan with another window)."""
     plan = make_plan(sizes.num_blocks, pack_size=pack_size if isinstance(pack_size, int) else list(pack_size),
@@ -240,7 +240,7 @@ def _resolve(config: transformers.PretrainedConfig | str) -> tuple[transformers.
 
 def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, *, gpus: int,
              gpu_memory_bytes: int | None = None, cpu_memory_bytes: int, seq: int, global_batch: int,
-             precision: str = "bf16", max_grad_norm: float | None = None, host_grad_buffers: int = 3,
+             precision: str = "bf16", max_grad_norm: float | None = None, host_grad_buffers: int | None = None,
              max_pareto: int = 8) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front.

@@ -17,7 +17,7 @@ from tinypipe.config import Config
 from tinypipe.devices.backend import HostPinner, make_backend
 from tinypipe.errors import BatchError, ConfigError, NonFiniteError, WorkerError
 from tinypipe.memory.device_pool import DevicePool
-from tinypipe.memory.grad_pool import HostGradPool, chunk_numel
+from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import HostStore
 from tinypipe.memory.report import MemoryReport
@@ -122,7 +122,7 @@ class Engine:
                 resident,
                 staging_numel=min(slot_numel, STAGING_MAX),
             )
-            gpool = HostGradPool(cfg.host_grad_buffers, grad_chunk, self.pinner)
+            gpool = HostGradPool(buffer_count(slot_numel, cfg.host_grad_buffers), grad_chunk, self.pinner)
             shell = Shell(model, dec, backend.device)
             self.devices.append(DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool))
         self.optimizer = CpuAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)

@@ -14,12 +14,14 @@ can cause is a one-line :class:`ModelLoadError`.
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import functools
 import importlib.util
 import json
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Iterator
 
 import torch
 
@@ -240,7 +242,8 @@ def _load_gguf(file: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
     _require_gguf()
     folder, name = str(file.parent), file.name
     try:
-        loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
+        with _memoised_gguf():
+            loaded = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32)
     except ValueError as exc:
         msg = _one_line(exc)
         if "not supported" in msg or "Unrecognized" in msg or "Unknown" in msg:
@@ -254,6 +257,47 @@ def _load_gguf(file: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
     model = _plain_copy(loaded)
     model.eval()
     return model, tokenizer
+
+
+@contextlib.contextmanager
+def _memoised_gguf() -> Iterator[None]:
+    """Memoise two pure ``gguf`` calls while transformers loads a GGUF model.
+
+    ``from_pretrained(gguf_file=...)`` parses the file's header twice (config, then weights) and
+    rebuilds gguf's tensor-name table once per submodule (~400 times for a 30-layer Llama): over
+    a third of SmolLM2's load time on a 2-core CPU. Both results are read-only, so they are
+    cached here for the duration of the load and the originals restored afterwards. transformers
+    imports both names from ``gguf`` at call time; if that ever changes this is merely a no-op.
+    """
+    try:
+        import gguf
+    except ImportError:
+        yield
+        return
+    original_reader = getattr(gguf, "GGUFReader", None)
+    original_name_map = getattr(gguf, "get_tensor_name_map", None)
+    readers: dict[tuple[str, str], object] = {}
+
+    def cached_reader(path, mode="r"):  # noqa: ANN001 - mirrors GGUFReader(path, mode)
+        key = (os.path.realpath(os.fspath(path)), mode)
+        if mode != "r":
+            return original_reader(path, mode)  # type: ignore[misc]
+        if key not in readers:
+            readers[key] = original_reader(path, mode)  # type: ignore[misc]
+        return readers[key]
+
+    try:
+        if original_reader is not None:
+            gguf.GGUFReader = cached_reader
+        if original_name_map is not None:
+            gguf.get_tensor_name_map = functools.lru_cache(maxsize=None)(original_name_map)
+        yield
+    finally:
+        if original_reader is not None:
+            gguf.GGUFReader = original_reader
+        if original_name_map is not None:
+            gguf.get_tensor_name_map = original_name_map
+        readers.clear()
 
 
 def _plain_config(config):
