@@ -2,6 +2,7 @@
 
     tinypipe demo       fine-tune SmolLM2-135M-Instruct on a bundled corpus (no download)
     tinypipe finetune   full-parameter fine-tuning of a Hugging Face causal LM on your data
+    tinypipe plan       pick packing / micro-batches / placement for a model and a machine, offline
 
 Errors caused by input (a missing model, a malformed data line, a bad option value) print one
 line, ``tinypipe: error: ...``, and exit with status 2; ``--debug`` adds the traceback.
@@ -398,11 +399,19 @@ def _generate(model: Any, tokenizer: Any, prompt: str, new_tokens: int) -> str:
     model.eval()
     enc = tokenizer(prompt, return_tensors="pt")
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-    with torch.no_grad():
-        out = model.generate(
-            **enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
-            temperature=None, top_p=None, top_k=None,
-        )
+    # Decoding one token at a time is thousands of tiny, memory-bound matmuls: one thread is as
+    # fast as several, and unlike an OpenMP team it does not stall whenever another process
+    # takes a core (measured on a shared 2-core box: 3 s alone, 11-14 s with two threads).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            out = model.generate(
+                **enc, max_new_tokens=new_tokens, do_sample=False, pad_token_id=pad,
+                temperature=None, top_p=None, top_k=None,
+            )
+    finally:
+        torch.set_num_threads(threads)
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
@@ -562,6 +571,10 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=o.choices, metavar=o.metavar, help=o.help)
     ft.add_argument("--no-progress", action="store_true", help="no progress bar")
     ft.set_defaults(func=cmd_finetune)
+
+    from tinypipe.planner.cli_plan import add_parser as add_plan_parser  # light: no torch at import
+
+    add_plan_parser(sub, parents=[debug])
     return parser
 
 

