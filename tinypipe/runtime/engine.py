@@ -24,6 +24,7 @@ from tinypipe.memory.report import MemoryReport
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
+from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optimizer import CpuAdamW
 from tinypipe.runtime.step import StepInputs, StepRunner, StepState, host_times
@@ -276,6 +277,16 @@ class Engine:
             s.spec.name: {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step}
             for s in self.store.layers
         }
+
+    def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
+        """Atomically write master weights, AdamW state and step counts (+ ``extra``, e.g. the data
+        position and RNG states) so :meth:`load_checkpoint` resumes exactly."""
+        return save_checkpoint(self.store, self.step_count, path, extra)
+
+    def load_checkpoint(self, path: str | os.PathLike) -> dict:
+        """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``."""
+        self.step_count, extra = load_checkpoint(self.store, path)
+        return extra
 
     def save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
         """Write a directory ``AutoModelForCausalLM.from_pretrained`` loads (config + safetensors)."""

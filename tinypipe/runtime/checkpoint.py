@@ -1,0 +1,106 @@
+"""Atomic training checkpoints: master weights, AdamW moments and step counts per layer, plus
+whatever the caller needs to resume exactly (LR schedule position, data position, RNG states).
+
+A checkpoint is a directory: one safetensors file per layer and ``state.json``. It is written to a
+temporary sibling directory, flushed, and swapped in with renames, so a crash or kill at any
+moment leaves either the previous checkpoint or the new one -- never a mixture.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tinypipe.errors import ConfigError
+from tinypipe.memory.host_store import HostStore
+
+FORMAT = 1
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+    """Write the training state of ``store`` to directory ``path`` atomically."""
+    final = Path(path)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = final.with_name(final.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    layers = []
+    for i, s in enumerate(store.layers):
+        fresh = s.step == 0  # moments are uninitialised until a layer's first step
+        tensors = {
+            "master": s.master,
+            "exp_avg": torch.zeros_like(s.exp_avg) if fresh else s.exp_avg,
+            "exp_avg_sq": torch.zeros_like(s.exp_avg_sq) if fresh else s.exp_avg_sq,
+        }
+        name = f"layer-{i:04d}.safetensors"
+        save_file(tensors, str(tmp / name))
+        with open(tmp / name, "rb+") as f:
+            os.fsync(f.fileno())
+        layers.append({"name": s.spec.name, "numel": s.spec.numel, "step": s.step, "file": name})
+    state = {"format": FORMAT, "step_count": step_count, "layers": layers, "extra": extra or {}}
+    with open(tmp / "state.json", "w") as f:
+        json.dump(state, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    _fsync_dir(tmp)
+    old = final.with_name(final.name + ".old")
+    if old.exists():
+        shutil.rmtree(old)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    _fsync_dir(final.parent)
+    if old.exists():
+        shutil.rmtree(old)
+    return final
+
+
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """The complete checkpoint at ``path``, or the previous one if a save was interrupted mid-swap."""
+    final = Path(path)
+    for candidate in (final, final.with_name(final.name + ".old")):
+        if (candidate / "state.json").is_file():
+            return candidate
+    return None
+
+
+def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
+    """Restore ``store`` from a checkpoint; returns (step_count, extra)."""
+    found = find_checkpoint(path)
+    if found is None:
+        raise ConfigError(f"{path}: no checkpoint here (no state.json)")
+    try:
+        state = json.loads((found / "state.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{found}/state.json: unreadable checkpoint ({exc})") from exc
+    if state.get("format") != FORMAT or len(state.get("layers", [])) != len(store.layers):
+        raise ConfigError(f"{found}: checkpoint is for a different model or format")
+    for s, entry in zip(store.layers, state["layers"]):
+        if entry["numel"] != s.spec.numel or entry["name"] != s.spec.name:
+            raise ConfigError(f"{found}: layer {entry['name']} does not match this model's {s.spec.name}")
+    for s, entry in zip(store.layers, state["layers"]):
+        tensors = load_file(str(found / entry["file"]))
+        with torch.no_grad():
+            s.master.copy_(tensors["master"])
+            s.exp_avg.copy_(tensors["exp_avg"])
+            s.exp_avg_sq.copy_(tensors["exp_avg_sq"])
+        s.step = int(entry["step"])
+    return int(state["step_count"]), dict(state.get("extra", {}))
