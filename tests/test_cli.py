@@ -275,3 +275,42 @@ def test_demo_runs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     assert reloaded.lm_head.weight.data_ptr() == reloaded.model.embed_tokens.weight.data_ptr()
     tok = transformers.AutoTokenizer.from_pretrained(out)
     assert tok.decode(tok("The Python language")["input_ids"]) == "The Python language"
+
+
+def test_kill_then_resume_equals_uninterrupted(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                               tmp_path: Path, tiny_model_dir: Path, data_file: Path) -> None:
+    """A run killed after its step-2 checkpoint and resumed with --resume ends with the same
+    losses and the same saved weights as a run that was never interrupted."""
+    import tinypipe.runtime.engine as engine_module
+
+    common = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch", "4",
+              "--micro-batch", "2", "--steps", "5", "--lr", "1e-3", "--warmup-steps", "1", "--devices", "cpu",
+              "--checkpoint-every", "2", "--max-grad-norm", "1.0", "--no-progress"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    code, _, err = run_cli(capsys, *common, "--output", straight)
+    assert code == 0, err
+
+    real_step = engine_module.Engine.step
+    calls = {"n": 0}
+
+    def dying_step(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 4:  # killed during step 4: the step-2 checkpoint is the last one
+            raise KeyboardInterrupt
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "step", dying_step)
+    code, _, err = run_cli(capsys, *common, "--output", killed)
+    assert code == 130 and "interrupted" in err
+    monkeypatch.setattr(engine_module.Engine, "step", real_step)
+    assert [r["step"] for r in read_metrics(killed / "metrics.jsonl")] == [1, 2, 3]
+    code, stdout, err = run_cli(capsys, *common, "--output", killed, "--resume")
+    assert code == 0, err
+    assert "resuming at step 2" in stdout
+
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(killed / "metrics.jsonl")
+    assert [r["step"] for r in b] == [1, 2, 3, 4, 5]
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    wa = transformers.AutoModelForCausalLM.from_pretrained(straight, dtype=torch.float32).state_dict()
+    wb = transformers.AutoModelForCausalLM.from_pretrained(killed, dtype=torch.float32).state_dict()
+    assert all(torch.equal(wa[k], wb[k]) for k in wa)

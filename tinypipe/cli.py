@@ -11,6 +11,7 @@ line, ``tinypipe: error: ...``, and exit with status 2; ``--debug`` adds the tra
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import sys
@@ -136,6 +137,8 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("precision", _str, None, "compute precision; master weights stay fp32 (default: bf16 on CUDA, fp32 on cpu)", None,
            ("fp32", "bf16")),
     Option("skip-bad-lines", _bool, False, "skip malformed data lines (logged) instead of stopping", flag=True),
+    Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps (default: off)", "N"),
+    Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result equals an uninterrupted run", flag=True),
 )
 _OPTIONS_BY_DEST = {o.dest: o for o in FINETUNE_OPTIONS}
 
@@ -332,7 +335,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     from tinypipe.runtime.engine import Engine
     from tinypipe.train.data import load_dataset
-    from tinypipe.train.loop import train
+    from tinypipe.train.loop import read_metrics, train
     from tinypipe.train.model_io import load_model
 
     torch.manual_seed(s["seed"])
@@ -363,11 +366,26 @@ def cmd_finetune(args: argparse.Namespace) -> int:
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps), pack size {config.pack_size}, "
              f"micro-batch {config.micro_batch_size}")
         metrics = out / "metrics.jsonl"
+        ckpt_dir = out / "checkpoint"
+        start = 0
+        if s["resume"]:
+            extra = engine.load_checkpoint(ckpt_dir)
+            if extra.get("seed") != s["seed"] or extra.get("global_batch") != s["global_batch"]:
+                raise ConfigError(f"{ckpt_dir}: checkpoint was made with another --seed/--global-batch")
+            start = int(extra["step"])
+            _say(f"resuming at step {start} from {ckpt_dir}")
+            if metrics.exists():  # drop lines of steps after the checkpoint (they will be redone)
+                kept = [r for r in read_metrics(metrics) if r["step"] <= start]
+                metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
         records = train(
             engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
             warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
-            seed=s["seed"], log_path=metrics, progress=not args.no_progress,
+            seed=s["seed"], log_path=metrics, progress=not args.no_progress, append=bool(s["resume"]),
+            start_step=start, checkpoint_dir=ckpt_dir if s["checkpoint_every"] else None,
+            checkpoint_every=s["checkpoint_every"],
         )
+        if s["resume"]:
+            records = read_metrics(metrics)  # the whole run's curve, not just the resumed part
         _say(_loss_summary(records))
         _say(engine.memory_report().to_text())
         metrics, png = _save_outputs(engine, tokenizer, records, out)

@@ -75,13 +75,15 @@ def _check(steps: int, global_batch: int, lr: float, warmup_steps: int, schedule
         raise ConfigError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio}")
 
 
-def _batches(dataset: PackedDataset, global_batch: int, seed: int) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
-    """Batches forever, epoch after epoch (each epoch its own shuffle)."""
-    epoch = 0
+def _batches(dataset: PackedDataset, global_batch: int, seed: int, start_step: int = 0
+             ) -> Iterator[tuple[int, dict[str, torch.Tensor]]]:
+    """Batches forever, epoch after epoch (each epoch its own shuffle), from global step ``start_step``."""
+    per_epoch = dataset.num_batches(global_batch)
+    epoch, start = divmod(start_step, per_epoch) if per_epoch else (0, 0)
     while True:
-        for batch in dataset.batches(global_batch, seed, epoch):
+        for batch in dataset.batches(global_batch, seed, epoch, start_batch=start):
             yield epoch, batch
-        epoch += 1
+        epoch, start = epoch + 1, 0
 
 
 def _fmt_bytes(n: float) -> str:
@@ -105,6 +107,9 @@ def train(
     log_path: str | os.PathLike[str] | None = None,
     progress: bool = True,
     append: bool = False,
+    start_step: int = 0,
+    checkpoint_dir: str | os.PathLike[str] | None = None,
+    checkpoint_every: int = 0,
 ) -> list[dict]:
     """Run ``steps`` optimizer steps of ``global_batch`` rows each; return one record per step.
 
@@ -112,9 +117,14 @@ def train(
     run keeps its metrics) holds ``step`` (1-based), ``epoch``, ``loss``, ``lr``, ``grad_norm``,
     ``tokens``, ``seconds``, ``tokens_per_s``, ``rss_bytes`` (host resident memory after the
     step), ``clipped`` and ``skipped``. ``log_path`` is truncated first unless ``append``.
+
+    Resuming: ``start_step`` continues a run at that global step (data position and learning rate
+    follow from it); with ``checkpoint_dir`` and ``checkpoint_every`` K, an atomic checkpoint is
+    written every K steps and after the last one (``engine.load_checkpoint`` returns
+    ``{"step": ...}``), so a resumed run reproduces the uninterrupted one.
     """
     _check(steps, global_batch, lr, warmup_steps, schedule, min_lr_ratio)
-    batches = _batches(dataset, global_batch, seed)
+    batches = _batches(dataset, global_batch, seed, start_step)
     log = None
     if log_path is not None:
         path = Path(log_path)
@@ -124,11 +134,11 @@ def train(
     if progress:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=steps, desc="training", unit="step", dynamic_ncols=True, leave=True)
+        bar = tqdm(total=steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True, leave=True)
     proc = psutil.Process()
     records: list[dict] = []
     try:
-        for i in range(steps):
+        for i in range(start_step, steps):
             epoch, batch = next(batches)
             step_lr = lr_at(i, lr=lr, total_steps=steps, warmup_steps=warmup_steps,
                             schedule=schedule, min_lr_ratio=min_lr_ratio)
@@ -160,6 +170,8 @@ def train(
                     refresh=False,
                 )
                 bar.update(1)
+            if checkpoint_dir is not None and checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps):
+                engine.save_checkpoint(checkpoint_dir, extra={"step": i + 1, "seed": seed, "global_batch": global_batch})
     finally:
         if bar is not None:
             bar.close()
