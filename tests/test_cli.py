@@ -314,3 +314,36 @@ def test_kill_then_resume_equals_uninterrupted(capsys: pytest.CaptureFixture[str
     wa = transformers.AutoModelForCausalLM.from_pretrained(straight, dtype=torch.float32).state_dict()
     wb = transformers.AutoModelForCausalLM.from_pretrained(killed, dtype=torch.float32).state_dict()
     assert all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_sigterm_writes_a_final_checkpoint_and_resume_matches(capsys: pytest.CaptureFixture[str],
+                                                              monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
+                                                              tiny_model_dir: Path, data_file: Path) -> None:
+    """SIGTERM during step 3 (no periodic checkpoints): the step finishes, a checkpoint is written,
+    the command exits 130; --resume then ends exactly like an uninterrupted run."""
+    import os
+    import signal
+
+    import tinypipe.runtime.engine as engine_module
+
+    common = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch", "4",
+              "--micro-batch", "2", "--steps", "5", "--lr", "1e-3", "--devices", "cpu", "--no-progress"]
+    straight, stopped = tmp_path / "straight", tmp_path / "stopped"
+    assert run_cli(capsys, *common, "--output", straight)[0] == 0
+    real_step = engine_module.Engine.step
+    calls = {"n": 0}
+
+    def step_then_term(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return real_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(engine_module.Engine, "step", step_then_term)
+    code, _, err = run_cli(capsys, *common, "--output", stopped)
+    assert code == 130 and "interrupted after step 3" in err, err
+    monkeypatch.setattr(engine_module.Engine, "step", real_step)
+    code, stdout, err = run_cli(capsys, *common, "--output", stopped, "--resume")
+    assert code == 0 and "resuming at step 3" in stdout, err
+    a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]

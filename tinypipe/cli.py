@@ -335,7 +335,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     from tinypipe.runtime.engine import Engine
     from tinypipe.train.data import load_dataset
-    from tinypipe.train.loop import read_metrics, train
+    from tinypipe.train.loop import TrainingInterrupted, read_metrics, train
     from tinypipe.train.model_io import load_model
 
     torch.manual_seed(s["seed"])
@@ -377,13 +377,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             if metrics.exists():  # drop lines of steps after the checkpoint (they will be redone)
                 kept = [r for r in read_metrics(metrics) if r["step"] <= start]
                 metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        records = train(
-            engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
-            warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
-            seed=s["seed"], log_path=metrics, progress=not args.no_progress, append=bool(s["resume"]),
-            start_step=start, checkpoint_dir=ckpt_dir if s["checkpoint_every"] else None,
-            checkpoint_every=s["checkpoint_every"],
-        )
+        try:
+            records = train(
+                engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
+                warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
+                seed=s["seed"], log_path=metrics, progress=not args.no_progress, append=bool(s["resume"]),
+                start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"],
+            )
+        except TrainingInterrupted as stop:
+            print(f"{PROG}: {stop}; continue with the same command plus --resume", file=sys.stderr, flush=True)
+            return 130
         if s["resume"]:
             records = read_metrics(metrics)  # the whole run's curve, not just the resumed part
         _say(_loss_summary(records))

@@ -7,9 +7,12 @@ line per step and returns the same records.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
+import signal
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,6 +89,41 @@ def _batches(dataset: PackedDataset, global_batch: int, seed: int, start_step: i
         epoch, start = epoch + 1, 0
 
 
+class TrainingInterrupted(Exception):
+    """SIGINT/SIGTERM stopped training after a completed step (and its checkpoint, if enabled)."""
+
+    def __init__(self, step: int, checkpoint: Path | None) -> None:
+        where = f"; checkpoint at {checkpoint}" if checkpoint is not None else ""
+        super().__init__(f"interrupted after step {step}{where}")
+        self.step = step
+        self.checkpoint = checkpoint
+
+
+@contextlib.contextmanager
+def _stop_requests() -> Iterator[dict[str, bool]]:
+    """SIGINT/SIGTERM request a clean stop after the current step; a second SIGINT stops at once.
+
+    Interrupting inside a step would leave layers half updated; finishing the step and writing a
+    checkpoint loses nothing.
+    """
+    flag = {"stop": False}
+    if threading.current_thread() is not threading.main_thread():
+        yield flag
+        return
+
+    def request(signum: int, frame: object) -> None:
+        if flag["stop"] and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        flag["stop"] = True
+
+    previous = {sig: signal.signal(sig, request) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield flag
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _fmt_bytes(n: float) -> str:
     for unit, size in (("GiB", 1024**3), ("MiB", 1024**2)):
         if n >= size:
@@ -137,6 +175,8 @@ def train(
         bar = tqdm(total=steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True, leave=True)
     proc = psutil.Process()
     records: list[dict] = []
+    stop_ctx = _stop_requests()
+    stop = stop_ctx.__enter__()
     try:
         for i in range(start_step, steps):
             epoch, batch = next(batches)
@@ -170,9 +210,13 @@ def train(
                     refresh=False,
                 )
                 bar.update(1)
-            if checkpoint_dir is not None and checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps):
+            due = checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps)
+            if checkpoint_dir is not None and (due or stop["stop"]):
                 engine.save_checkpoint(checkpoint_dir, extra={"step": i + 1, "seed": seed, "global_batch": global_batch})
+            if stop["stop"] and i + 1 < steps:
+                raise TrainingInterrupted(i + 1, Path(checkpoint_dir) if checkpoint_dir is not None else None)
     finally:
+        stop_ctx.__exit__(None, None, None)
         if bar is not None:
             bar.close()
         if log is not None:
