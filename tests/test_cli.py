@@ -347,3 +347,21 @@ def test_sigterm_writes_a_final_checkpoint_and_resume_matches(capsys: pytest.Cap
     assert code == 0 and "resuming at step 3" in stdout, err
     a, b = read_metrics(straight / "metrics.jsonl"), read_metrics(stopped / "metrics.jsonl")
     assert [r["loss"] for r in a] == [r["loss"] for r in b]
+
+
+def test_finetune_with_a_saved_plan(capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path,
+                                    data_file: Path) -> None:
+    """`tinypipe plan --save-plan` output drives `finetune --plan` end to end."""
+    plan_file = tmp_path / "plan.json"
+    code, _, err = run_cli(capsys, "plan", "--model", tiny_model_dir, "--gpus", "1", "--gpu-memory", "1GiB",
+                           "--cpu-memory", "8GiB", "--seq-len", "16", "--global-batch", "4", "--save-plan", plan_file)
+    assert code == 0, err
+    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file, "--output",
+                                tmp_path / "out", "--seq-len", "16", "--global-batch", "4", "--steps", "2",
+                                "--devices", "cpu", "--plan", plan_file, "--no-progress")
+    assert code == 0, err
+    bad = tmp_path / "bad.json"
+    bad.write_text("{}")
+    code, _, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file, "--output",
+                           tmp_path / "out2", "--devices", "cpu", "--plan", bad, "--no-progress")
+    assert code == 2 and "not a tinypipe plan" in err

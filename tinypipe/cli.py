@@ -137,6 +137,7 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("precision", _str, None, "compute precision; master weights stay fp32 (default: bf16 on CUDA, fp32 on cpu)", None,
            ("fp32", "bf16")),
     Option("skip-bad-lines", _bool, False, "skip malformed data lines (logged) instead of stopping", flag=True),
+    Option("plan", _str, None, "a plan from `tinypipe plan --save-plan FILE` (packs, micro-batches, placement; overrides those flags)", "FILE"),
     Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps (default: off)", "N"),
     Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result equals an uninterrupted run", flag=True),
 )
@@ -322,6 +323,18 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         max_grad_norm=s["max_grad_norm"],
     )
     _check_devices(config.devices)
+    plan = None
+    if s["plan"]:
+        from tinypipe.schedule.plan import Plan
+
+        try:
+            plan = Plan.load(Path(s["plan"]).expanduser())
+        except (OSError, ValueError, TypeError, KeyError) as exc:
+            raise ConfigError(f"{s['plan']}: not a tinypipe plan ({exc})") from None
+        if plan.num_devices != len(config.devices):
+            raise ConfigError(f"{s['plan']}: plan is for {plan.num_devices} device(s), --devices lists {len(config.devices)}")
+        config = config.replace(micro_batch_size=plan.fwd_micro_batch, backward_micro_batch_size=plan.bwd_micro_batch,
+                                prefetch_window=plan.prefetch_window)
     from tinypipe.train.data import read_records
     from tinypipe.train.model_io import resolve_model_path
 
@@ -360,7 +373,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
          f"{stats.rows} rows of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
          + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
 
-    engine = Engine(model, config)
+    engine = Engine(model, config, plan=plan)
     try:
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({precision}), lr {s['lr']:g} "
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps), pack size {config.pack_size}, "
