@@ -14,6 +14,10 @@ StashPlace = Literal["device", "host"]
 NonFinitePolicy = Literal["raise", "skip"]
 
 
+def _is_number(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 @dataclass
 class Config:
     """How the engine trains.
@@ -64,8 +68,23 @@ class Config:
     def __post_init__(self) -> None:
         if isinstance(self.devices, str):  # "cuda:0" or "cuda:0,cuda:1"
             self.devices = tuple(d.strip() for d in self.devices.split(",") if d.strip())
-        self.devices = tuple(str(d) for d in self.devices)
+        if not isinstance(self.devices, (list, tuple)) or not all(isinstance(d, str) for d in self.devices):
+            raise ConfigError(f"devices must be a list of device names like ['cuda:0'], got {self.devices!r}")
+        self.devices = tuple(self.devices)
+        if not isinstance(self.betas, (list, tuple)) or not all(_is_number(b) for b in self.betas):
+            raise ConfigError(f"betas must be two numbers in [0, 1), got {self.betas!r}")
         self.betas = tuple(float(b) for b in self.betas)  # type: ignore[assignment]
+        for name in ("lr", "eps", "weight_decay", "max_grad_norm", "stall_timeout_s"):
+            value = getattr(self, name)
+            if not (value is None and name == "max_grad_norm") and not _is_number(value):
+                raise ConfigError(f"{name} must be a number, got {value!r}")
+        if not isinstance(self.stash, str) and not (
+            isinstance(self.stash, (list, tuple)) and all(isinstance(x, str) for x in self.stash)
+        ):
+            raise ConfigError(f"stash must be 'device', 'host' or a list of them, got {self.stash!r}")
+        for name in ("precision", "pin_memory", "nonfinite"):
+            if not isinstance(getattr(self, name), str):
+                raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
         self.validate()
 
     def validate(self) -> None:
@@ -75,13 +94,17 @@ class Config:
         for d in self.devices:
             if not (d == "cpu" or d == "cuda" or d.startswith("cuda:")):
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
-        for name in ("micro_batch_size", "backward_micro_batch_size", "prefetch_window", "grad_slots",
-                     "host_grad_buffers", "head_chunk_tokens", "optimizer_threads"):
+        optional = ("backward_micro_batch_size", "grad_slots", "host_grad_buffers", "head_chunk_tokens",
+                    "optimizer_threads")
+        for name in ("micro_batch_size", "prefetch_window") + optional:
             value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            if value is None and name in optional:
+                continue
+            if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name} must be a whole number, got {value!r}")
-        if not isinstance(self.pack_size, int) and (
-            isinstance(self.pack_size, (str, bytes)) or not all(isinstance(p, int) for p in self.pack_size)
+        if isinstance(self.pack_size, bool) or not isinstance(self.pack_size, (int, list, tuple)) or (
+            not isinstance(self.pack_size, int)
+            and not all(isinstance(p, int) and not isinstance(p, bool) for p in self.pack_size)
         ):
             raise ConfigError(f"pack_size must be a whole number or a list of them, got {self.pack_size!r}")
         if self.micro_batch_size < 1:
