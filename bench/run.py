@@ -46,6 +46,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--pin", default="register")
+    ap.add_argument("--compile-blocks", default="auto", help="auto | off | a torch.compile backend")
     ap.add_argument("--trace", default=None)
     ap.add_argument("--json", default=None)
     ap.add_argument("--no-measure", action="store_true", help="skip machine-rate measurement")
@@ -85,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
             devices=devices, micro_batch_size=a.micro_batch, backward_micro_batch_size=a.bwd_micro_batch,
             pack_size=pack[0] if len(pack) == 1 else pack, prefetch_window=a.window, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, stash=stash, pin_memory=a.pin,
-            trace=a.trace is not None, check_finite=a.check_finite,
+            trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks,
         )
         t0 = time.perf_counter()
         engine = tinypipe.Engine(model, cfg)

@@ -40,6 +40,10 @@ class Config:
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
       copy, no power-of-two rounding); ``"pageable"`` leaves them pageable (slower transfers,
       nothing locked). Ignored on CPU devices.
+    * ``compile_blocks`` -- ``"auto"`` runs the decoder blocks through torch.compile (Inductor) on
+      CUDA and eager on CPU; ``"off"`` always eager; any other value names a torch.compile
+      backend (e.g. ``"aot_eager"``). Compiled blocks are ~25% faster on an H200; the first
+      step pays a one-off compile (~15 s for a Llama block).
     """
 
     devices: Sequence[str] = ("cpu",)
@@ -63,6 +67,7 @@ class Config:
     stall_timeout_s: float = 300.0
     check_finite: bool = False
     optimizer_threads: int | None = None
+    compile_blocks: str = "auto"
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -82,7 +87,7 @@ class Config:
             isinstance(self.stash, (list, tuple)) and all(isinstance(x, str) for x in self.stash)
         ):
             raise ConfigError(f"stash must be 'device', 'host' or a list of them, got {self.stash!r}")
-        for name in ("precision", "pin_memory", "nonfinite"):
+        for name in ("precision", "pin_memory", "nonfinite", "compile_blocks"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
         self.validate()
@@ -146,6 +151,8 @@ class Config:
             raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         if self.grad_slots is not None and self.grad_slots < 1:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")
+        if not self.compile_blocks or self.compile_blocks != self.compile_blocks.strip():
+            raise ConfigError(f"compile_blocks must be 'auto', 'off' or a torch.compile backend name, got {self.compile_blocks!r}")
         if self.nonfinite not in ("raise", "skip"):
             raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
         if not self.stall_timeout_s > 0:

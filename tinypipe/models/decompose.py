@@ -339,6 +339,7 @@ class Shell:
             decomposition.blocks_attr,
             nn.ModuleList(_Capture(self.recorder, i, b) for i, b in enumerate(self.blocks)),
         )
+        self.runners: list[Any] = list(self.blocks)  # what block_forward calls (eager or compiled)
         self.post = [trunk.get_submodule(n) for n in decomposition.post_names]
         self.lm_head = shell.get_submodule(decomposition.head_path)
         self._slots: dict[str, tuple[nn.Module, str]] = {}
@@ -357,6 +358,12 @@ class Shell:
             block = self.blocks[int(idx)]
             return block.get_submodule(sub) if sub else block
         return shell.get_submodule(path)
+
+    def compile_blocks(self, backend: str) -> None:
+        """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py)."""
+        from tinypipe.models.compiled import CompiledBlock
+
+        self.runners = [CompiledBlock(b, backend) for b in self.blocks]
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         """Point every alias of canonical parameter ``name`` at ``tensor``."""
@@ -379,7 +386,7 @@ class Shell:
 
     def block_forward(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
         args, kwargs = call
-        out = self.blocks[index](hidden, *args, **kwargs)
+        out = self.runners[index](hidden, *args, **kwargs)
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import HostStore
 from tinypipe.memory.report import MemoryReport
+from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
@@ -106,6 +107,9 @@ class Engine:
         self.head_chunk = cfg.head_chunk_tokens or chunk_tokens_for(int(model.config.vocab_size))
         slot_numel = max(layer.numel for layer in dec.blocks)
         grad_chunk = chunk_numel(slot_numel)
+        compile_backend = resolve_backend(cfg.compile_blocks, any(b.is_cuda for b in self.backends))
+        if compile_backend is not None and compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ConfigError(f"compile_blocks: unknown torch.compile backend {compile_backend!r}")
         self.devices: list[DeviceRuntime] = []
         for i, backend in enumerate(self.backends):
             has_packs = i in self.plan.fwd_device or i in self.plan.bwd_device
@@ -125,6 +129,8 @@ class Engine:
             )
             gpool = HostGradPool(buffer_count(slot_numel, cfg.host_grad_buffers), grad_chunk, self.pinner)
             shell = Shell(model, dec, backend.device)
+            if compile_backend is not None:
+                shell.compile_blocks(compile_backend)
             self.devices.append(DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool))
         self.optimizer = CpuAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         retain = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"
