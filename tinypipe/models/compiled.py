@@ -41,11 +41,19 @@ def resolve_backend(setting: str, any_cuda: bool) -> str | None:
     return setting
 
 
-def _limits() -> contextlib.AbstractContextManager:
+def _limits(backend: str) -> contextlib.ExitStack:
+    stack = contextlib.ExitStack()
     cfg = torch._dynamo.config
-    if hasattr(cfg, "recompile_limit"):
-        return cfg.patch(recompile_limit=RECOMPILE_LIMIT)
-    return cfg.patch(cache_size_limit=RECOMPILE_LIMIT)  # older torch
+    key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # older torch
+    stack.enter_context(cfg.patch(**{key: RECOMPILE_LIMIT}))
+    if backend == "inductor":
+        import torch._inductor.config as inductor_config
+
+        # compile in-process: Inductor's default pool of one worker process per core (each
+        # importing torch) added 6.7 GB to peak host RSS on a 16-core box -- host memory is what
+        # tinypipe users are short of; the one-off compile takes longer instead
+        stack.enter_context(inductor_config.patch(compile_threads=1))
+    return stack
 
 
 class CompiledBlock:
@@ -53,8 +61,9 @@ class CompiledBlock:
 
     def __init__(self, block: nn.Module, backend: str) -> None:
         self.block = block
+        self.backend = backend
         self.compiled: Callable[..., Any] = torch.compile(block, backend=backend, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _limits():
+        with _limits(self.backend):
             return self.compiled(*args, **kwargs)
