@@ -154,7 +154,8 @@ def test_hand_set_plan_kept_and_checked_only_with_a_workload() -> None:
     assert result is None and (out.pack_size, out.micro_batch_size, out.prefetch_window) == (1, 1, 1)
 
 
-def test_automatic_plan_on_cuda_needs_the_workload() -> None:
+def test_automatic_plan_on_cuda_needs_the_workload(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match="seq_len"):
         configure(make_model("llama", layers=2), tinypipe.Config(devices=["cuda:0"]))
 

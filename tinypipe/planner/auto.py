@@ -88,6 +88,8 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
     from tinypipe.planner.sizes import model_sizes
 
     have_workload = config.seq_len is not None and config.global_batch is not None
+    if any(d.startswith("cuda") for d in config.devices) and not torch.cuda.is_available():
+        return config.with_default_knobs(), None  # the device backend reports it, in its words
     if plan_given or not config.auto_plan:
         cfg = config.with_default_knobs()
         if plan_given or not have_workload:
