@@ -12,7 +12,7 @@ import torch
 import transformers
 
 import tinypipe
-from model_zoo import VOCAB, make_batch, make_config, make_model
+from model_zoo import make_batch, make_model
 from tinypipe import cli
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.planner.auto import configure

@@ -85,12 +85,10 @@ def measure(device: str = "cuda:0", transfer_bytes: int = 1 << 30, adamw_params:
             host2.copy_(d2, non_blocking=True)
 
     bidir = 2 * n / timed(both) / 1e9
-    del host, host2, d, d2
     k = int(matmul_n)
     a = torch.randn(k, k, device=dev, dtype=torch.bfloat16)
     b = torch.randn(k, k, device=dev, dtype=torch.bfloat16)
     mm = timed(lambda: a @ b, reps=10)
     tflops = 2 * k**3 / mm / 1e12
-    del a, b
     torch.cuda.empty_cache()
     return MachineRates(h2d, d2h, bidir, tflops, adamw, torch.cuda.get_device_name(dev))

@@ -176,7 +176,7 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
             head_s = _timed(head, dev, reps)
             for p in bound.values():
                 p.grad = None
-            del wacc
+
             pt = ProfilePoint(int(seq), int(mb), fwd, rec, bwd, head_s)
             points.append(pt)
             tokens = seq * mb
@@ -191,7 +191,7 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
                 log(f"  seq {seq:>6} x mb {mb:>3}: forward {fwd * 1e3:8.2f} ms  recompute {rec * 1e3:8.2f} ms  "
                     f"backward {bwd * 1e3:8.2f} ms  head {head_s * 1e3:8.2f} ms  "
                     f"activations {sum(saved.values()) / 2**20:8.1f} MiB")
-            del x, xg, gout, hidden_in, calls, call, state, flat, labels
+            del hidden_in, calls
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     prof = LayerProfile(precision, int(block_raw), int(attn_width), int(head_matmul), tuple(points))
@@ -199,7 +199,7 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
     sizes = {"block_params": int(block_raw), "block_param_bytes": int(block_raw) * esize,
              "block_master_bytes": int(block_raw) * 4, "head_params": int(head_matmul), "attn_width": int(attn_width),
              "hidden": hidden, "vocab": vocab}
-    del model, shell, bound
+    del model, bound
     if dev.type == "cuda":
         torch.cuda.empty_cache()
     return prof, details, sizes
