@@ -3,6 +3,7 @@
     tinypipe demo       fine-tune SmolLM2-135M-Instruct on a bundled corpus (no download)
     tinypipe finetune   full-parameter fine-tuning of a Hugging Face causal LM on your data
     tinypipe plan       pick packing / micro-batches / placement for a model and a machine, offline
+    tinypipe profile    measure per-layer times, link bandwidth and CPU AdamW for `plan --hardware`
 
 Errors caused by input (a missing model, a malformed data line, a bad option value) print one
 line, ``tinypipe: error: ...``, and exit with status 2; ``--debug`` adds the traceback.
@@ -609,6 +610,9 @@ def build_parser() -> argparse.ArgumentParser:
     from tinypipe.planner.cli_plan import add_parser as add_plan_parser  # light: no torch at import
 
     add_plan_parser(sub, parents=[debug])
+    from tinypipe.planner.cli_profile import add_parser as add_profile_parser
+
+    add_profile_parser(sub, parents=[debug])
     return parser
 
 

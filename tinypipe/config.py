@@ -14,6 +14,12 @@ StashPlace = Literal["device", "host"]
 NonFinitePolicy = Literal["raise", "skip"]
 
 
+#: The fields the planner chooses (``Config.auto_plan`` when all are unset).
+PLAN_KNOBS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash")
+#: What unset knobs mean when at least one is set (tinypipe's defaults before automatic planning).
+MANUAL_DEFAULTS = {"pack_size": 1, "micro_batch_size": 1, "prefetch_window": 1, "stash": "device"}
+
+
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
 
@@ -22,7 +28,12 @@ def _is_number(value: object) -> bool:
 class Config:
     """How the engine trains.
 
-    Memory/speed knobs (the planner chooses them; set them by hand to pin a plan):
+    Memory/speed knobs. Leave all of ``pack_size``, ``micro_batch_size``,
+    ``backward_micro_batch_size``, ``prefetch_window`` and ``stash`` unset (None) and the engine
+    chooses them with the planner (:func:`tinypipe.planner.plan_for`) for the model, the devices
+    and the budgets below, and refuses to start (:class:`PlanDoesNotFitError`, one line) when no
+    plan fits. Set any of them and the plan is yours: unset ones take 1, the forward size, 1 and
+    ``"device"``, as before.
 
     * ``pack_size`` -- decoder blocks per pack: an int for uniform packs or a list of sizes
       (uneven packs, summing to the block count). Bigger packs: fewer pipeline bubbles and
@@ -44,20 +55,34 @@ class Config:
       CUDA and eager on CPU; ``"off"`` always eager; any other value names a torch.compile
       backend (e.g. ``"aot_eager"``). Compiled blocks are ~25% faster on an H200; the first
       step pays a one-off compile (~15 s for a Llama block).
+
+    Planning inputs (used by the automatic plan, and to check a hand-set plan when the workload
+    is given):
+
+    * ``seq_len`` / ``global_batch`` -- the workload the plan is for: tokens per sequence and
+      sequences per optimizer step. Required for the automatic plan on CUDA devices (memory
+      depends on them); on CPU-only devices without them the hand-set defaults are used. When
+      given with a hand-set plan, the engine checks that plan against the budgets too.
+    * ``gpu_memory_bytes`` -- memory per device (default: the device's capacity under any
+      per-process cap, or free memory if less; on CPU the available RAM).
+    * ``cpu_memory_bytes`` -- host memory for training (default: available RAM plus what this
+      process already holds).
+    * ``hardware`` -- rates for the time model: a preset (``tinypipe plan --hardware list``) or a
+      JSON file, e.g. one written by ``tinypipe profile`` (default: guessed from the GPU's name).
     """
 
     devices: Sequence[str] = ("cpu",)
-    micro_batch_size: int = 1
+    micro_batch_size: int | None = None
     backward_micro_batch_size: int | None = None
-    pack_size: int | Sequence[int] = 1
-    prefetch_window: int = 1
+    pack_size: int | Sequence[int] | None = None
+    prefetch_window: int | None = None
     precision: Precision = "fp32"
     lr: float = 1e-5
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float | None = None
-    stash: StashPlace | Sequence[StashPlace] = "device"
+    stash: StashPlace | Sequence[StashPlace] | None = None
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
     grad_slots: int | None = None
@@ -68,6 +93,11 @@ class Config:
     check_finite: bool = False
     optimizer_threads: int | None = None
     compile_blocks: str = "auto"
+    seq_len: int | None = None
+    global_batch: int | None = None
+    gpu_memory_bytes: int | None = None
+    cpu_memory_bytes: int | None = None
+    hardware: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -83,13 +113,20 @@ class Config:
             value = getattr(self, name)
             if not (value is None and name == "max_grad_norm") and not _is_number(value):
                 raise ConfigError(f"{name} must be a number, got {value!r}")
-        if not isinstance(self.stash, str) and not (
+        if self.stash is not None and not isinstance(self.stash, str) and not (
             isinstance(self.stash, (list, tuple)) and all(isinstance(x, str) for x in self.stash)
         ):
             raise ConfigError(f"stash must be 'device', 'host' or a list of them, got {self.stash!r}")
         for name in ("precision", "pin_memory", "nonfinite", "compile_blocks"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
+        for name in ("gpu_memory_bytes", "cpu_memory_bytes"):  # "24GiB" as well as bytes
+            if isinstance(getattr(self, name), str):
+                from tinypipe.planner.hardware import parse_bytes
+
+                setattr(self, name, parse_bytes(getattr(self, name)))
+        if self.hardware is not None and not isinstance(self.hardware, str):
+            raise ConfigError(f"hardware must be a preset name or a file path, got {self.hardware!r}")
         self.validate()
 
     def validate(self) -> None:
@@ -99,33 +136,41 @@ class Config:
         for d in self.devices:
             if not (d == "cpu" or d == "cuda" or d.startswith("cuda:")):
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
-        optional = ("backward_micro_batch_size", "grad_slots", "host_grad_buffers", "head_chunk_tokens",
-                    "optimizer_threads")
-        for name in ("micro_batch_size", "prefetch_window") + optional:
+        optional = ("micro_batch_size", "prefetch_window", "backward_micro_batch_size", "grad_slots",
+                    "host_grad_buffers", "head_chunk_tokens", "optimizer_threads", "seq_len", "global_batch",
+                    "gpu_memory_bytes", "cpu_memory_bytes")
+        for name in optional:
             value = getattr(self, name)
             if value is None and name in optional:
                 continue
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ConfigError(f"{name} must be a whole number, got {value!r}")
-        if isinstance(self.pack_size, bool) or not isinstance(self.pack_size, (int, list, tuple)) or (
-            not isinstance(self.pack_size, int)
-            and not all(isinstance(p, int) and not isinstance(p, bool) for p in self.pack_size)
+        if self.pack_size is not None and (
+            isinstance(self.pack_size, bool) or not isinstance(self.pack_size, (int, list, tuple)) or (
+                not isinstance(self.pack_size, int)
+                and not all(isinstance(p, int) and not isinstance(p, bool) for p in self.pack_size))
         ):
             raise ConfigError(f"pack_size must be a whole number or a list of them, got {self.pack_size!r}")
-        if self.micro_batch_size < 1:
+        for name in ("seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes"):
+            value = getattr(self, name)
+            if value is not None and value < (2 if name == "seq_len" else 1):
+                raise ConfigError(f"{name} must be >= {2 if name == 'seq_len' else 1}, got {value}")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.backward_micro_batch_size is not None and self.backward_micro_batch_size < 1:
             raise ConfigError(
                 f"backward_micro_batch_size must be >= 1, got {self.backward_micro_batch_size}"
             )
-        if isinstance(self.pack_size, int):
+        if self.pack_size is None:
+            pass
+        elif isinstance(self.pack_size, int):
             if self.pack_size < 1:
                 raise ConfigError(f"pack_size must be >= 1, got {self.pack_size}")
         else:
             self.pack_size = tuple(int(p) for p in self.pack_size)
             if not self.pack_size or min(self.pack_size) < 1:
                 raise ConfigError(f"pack_size list must hold positive sizes, got {self.pack_size}")
-        if self.prefetch_window < 0:
+        if self.prefetch_window is not None and self.prefetch_window < 0:
             raise ConfigError(f"prefetch_window must be >= 0, got {self.prefetch_window}")
         if self.precision not in ("fp32", "bf16"):
             raise ConfigError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
@@ -139,11 +184,11 @@ class Config:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        stashes = (self.stash,) if isinstance(self.stash, str) else tuple(self.stash)
+        stashes = () if self.stash is None else (self.stash,) if isinstance(self.stash, str) else tuple(self.stash)
         for s in stashes:
             if s not in ("device", "host"):
                 raise ConfigError(f"stash must be 'device' or 'host', got {s!r}")
-        if not isinstance(self.stash, str):
+        if self.stash is not None and not isinstance(self.stash, str):
             self.stash = tuple(self.stash)
         if self.pin_memory not in ("register", "pageable"):
             raise ConfigError(f"pin_memory must be 'register' or 'pageable', got {self.pin_memory!r}")
@@ -162,7 +207,17 @@ class Config:
 
     @property
     def bwd_micro_batch_size(self) -> int:
-        return self.backward_micro_batch_size or self.micro_batch_size
+        return self.backward_micro_batch_size or self.micro_batch_size or 1
+
+    @property
+    def auto_plan(self) -> bool:
+        """True when no packing knob is set: the engine plans them (see the class docstring)."""
+        return all(getattr(self, k) is None for k in PLAN_KNOBS)
+
+    def with_default_knobs(self) -> "Config":
+        """This config with unset packing knobs at their hand-set defaults (no planning)."""
+        fill = {k: v for k, v in MANUAL_DEFAULTS.items() if getattr(self, k) is None}
+        return self.replace(**fill) if fill else self
 
     def replace(self, **changes: object) -> "Config":
         """A copy with some fields changed (validated)."""

@@ -23,24 +23,43 @@ class MachineRates:
 
 
 def _cpu_adamw_rate(n: int = 50_000_000) -> float:
+    """torch's fused CPU AdamW on ``n`` parameters, G params/s (best of 3 steps)."""
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
     steps = [torch.tensor(0.0)]
+    best = float("inf")
     for i in range(3):
         t = time.perf_counter()
         _adamw.adamw([p], [g], [m], [v], [], steps, fused=True, amsgrad=False, beta1=0.9, beta2=0.999,
                      lr=1e-5, weight_decay=0.0, eps=1e-8, maximize=False)
-        dt = time.perf_counter() - t
-    return n / dt / 1e9
+        best = min(best, time.perf_counter() - t)
+    return n / best / 1e9
 
 
-def measure(device: str = "cuda:0") -> MachineRates:
-    """Pinned H2D / D2H / bidirectional bandwidth (1 GiB), bf16 8192^3 matmul, CPU fused AdamW."""
-    adamw = _cpu_adamw_rate()
+def cpu_copy_gbs(nbytes: int = 256 << 20) -> float:
+    """Host memcpy bandwidth (GB/s), best of 3: what a CPU "device" pays to upload a layer."""
+    a = torch.empty(nbytes, dtype=torch.uint8)
+    a.fill_(1)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = float("inf")
+    for _ in range(3):
+        t = time.perf_counter()
+        b.copy_(a)
+        best = min(best, time.perf_counter() - t)
+    return nbytes / best / 1e9
+
+
+def measure(device: str = "cuda:0", transfer_bytes: int = 1 << 30, adamw_params: int = 50_000_000,
+            matmul_n: int = 8192) -> MachineRates:
+    """Pinned H2D / D2H / bidirectional bandwidth (``transfer_bytes``, default 1 GiB), bf16
+    ``matmul_n``^3 matmul, CPU fused AdamW (``adamw_params``). On a CPU device the link and matmul
+    rates are 0."""
+    adamw = _cpu_adamw_rate(adamw_params)
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return MachineRates(0.0, 0.0, 0.0, 0.0, adamw, "cpu")
     dev = torch.device(device)
-    n = 1 << 30
+    n = int(transfer_bytes)
     host = torch.empty(n, dtype=torch.uint8).pin_memory()
     host2 = torch.empty(n, dtype=torch.uint8).pin_memory()
     d = torch.empty(n, dtype=torch.uint8, device=dev)
@@ -66,9 +85,10 @@ def measure(device: str = "cuda:0") -> MachineRates:
             host2.copy_(d2, non_blocking=True)
 
     bidir = 2 * n / timed(both) / 1e9
-    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+    k = int(matmul_n)
+    a = torch.randn(k, k, device=dev, dtype=torch.bfloat16)
+    b = torch.randn(k, k, device=dev, dtype=torch.bfloat16)
     mm = timed(lambda: a @ b, reps=10)
-    tflops = 2 * 8192**3 / mm / 1e12
+    tflops = 2 * k**3 / mm / 1e12
     torch.cuda.empty_cache()
     return MachineRates(h2d, d2h, bidir, tflops, adamw, torch.cuda.get_device_name(dev))

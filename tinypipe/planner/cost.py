@@ -27,6 +27,11 @@ The achieved rate depends on the micro-batch: ``rate(T) = R * e(T) / e(8192)`` w
 8192-token micro-batches. Each pack execution (forward or backward, all its micro-batches)
 costs :data:`PACK_OVERHEAD_S` of synchronisation and launch latency.
 
+With a measured profile (``tinypipe profile``; ``HardwareSpec.layer_profile`` at the plan's
+precision) the forward, recompute, backward and head rates come from the measured per-layer times
+interpolated over micro-batch tokens and sequence length (:mod:`tinypipe.planner.layer_profile`)
+instead of the efficiency curve.
+
 Calibrated on an H200 box (``h200-pcie5``), bf16, 16 x 2048 tokens: Llama-3.2-3B shape pack 2 /
 micro-batch 4: 2.42 s measured; pack 2 / mb 2: 2.60 s; pack 1 / mb 2: 2.66 s; Llama-2-7B shape
 pack 4 / mb 4: 4.69 s (tests/test_planner.py holds the comparison). Multi-GPU rests on one
@@ -109,6 +114,13 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     tf = min(plan.fwd_micro_batch, batch) * seq
     tb = min(plan.bwd_micro_batch, batch) * seq
     rf, rb = _rate(hw, precision, tf), _rate(hw, precision, tb)
+    rrc = rbw = rb
+    rhead = hw.tflops(precision) * 1e12 * HEAD_EFFICIENCY
+    prof = hw.layer_profile
+    if prof is not None and prof.precision == precision:  # measured per-layer times (tinypipe profile)
+        rf = prof.rate("forward", seq, tf)
+        rrc, rbw = prof.rate("recompute", seq, tb), prof.rate("backward", seq, tb)
+        rhead = prof.rate("head", seq, tf) or rhead
     attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim  # causal QK^T + AV, forward
     h2d, d2h, bidir = hw.h2d_gbs * 1e9, hw.d2h_gbs * 1e9, hw.bidir_gbs * 1e9
     adamw = hw.cpu_adamw_gparams_s * 1e9
@@ -133,7 +145,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
         f_comp[df] += fwd_flops[q] / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 else 0.0)
-        b_comp[db] += 3.0 * fwd_flops[q] / rb + PACK_OVERHEAD_S + (exposed(q) if q < P - 1 or not carry else 0.0)
+        b_comp[db] += fwd_flops[q] / rrc + 2.0 * fwd_flops[q] / rbw + PACK_OVERHEAD_S + (exposed(q) if q < P - 1 or not carry else 0.0)
         f_up[df] += stats[q][0] * UPLOAD_BYTES
         if not (carry and q == P - 1):
             b_up[db] += stats[q][0] * UPLOAD_BYTES
@@ -164,7 +176,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     f_terms = {"compute": max(f_comp) * slowdown, "upload": max(f_up) / h2d, "stash download": max(f_down) / d2h,
                "link (both directions)": max(u + d for u, d in zip(f_up, f_down)) / bidir}
     forward = max(f_terms.values())
-    head = 6.0 * sizes.head_matmul_params * tokens / (hw.tflops(precision) * 1e12 * HEAD_EFFICIENCY)
+    head = 6.0 * sizes.head_matmul_params * tokens / rhead
 
     pack0 = numel(0)
     overlappable = sizes.total_numel - pack0 - sizes.embed_numel

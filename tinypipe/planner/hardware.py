@@ -10,6 +10,11 @@ A JSON file holds the same fields; memory may be given in bytes or as a size str
 
     {"name": "my-box", "gpu_memory": "24GiB", "h2d_gbs": 24, "d2h_gbs": 24, "bidir_gbs": 40,
      "bf16_tflops": 80, "cpu_adamw_gparams_s": 2.5}
+
+A file written by ``tinypipe profile`` (``"format": "tinypipe-profile"``) is read the same way; its
+``layer_profile`` (measured per-layer forward/recompute/backward and head times over micro-batch
+sizes and sequence lengths, :class:`~tinypipe.planner.layer_profile.LayerProfile`) then replaces the
+FLOP-rate compute estimate in the cost model; its other measurement details are ignored here.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from tinypipe.errors import ConfigError
+from tinypipe.planner.layer_profile import LayerProfile
+
+PROFILE_FORMAT = "tinypipe-profile"
 
 GiB = 1024**3
 
@@ -65,6 +73,7 @@ class HardwareSpec:
     cpu_adamw_gparams_s: float  # fused CPU AdamW, G params/s, whole machine
     fp32_tflops: float | None = None  # achieved in fp32 mode (default: bf16_tflops / 8)
     description: str = ""
+    layer_profile: LayerProfile | None = None  # measured per-layer times (tinypipe profile)
 
     def tflops(self, precision: str) -> float:
         if precision == "fp32":
@@ -75,7 +84,9 @@ class HardwareSpec:
         return self if gpu_memory_bytes is None else replace(self, gpu_memory_bytes=int(gpu_memory_bytes))
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        d["layer_profile"] = self.layer_profile.as_dict() if self.layer_profile is not None else None
+        return d
 
 
 HARDWARE: dict[str, HardwareSpec] = {
@@ -100,13 +111,22 @@ HARDWARE: dict[str, HardwareSpec] = {
 def _from_dict(d: dict, default_name: str) -> HardwareSpec:
     known = {f.name for f in fields(HardwareSpec)}
     d = dict(d)
+    if d.get("format") == PROFILE_FORMAT:  # tinypipe profile output: keep the planner's fields
+        d = {k: v for k, v in d.items() if k in known}
+    prof = d.pop("layer_profile", None)
+    if prof is not None:
+        try:
+            d["layer_profile"] = LayerProfile.from_dict(prof)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"hardware file: bad layer_profile ({exc})") from None
     if "gpu_memory" in d and "gpu_memory_bytes" not in d:
         d["gpu_memory_bytes"] = d.pop("gpu_memory")
     unknown = sorted(set(d) - known)
     if unknown:
         raise ConfigError(f"hardware file: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
     d.setdefault("name", default_name)
-    missing = [f.name for f in fields(HardwareSpec) if f.name not in d and f.name not in ("fp32_tflops", "description")]
+    missing = [f.name for f in fields(HardwareSpec)
+               if f.name not in d and f.name not in ("fp32_tflops", "description", "layer_profile")]
     if missing:
         raise ConfigError(f"hardware file: missing field(s) {', '.join(missing)}")
     try:

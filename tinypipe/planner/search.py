@@ -267,6 +267,13 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     if isinstance(max_pos, int) and seq > max_pos:
         raise ConfigError(f"sequence length {seq} exceeds the model's max_position_embeddings {max_pos}")
     sizes = model_sizes(cfg)
+    if hw.layer_profile is not None:
+        if hw.layer_profile.precision == precision:
+            notes.append(f"compute times from measured per-layer times ({hw.name}, "
+                         f"{len(hw.layer_profile.points)} points)")
+        else:
+            notes.append(f"the hardware profile was measured at {hw.layer_profile.precision}, not {precision}: "
+                         "compute times are FLOP-rate estimates")
     if sizes.act_source != "probe":
         notes.append("activation sizes come from a generic formula (the probe model could not be built)")
 

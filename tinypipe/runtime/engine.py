@@ -25,6 +25,7 @@ from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
+from tinypipe.planner.auto import configure
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optimizer import CpuAdamW
@@ -75,10 +76,14 @@ class Engine:
     The model's parameters move into the engine's host store (one fp32 copy; the model's
     parameters become views of it). Every :meth:`step` streams layers through the configured
     devices and steps AdamW on the host, overlapped with the backward pass.
+
+    With no packing knob set in ``config`` the planner chooses them (``engine.config`` holds the
+    choice, ``engine.plan_result`` the planner's answer; see :class:`tinypipe.Config`).
     """
 
     def __init__(self, model: nn.Module, config: Config | None = None, plan: Plan | None = None) -> None:
-        self.config = config or Config()
+        # unset packing knobs: the planner picks them (or refuses: PlanDoesNotFitError, one line)
+        self.config, self.plan_result = configure(model, config or Config(), plan_given=plan is not None)
         cfg = self.config
         self.model = model
         self.backends = [make_backend(d) for d in cfg.devices]

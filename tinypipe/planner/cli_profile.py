@@ -1,0 +1,107 @@
+"""``tinypipe profile``: measure per-layer times, link bandwidth and the CPU optimizer for the planner.
+
+    tinypipe profile --device cuda:0 --model llama-3.2-3b --seq-lens 1024,2048 --micro-batches 1,2,4 \\
+                     --output profile.json
+    tinypipe plan --model llama-3.2-3b --hardware profile.json --seq-len 2048 --global-batch 16 ...
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any, Sequence
+
+PROG = "tinypipe profile"
+DEFAULT_MODEL = "llama-3.2-3b"
+
+
+def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
+    p = subparsers.add_parser(
+        "profile", parents=list(parents),
+        help="measure this machine (per-layer times, link bandwidth, CPU AdamW) for 'tinypipe plan --hardware'",
+        description="Time one real decoder block of a model shape (forward, recompute, backward) and the head over "
+                    "micro-batch sizes and sequence lengths, measure host<->device bandwidth and the CPU's fused "
+                    "AdamW rate, and write a JSON file that 'tinypipe plan --hardware FILE' uses.",
+    )
+    add_arguments(p)
+    p.set_defaults(func=run)
+    return p
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=None, metavar="DEVICE", help="cpu or cuda:N (default: cuda:0 if available)")
+    p.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
+                   help=f"preset, Hugging Face directory or config.json whose block shape is timed "
+                        f"(default: {DEFAULT_MODEL}); 'none' measures only the machine rates")
+    p.add_argument("--seq-lens", default="1024,2048", metavar="L,L", help="sequence lengths (default: 1024,2048)")
+    p.add_argument("--micro-batches", default="1,2,4", metavar="B,B", help="micro-batch sizes (default: 1,2,4)")
+    p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
+                   help="compute precision (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--reps", default=3, type=int, metavar="N", help="timed repetitions per point (median; default 3)")
+    p.add_argument("--output", required=True, metavar="FILE", help="where to write the profile JSON")
+
+
+def _ints(name: str, text: str) -> list[int]:
+    from tinypipe.errors import ConfigError
+
+    try:
+        vals = [int(x) for x in str(text).split(",") if x.strip()]
+    except ValueError:
+        raise ConfigError(f"{name} must be comma-separated whole numbers, got {text!r}") from None
+    if not vals or min(vals) < 1:
+        raise ConfigError(f"{name} must list whole numbers >= 1, got {text!r}")
+    return sorted(set(vals))
+
+
+def run(args: argparse.Namespace) -> int:
+    from tinypipe.errors import ConfigError
+
+    device = args.device
+    if device is None:
+        import torch
+
+        device = "cuda:0" if torch.cuda.is_available() else "cpu"
+    if not (device == "cpu" or device.startswith("cuda")):
+        raise ConfigError(f"--device must be cpu or cuda:N, got {device!r}")
+    if args.reps < 1:
+        raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    seqs = _ints("--seq-lens", args.seq_lens)
+    mbs = _ints("--micro-batches", args.micro_batches)
+    model = None if str(args.model).strip().lower() in ("none", "") else args.model
+    from tinypipe.planner.profile import hardware_from_profile, run_profile, save_profile
+
+    if model is not None:
+        from tinypipe.planner.presets import load_model_config
+
+        cfg = load_model_config(model)
+        max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+        if isinstance(max_pos, int) and max(seqs) > max_pos:
+            raise ConfigError(f"--seq-lens {max(seqs)} exceeds the model's max_position_embeddings {max_pos}")
+    else:
+        cfg = None
+    d = run_profile(device, cfg if cfg is not None else None, seq_lens=seqs, micro_batches=mbs,
+                    precision=args.precision, reps=args.reps)
+    if cfg is not None:
+        d["model"]["name"] = str(model)
+    hardware_from_profile(d)  # what plan --hardware will read: fail here, not there
+    path = save_profile(d, args.output)
+    print(f"wrote {path} ({d['seconds']:.1f} s); use: tinypipe plan --hardware {path} ...", flush=True)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from tinypipe.errors import TinypipeError
+
+    parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except TinypipeError as exc:
+        print(f"{PROG}: error: {' '.join(str(exc).split())}", file=sys.stderr, flush=True)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

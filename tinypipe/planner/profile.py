@@ -1,0 +1,290 @@
+"""``tinypipe profile``: measure this machine for the planner.
+
+Times one real decoder block of the given model shape at compute precision -- forward without
+autograd (the engine's forward pass), recompute (forward building the graph) and backward -- and
+the fused head (final norm + output embedding + loss, forward and backward), over a grid of
+micro-batch sizes and sequence lengths; records the block's parameter bytes and its activation
+bytes (saved for backward; on CUDA also the measured allocator peak of recompute + backward);
+measures host<->device bandwidth (pinned H2D, D2H, both at once; on a CPU device, memcpy) and the
+CPU's fused AdamW rate (:mod:`tinypipe.bench.machine`). The JSON it writes is a hardware file:
+``tinypipe plan --hardware profile.json`` and ``plan_for(..., hardware="profile.json")`` use the
+measured per-layer times instead of FLOP-rate estimates.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import platform
+import time
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+import transformers
+
+from tinypipe.planner.hardware import PROFILE_FORMAT, HardwareSpec, _from_dict
+from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
+
+PROFILE_VERSION = 1
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _timed(fn: Callable[[], object], device: torch.device, reps: int, setup: Callable[[], object] | None = None) -> float:
+    """Median seconds of ``fn`` over ``reps`` runs after one warm-up (``setup`` runs untimed
+    before each)."""
+    times = []
+    for i in range(reps + 1):
+        if setup is not None:
+            setup()
+        _sync(device)
+        t = time.perf_counter()
+        fn()
+        _sync(device)
+        if i:
+            times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _one_block_model(cfg: transformers.PretrainedConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    from tinypipe.planner.sizes import _build, _set_layers
+
+    c = copy.deepcopy(cfg)
+    _set_layers(c, 1)
+    c._attn_implementation = "sdpa"
+    model = _build(c, str(device), dtype)
+    g = torch.Generator(device="cpu").manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 1 and "norm" in name:
+                p.fill_(1.0)
+            else:
+                p.copy_((torch.randn(p.shape, generator=g) * 0.02).to(p.dtype))
+    model.eval()
+    return model
+
+
+def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: str, seq_lens: Sequence[int],
+                   micro_batches: Sequence[int], reps: int = 3,
+                   log: Callable[[str], None] | None = None,
+                   compile_blocks: str = "auto") -> tuple[LayerProfile, list[dict], dict]:
+    """Time one block of ``cfg``'s shape and its head at every (seq, micro-batch): returns the
+    :class:`LayerProfile`, per-point details (times, activation bytes) and sizes. Blocks run
+    as the engine runs them (``compile_blocks``: compiled on CUDA by default)."""
+    from tinypipe.models.compiled import resolve_backend
+    from tinypipe.models.decompose import Decomposition, Shell
+    from tinypipe.models.head import chunk_tokens_for, fused_head_chunk, is_plain_linear
+
+    dev = torch.device(device)
+    dtype = _DTYPES[precision]
+    model = _one_block_model(cfg, dev, dtype)
+    dec = Decomposition(model)
+    shell = Shell(model, dec, dev)
+    backend = resolve_backend(compile_blocks, dev.type == "cuda")
+    if backend is not None:
+        shell.compile_blocks(backend)
+    named = dict(model.named_parameters())
+    bound: dict[str, torch.Tensor] = {}
+    for name in dec.aliases:
+        t = named[name].detach().requires_grad_(True)
+        bound[name] = t
+        shell.bind(name, t)
+    block_params = [bound[p.name] for p in dec.blocks[0].params]
+    block_raw = sum(p.numel() for p in block_params)
+    heads = int(getattr(cfg, "num_attention_heads", 0) or getattr(cfg, "n_head", 0) or 1)
+    head_dim = int(getattr(cfg, "head_dim", 0) or 0) or int(cfg.hidden_size) // heads
+    attn_width = heads * head_dim
+    vocab = int(cfg.vocab_size)
+    hidden = int(cfg.hidden_size)
+    wname = dec.head_weight_name
+    weight = bound.get(wname) if wname else None
+    head_matmul = weight.numel() if weight is not None else vocab * hidden
+    fast = weight is not None and is_plain_linear(shell.lm_head)
+    post_params = [p for m in shell.post for p in m.parameters()]
+    chunk = chunk_tokens_for(vocab)
+    param_ptrs = {t.untyped_storage().data_ptr() for t in bound.values()}
+    g = torch.Generator(device="cpu").manual_seed(1)
+
+    points, details = [], []
+    for seq in seq_lens:
+        for mb in micro_batches:
+            ids = torch.randint(0, vocab, (mb, seq), generator=g).to(dev)
+            with torch.no_grad():
+                hidden_in, calls = shell.embed_forward(ids, None)
+            x = hidden_in.detach().to(dtype)
+            call = calls[0]
+            with torch.no_grad():
+                fwd = _timed(lambda: shell.block_forward(0, x, call), dev, reps)
+            xg = x.detach().requires_grad_(True)
+            gout = torch.randn_like(x) * 1e-3
+            state: dict[str, torch.Tensor] = {}
+
+            def recompute() -> None:
+                with torch.enable_grad():
+                    state["y"] = shell.block_forward(0, xg, call)
+
+            def backward() -> None:
+                torch.autograd.backward(state.pop("y"), gout)
+
+            rec = _timed(recompute, dev, reps)
+            bwd = _timed(backward, dev, reps, setup=recompute)
+            for p in block_params:
+                p.grad = None
+            xg.grad = None
+            # activation bytes: what autograd saves for backward (not the input, not parameters)
+            skip = param_ptrs | {xg.untyped_storage().data_ptr()}
+            saved: dict[int, int] = {}
+
+            def pack(t: torch.Tensor) -> torch.Tensor:
+                st = t.untyped_storage()
+                if st.data_ptr() not in skip and st.device.type != "meta":
+                    saved[st.data_ptr()] = st.nbytes()
+                return t
+
+            peak_extra = None
+            if dev.type == "cuda":
+                _sync(dev)
+                base = torch.cuda.memory_allocated(dev)
+                torch.cuda.reset_peak_memory_stats(dev)
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                recompute()
+            backward()
+            if dev.type == "cuda":
+                _sync(dev)
+                peak_extra = torch.cuda.max_memory_allocated(dev) - base
+            for p in block_params:
+                p.grad = None
+            xg.grad = None
+            # head: norm + logits + loss, forward and backward, in the engine's token chunks
+            flat = x.reshape(-1, hidden)
+            labels = torch.randint(0, vocab, (flat.shape[0],), generator=g).to(dev)
+            denom = float(flat.shape[0])
+            wacc = torch.zeros_like(weight) if fast else None
+
+            def head() -> None:
+                for c0 in range(0, flat.shape[0], chunk):
+                    c1 = min(flat.shape[0], c0 + chunk)
+                    if fast:
+                        fused_head_chunk(shell.post, shell.lm_head, flat[c0:c1], labels[c0:c1], denom, post_params,
+                                         wacc)
+                    else:
+                        xx = flat[c0:c1].detach().requires_grad_(True)
+                        with torch.enable_grad():
+                            loss = torch.nn.functional.cross_entropy(shell.head_logits(xx).float(), labels[c0:c1])
+                        torch.autograd.backward(loss)
+
+            head_s = _timed(head, dev, reps)
+            for p in bound.values():
+                p.grad = None
+
+            pt = ProfilePoint(int(seq), int(mb), fwd, rec, bwd, head_s)
+            points.append(pt)
+            tokens = seq * mb
+            d = {"seq": int(seq), "micro_batch": int(mb), "tokens": tokens, "forward_s": fwd, "recompute_s": rec,
+                 "backward_s": bwd, "head_s": head_s, "act_saved_bytes": int(sum(saved.values())),
+                 "act_saved_bytes_per_token": sum(saved.values()) / tokens,
+                 "stash_bytes": tokens * hidden * x.element_size()}
+            if peak_extra is not None:
+                d["act_peak_bytes"] = int(peak_extra)
+            details.append(d)
+            if log:
+                log(f"  seq {seq:>6} x mb {mb:>3}: forward {fwd * 1e3:8.2f} ms  recompute {rec * 1e3:8.2f} ms  "
+                    f"backward {bwd * 1e3:8.2f} ms  head {head_s * 1e3:8.2f} ms  "
+                    f"activations {sum(saved.values()) / 2**20:8.1f} MiB")
+            del hidden_in, calls
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    prof = LayerProfile(precision, int(block_raw), int(attn_width), int(head_matmul), tuple(points))
+    esize = torch.empty((), dtype=dtype).element_size()
+    sizes = {"block_params": int(block_raw), "block_param_bytes": int(block_raw) * esize,
+             "block_master_bytes": int(block_raw) * 4, "head_params": int(head_matmul), "attn_width": int(attn_width),
+             "hidden": hidden, "vocab": vocab}
+    del model, bound
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return prof, details, sizes
+
+
+def run_profile(device: str = "cpu", model: str | transformers.PretrainedConfig | None = None, *,
+                seq_lens: Sequence[int] = (1024, 2048), micro_batches: Sequence[int] = (1, 2, 4),
+                precision: str | None = None, reps: int = 3, transfer_bytes: int | None = None,
+                adamw_params: int | None = None, log: Callable[[str], None] | None = print) -> dict:
+    """Measure and return the profile as a JSON-able dict (a valid hardware file)."""
+    from tinypipe.bench.machine import cpu_copy_gbs, measure
+    from tinypipe.planner.presets import load_model_config
+
+    cuda = device.startswith("cuda")
+    if cuda and not torch.cuda.is_available():
+        from tinypipe.errors import ConfigError
+
+        raise ConfigError(f"device {device}: CUDA is not available")
+    precision = precision or ("bf16" if cuda else "fp32")
+    t0 = time.perf_counter()
+    rates = measure(device, transfer_bytes=transfer_bytes or (1 << 30 if cuda else 64 << 20),
+                    adamw_params=adamw_params or (50_000_000 if cuda else 4_000_000),
+                    matmul_n=8192 if cuda else 0)
+    if cuda:
+        h2d, d2h, both = rates.h2d_gbs, rates.d2h_gbs, rates.both_gbs
+        dev_name = rates.device_name
+        gpu_mem = torch.cuda.get_device_properties(device).total_memory
+    else:
+        copy_gbs = cpu_copy_gbs(transfer_bytes or (64 << 20))
+        h2d = d2h = copy_gbs
+        both = copy_gbs
+        dev_name = platform.processor() or platform.machine() or "cpu"
+        import psutil
+
+        gpu_mem = int(psutil.virtual_memory().total)
+    if log:
+        log(f"{device} ({dev_name}): H2D {h2d:.1f} GB/s, D2H {d2h:.1f} GB/s, both {both:.1f} GB/s, "
+            f"CPU fused AdamW {rates.adamw_gparams_s:.2f} G params/s")
+    out: dict = {
+        "format": PROFILE_FORMAT, "version": PROFILE_VERSION, "name": f"profile-{device.replace(':', '')}",
+        "description": f"measured by tinypipe profile on {dev_name} ({platform.node()})",
+        "device": device, "device_name": dev_name, "gpu_memory_bytes": int(gpu_mem),
+        "h2d_gbs": h2d, "d2h_gbs": d2h, "bidir_gbs": both, "cpu_adamw_gparams_s": rates.adamw_gparams_s,
+        "matmul_tflops": rates.matmul_tflops or None, "torch": torch.__version__,
+    }
+    if model is not None:
+        cfg = model if isinstance(model, transformers.PretrainedConfig) else load_model_config(str(model))
+        name = model if isinstance(model, str) else getattr(cfg, "name_or_path", "") or cfg.model_type
+        if log:
+            log(f"one {cfg.model_type} block (hidden {cfg.hidden_size}) at {precision}:")
+        prof, details, sizes = profile_layers(cfg, device, precision, seq_lens, micro_batches, reps=reps, log=log)
+        best = prof.best_rate("forward") / 1e12
+        out["model"] = {"name": str(name), "model_type": cfg.model_type, **sizes}
+        out["precision"] = precision
+        out["layer_profile"] = prof.as_dict()
+        out["points"] = details
+        # the FLOP-rate fallback (other precisions) and the presets' convention: achieved block rate
+        if precision == "bf16":
+            out["bf16_tflops"] = best
+        else:
+            out["fp32_tflops"] = best
+            out["bf16_tflops"] = (rates.matmul_tflops / 2) if rates.matmul_tflops else best
+    else:
+        out["bf16_tflops"] = (rates.matmul_tflops / 2) if rates.matmul_tflops else 0.1
+    if not out["bf16_tflops"] or out["bf16_tflops"] <= 0:
+        out["bf16_tflops"] = 0.1
+    out["seconds"] = time.perf_counter() - t0
+    return out
+
+
+def hardware_from_profile(d: dict) -> HardwareSpec:
+    """The :class:`HardwareSpec` a profile dict describes (what ``--hardware FILE`` loads)."""
+    return _from_dict(d, d.get("name", "profile"))
+
+
+def save_profile(d: dict, path: str | Path) -> Path:
+    p = Path(path).expanduser()
+    p.parent.mkdir(parents=True, exist_ok=True)
+    tmp = p.with_suffix(p.suffix + ".tmp")
+    tmp.write_text(json.dumps(d, indent=1))
+    tmp.replace(p)
+    return p
