@@ -118,6 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         "workload": w.name, "devices": devices, "config": {k: str(v) for k, v in vars(a).items()},
         "tokens_per_s": tps, "seconds_per_step": sec, "losses": [r.loss for r in results],
         "steps_s": [r.seconds for r in results], "peak_rss": rss.peak, "rss_before": rss_before,
+        "peak_rss_self": rss.peak_self, "peak_rss_children": rss.peak_children, "max_children": rss.max_children,
         "build_s": t_build, "engine_init_s": t_engine, "params": params, **peaks,
         "memory_report": report.as_dict(), "torch": torch.__version__,
     }
@@ -148,6 +149,8 @@ def main(argv: list[str] | None = None) -> int:
         for name, s in bound.rows():
             print(f"  bound {name:<14} {s:7.3f} s")
         print(f"  physical bound {bound.bound_s:.3f} s/step -> measured/bound = {sec / bound.bound_s:.2f}")
+    print(f"host RSS peak: process {rss.peak_self / gib:.2f} GiB, children {rss.peak_children / gib:.2f} GiB "
+          f"(up to {rss.max_children} child processes)")
     print(f"| workload | tokens/s | s/step | peak GPU reserved | peak GPU allocated | peak host RSS |")
     print(f"| {w.name} | {tps:,.0f} | {sec:.3f} | {peaks.get('peak_reserved', 0) / gib:.2f} GiB | "
           f"{peaks.get('peak_allocated', 0) / gib:.2f} GiB | {rss.peak / gib:.2f} GiB |")

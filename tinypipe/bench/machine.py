@@ -90,5 +90,10 @@ def measure(device: str = "cuda:0", transfer_bytes: int = 1 << 30, adamw_params:
     b = torch.randn(k, k, device=dev, dtype=torch.bfloat16)
     mm = timed(lambda: a @ b, reps=10)
     tflops = 2 * k**3 / mm / 1e12
+    del host, host2, d, d2, a, b
+    torch.cuda.synchronize(dev)
     torch.cuda.empty_cache()
+    release = getattr(torch._C, "_host_emptyCache", None)  # pinned blocks stay cached (and in RSS) otherwise
+    if release is not None:
+        release()
     return MachineRates(h2d, d2h, bidir, tflops, adamw, torch.cuda.get_device_name(dev))
