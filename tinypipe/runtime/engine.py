@@ -274,7 +274,8 @@ class Engine:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under the keys of ``model.state_dict()`` (live views)."""
+        """fp32 master weights under the keys of ``model.state_dict()`` (live views); frozen
+        parameters (LoRA base weights) at the compute precision."""
         return self.store.state_dict()
 
     def optimizer_state(self) -> dict[str, object]:
