@@ -157,7 +157,9 @@ class TaskHandlers:
         if fast:
             owner, wslice = shell.decomposition.locate(wname)
             wtrain = wslice.trainable
-            wacc = dev.pool.grads(owner, None)[wslice.offset : wslice.offset + wslice.numel].view(wslice.shape) if wtrain else None
+            wacc = None  # a frozen output embedding (LoRA) gets no weight gradient
+            if wtrain:
+                wacc = dev.pool.grads(owner, None)[wslice.offset : wslice.offset + wslice.numel].view(wslice.shape)
             post = [(p, t) for p, t in zip(spec.trainable_params, own) if p.name != wname]
             post_params = [t for _, t in post]
         lo, hi = task.rows
