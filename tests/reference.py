@@ -17,9 +17,11 @@ class RefRun:
 
 def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, eps: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None) -> RefRun:
-    """Whole model on the CPU, torch.optim.AdamW over model.parameters(), loss from the HF model."""
+    """Whole model on the CPU, torch.optim.AdamW over the trainable parameters (all of them for
+    full fine-tuning, the adapters under LoRA), loss from the HF model."""
     model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
     losses, norms = [], []
     for b in batches:
         labels = b.get("labels")
@@ -30,9 +32,9 @@ def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, e
         out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=labels)
         out.loss.backward()
         if max_grad_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)))
+            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
         else:
-            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in model.parameters()]))))
+            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
         opt.step()
         opt.zero_grad()
         losses.append(float(out.loss.detach()))

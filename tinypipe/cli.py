@@ -1,7 +1,7 @@
 """The ``tinypipe`` command.
 
     tinypipe demo       fine-tune SmolLM2-135M-Instruct on a bundled corpus (no download)
-    tinypipe finetune   full-parameter fine-tuning of a Hugging Face causal LM on your data
+    tinypipe finetune   full-parameter or LoRA fine-tuning of a Hugging Face causal LM on your data
     tinypipe plan       pick packing / micro-batches / placement for a model and a machine, offline
     tinypipe profile    measure per-layer times, link bandwidth and CPU AdamW for `plan --hardware`
 
@@ -88,6 +88,14 @@ def _pack_size(value: Any) -> int | list[int]:
     return _int(text)
 
 
+def _names(value: Any) -> list[str]:
+    items = value if isinstance(value, (list, tuple)) else _str(value).split(",")
+    out = [str(v).strip() for v in items if str(v).strip()]
+    if not out:
+        raise ValueError("expected module names such as q_proj,v_proj")
+    return out
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -141,6 +149,12 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("plan", _str, None, "a plan from `tinypipe plan --save-plan FILE` (packs, micro-batches, placement; overrides those flags)", "FILE"),
     Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps (default: off)", "N"),
     Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result equals an uninterrupted run", flag=True),
+    Option("lora", _bool, False, "train LoRA adapters only (base weights frozen, kept at the compute precision); OUTPUT gets a PEFT adapter", flag=True),
+    Option("lora-rank", _int, None, "LoRA rank r (default: 8)", "R"),
+    Option("lora-alpha", _float, None, "LoRA alpha; updates are scaled by alpha/rank (default: 16)", "X"),
+    Option("lora-dropout", _float, None, "LoRA dropout written to adapter_config.json; not applied while tinypipe trains (default: 0)", "P"),
+    Option("lora-targets", _names, None, "comma-separated linear layers in the decoder blocks to adapt, e.g. q_proj,v_proj (default: every attention and MLP projection)", "LIST"),
+    Option("merge", _bool, False, "with --lora: also write the merged full model to OUTPUT/merged", flag=True),
 )
 _OPTIONS_BY_DEST = {o.dest: o for o in FINETUNE_OPTIONS}
 
@@ -309,6 +323,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         choices = _OPTIONS_BY_DEST[key].choices
         if s[key] is not None and choices and s[key] not in choices:
             raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {s[key]!r}")
+    lora = _lora_settings(s)
 
     from tinypipe.config import Config
 
@@ -358,6 +373,17 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     n_params = sum(p.numel() for p in model.parameters())
     _say(f"model: {s['model']} ({type(model).__name__}, {_count(n_params)} parameters) "
          f"loaded in {time.perf_counter() - t0:.1f} s")
+    if lora is not None:
+        from tinypipe.lora import apply_lora
+
+        model = apply_lora(model, lora)
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        cfg = model.peft_config[model.active_adapter]
+        _say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
+             f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)")
+        if lora.dropout > 0:
+            _say(f"LoRA: dropout {lora.dropout:g} is recorded in adapter_config.json but not applied while "
+                 "training (tinypipe runs modules in eval mode so the backward recomputation is exact)")
     max_pos = getattr(model.config, "max_position_embeddings", None)
     seq_len = s["seq_len"] or min(1024, int(max_pos or 1024))
     if max_pos is not None and seq_len > int(max_pos):
@@ -406,10 +432,37 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         _say(_loss_summary(records))
         _say(engine.memory_report().to_text())
         metrics, png = _save_outputs(engine, tokenizer, records, out)
+        if s["merge"]:
+            from tinypipe.lora import save_merged
+
+            save_merged(engine, out / "merged")
+            tokenizer.save_pretrained(str(out / "merged"))
     finally:
         engine.close()
-    _say(f"saved: model + tokenizer -> {out}/ ; metrics -> {metrics} ; loss plot -> {png}")
+    what = "LoRA adapter (PeftModel.from_pretrained loads it)" if lora is not None else "model"
+    _say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; loss plot -> {png}")
+    if s["merge"]:
+        _say(f"saved: merged model + tokenizer -> {out / 'merged'}/ (AutoModelForCausalLM.from_pretrained loads it)")
     return 0
+
+
+def _lora_settings(s: dict[str, Any]) -> Any:
+    """LoRA settings from the resolved options (None without --lora); bad values fail here,
+    before the model loads."""
+    given = [k for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "merge") if s[k] not in (None, False)]
+    if not s["lora"]:
+        if given:
+            raise ConfigError(f"{given[0]} needs --lora (LoRA fine-tuning)")
+        return None
+    from tinypipe.lora.settings import LoraSettings
+
+    defaults = LoraSettings()
+    return LoraSettings(
+        rank=defaults.rank if s["lora_rank"] is None else s["lora_rank"],
+        alpha=defaults.alpha if s["lora_alpha"] is None else s["lora_alpha"],
+        dropout=defaults.dropout if s["lora_dropout"] is None else s["lora_dropout"],
+        targets=s["lora_targets"],
+    )
 
 
 # --------------------------------------------------------------------------- demo
@@ -593,8 +646,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=cmd_demo)
 
     ft = sub.add_parser(
-        "finetune", parents=[debug], help="full-parameter fine-tuning of a causal LM on your data",
-        description="Full-parameter fine-tuning. Every flag may also be set in --config FILE (.toml or .yaml, "
+        "finetune", parents=[debug], help="full-parameter or LoRA fine-tuning of a causal LM on your data",
+        description="Full-parameter fine-tuning, or LoRA with --lora. Every flag may also be set in --config FILE (.toml or .yaml, "
                     "keys are the flag names with underscores, e.g. global_batch = 16); flags override the file.",
     )
     ft.add_argument("--config", metavar="FILE", help="TOML or YAML file of settings")

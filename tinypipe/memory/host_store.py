@@ -4,6 +4,10 @@ Each layer owns one contiguous fp32 buffer holding all of its parameters (aligne
 the decomposition's layout), so a layer uploads with one copy and steps with one fused AdamW
 call. The Hugging Face model's parameters are re-pointed at views of these buffers: the model
 object and the engine share one copy, and ``model.state_dict()`` always shows the master weights.
+
+Frozen parameters (``requires_grad=False``, e.g. the base weights under LoRA adapters) have no
+master copy and no moments: they live in one flat buffer per layer at the compute precision
+(2 bytes/parameter in bf16), uploaded as they are after the trainable prefix.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from torch import nn
 
 from tinypipe.devices.backend import HostPinner
 from tinypipe.memory.host_buffers import aligned_empty, registrable
-from tinypipe.models.decompose import Decomposition, LayerSpec
+from tinypipe.models.decompose import Decomposition, LayerSpec, ParamSlice
 
 
 @dataclass
@@ -27,49 +31,58 @@ class LayerState:
     exp_avg: torch.Tensor
     exp_avg_sq: torch.Tensor
     step: int = 0
+    frozen: torch.Tensor | None = None  # frozen parameters, compute dtype (spec offsets - train_numel)
 
     def view(self, name: str) -> torch.Tensor:
         for p in self.spec.params:
             if p.name == name:
-                return self.master[p.offset : p.offset + p.numel].view(p.shape)
+                return self.param_view(p)
         raise KeyError(name)
+
+    def param_view(self, p: ParamSlice) -> torch.Tensor:
+        """The live host tensor of parameter slice ``p`` (fp32 master, or the frozen buffer)."""
+        if p.trainable:
+            return self.master[p.offset : p.offset + p.numel].view(p.shape)
+        lo = p.offset - self.spec.train_numel
+        return self.frozen[lo : lo + p.numel].view(p.shape)  # type: ignore[index]
 
 
 class HostStore:
     """One fp32 master + AdamW state per layer; the model's parameters become views into it."""
 
-    def __init__(self, model: nn.Module, decomposition: Decomposition, pinner: HostPinner) -> None:
+    def __init__(self, model: nn.Module, decomposition: Decomposition, pinner: HostPinner,
+                 frozen_dtype: torch.dtype = torch.float32) -> None:
         self.decomposition = decomposition
         self.pinner = pinner
         named = dict(model.named_parameters())
         self.layers: list[LayerState] = []
         for spec in decomposition.layers:
-            master = aligned_empty(spec.numel, torch.float32)
+            master = aligned_empty(spec.train_numel, torch.float32)
+            frozen = aligned_empty(spec.frozen_numel, frozen_dtype) if spec.frozen_numel else None
             with torch.no_grad():
-                end = 0
-                for p in spec.params:  # zero only the alignment gaps: the copies fill the rest
-                    master[end : p.offset].zero_()
-                    end = p.offset + p.numel
-                master[end:].zero_()
-                for p in spec.params:
-                    param = named[p.name]
-                    view = master[p.offset : p.offset + p.numel].view(p.shape)
-                    view.copy_(param.detach())
-                    param.data = view  # the model now reads the master copy; its old storage is freed
-            pinner.pin(registrable(master))
+                _fill(master, frozen, spec, named)
+            if spec.train_numel:
+                pinner.pin(registrable(master))
+            if frozen is not None:
+                pinner.pin(registrable(frozen))
             state = LayerState(
                 spec=spec,
                 master=master,
                 # uninitialised until the first step zeroes them chunk by chunk, overlapped with
                 # backward (first-touching tens of GB here would stall start-up)
-                exp_avg=torch.empty(spec.numel, dtype=torch.float32),
-                exp_avg_sq=torch.empty(spec.numel, dtype=torch.float32),
+                exp_avg=torch.empty(spec.train_numel, dtype=torch.float32),
+                exp_avg_sq=torch.empty(spec.train_numel, dtype=torch.float32),
+                frozen=frozen,
             )
             self.layers.append(state)
 
     @property
     def master_bytes(self) -> int:
         return sum(s.master.numel() * 4 for s in self.layers)
+
+    @property
+    def frozen_bytes(self) -> int:
+        return sum(s.frozen.numel() * s.frozen.element_size() for s in self.layers if s.frozen is not None)
 
     @property
     def optimizer_bytes(self) -> int:
@@ -84,7 +97,26 @@ class HostStore:
         out: dict[str, torch.Tensor] = {}
         for s in self.layers:
             for p in s.spec.params:
-                view = s.master[p.offset : p.offset + p.numel].view(p.shape)
+                view = s.param_view(p)
                 for alias in self.decomposition.aliases[p.name]:
                     out[alias] = view
         return out
+
+
+def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec, named: dict[str, nn.Parameter]) -> None:
+    """Copy the model's parameters into the layer's buffers and re-point them at their views."""
+    base = {True: (master, 0), False: (frozen, spec.train_numel)}
+    end = {True: 0, False: spec.train_numel}
+    for p in spec.params:  # zero only the alignment gaps: the copies fill the rest
+        buf, shift = base[p.trainable]
+        buf[end[p.trainable] - shift : p.offset - shift].zero_()  # type: ignore[index]
+        end[p.trainable] = p.offset + p.numel
+    master[end[True]:].zero_()
+    if frozen is not None:
+        frozen[end[False] - spec.train_numel :].zero_()
+    for p in spec.params:
+        param = named[p.name]
+        buf, shift = base[p.trainable]
+        view = buf[p.offset - shift : p.offset - shift + p.numel].view(p.shape)  # type: ignore[index]
+        view.copy_(param.detach())
+        param.data = view  # the model now reads the host copy; its old storage is freed

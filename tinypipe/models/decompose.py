@@ -49,6 +49,7 @@ class ParamSlice:
     shape: tuple[int, ...]
     offset: int
     numel: int
+    trainable: bool = True  # False: frozen (requires_grad=False, e.g. a LoRA base weight)
 
 
 @dataclass
@@ -61,10 +62,25 @@ class LayerSpec:
     params: list[ParamSlice]
     numel: int
     borrowed: list[tuple[str, int]] = field(default_factory=list)
+    #: trainable parameters fill ``[0, train_numel)`` of the flat layout, frozen ones the rest
+    #: (full fine-tuning: ``train_numel == numel``)
+    train_numel: int = -1
+
+    def __post_init__(self) -> None:
+        if self.train_numel < 0:
+            self.train_numel = self.numel
 
     @property
     def param_count(self) -> int:
         return sum(p.numel for p in self.params)
+
+    @property
+    def trainable_params(self) -> list[ParamSlice]:
+        return [p for p in self.params if p.trainable]
+
+    @property
+    def frozen_numel(self) -> int:
+        return self.numel - self.train_numel
 
 
 def _aligned(n: int) -> int:
@@ -72,11 +88,19 @@ def _aligned(n: int) -> int:
 
 
 def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Parameter]]) -> LayerSpec:
+    """Flat layout: trainable parameters first (in module order), then frozen ones, so a layer's
+    trainable state (master weights, gradients, moments) is one contiguous prefix."""
     params, offset = [], 0
-    for pname, p in named:
-        params.append(ParamSlice(pname, tuple(p.shape), offset, p.numel()))
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    frozen = [(n, p) for n, p in named if not p.requires_grad]
+    for pname, p in trainable:
+        params.append(ParamSlice(pname, tuple(p.shape), offset, p.numel(), True))
         offset += _aligned(p.numel())
-    return LayerSpec(index, kind, name, params, offset)
+    train_numel = offset
+    for pname, p in frozen:
+        params.append(ParamSlice(pname, tuple(p.shape), offset, p.numel(), False))
+        offset += _aligned(p.numel())
+    return LayerSpec(index, kind, name, params, offset, train_numel=train_numel)
 
 
 class _Stop(Exception):

@@ -47,9 +47,11 @@ def fused_head_chunk(
     denom: float,
     post_params: list[torch.Tensor],
     weight_acc: torch.Tensor | None,
+    weight_grad: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
     """Loss (sum over the chunk / ``denom``), d loss / d x, grads of ``post_params``, and -- when
-    ``weight_acc`` is None -- the weight gradient (otherwise it was added into ``weight_acc``)."""
+    ``weight_acc`` is None -- the weight gradient (otherwise it was added into ``weight_acc``).
+    ``weight_grad=False`` (a frozen output embedding) skips the weight gradient entirely."""
     x = x.detach().requires_grad_(True)
     with torch.enable_grad():
         h = x
@@ -73,7 +75,9 @@ def fused_head_chunk(
         del lf
         grad_h = g @ weight
         wgrad = None
-        if weight_acc is not None:
+        if not weight_grad:
+            pass
+        elif weight_acc is not None:
             _accumulate_matmul(weight_acc, g.t(), h.detach())
         else:
             wgrad = g.t() @ h.detach()

@@ -54,7 +54,8 @@ def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike, 
         save_file(tensors, str(tmp / name))
         with open(tmp / name, "rb+") as f:
             os.fsync(f.fileno())
-        layers.append({"name": s.spec.name, "numel": s.spec.numel, "step": s.step, "file": name})
+        layers.append({"name": s.spec.name, "numel": s.spec.numel, "train_numel": s.spec.train_numel,
+                       "step": s.step, "file": name})
     state = {"format": FORMAT, "step_count": step_count, "layers": layers, "extra": extra or {}}
     with open(tmp / "state.json", "w") as f:
         json.dump(state, f, indent=1)
@@ -96,6 +97,12 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
     for s, entry in zip(store.layers, state["layers"]):
         if entry["numel"] != s.spec.numel or entry["name"] != s.spec.name:
             raise ConfigError(f"{found}: layer {entry['name']} does not match this model's {s.spec.name}")
+        trained = entry.get("train_numel", entry["numel"])
+        if trained != s.spec.train_numel:
+            kind = {True: "LoRA", False: "full fine-tuning"}
+            raise ConfigError(f"{found}: checkpoint of {kind[trained < entry['numel']]} (layer {s.spec.name}: "
+                              f"{trained} trained elements), this run is {kind[s.spec.frozen_numel > 0]} "
+                              f"({s.spec.train_numel}): same --lora settings needed")
     for s, entry in zip(store.layers, state["layers"]):
         tensors = load_file(str(found / entry["file"]))
         with torch.no_grad():

@@ -16,6 +16,7 @@ from torch import nn
 from tinypipe.config import Config
 from tinypipe.devices.backend import HostPinner, make_backend
 from tinypipe.errors import BatchError, ConfigError, NonFiniteError, WorkerError
+from tinypipe.lora.hooks import save_adapter, split_peft
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_buffers import aligned_empty, registrable
@@ -85,6 +86,8 @@ class Engine:
         # unset packing knobs: the planner picks them (or refuses: PlanDoesNotFitError, one line)
         self.config, self.plan_result = configure(model, config or Config(), plan_given=plan is not None)
         cfg = self.config
+        # a peft.PeftModel (LoRA): train its inner model; frozen base weights stay at compute precision
+        self.peft_model, model = split_peft(model)
         self.model = model
         self.backends = [make_backend(d) for d in cfg.devices]
         self.dtype = _DTYPES[cfg.precision]
@@ -107,22 +110,23 @@ class Engine:
             raise ConfigError(f"plan covers {self.plan.num_blocks} blocks, the model has {dec.num_blocks}")
         any_cuda = any(b.is_cuda for b in self.backends)
         self.pinner = HostPinner(enabled=any_cuda and cfg.pin_memory == "register")
-        self.store = HostStore(model, dec, self.pinner)
+        self.store = HostStore(model, dec, self.pinner, frozen_dtype=self.dtype)
         self.hidden_size = int(model.config.hidden_size)
         self.head_chunk = cfg.head_chunk_tokens or chunk_tokens_for(int(model.config.vocab_size))
         slot_numel = max(layer.numel for layer in dec.blocks)
-        grad_chunk = chunk_numel(slot_numel)
+        grad_numel = max(layer.train_numel for layer in dec.blocks)  # frozen parameters: no gradients
+        grad_chunk = chunk_numel(max(1, grad_numel))
         compile_backend = resolve_backend(cfg.compile_blocks, any(b.is_cuda for b in self.backends))
         if compile_backend is not None and compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise ConfigError(f"compile_blocks: unknown torch.compile backend {compile_backend!r}")
         self.devices: list[DeviceRuntime] = []
         for i, backend in enumerate(self.backends):
             has_packs = i in self.plan.fwd_device or i in self.plan.bwd_device
-            resident = {}
+            resident, resident_grad = {}, {}
             if i == self.plan.embed_device:
-                resident[0] = dec.embed.numel
+                resident[0], resident_grad[0] = dec.embed.numel, dec.embed.train_numel
             if i == self.plan.head_device:
-                resident[dec.num_blocks + 1] = dec.head.numel
+                resident[dec.num_blocks + 1], resident_grad[dec.num_blocks + 1] = dec.head.numel, dec.head.train_numel
             pool = DevicePool(
                 backend,
                 self.dtype,
@@ -131,8 +135,10 @@ class Engine:
                 self.plan.grad_slot_count() if has_packs else 0,
                 resident,
                 staging_numel=min(slot_numel, STAGING_MAX),
+                grad_numel=grad_numel,
+                resident_grad=resident_grad,
             )
-            gpool = HostGradPool(buffer_count(slot_numel, cfg.host_grad_buffers), grad_chunk, self.pinner)
+            gpool = HostGradPool(buffer_count(max(1, grad_numel), cfg.host_grad_buffers), grad_chunk, self.pinner)
             shell = Shell(model, dec, backend.device)
             if compile_backend is not None:
                 shell.compile_blocks(compile_backend)
@@ -279,7 +285,8 @@ class Engine:
     # ------------------------------------------------------------------ state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under the keys of ``model.state_dict()`` (live views)."""
+        """fp32 master weights under the keys of ``model.state_dict()`` (live views); frozen
+        parameters (LoRA base weights) at the compute precision."""
         return self.store.state_dict()
 
     def optimizer_state(self) -> dict[str, object]:
@@ -300,12 +307,18 @@ class Engine:
         return extra
 
     def save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-        """Write a directory ``AutoModelForCausalLM.from_pretrained`` loads (config + safetensors)."""
+        """Write a directory ``AutoModelForCausalLM.from_pretrained`` loads (config + safetensors).
+
+        A LoRA engine (built from a ``peft.PeftModel``) writes the adapter instead, in PEFT's format
+        (``PeftModel.from_pretrained(base, out_dir)`` loads it); merged weights:
+        :func:`tinypipe.lora.save_merged`."""
+        if self.peft_model is not None:
+            return save_adapter(self, out_dir)
 
         def tensors():
             for s in self.store.layers:
                 for p in s.spec.params:
-                    yield p.name, s.master[p.offset : p.offset + p.numel].view(p.shape)
+                    yield p.name, s.param_view(p)
 
         return save_hf_directory(self.model, tensors(), out_dir, dtype=dtype)
 
@@ -323,6 +336,7 @@ class Engine:
         retained = sum(t.numel() * 4 for t in (self._retained or {}).values())
         host = {
             "master_weights": self.store.master_bytes,
+            **({"frozen_weights": self.store.frozen_bytes} if self.store.frozen_bytes else {}),
             "optimizer_state": self.store.optimizer_bytes,
             "pinned_grad_pool": grad_pool,
             "gradient_buffers": retained,

@@ -26,15 +26,17 @@ class TaskHandlers:
         return self.store.layers[layer].spec
 
     def _bind(self, dev: DeviceRuntime, layer: int, slot: int | None, grad: bool) -> list[torch.Tensor]:
-        """Point the shell's parameters of ``layer`` at its device buffer; return them in order."""
+        """Point the shell's parameters of ``layer`` at its device buffer; return them in order
+        (with ``grad``: only the trainable ones, ready for autograd; frozen ones are bound too)."""
         flat = dev.pool.params(layer, slot)
         out = []
         for p in self._spec(layer).params:
             view = flat[p.offset : p.offset + p.numel].view(p.shape)
-            if grad:
+            if grad and p.trainable:
                 view = view.detach().requires_grad_(True)
             dev.shell.bind(p.name, view)
-            out.append(view)
+            if p.trainable or not grad:
+                out.append(view)
         return out
 
     def _bind_borrowed(self, dev: DeviceRuntime, layer: int, grad: bool) -> list[tuple[torch.Tensor, int, int, int]]:
@@ -43,20 +45,21 @@ class TaskHandlers:
         for name, owner in self._spec(layer).borrowed:
             p = next(x for x in self._spec(owner).params if x.name == name)
             view = dev.pool.params(owner, None)[p.offset : p.offset + p.numel].view(p.shape)
-            if grad:
+            if grad and p.trainable:
                 view = view.detach().requires_grad_(True)
             dev.shell.bind(name, view)
-            out.append((view, owner, p.offset, p.numel))
+            if p.trainable or not grad:
+                out.append((view, owner, p.offset, p.numel))
         return out
 
     def _accumulate(self, dev: DeviceRuntime, layer: int, slot: int | None, grads: list[torch.Tensor | None]) -> None:
         acc = dev.pool.grads(layer, slot)
-        for p, g in zip(self._spec(layer).params, grads):
+        for p, g in zip(self._spec(layer).trainable_params, grads):
             if g is not None:
                 acc[p.offset : p.offset + p.numel].view(p.shape).add_(g)
 
     def _zero_grads(self, dev: DeviceRuntime, layer: int, slot: int | None) -> None:
-        dev.pool.grads(layer, slot)[: self._spec(layer).numel].zero_()
+        dev.pool.grads(layer, slot)[: self._spec(layer).train_numel].zero_()
 
     def _check(self, task: Task, what: str, t: torch.Tensor | None) -> None:
         """With ``check_finite``: stop at the first task whose output holds NaN/inf (syncs)."""
@@ -83,6 +86,9 @@ class TaskHandlers:
         dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
         staging = dev.pool.staging
         n = src.numel()
+        frozen = self.store.layers[layer].frozen
+        if frozen is not None:  # already at the compute precision: one plain copy after the prefix
+            dst[n : n + frozen.numel()].copy_(frozen, non_blocking=True)
         if staging is None:
             dst[:n].copy_(src, non_blocking=True)
             return
@@ -150,8 +156,11 @@ class TaskHandlers:
         fast = wname is not None and is_plain_linear(shell.lm_head)
         if fast:
             owner, wslice = shell.decomposition.locate(wname)
-            wacc = dev.pool.grads(owner, None)[wslice.offset : wslice.offset + wslice.numel].view(wslice.shape)
-            post = [(p, t) for p, t in zip(spec.params, own) if p.name != wname]
+            wtrain = wslice.trainable
+            wacc = None  # a frozen output embedding (LoRA) gets no weight gradient
+            if wtrain:
+                wacc = dev.pool.grads(owner, None)[wslice.offset : wslice.offset + wslice.numel].view(wslice.shape)
+            post = [(p, t) for p, t in zip(spec.trainable_params, own) if p.name != wname]
             post_params = [t for _, t in post]
         lo, hi = task.rows
         host_y = self.inp.shifted_labels[lo:hi].reshape(-1)  # decide skips on the host: no device sync
@@ -162,7 +171,7 @@ class TaskHandlers:
                 continue
             if fast:
                 loss, gx, pgrads, _ = fused_head_chunk(shell.post, shell.lm_head, flat_x[c0:c1], y, denom,
-                                                       post_params, wacc)
+                                                       post_params, wacc, weight_grad=wtrain)
                 acc = dev.pool.grads(H, None)
                 for (p, _), g in zip(post, pgrads):
                     if g is not None:
@@ -218,6 +227,10 @@ class TaskHandlers:
     def _embed_bwd(self, task: Task, dev: DeviceRuntime) -> None:
         if not self._spec(self.s.num_layers - 1).borrowed or self.s.plan.head_device != dev.index:
             self._zero_grads(dev, 0, None)
+        if not self._spec(0).train_numel:  # frozen embedding (LoRA): nothing to differentiate
+            self.state.grads[0].free()
+            self.state.acts[0].free()
+            return
         params = self._bind(dev, 0, None, grad=True)
         ids = self.inp.input_ids.to(dev.device, non_blocking=True)
         mask = self.inp.attention_mask
@@ -232,12 +245,12 @@ class TaskHandlers:
 
     def _download(self, task: Task, dev: DeviceRuntime) -> None:
         layer = task.layers[0]
-        n = self._spec(layer).numel
+        n = self._spec(layer).train_numel
         acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)[:n]
         q = self.state.layer_queues[layer]
         # fp32 norms of in-place chunks, combined in fp64: no full-size copy on the device (an fp64
         # reduction materialised an 8 B/element copy -- 3 GB of a 3B model's peak)
-        norms = [torch.linalg.vector_norm(acc[lo : lo + NORM_CHUNK]) for lo in range(0, n, NORM_CHUNK)]
+        norms = [torch.linalg.vector_norm(acc[lo : lo + NORM_CHUNK]) for lo in range(0, n, NORM_CHUNK)] or [acc.sum()]
         norm = torch.linalg.vector_norm(torch.stack(norms).double())
         q.put(("norm", norm, dev.backend.record_event(dev.streams["d2h"]), dev))
         pool = dev.grad_pool

@@ -67,7 +67,7 @@ class StepUpdater:
         if self.retained is None:
             return None
         if layer not in self.retained:
-            self.retained[layer] = aligned_empty(self.store.layers[layer].spec.numel, torch.float32)
+            self.retained[layer] = aligned_empty(self.store.layers[layer].spec.train_numel, torch.float32)
         return self.retained[layer]
 
     def finalize(self) -> UpdateOutcome:
@@ -92,7 +92,7 @@ class StepUpdater:
         return UpdateOutcome(total, clipped, False, None, coef)
 
     def _chunks(self, layer: int) -> list[tuple[int, int]]:
-        n = self.store.layers[layer].spec.numel
+        n = self.store.layers[layer].spec.train_numel
         return [(lo, min(n, lo + REDO_CHUNK)) for lo in range(0, n, REDO_CHUNK)]
 
     def _undo(self, layer: int) -> None:
