@@ -68,3 +68,14 @@ def test_two_gpus_fp32_match_pytorch(family: str) -> None:
             assert abs(r.loss - loss) <= 1e-5 * abs(loss)
         worst, update_err = compare(engine.state_dict(), ref.model, init)
     assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_cuda_lora_fp32_matches_peft(family: str) -> None:
+    """LoRA on CUDA (frozen base uploaded from its own buffer, blocks compiled): exact vs PEFT."""
+    from test_lora import run_both as lora_run_both
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    engine = lora_run_both(family, dict(devices=["cuda:0"], pack_size=2, micro_batch_size=2,
+                                        backward_micro_batch_size=3, stash="host", max_grad_norm=0.05))
+    engine.close()
