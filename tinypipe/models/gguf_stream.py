@@ -6,9 +6,12 @@ loads it into a model: the model's weights twice over. Here the same pieces tran
 undoes llama.cpp's q/k permutation and reshapes, and its GGUF->HF name map) run per tensor, and
 each result is handed to the caller, who copies it into place before the next one is made.
 
-Peak extra memory: the GGUF file itself, memory-mapped by ``GGUFReader`` (its pages count in the
-process's RSS once read: the quantized size, e.g. ~90 MB for SmolLM2-135M Q4_1), plus one
-dequantized tensor (the largest is usually the embedding). Processors that assemble one HF tensor
+Peak extra memory over the final fp32 store: ``GGUFReader``'s parsed metadata (numpy arrays per
+field; ~150 MB for SmolLM2's 49 K-token vocabulary), the memory-mapped quantized file (its pages
+count in RSS once read: ~90 MB for SmolLM2-135M Q4_1) and one dequantized tensor (the largest is
+usually the embedding, 113 MB for SmolLM2). So the bound "store + one layer" holds for the tensors
+but not for the GGUF container's overheads; measured for SmolLM2-135M (store 538 MB): see
+``bench/load_peak.py FILE.gguf``. Processors that assemble one HF tensor
 from several GGUF tensors (MoE experts) keep their partial results until the end, as in
 transformers. These are transformers internals (``transformers.modeling_gguf_pytorch_utils``);
 :func:`iter_gguf_tensors` raises ``ImportError`` when they are not there, and the caller falls
@@ -34,14 +37,14 @@ def iter_gguf_tensors(file: Path, model: nn.Module) -> Iterator[tuple[str, torch
         TENSOR_PROCESSORS,
         TensorProcessor,
         get_gguf_hf_weights_map,
-        load_gguf_checkpoint,
         read_field,
     )
 
-    parsed = load_gguf_checkpoint(str(file), return_tensors=False)  # metadata only
     reader = GGUFReader(str(file))
     architecture = read_field(reader, "general.architecture")[0]
-    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=parsed.get("config", {}))
+    # the processors read HF-named config values (num_attention_heads, ...): the model's config
+    # holds exactly those, without re-parsing the file's metadata (tokenizer included) again
+    processor = TENSOR_PROCESSORS.get(architecture, TensorProcessor)(config=model.config.to_dict())
     mapping = get_gguf_hf_weights_map(model, processor)
     side: dict[str, dict] = {"tensors": {}}  # where multi-tensor processors assemble their results
     for tensor in reader.tensors:
