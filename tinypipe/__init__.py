@@ -2,7 +2,8 @@
 
 Public API::
 
-    engine = tinypipe.Engine(hf_model, tinypipe.Config(devices=["cuda:0"], ...))
+    model, tokenizer = tinypipe.load_model("path/to/hf_dir")   # layer by layer, no second copy
+    engine = tinypipe.Engine(model, tinypipe.Config(devices=["cuda:0"], ...))
     result = engine.step({"input_ids": ids, "labels": labels})
 
 Nothing here touches hardware at import time.
@@ -19,17 +20,20 @@ from tinypipe.errors import (
     WorkerError,
 )
 from tinypipe.runtime.engine import Engine, StepResult
+from tinypipe.train.model_io import ModelLoadError, load_model
 
 __all__ = [
     "BatchError",
     "Config",
     "ConfigError",
     "Engine",
+    "ModelLoadError",
     "NonFiniteError",
     "PlanDoesNotFitError",
     "StepResult",
     "TinypipeError",
     "UnsupportedModelError",
     "WorkerError",
+    "load_model",
 ]
 __version__ = "0.1.0"

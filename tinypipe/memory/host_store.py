@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from tinypipe.devices.backend import HostPinner
-from tinypipe.memory.host_buffers import aligned_empty, registrable
+from tinypipe.memory.host_buffers import PAGE, aligned_empty, registrable
 from tinypipe.models.decompose import Decomposition, LayerSpec, ParamSlice
 
 
@@ -47,20 +47,76 @@ class LayerState:
         return self.frozen[lo : lo + p.numel].view(p.shape)  # type: ignore[index]
 
 
+#: Attribute a loader sets on a model whose parameters it placed in this store's layout.
+IN_PLACE_MARK = "_tinypipe_masters_in_place"
+
+
+def zero_gaps(spec: LayerSpec, master: torch.Tensor) -> None:
+    """Zero the alignment gaps between (and after) a layer's parameters in its flat buffer."""
+    with torch.no_grad():
+        end = 0
+        for p in spec.params:
+            master[end : p.offset].zero_()
+            end = p.offset + p.numel
+        master[end:].zero_()
+
+
+def _in_place_master(spec: LayerSpec, named: dict[str, nn.Parameter]) -> torch.Tensor | None:
+    """The layer's master buffer if its parameters already are views of one laid out as ``spec``
+    (page-aligned start, owning whole pages, as :func:`aligned_empty` makes); else None."""
+    if not spec.params:
+        return None
+    first = named[spec.params[0].name]
+    if first.device.type != "cpu" or first.dtype != torch.float32:
+        return None
+    storage = first.untyped_storage()
+    base = storage.data_ptr()
+    start = first.data_ptr() - spec.params[0].offset * 4
+    nbytes = -(-spec.numel * 4 // PAGE) * PAGE
+    if start % PAGE or start < base or start - base + nbytes > storage.nbytes():
+        return None
+    for p in spec.params:
+        t = named[p.name]
+        if (
+            t.dtype != torch.float32
+            or t.device.type != "cpu"
+            or tuple(t.shape) != p.shape
+            or not t.is_contiguous()
+            or t.untyped_storage().data_ptr() != base
+            or t.data_ptr() != start + p.offset * 4
+        ):
+            return None
+    master = torch.empty(0, dtype=torch.float32).set_(storage, (start - base) // 4, (spec.numel,))
+    zero_gaps(spec, master)
+    return master
+
+
 class HostStore:
-    """One fp32 master + AdamW state per layer; the model's parameters become views into it."""
+    """One fp32 master + AdamW state per layer; the model's parameters become views into it.
+
+    A model from :func:`tinypipe.load_model` already has its parameters in place (views of
+    per-layer buffers in this layout, marked with :data:`IN_PLACE_MARK`): those buffers are
+    adopted as they are, so loading plus engine construction never holds the weights twice.
+    """
 
     def __init__(self, model: nn.Module, decomposition: Decomposition, pinner: HostPinner,
                  frozen_dtype: torch.dtype = torch.float32) -> None:
         self.decomposition = decomposition
         self.pinner = pinner
         named = dict(model.named_parameters())
+        # set by tinypipe's streaming loader (tinypipe.load_model): the parameters already are views
+        # of per-layer master buffers in this store's layout; adopt them instead of copying (once)
+        in_place = bool(model.__dict__.pop(IN_PLACE_MARK, False))
         self.layers: list[LayerState] = []
         for spec in decomposition.layers:
-            master = aligned_empty(spec.train_numel, torch.float32)
-            frozen = aligned_empty(spec.frozen_numel, frozen_dtype) if spec.frozen_numel else None
-            with torch.no_grad():
-                _fill(master, frozen, spec, named)
+            # adopt a loader's buffers only for fully trainable layers (LoRA splits frozen weights out)
+            master = _in_place_master(spec, named) if in_place and not spec.frozen_numel else None
+            frozen = None
+            if master is None:
+                master = aligned_empty(spec.train_numel, torch.float32)
+                frozen = aligned_empty(spec.frozen_numel, frozen_dtype) if spec.frozen_numel else None
+                with torch.no_grad():
+                    _fill(master, frozen, spec, named)
             if spec.train_numel:
                 pinner.pin(registrable(master))
             if frozen is not None:

@@ -1,12 +1,22 @@
 """Load a causal LM and its tokenizer for training: Hugging Face directories and GGUF files.
 
+The weights go straight into tinypipe's host layout, layer by layer: the model is built from its
+config with parameters on the meta device, each layer's fp32 master buffer is allocated, the
+parameters become views of those buffers, and the checkpoint's tensors are read one at a time
+into place (see :mod:`tinypipe.models.skeleton`). The :class:`~tinypipe.Engine` adopts the
+buffers without a copy, so the peak host memory of a load is the master weights plus one tensor,
+never the model twice.
+
 * A Hugging Face model directory (``config.json`` + ``model.safetensors`` or sharded
-  ``model-0000N-of-0000M.safetensors`` with an index) loads with ``from_pretrained``.
-* A ``.gguf`` file (or a directory holding exactly one, and no ``config.json``) is read by
-  transformers' GGUF support, which dequantizes every tensor. transformers marks such a model as
-  quantized and refuses to save it, so it is rebuilt as a plain model of the same class from its
-  config (``quantization_config`` dropped) holding the dequantized weights: training can then
-  save it as an ordinary safetensors directory.
+  ``model-0000N-of-0000M.safetensors`` with ``model.safetensors.index.json``) streams from the
+  safetensors files. Keys may carry or lack the model's base prefix (``transformer.``,
+  ``model.``); a tied output embedding may be stored or not; an unexpected key, a missing weight
+  or a wrong shape is a one-line error naming it. ``pytorch_model.bin`` checkpoints (no
+  safetensors) go through ``from_pretrained`` (the whole model at once).
+* A ``.gguf`` file (or a directory holding exactly one, and no ``config.json``) is dequantized
+  tensor by tensor with transformers' own GGUF name mapping and fix-ups
+  (:mod:`tinypipe.models.gguf_stream`); the model is an ordinary one of its class (no
+  ``quantization_config``), so training saves it as a plain safetensors directory.
 
 Everything is loaded in fp32: the engine keeps fp32 master weights anyway. Every failure a user
 can cause is a one-line :class:`ModelLoadError`.
@@ -127,10 +137,17 @@ def resolve_model_path(path: str | os.PathLike[str]) -> tuple[str, Path]:
     raise ModelFilesError(f"{p}: no config.json (nor a .gguf file): not a Hugging Face model directory")
 
 
-def load_model(path: str | os.PathLike[str]) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    """``(model, tokenizer)`` from a Hugging Face directory or a GGUF file, model in fp32, eval mode."""
+def load_model(
+    path: str | os.PathLike[str], *, tokenizer: bool = True
+) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+    """``(model, tokenizer)`` from a Hugging Face directory or a GGUF file, model in fp32, eval mode.
+
+    The weights are read layer by layer straight into the engine's host layout: pass the model
+    to :class:`tinypipe.Engine` and it adopts them without a copy. ``tokenizer=False`` skips the
+    tokenizer (``None`` is returned in its place).
+    """
     kind, p = resolve_model_path(path)
-    return _load_gguf(p) if kind == "gguf" else _load_hf_dir(p)
+    return _load_gguf(p, tokenizer) if kind == "gguf" else _load_hf_dir(p, tokenizer)
 
 
 # --------------------------------------------------------------------------- Hugging Face directories
@@ -196,8 +213,8 @@ def _load_tokenizer(folder: Path, **kwargs: object):
         ) from None
 
 
-def _load_hf_dir(folder: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    from transformers import AutoModelForCausalLM
+def _load_hf_dir(folder: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+    from tinypipe.models.safetensors_stream import SafetensorsError, safetensors_files
 
     config = _load_config(folder)
     if getattr(config, "is_encoder_decoder", False):
@@ -205,7 +222,80 @@ def _load_hf_dir(folder: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
             f"{folder}: {config.model_type!r} is an encoder-decoder model; tinypipe fine-tunes decoder-only causal LMs"
         )
     _check_causal_lm(getattr(config, "model_type", None), folder)
-    tokenizer = _load_tokenizer(folder)
+    tokenizer = _load_tokenizer(folder) if want_tokenizer else None
+    try:
+        files = safetensors_files(folder)
+    except SafetensorsError as exc:
+        raise ModelFilesError(_one_line(exc)) from None
+    if not files:  # pytorch_model.bin checkpoints: transformers' loader (the whole model at once)
+        return _load_hf_dir_whole(folder), tokenizer
+    model, mat = _skeleton(config, folder)
+    _fill_from_safetensors(mat, files, folder)
+    _take_generation_config(model, folder)
+    return model, tokenizer
+
+
+def _skeleton(config, where: Path):  # noqa: ANN001, ANN202
+    """(model with meta parameters, its materialiser): every parameter now a view of a master buffer."""
+    from tinypipe.models.skeleton import LayerMaterialiser, build_skeleton, decompose_skeleton
+
+    try:
+        model = build_skeleton(config)
+    except ValueError as exc:
+        msg = _one_line(exc)
+        if "Unrecognized configuration class" in msg:
+            raise UnsupportedArchitectureError(f"{where}: not a causal language model ({msg})") from None
+        raise ModelFilesError(f"{where}: cannot build the model ({msg})") from None
+    return model, LayerMaterialiser(model, decompose_skeleton(model))
+
+
+def _fill_from_safetensors(mat, files: list[Path], folder: Path) -> None:  # noqa: ANN001
+    """Read every tensor the model needs, one at a time, into its place in the master buffers."""
+    from tinypipe.models.safetensors_stream import SafetensorsError, read_header, read_tensor
+    from tinypipe.models.skeleton import fill, plan_checkpoint_keys
+
+    try:
+        per_file = [read_header(f) for f in files]
+    except (OSError, SafetensorsError) as exc:
+        raise ModelFilesError(_one_line(exc)) from None
+    seen: dict[str, Path] = {}
+    for entries in per_file:
+        for e in entries:
+            if e.name in seen:
+                raise ModelFilesError(f"{folder}: weight {e.name!r} is stored twice ({seen[e.name].name}, {e.file.name})")
+            seen[e.name] = e.file
+    try:
+        wanted = plan_checkpoint_keys(mat, list(seen), str(folder))
+        for file, entries in zip(files, per_file):
+            with open(file, "rb", buffering=0) as fh:
+                for e in entries:
+                    model_key = wanted.get(e.name)
+                    if model_key is None:
+                        continue
+                    target = mat.target(model_key)
+                    tensor = read_tensor(fh, e, target)
+                    if tensor is not None:
+                        fill(target, tensor, e.name, f"{file}")
+                        del tensor
+    except (ValueError, OSError) as exc:
+        raise ModelFilesError(_one_line(exc, 300)) from None
+
+
+def _take_generation_config(model: nn.Module, folder: Path) -> None:
+    if not (folder / "generation_config.json").is_file():
+        return
+    from transformers import GenerationConfig
+
+    try:
+        model.generation_config = GenerationConfig.from_pretrained(str(folder))
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelFilesError(f"{folder}/generation_config.json: cannot read ({_one_line(exc)})") from None
+
+
+def _load_hf_dir_whole(folder: Path) -> nn.Module:
+    """``from_pretrained`` (for checkpoints that are not safetensors)."""
+    from transformers import AutoModelForCausalLM
+
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
             str(folder), dtype=torch.float32, output_loading_info=True
@@ -225,7 +315,7 @@ def _load_hf_dir(folder: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
             "they would be random: refusing to train"
         )
     model.eval()
-    return model, tokenizer
+    return model
 
 
 # --------------------------------------------------------------------------- GGUF
@@ -236,10 +326,63 @@ def _require_gguf() -> None:
         raise MissingDependencyError("reading .gguf files needs the gguf package; run: pip install gguf")
 
 
-def _load_gguf(file: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
-    from transformers import AutoModelForCausalLM
+def _load_gguf(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+    """Stream the GGUF file's tensors, dequantized one at a time, into the master buffers.
+
+    Falls back to transformers' whole-state-dict load if its GGUF internals are not there.
+    """
+    from transformers import AutoConfig
+
+    from tinypipe.models.gguf_stream import iter_gguf_tensors
+    from tinypipe.models.skeleton import fill
 
     _require_gguf()
+    folder, name = str(file.parent), file.name
+    with _memoised_gguf():
+        try:
+            config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        except (ValueError, NotImplementedError) as exc:
+            msg = _one_line(exc)
+            if isinstance(exc, NotImplementedError) or "not supported" in msg or "Unrecognized" in msg or "Unknown" in msg:
+                raise UnsupportedArchitectureError(f"{file}: {msg}") from None
+            raise ModelFilesError(f"{file}: cannot load ({msg})") from None
+        except (OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
+            raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
+        _check_causal_lm(getattr(config, "model_type", None), file)
+        model, mat = _skeleton(_plain_config(config), file)
+        filled: set[str] = set()
+        streamed = True
+        try:
+            for key, tensor in iter_gguf_tensors(file, model):
+                model_key = mat.resolve(key)
+                if model_key is None:  # transformers ignores GGUF tensors without an HF name too
+                    continue
+                fill(mat.target(model_key), tensor, key, str(file))
+                filled.add(mat.canonical(model_key) or model_key)
+                del tensor
+        except ImportError:  # transformers' GGUF internals moved: its own (whole-model) loader
+            streamed = False
+        except NotImplementedError as exc:
+            raise UnsupportedArchitectureError(f"{file}: {_one_line(exc)}") from None
+        except (ValueError, OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
+            raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
+    if not streamed:
+        del model, mat
+        return _load_gguf_whole(file, want_tokenizer)
+    missing = [n for n in mat.parameter_names if n not in filled]
+    if missing:
+        shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
+        raise ModelFilesError(
+            f"{file}: the GGUF file lacks {len(missing)} weight(s) the model needs ({shown}); refusing to train"
+        )
+    tokenizer = _load_tokenizer(file.parent, gguf_file=name) if want_tokenizer else None
+    return model, tokenizer
+
+
+def _load_gguf_whole(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+    """transformers' GGUF loader: every tensor dequantized into one state dict, then rebuilt."""
+    from transformers import AutoModelForCausalLM
+
     folder, name = str(file.parent), file.name
     try:
         with _memoised_gguf():
@@ -253,7 +396,7 @@ def _load_gguf(file: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
         raise UnsupportedArchitectureError(f"{file}: {_one_line(exc)}") from None
     except (OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
         raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
-    tokenizer = _load_tokenizer(file.parent, gguf_file=name)
+    tokenizer = _load_tokenizer(file.parent, gguf_file=name) if want_tokenizer else None
     model = _plain_copy(loaded)
     model.eval()
     return model, tokenizer

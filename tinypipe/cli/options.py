@@ -1,0 +1,229 @@
+"""``finetune`` settings: the option table, value parsers, config files (TOML/YAML) and their resolution.
+
+Each :class:`Option` is both a ``--flag`` and a config-file key (underscores); flags override the
+file, the file overrides the defaults. Also the checks shared by the commands (positive values,
+devices). No torch import at module level.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+from tinypipe.errors import ConfigError
+
+def _int(text: Any) -> int:
+    if isinstance(text, bool):
+        raise ValueError("expected an integer")
+    if isinstance(text, int):
+        return text
+    if isinstance(text, float):
+        if text.is_integer():
+            return int(text)
+        raise ValueError("expected an integer")
+    try:
+        return int(str(text).strip())
+    except ValueError:
+        raise ValueError("expected an integer") from None
+
+
+def _float(text: Any) -> float:
+    if isinstance(text, bool):
+        raise ValueError("expected a number")
+    try:
+        value = float(text) if isinstance(text, (int, float)) else float(str(text).strip())
+    except ValueError:
+        raise ValueError("expected a number") from None
+    if not math.isfinite(value):
+        raise ValueError(f"expected a finite number, got {value}")
+    return value
+
+
+def _optional_float(text: Any) -> float | None:
+    if text is None or (isinstance(text, str) and text.strip().lower() in ("none", "off", "")):
+        return None
+    return _float(text)
+
+
+def _str(text: Any) -> str:
+    if not isinstance(text, (str, os.PathLike)):
+        raise ValueError("expected a string")
+    return str(text)
+
+
+def _devices(value: Any) -> list[str]:
+    items = value if isinstance(value, (list, tuple)) else str(value).split(",")
+    out = [str(d).strip() for d in items if str(d).strip()]
+    if not out:
+        raise ValueError("expected device names such as cuda:0,cuda:1 or cpu")
+    return out
+
+
+def _pack_size(value: Any) -> int | list[int]:
+    if isinstance(value, (list, tuple)):
+        return [_int(v) for v in value]
+    text = str(value).strip()
+    if "," in text:
+        return [_int(v) for v in text.split(",") if v.strip()]
+    return _int(text)
+
+
+def _names(value: Any) -> list[str]:
+    items = value if isinstance(value, (list, tuple)) else _str(value).split(",")
+    out = [str(v).strip() for v in items if str(v).strip()]
+    if not out:
+        raise ValueError("expected module names such as q_proj,v_proj")
+    return out
+
+
+def _bool(value: Any) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ValueError("expected true or false")
+
+
+@dataclass(frozen=True)
+class Option:
+    """One ``finetune`` setting: a ``--flag`` and the same key (underscores) in a config file."""
+
+    name: str
+    parse: Callable[[Any], Any]
+    default: Any
+    help: str
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+    flag: bool = False  # a store_true switch
+
+    @property
+    def dest(self) -> str:
+        return self.name.replace("-", "_")
+
+
+FINETUNE_OPTIONS: tuple[Option, ...] = (
+    Option("model", _str, None, "Hugging Face model directory (config.json + safetensors) or a .gguf file", "PATH"),
+    Option("data", _str, None, "training data: .jsonl (text, prompt/completion or chat messages) or .txt", "FILE"),
+    Option("output", _str, None, "directory for the fine-tuned model, tokenizer, metrics.jsonl and loss.png", "DIR"),
+    Option("seq-len", _int, None, "tokens per training row (default: min(1024, the model's max positions))", "N"),
+    Option("global-batch", _int, 8, "rows per optimizer step (default: 8)", "N"),
+    Option("micro-batch", _int, 1, "rows per micro-batch on a device; bigger is faster and needs more device memory (default: 1)", "N"),
+    Option("pack-size", _pack_size, 1, "decoder blocks per pack, or a list like 4,4,2 (default: 1)", "N"),
+    Option("steps", _int, None, "optimizer steps (default: as many as --epochs takes)", "N"),
+    Option("epochs", _float, None, "passes over the data when --steps is not given (default: 1)", "X"),
+    Option("lr", _float, 1e-5, "peak learning rate (default: 1e-5)", "LR"),
+    Option("warmup-steps", _int, 0, "linear warm-up steps (default: 0)", "N"),
+    Option("schedule", _str, "cosine", "learning-rate decay after warm-up (default: cosine)", None,
+           ("cosine", "linear", "constant")),
+    Option("min-lr-ratio", _float, 0.1, "final learning rate as a fraction of --lr (default: 0.1)", "X"),
+    Option("weight-decay", _float, 0.0, "AdamW weight decay (default: 0)", "X"),
+    Option("max-grad-norm", _optional_float, None, "clip the global gradient norm to this (default: off; costs one fp32 gradient copy in host memory)", "X"),
+    Option("seed", _int, 0, "seed for the data order (default: 0)", "N"),
+    Option("devices", _devices, None, "comma-separated devices, e.g. cuda:0,cuda:1 (default: cuda:0 if available, else cpu)", "LIST"),
+    Option("precision", _str, None, "compute precision; master weights stay fp32 (default: bf16 on CUDA, fp32 on cpu)", None,
+           ("fp32", "bf16")),
+    Option("skip-bad-lines", _bool, False, "skip malformed data lines (logged) instead of stopping", flag=True),
+    Option("plan", _str, None, "a plan from `tinypipe plan --save-plan FILE` (packs, micro-batches, placement; overrides those flags)", "FILE"),
+    Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps (default: off)", "N"),
+    Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result equals an uninterrupted run", flag=True),
+    Option("lora", _bool, False, "train LoRA adapters only (base weights frozen, kept at the compute precision); OUTPUT gets a PEFT adapter", flag=True),
+    Option("lora-rank", _int, None, "LoRA rank r (default: 8)", "R"),
+    Option("lora-alpha", _float, None, "LoRA alpha; updates are scaled by alpha/rank (default: 16)", "X"),
+    Option("lora-dropout", _float, None, "LoRA dropout written to adapter_config.json; not applied while tinypipe trains (default: 0)", "P"),
+    Option("lora-targets", _names, None, "comma-separated linear layers in the decoder blocks to adapt, e.g. q_proj,v_proj (default: every attention and MLP projection)", "LIST"),
+    Option("merge", _bool, False, "with --lora: also write the merged full model to OUTPUT/merged", flag=True),
+)
+_OPTIONS_BY_DEST = {o.dest: o for o in FINETUNE_OPTIONS}
+
+
+def _load_config_file(path: str) -> dict[str, Any]:
+    """Settings from a TOML or YAML file, keys as the flag names with underscores."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise ConfigError(f"{p}: config file not found")
+    suffix = p.suffix.lower()
+    try:
+        raw = p.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{p}: cannot read ({exc.strerror or exc})") from None
+    if suffix == ".toml":
+        try:
+            import tomllib
+        except ModuleNotFoundError:  # Python 3.10
+            try:
+                import tomli as tomllib  # type: ignore[no-redef]
+            except ModuleNotFoundError:
+                raise ConfigError(f"{p}: reading TOML on Python 3.10 needs `pip install tomli` (or use YAML)") from None
+        try:
+            data = tomllib.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(f"{p}: invalid TOML ({' '.join(str(exc).split())})") from None
+    elif suffix in (".yaml", ".yml"):
+        import yaml
+
+        try:
+            data = yaml.safe_load(raw.decode("utf-8"))
+        except (UnicodeDecodeError, yaml.YAMLError) as exc:
+            raise ConfigError(f"{p}: invalid YAML ({' '.join(str(exc).split())[:200]})") from None
+        if data is None:
+            data = {}
+    else:
+        raise ConfigError(f"{p}: unsupported config file type {suffix or '(none)'!r}; use .toml or .yaml")
+    if not isinstance(data, dict):
+        raise ConfigError(f"{p}: expected a table of settings (key = value), got {type(data).__name__}")
+    out: dict[str, Any] = {}
+    for key, value in data.items():
+        dest = str(key).replace("-", "_")
+        option = _OPTIONS_BY_DEST.get(dest)
+        if option is None:
+            known = ", ".join(sorted(_OPTIONS_BY_DEST))
+            raise ConfigError(f"{p}: unknown setting {key!r} (known: {known})")
+        try:
+            parsed = option.parse(value)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"{p}: {dest}: invalid value {value!r} ({exc})") from None
+        if option.choices and parsed not in option.choices:
+            raise ConfigError(f"{p}: {dest}: invalid value {value!r} (choose from {', '.join(option.choices)})")
+        out[dest] = parsed
+    return out
+
+
+def _resolve_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """Defaults, overridden by the config file, overridden by flags given on the command line."""
+    settings = {o.dest: o.default for o in FINETUNE_OPTIONS}
+    if args.config:
+        settings.update(_load_config_file(args.config))
+    for o in FINETUNE_OPTIONS:
+        value = getattr(args, o.dest, None)
+        if value is not None:
+            settings[o.dest] = value
+    for required in ("model", "data", "output"):
+        if not settings.get(required):
+            raise ConfigError(f"--{required} is required (on the command line or in the config file)")
+    return settings
+
+
+def _positive(name: str, value: int | float | None, minimum: float = 1) -> None:
+    if value is not None and not value >= minimum:
+        raise ConfigError(f"{name} must be >= {minimum:g}, got {value}")
+
+
+def _default_device() -> str:
+    import torch
+
+    return "cuda:0" if torch.cuda.is_available() else "cpu"
+
+
+def _check_devices(devices: Sequence[str]) -> None:
+    """Fail before the (slow) model load when a device does not exist."""
+    from tinypipe.devices.backend import make_backend
+
+    for d in devices:
+        make_backend(d)

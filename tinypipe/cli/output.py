@@ -1,0 +1,75 @@
+"""What the commands print and write: the output directory, one-line messages, loss summaries, saved files."""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+from tinypipe.errors import ConfigError
+
+PROG = "tinypipe"
+EXIT_USAGE = 2
+
+
+def _prepare_output(path: str) -> Path:
+    out = Path(path).expanduser()
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--output {out}: exists and is not a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ConfigError(f"--output {out}: cannot create ({exc.strerror or exc})") from None
+    if not os.access(out, os.W_OK):
+        raise ConfigError(f"--output {out}: not writable")
+    return out
+
+
+def _loss_summary(records: list[dict]) -> str:
+    losses = [r["loss"] for r in records]
+    tokens = sum(r["tokens"] for r in records)
+    seconds = sum(r["seconds"] for r in records)
+    k = min(3, len(losses))
+    head = sum(losses[:k]) / k
+    tail = sum(losses[-k:]) / k
+    return (
+        f"loss {losses[0]:.4f} (step 1) -> {losses[-1]:.4f} (step {len(losses)}); "
+        f"mean of first {k}: {head:.4f}, last {k}: {tail:.4f}; "
+        f"{tokens} tokens in {seconds:.1f} s = {tokens / seconds if seconds else float('nan'):.0f} tokens/s"
+    )
+
+
+def _save_outputs(engine: Any, tokenizer: Any, records: list[dict], out: Path) -> tuple[Path, Path]:
+    from tinypipe.train.loop import plot_metrics
+
+    engine.save_pretrained(out)
+    tokenizer.save_pretrained(str(out))
+    png = plot_metrics(records, out / "loss.png")
+    return out / "metrics.jsonl", png
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return str(n)
+
+
+def _process_seconds() -> float | None:
+    """Wall seconds since this process started (imports included), if the OS says."""
+    try:
+        import psutil
+
+        return time.time() - psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - only a nicety
+        return None
+
+
+def _say(*parts: object) -> None:
+    print(*parts, flush=True)
+
+
+def _error_line(exc: BaseException) -> str:
+    text = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{PROG}: error: {text}"
