@@ -182,3 +182,36 @@ def test_validate_planner_script_logic_on_cpu(tmp_path: Path, capsys) -> None:
     assert len({json.dumps(r["measured"]["knobs"], sort_keys=True) for r in d["rows"][:3]}) == 3
     assert all(r["measured"]["step_s"] > 0 for r in d["rows"])
     assert text.rstrip().splitlines()[-1].startswith("| ")
+
+
+def test_h200_profile_predicts_the_recorded_runs() -> None:
+    """The planner with the H200 profile (bench/results/h200_profile_w1.json) against the five W1
+    plans measured with compiled blocks (bench/results/validate_planner_1.json): step time within
+    15 %, peak allocated within 10 %, the GPU need (with headroom) at or above peak reserved."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    from tinypipe.bench.workloads import WORKLOADS
+    from tinypipe.planner.hardware import load_hardware
+    from tinypipe.planner.search import evaluate
+    from tinypipe.planner.sizes import model_sizes
+
+    root = Path(__file__).resolve().parent.parent / "bench" / "results"
+    w = WORKLOADS["W1"]
+    sizes = model_sizes(transformers.LlamaConfig(**w.config))
+    hw = load_hardware(str(root / "h200_profile_w1.json")).with_memory(24 * 2**30)
+    assert hw.layer_profile is not None and hw.layer_profile.act_bytes_per_token
+    rows = json.loads((root / "validate_planner_1.json").read_text())["rows"]
+    assert len(rows) == 5
+    for r in rows:
+        m = r["measured"]
+        k = m["knobs"]
+        c = evaluate(sizes, hw, pack_size=k["pack_size"], fwd_micro_batch=k["micro_batch_size"],
+                     bwd_micro_batch=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
+                     stash=k["stash"], gpus=1, seq=w.seq, global_batch=w.batch)
+        alloc = sum(c.memory.devices["0:cuda:0"].values())
+        assert abs(c.time.step_s / m["step_s"] - 1) <= 0.15, (r["label"], c.time.step_s, m["step_s"])
+        assert abs(alloc / m["peak_allocated"] - 1) <= 0.10, (r["label"], alloc, m["peak_allocated"])
+        assert c.gpu_need >= m["peak_reserved"], (r["label"], c.gpu_need, m["peak_reserved"])

@@ -122,9 +122,11 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, 
 
 def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
                      devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
-                     head_chunk: int | None = None, detail: bool = False) -> list[int] | tuple[list[int], list[str]]:
+                     head_chunk: int | None = None, detail: bool = False,
+                     act_per_token: float | None = None) -> list[int] | tuple[list[int], list[str]]:
     """Estimated activation peak per device entry (bytes), and with ``detail`` the phase that
-    sets it. See the module documentation for the model."""
+    sets it. ``act_per_token`` overrides the probe's saved bytes per token and block (a measured
+    profile's value). See the module documentation for the model."""
     H = hidden or sizes.hidden
     V = vocab or sizes.vocab
     a = dtype_bytes(precision)
@@ -135,7 +137,7 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     tb = min(plan.bwd_micro_batch, B) * S
     bsh = B * S * H * a
     chunk = head_chunk or head_chunk_tokens(V)
-    act_tok = sizes.block_act_bytes(precision)
+    act_tok = act_per_token or sizes.block_act_bytes(precision)
     cuda = [_is_cuda(d) for d in devices]
     norm_copy = NORM_COPY_BYTES_PER_ELEMENT
 
@@ -241,7 +243,7 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
                     devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
                     host_grad_buffers: int | None = None, max_grad_norm: float | None = None,
                     retain_grads: bool | None = None, head_chunk: int | None = None,
-                    peaks: Sequence[int] | None = None) -> MemoryReport:
+                    peaks: Sequence[int] | None = None, act_per_token: float | None = None) -> MemoryReport:
     """The :class:`MemoryReport` the engine would give for ``plan`` after one step of
     ``batch`` x ``seq`` tokens: static categories exact, ``activations_peak`` estimated.
 
@@ -259,7 +261,7 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
                       host_grad_buffers=host_grad_buffers, retain_grads=retain, hidden=hidden)
     if peaks is None:
         peaks = activation_peaks(sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices,
-                                 hidden=hidden, vocab=vocab, head_chunk=head_chunk)
+                                 hidden=hidden, vocab=vocab, head_chunk=head_chunk, act_per_token=act_per_token)
     devs = {}
     for i, d in enumerate(devices):
         cats = device_static_bytes(sizes, plan, i, d, precision)

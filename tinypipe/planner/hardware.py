@@ -112,7 +112,11 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
     known = {f.name for f in fields(HardwareSpec)}
     d = dict(d)
     if d.get("format") == PROFILE_FORMAT:  # tinypipe profile output: keep the planner's fields
+        saved = [p.get("act_saved_bytes_per_token") for p in d.get("points", []) if isinstance(p, dict)]
+        saved = [float(x) for x in saved if x]
         d = {k: v for k, v in d.items() if k in known}
+        if saved and isinstance(d.get("layer_profile"), dict) and not d["layer_profile"].get("act_bytes_per_token"):
+            d["layer_profile"] = dict(d["layer_profile"], act_bytes_per_token=max(saved))
     prof = d.pop("layer_profile", None)
     if prof is not None:
         try:

@@ -49,6 +49,15 @@ class LayerProfile:
     attn_width: int  # heads * head_dim of the profiled block
     head_params: int  # parameters of the head's output matmul (vocab * hidden)
     points: tuple[ProfilePoint, ...]
+    # bytes autograd keeps per token for one recomputed block, as measured (compiled blocks keep
+    # less than the eager probe the planner otherwise uses); None: not measured
+    act_bytes_per_token: float | None = None
+
+    def activation_bytes_for(self, block_params: int, attn_width: int) -> float | None:
+        """The measured saved bytes per token, if this profile is of the same block shape."""
+        if self.act_bytes_per_token and block_params == self.block_params and attn_width == self.attn_width:
+            return self.act_bytes_per_token
+        return None
 
     # -- flops of the profiled shapes
     def _flops(self, kind: str, seq: int, tokens: float) -> float:
@@ -109,7 +118,7 @@ class LayerProfile:
 
     def as_dict(self) -> dict:
         return {"precision": self.precision, "block_params": self.block_params, "attn_width": self.attn_width,
-                "head_params": self.head_params,
+                "head_params": self.head_params, "act_bytes_per_token": self.act_bytes_per_token,
                 "points": [{"seq": p.seq, "micro_batch": p.micro_batch, "tokens": p.tokens, "forward_s": p.forward_s,
                             "recompute_s": p.recompute_s, "backward_s": p.backward_s, "head_s": p.head_s}
                            for p in self.points]}
@@ -125,8 +134,9 @@ class LayerProfile:
             pts.append(pt)
         if not pts:
             raise ValueError("no measured points")
+        act = d.get("act_bytes_per_token")
         prof = cls(str(d.get("precision", "bf16")), int(d["block_params"]), int(d["attn_width"]),
-                   int(d.get("head_params", 0)), tuple(pts))
+                   int(d.get("head_params", 0)), tuple(pts), float(act) if act else None)
         if prof.block_params < 1 or prof.attn_width < 1:
             raise ValueError("block_params and attn_width must be positive")
         return prof

@@ -200,7 +200,8 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
             del hidden_in, calls
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-    prof = LayerProfile(precision, int(block_raw), int(attn_width), int(head_matmul), tuple(points))
+    act = max((d["act_saved_bytes_per_token"] for d in details), default=0.0) or None
+    prof = LayerProfile(precision, int(block_raw), int(attn_width), int(head_matmul), tuple(points), act)
     esize = torch.empty((), dtype=dtype).element_size()
     sizes = {"block_params": int(block_raw), "block_param_bytes": int(block_raw) * esize,
              "block_master_bytes": int(block_raw) * 4, "head_params": int(head_matmul), "attn_width": int(attn_width),

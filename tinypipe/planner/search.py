@@ -179,12 +179,12 @@ def stash_options(num_packs: int) -> list[str | tuple[str, ...]]:
     return out
 
 
-def _useful(options: Sequence[int], all_mbs: Sequence[int], seq: int) -> list[int]:
+def _useful(options: Sequence[int], all_mbs: Sequence[int], seq: int, plateau: float = REFERENCE_TOKENS) -> list[int]:
     """Micro-batch sizes worth trying: one whose half is also an option and already reaches the
-    cost model's efficiency plateau (REFERENCE_TOKENS) is never faster, only larger."""
+    cost model's efficiency plateau (``plateau`` tokens) is never faster, only larger."""
     keep = []
     for m in sorted(set(options)):
-        if m % 2 == 0 and m // 2 in all_mbs and (m // 2) * seq >= REFERENCE_TOKENS:
+        if m % 2 == 0 and m // 2 in all_mbs and (m // 2) * seq >= plateau:
             continue
         keep.append(m)
     return keep
@@ -210,8 +210,13 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequ
                      prefetch_window=prefetch_window, stash=stash if isinstance(stash, str) else list(stash),
                      tied=sizes.tied)
     devices = [f"cuda:{i}" for i in range(gpus)]
+    prof = hardware.layer_profile
+    act = None
+    if prof is not None and prof.precision == precision:  # measured saved activations of this block shape
+        act = prof.activation_bytes_for(sizes.block_params[0], sizes.num_heads * sizes.head_dim)
     mem = estimate_memory(sizes, plan, batch=global_batch, seq=seq, precision=precision, devices=devices,
-                          host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks)
+                          host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
+                          act_per_token=act)
     t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision)
     knobs = {
         "pack_size": pack_size if isinstance(pack_size, int) else list(pack_size),
@@ -278,6 +283,10 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         notes.append("activation sizes come from a generic formula (the probe model could not be built)")
 
     mbs = micro_batch_options(global_batch)
+    # a measured profile knows the rate up to its largest micro-batch: search up to there
+    plateau = REFERENCE_TOKENS
+    if hw.layer_profile is not None and hw.layer_profile.precision == precision:
+        plateau = max(plateau, max(p.tokens for p in hw.layer_profile.points))
     cands: list[Candidate] = []
     fits: list[Candidate] = []
     for pack in pack_options(sizes.num_blocks):
@@ -285,8 +294,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         largest = max(pack) if isinstance(pack, tuple) else pack
         windows = [w for w in WINDOWS if w <= max(1, largest)]
         for stash in stash_options(num_packs):
-            for b in _useful(mbs, mbs, seq):
-                for f in _useful([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq):
+            for b in _useful(mbs, mbs, seq, plateau):
+                for f in _useful([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq, plateau):
                     peaks = None
                     for w in windows:
                         c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=f, bwd_micro_batch=b,
