@@ -225,9 +225,22 @@ def train(
 
 
 def read_metrics(path: str | os.PathLike[str]) -> list[dict]:
-    """The records of a metrics JSONL file written by :func:`train`."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics JSONL file written by :func:`train`.
+
+    A process killed while writing a record leaves a torn last line: it is ignored (that step
+    never reached its checkpoint, so a resumed run redoes it). A bad line elsewhere is an error.
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if n == len(lines) and not line.endswith("\n"):
+                break
+            raise ConfigError(f"{path}:{n}: not a metrics record") from None
+    return records
 
 
 def plot_metrics(records: list[dict], out_png: str | os.PathLike[str]) -> Path:
