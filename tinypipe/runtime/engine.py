@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -29,6 +30,7 @@ from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optimizer import CpuAdamW
 from tinypipe.runtime.step import StepInputs, StepRunner, StepState, host_times
 from tinypipe.runtime.updater import StepUpdater
+from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.builder import build_schedule
 from tinypipe.schedule.plan import Plan, make_plan
 from tinypipe.schedule.render import chrome_trace, to_text
@@ -138,6 +140,8 @@ class Engine:
         self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
         self._rss_peak = 0
         self._prefetch_pool: dict = {}
+        self._workers = LaneWorkers()  # one persistent thread per lane, reused by every step
+        weakref.finalize(self, self._workers.shutdown, 0.0)
         cores = os.cpu_count() or 1
         # leave cores for the lanes that feed the GPUs; an OpenMP team sharing a core with a busy
         # lane runs at the straggler's pace
@@ -237,11 +241,13 @@ class Engine:
             self.head_chunk, self._host_stash, self.config.trace, self.fault,
             stall_timeout=self.config.stall_timeout_s, check_finite=self.config.check_finite,
             optimizer_threads=self._optimizer_threads, prefetch_pool=self._prefetch_pool,
+            workers=self._workers,
         )
         self._last_origin = t0
         try:
             state = runner.run()
         except WorkerError as exc:
+            self._workers.shutdown()  # no lane thread outlives a failed step (a stuck one is abandoned)
             if runner.stuck:
                 self._broken = f"a worker is still stuck in {runner.stuck}"
             if isinstance(exc.__cause__, NonFiniteError):  # check_finite located a NaN/inf
@@ -362,7 +368,8 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Unpin host memory; the engine is unusable afterwards."""
+        """Stop the lane threads and unpin host memory; the engine is unusable afterwards."""
+        self._workers.shutdown()
         self.pinner.release()
 
     def __enter__(self) -> "Engine":
