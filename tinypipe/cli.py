@@ -11,10 +11,12 @@ line, ``tinypipe: error: ...``, and exit with status 2; ``--debug`` adds the tra
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import math
 import os
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -236,8 +238,13 @@ def _prepare_output(path: str) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--output {out}: cannot create ({exc.strerror or exc})") from None
-    if not os.access(out, os.W_OK):
-        raise ConfigError(f"--output {out}: not writable")
+    try:  # a real write: os.access says yes to root, and knows nothing of read-only mounts or full disks
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        from tinypipe.runtime.checkpoint import describe_os_error
+
+        raise ConfigError(f"--output {out}: not writable ({describe_os_error(exc)})") from None
     return out
 
 
@@ -646,6 +653,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except OSError as exc:  # disk full / permissions on a write not wrapped above: still one line
+        if exc.errno not in _DISK_ERRNOS:
+            raise
+        if debug:
+            traceback.print_exc()
+        from tinypipe.runtime.checkpoint import describe_os_error
+
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{PROG}: error: {where}{describe_os_error(exc)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 if __name__ == "__main__":

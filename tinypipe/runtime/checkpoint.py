@@ -20,7 +20,7 @@ from typing import Any, Callable
 import torch
 from safetensors.torch import load_file, save_file
 
-from tinypipe.errors import ConfigError, TinypipeError
+from tinypipe.errors import ConfigError, WriteError
 from tinypipe.memory.host_store import HostStore
 
 FORMAT = 1
@@ -32,7 +32,7 @@ FORMAT = 1
 FAULT_HOOK: Callable[[str], None] | None = None
 
 
-class CheckpointWriteError(TinypipeError):
+class CheckpointWriteError(WriteError):
     """Writing a checkpoint failed (disk full, permissions); the previous checkpoint is intact."""
 
 

@@ -16,7 +16,8 @@ from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.devices.backend import HostPinner, make_backend
-from tinypipe.errors import BatchError, ConfigError, NonFiniteError, WorkerError
+from tinypipe.errors import BatchError, ConfigError, NonFiniteError, PlanDoesNotFitError, WorkerError, WriteError
+from tinypipe.memory.budget import check_host_memory
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_buffers import aligned_empty, registrable
@@ -103,7 +104,18 @@ class Engine:
             raise ConfigError(f"plan covers {self.plan.num_blocks} blocks, the model has {dec.num_blocks}")
         any_cuda = any(b.is_cuda for b in self.backends)
         self.pinner = HostPinner(enabled=any_cuda and cfg.pin_memory == "register")
-        self.store = HostStore(model, dec, self.pinner)
+        retain = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"
+        n_params = sum(p.numel() for p in model.parameters())
+        check_host_memory(  # fp32 master + AdamW moments (+ the retained fp32 gradient)
+            (16 if retain else 12) * n_params,
+            f"the training state of {n_params / 1e6:.1f} M parameters ({16 if retain else 12} bytes each)")
+        try:
+            self.store = HostStore(model, dec, self.pinner)
+        except (MemoryError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
+                raise
+            raise PlanDoesNotFitError(f"host memory: cannot allocate the training state of {n_params / 1e6:.1f} M "
+                                      f"parameters ({' '.join(str(exc).split())[:200]})") from exc
         self.hidden_size = int(model.config.hidden_size)
         self.head_chunk = cfg.head_chunk_tokens or chunk_tokens_for(int(model.config.vocab_size))
         slot_numel = max(layer.numel for layer in dec.blocks)
@@ -116,20 +128,25 @@ class Engine:
                 resident[0] = dec.embed.numel
             if i == self.plan.head_device:
                 resident[dec.num_blocks + 1] = dec.head.numel
-            pool = DevicePool(
-                backend,
-                self.dtype,
-                slot_numel,
-                self.plan.param_slots() if has_packs else 0,
-                self.plan.grad_slot_count() if has_packs else 0,
-                resident,
-                staging_numel=min(slot_numel, STAGING_MAX),
-            )
+            try:
+                pool = DevicePool(
+                    backend,
+                    self.dtype,
+                    slot_numel,
+                    self.plan.param_slots() if has_packs else 0,
+                    self.plan.grad_slot_count() if has_packs else 0,
+                    resident,
+                    staging_numel=min(slot_numel, STAGING_MAX),
+                )
+            except torch.OutOfMemoryError as exc:
+                raise PlanDoesNotFitError(
+                    f"device {cfg.devices[i]}: out of memory for its layer slots and resident layers "
+                    f"({' '.join(str(exc).split())[:160]}); lower pack_size or the micro-batch, use more devices, "
+                    "or run `tinypipe plan` to see what fits") from exc
             gpool = HostGradPool(buffer_count(slot_numel, cfg.host_grad_buffers), grad_chunk, self.pinner)
             shell = Shell(model, dec, backend.device)
             self.devices.append(DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool))
         self.optimizer = CpuAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
-        retain = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"
         self._retained: dict[int, torch.Tensor] | None = {} if retain else None
         self._schedules: dict[int, Schedule] = {}
         self._broken: str | None = None
@@ -174,7 +191,8 @@ class Engine:
             raise BatchError(f"batch of shape {tuple(ids.shape)} is too small: need >= 1 sequence of >= 2 tokens")
         vocab = int(self.model.config.vocab_size)
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise BatchError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+            raise BatchError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}) "
+                             f"(min {int(ids.min())}, max {int(ids.max())}): was the data tokenized with this model's tokenizer?")
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
         if max_pos is not None and S > int(max_pos):
             raise BatchError(f"sequence length {S} exceeds the model's max_position_embeddings {max_pos}")
@@ -302,7 +320,17 @@ class Engine:
                 for p in s.spec.params:
                     yield p.name, s.master[p.offset : p.offset + p.numel].view(p.shape)
 
-        return save_hf_directory(self.model, tensors(), out_dir, dtype=dtype)
+        try:
+            return save_hf_directory(self.model, tensors(), out_dir, dtype=dtype)
+        except OSError as exc:
+            if isinstance(exc, WriteError):
+                raise
+            from tinypipe.runtime.checkpoint import describe_os_error
+
+            for partial in Path(out_dir).glob("*.safetensors.tmp"):  # give the space back
+                partial.unlink(missing_ok=True)
+            raise WriteError(f"cannot save the model to {out_dir}: {describe_os_error(exc)} "
+                             "(files already there were only replaced by complete ones)") from exc
 
     # ------------------------------------------------------------------ observability
 

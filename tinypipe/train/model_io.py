@@ -197,6 +197,7 @@ def _load_tokenizer(folder: Path, **kwargs: object):
 
 
 def _load_hf_dir(folder: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
+    from safetensors import SafetensorError
     from transformers import AutoModelForCausalLM
 
     config = _load_config(folder)
@@ -215,7 +216,7 @@ def _load_hf_dir(folder: Path) -> tuple[nn.Module, PreTrainedTokenizerBase]:
         if "Unrecognized configuration class" in msg:
             raise UnsupportedArchitectureError(f"{folder}: not a causal language model ({msg})") from None
         raise ModelFilesError(f"{folder}: cannot load the model ({msg})") from None
-    except (OSError, RuntimeError, KeyError) as exc:
+    except (OSError, RuntimeError, KeyError, SafetensorError) as exc:
         raise ModelFilesError(f"{folder}: cannot load the weights ({type(exc).__name__}: {_one_line(exc)})") from None
     missing = list(info.get("missing_keys") or [])
     if missing:
