@@ -46,3 +46,28 @@ def test_rss_flat_over_50_steps() -> None:
           f"(+{growth / MiB:.2f} MiB, {growth / 40 / 1024:.1f} KiB/step); threads {out['threads']}")
     assert growth < BOUND, f"RSS grew {growth / MiB:.1f} MiB from step 10 to 50 (bound {BOUND / MiB:.0f} MiB)"
     assert out["threads"] <= 1 + 7  # main + one persistent worker per lane (2 devices x 3 lanes + optimizer)
+
+
+def test_lane_threads_are_reused_across_steps_and_stop_on_close() -> None:
+    import threading
+
+    import tinypipe
+    from model_zoo import make_batch, make_model
+
+    eng = tinypipe.Engine(make_model("llama"), tinypipe.Config(devices=["cpu", "cpu"], micro_batch_size=2))
+    seen: list[set[int]] = []
+
+    def record(task) -> None:
+        seen[-1].add(threading.get_ident())
+
+    eng.fault = record
+    for seed in range(3):
+        seen.append(set())
+        eng.step(make_batch(4, 8, seed=seed))
+    assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 7  # 2 devices x 3 lanes + the optimizer lane
+    threads = eng._workers.threads()
+    assert all(t.is_alive() and not t.name.startswith("tinypipe-") for t in threads)  # idle between steps
+    eng.close()
+    for t in threads:
+        t.join(2.0)
+    assert not any(t.is_alive() for t in threads)

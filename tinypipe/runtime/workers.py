@@ -52,6 +52,8 @@ class _Worker:
             self.thread.name = f"tinypipe-{self.lane}"
             try:
                 fn()
+            except BaseException:  # noqa: BLE001 - the lane reports its own errors; the worker must survive
+                pass
             finally:
                 self.thread.name = _idle_name(self.lane)
                 self.busy = False
@@ -71,7 +73,7 @@ class LaneWorkers:
         done = threading.Event()
         with self._lock:
             w = self._workers.get(lane)
-            if w is None or not w.alive or w.busy:  # busy: stuck in an abandoned step -- never reuse it
+            if w is None or not w.alive or w.busy or not w.thread.is_alive():  # busy: stuck in an abandoned step -- never reuse it
                 w = _Worker(lane, self)
                 self._workers[lane] = w
             w.busy = True
