@@ -329,8 +329,7 @@ class Engine:
 
             for partial in Path(out_dir).glob("*.safetensors.tmp"):  # give the space back
                 partial.unlink(missing_ok=True)
-            raise WriteError(f"cannot save the model to {out_dir}: {describe_os_error(exc)} "
-                             "(files already there were only replaced by complete ones)") from exc
+            raise WriteError(f"cannot save the model to {out_dir}: {describe_os_error(exc)}") from exc
 
     # ------------------------------------------------------------------ observability
 
