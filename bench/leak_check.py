@@ -3,6 +3,8 @@
 the slope per step (least squares from step --skip on). Flat memory = no leak.
 
     python bench/leak_check.py W1 --devices cuda:0 --steps 50 --seq 1024 --batch 8 --json /tmp/out/leak.json
+    (defaults: pack size 2, micro-batch 4, window 2, host stash, max_grad_norm 1.0, 24 GiB GPU cap: the
+    configuration of bench/RESULTS.md's W1 runs at a quarter of the tokens per step)
 
 Exits 1 when a slope exceeds its bound (--max-rss-slope-mib, --max-cuda-slope-mib, per step).
 A CPU smoke run: python bench/leak_check.py tiny --devices cpu --steps 20 --skip 5
@@ -41,9 +43,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--skip", type=int, default=10, help="slopes are fitted from this step on (warm-up excluded)")
     ap.add_argument("--seq", type=int, default=1024, help="tokens per row (W1's own: 2048)")
     ap.add_argument("--batch", type=int, default=8, help="rows per step (W1's own: 16)")
-    ap.add_argument("--micro-batch", type=int, default=2)
-    ap.add_argument("--pack-size", type=int, default=1)
-    ap.add_argument("--stash", default="device")
+    ap.add_argument("--micro-batch", type=int, default=4)
+    ap.add_argument("--pack-size", type=int, default=2)
+    ap.add_argument("--window", type=int, default=2, help="prefetch window")
+    ap.add_argument("--stash", default="host")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: off")
     ap.add_argument("--cap-gib", type=float, default=24.0, help="per-process GPU memory cap (GiB); 0 = none")
@@ -81,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     model = build_model(w)
     engine = tinypipe.Engine(model, tinypipe.Config(
-        devices=devices, micro_batch_size=a.micro_batch, pack_size=a.pack_size, stash=a.stash,
+        devices=devices, micro_batch_size=a.micro_batch, pack_size=a.pack_size, prefetch_window=a.window, stash=a.stash,
         precision=a.precision, lr=1e-5, max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None))
     print(f"{w.name}: {engine.store.param_count / 1e9:.2f} B params, {w.batch} x {w.seq} tokens/step, "
           f"devices {devices}, ready in {time.perf_counter() - t0:.1f} s", flush=True)
