@@ -63,11 +63,35 @@ def test_crash_mid_save_keeps_the_previous_checkpoint(tmp_path, monkeypatch) -> 
         return real(tensors, name, *a, **k)
 
     monkeypatch.setattr(ckpt, "save_file", dying)
-    with pytest.raises(OSError):
+    with pytest.raises(ckpt.CheckpointWriteError, match="disk full.*previous checkpoint .* is intact") as info:
         eng.save_checkpoint(tmp_path / "c", extra={"n": 2})
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "c.tmp").exists()  # the partial write's space is given back
     fresh = tinypipe.Engine(make_model("llama"), tinypipe.Config(**CFG))
     assert fresh.load_checkpoint(tmp_path / "c") == {"n": 1}
     assert fresh.step_count == 1
+
+
+def test_save_after_an_interrupted_swap_never_deletes_the_only_copy(tmp_path, monkeypatch) -> None:
+    """Killed between the two renames last time, only c.old is left: the next save must keep it
+    until the new checkpoint is in place (a failure right before that rename loses nothing)."""
+    eng = tinypipe.Engine(make_model("llama"), tinypipe.Config(**CFG))
+    eng.step(make_batch(4, 10))
+    eng.save_checkpoint(tmp_path / "c", extra={"n": 1})
+    os.replace(tmp_path / "c", tmp_path / "c.old")
+
+    def fail_before_swap(phase: str) -> None:
+        if phase == "moved-old":
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ckpt, "FAULT_HOOK", fail_before_swap)
+    with pytest.raises(ckpt.CheckpointWriteError):
+        eng.save_checkpoint(tmp_path / "c", extra={"n": 2})
+    fresh = tinypipe.Engine(make_model("llama"), tinypipe.Config(**CFG))
+    assert fresh.load_checkpoint(tmp_path / "c") == {"n": 1}
+    monkeypatch.setattr(ckpt, "FAULT_HOOK", None)
+    eng.save_checkpoint(tmp_path / "c", extra={"n": 2})
+    assert fresh.load_checkpoint(tmp_path / "c") == {"n": 2} and not (tmp_path / "c.old").exists()
 
 
 def test_interrupted_swap_falls_back_to_old(tmp_path) -> None:

@@ -33,3 +33,11 @@ class WorkerError(TinypipeError, RuntimeError):
 
 class NonFiniteError(TinypipeError, FloatingPointError):
     """The loss or the gradients became NaN or infinite."""
+
+
+class WriteError(TinypipeError, OSError):
+    """Writing a checkpoint, the model or the metrics failed (disk full, permissions); what was
+    already on disk (the previous checkpoint or output) is intact."""
+
+    def __str__(self) -> str:  # one line, without OSError's "[Errno N]" prefix
+        return str(self.args[0]) if self.args else "write failed"

@@ -17,6 +17,7 @@ neither torch nor transformers: ``tinypipe plan`` and ``--help`` stay fast.
 from __future__ import annotations
 
 import argparse
+import errno
 import sys
 import traceback
 from typing import Any, Callable, Sequence
@@ -119,6 +120,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         return 130
+    except OSError as exc:  # disk full / permissions on a write not wrapped above: still one line
+        if exc.errno not in _DISK_ERRNOS:
+            raise
+        if debug:
+            traceback.print_exc()
+        from tinypipe.runtime.checkpoint import describe_os_error
+
+        where = f"{exc.filename}: " if exc.filename else ""
+        print(f"{PROG}: error: {where}{describe_os_error(exc)}", file=sys.stderr, flush=True)
+        return EXIT_USAGE
+
+
+_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 if __name__ == "__main__":

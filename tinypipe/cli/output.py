@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,13 @@ def _prepare_output(path: str) -> Path:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as exc:
         raise ConfigError(f"--output {out}: cannot create ({exc.strerror or exc})") from None
-    if not os.access(out, os.W_OK):
-        raise ConfigError(f"--output {out}: not writable")
+    try:  # a real write: os.access says yes to root, and knows nothing of read-only mounts or full disks
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as exc:
+        from tinypipe.runtime.checkpoint import describe_os_error
+
+        raise ConfigError(f"--output {out}: not writable ({describe_os_error(exc)})") from None
     return out
 
 

@@ -41,8 +41,12 @@ def resolve_backend(setting: str, any_cuda: bool) -> str | None:
     return setting
 
 
-def _limits(backend: str) -> contextlib.ExitStack:
+def compile_settings(backend: str | None) -> contextlib.ExitStack:
+    """Dynamo/Inductor settings for a step: they must also cover the backward, which AOT
+    autograd compiles lazily at its first call (outside the forward's call)."""
     stack = contextlib.ExitStack()
+    if backend is None:
+        return stack
     cfg = torch._dynamo.config
     key = "recompile_limit" if hasattr(cfg, "recompile_limit") else "cache_size_limit"  # older torch
     stack.enter_context(cfg.patch(**{key: RECOMPILE_LIMIT}))
@@ -62,8 +66,9 @@ class CompiledBlock:
     def __init__(self, block: nn.Module, backend: str) -> None:
         self.block = block
         self.backend = backend
-        self.compiled: Callable[..., Any] = torch.compile(block, backend=backend, dynamic=False)
+        with compile_settings(backend):  # resolving the backend may start Inductor's worker pool
+            self.compiled: Callable[..., Any] = torch.compile(block, backend=backend, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        with _limits(self.backend):
+        with compile_settings(self.backend):
             return self.compiled(*args, **kwargs)

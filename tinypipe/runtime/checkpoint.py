@@ -3,24 +3,53 @@ whatever the caller needs to resume exactly (LR schedule position, data position
 
 A checkpoint is a directory: one safetensors file per layer and ``state.json``. It is written to a
 temporary sibling directory, flushed, and swapped in with renames, so a crash or kill at any
-moment leaves either the previous checkpoint or the new one -- never a mixture.
+moment leaves either the previous checkpoint or the new one -- never a mixture. A write that fails
+(disk full, permissions) removes its temporary directory, keeps the previous checkpoint and raises
+:class:`CheckpointWriteError` (one line).
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from tinypipe.errors import ConfigError
+from tinypipe.errors import ConfigError, WriteError
 from tinypipe.memory.host_store import HostStore
 
 FORMAT = 1
+
+# Test hook: called with the phase name at each step of a save ("layer" after each layer file,
+# "written" when the temporary directory is complete, "moved-old" between moving the previous
+# checkpoint aside and moving the new one in, "swapped" after that, "done" at the end). Tests use
+# it to pause the writer (so a SIGKILL lands mid-write) or to raise OSError(ENOSPC).
+FAULT_HOOK: Callable[[str], None] | None = None
+
+
+class CheckpointWriteError(WriteError):
+    """Writing a checkpoint failed (disk full, permissions); the previous checkpoint is intact."""
+
+
+def _phase(name: str) -> None:
+    if FAULT_HOOK is not None:
+        FAULT_HOOK(name)
+
+
+def describe_os_error(exc: OSError) -> str:
+    """``disk full`` / ``permission denied`` / ... for an OSError, for one-line messages."""
+    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
+        return "disk full (no space left on device)"
+    if exc.errno in (errno.EACCES, errno.EPERM):
+        return "permission denied"
+    if exc.errno == errno.EROFS:
+        return "read-only file system"
+    return " ".join(str(exc.strerror or exc).split())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -35,10 +64,25 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
-    """Write the training state of ``store`` to directory ``path`` atomically."""
+    """Write the training state of ``store`` to directory ``path`` atomically.
+
+    Raises :class:`CheckpointWriteError` when the write fails; the previous checkpoint survives.
+    """
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = final.with_name(final.name + ".tmp")
+    try:
+        return _save(store, step_count, final, tmp, extra)
+    except OSError as exc:
+        if isinstance(exc, CheckpointWriteError):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)  # free the space the partial write took
+        kept = find_checkpoint(final)
+        survivor = f"; the previous checkpoint {kept} is intact" if kept is not None else ""
+        raise CheckpointWriteError(f"cannot write checkpoint {final}: {describe_os_error(exc)}{survivor}") from exc
+
+
+def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict[str, Any] | None) -> Path:
+    final.parent.mkdir(parents=True, exist_ok=True)
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
@@ -56,21 +100,32 @@ def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike, 
             os.fsync(f.fileno())
         layers.append({"name": s.spec.name, "numel": s.spec.numel, "train_numel": s.spec.train_numel,
                        "step": s.step, "file": name})
+        _phase("layer")
     state = {"format": FORMAT, "step_count": step_count, "layers": layers, "extra": extra or {}}
     with open(tmp / "state.json", "w") as f:
         json.dump(state, f, indent=1)
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
+    _phase("written")
+    # Swap. Invariant: at every instant ``final`` or ``old`` is a complete checkpoint. ``final``
+    # only ever appears by renaming a complete ``tmp``; ``old`` only by renaming a complete
+    # ``final``; ``old`` is deleted only while ``final`` exists. (When a kill landed between the
+    # two renames last time, ``final`` is missing and ``old`` is the current checkpoint: keep it
+    # until the new one is in place.)
     old = final.with_name(final.name + ".old")
-    if old.exists():
-        shutil.rmtree(old)
     if final.exists():
+        if old.exists():
+            shutil.rmtree(old)
         os.replace(final, old)
+        _fsync_dir(final.parent)
+    _phase("moved-old")
     os.replace(tmp, final)
     _fsync_dir(final.parent)
+    _phase("swapped")
     if old.exists():
         shutil.rmtree(old)
+    _phase("done")
     return final
 
 
@@ -104,7 +159,10 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
                               f"{trained} trained elements), this run is {kind[s.spec.frozen_numel > 0]} "
                               f"({s.spec.train_numel}): same --lora settings needed")
     for s, entry in zip(store.layers, state["layers"]):
-        tensors = load_file(str(found / entry["file"]))
+        try:
+            tensors = load_file(str(found / entry["file"]))
+        except Exception as exc:  # noqa: BLE001 - a damaged file: one line, not a traceback
+            raise ConfigError(f"{found}/{entry['file']}: unreadable checkpoint file ({' '.join(str(exc).split())})") from exc
         with torch.no_grad():
             s.master.copy_(tensors["master"])
             s.exp_avg.copy_(tensors["exp_avg"])

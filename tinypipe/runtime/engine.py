@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import resource
 import time
+import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -15,14 +16,15 @@ from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.devices.backend import HostPinner, make_backend
-from tinypipe.errors import BatchError, ConfigError, NonFiniteError, WorkerError
+from tinypipe.errors import BatchError, ConfigError, NonFiniteError, PlanDoesNotFitError, WorkerError, WriteError
 from tinypipe.lora.hooks import save_adapter, split_peft
+from tinypipe.memory.budget import check_host_memory
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_buffers import aligned_empty, registrable
-from tinypipe.memory.host_store import HostStore
+from tinypipe.memory.host_store import IN_PLACE_MARK, HostStore
 from tinypipe.memory.report import MemoryReport
-from tinypipe.models.compiled import resolve_backend
+from tinypipe.models.compiled import compile_settings, resolve_backend
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
@@ -32,6 +34,7 @@ from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optimizer import CpuAdamW
 from tinypipe.runtime.step import StepInputs, StepRunner, StepState, host_times
 from tinypipe.runtime.updater import StepUpdater
+from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.builder import build_schedule
 from tinypipe.schedule.plan import Plan, make_plan
 from tinypipe.schedule.render import chrome_trace, to_text
@@ -110,7 +113,21 @@ class Engine:
             raise ConfigError(f"plan covers {self.plan.num_blocks} blocks, the model has {dec.num_blocks}")
         any_cuda = any(b.is_cuda for b in self.backends)
         self.pinner = HostPinner(enabled=any_cuda and cfg.pin_memory == "register")
-        self.store = HostStore(model, dec, self.pinner, frozen_dtype=self.dtype)
+        retain = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"
+        n_params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # what the store still allocates: AdamW moments, the fp32 master unless a loader already
+        # placed it (tinypipe.load_model), the retained gradient, frozen weights at compute precision
+        per = 8 + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (4 if retain else 0)
+        need = per * trainable + (n_params - trainable) * self.dtype.itemsize
+        check_host_memory(need, f"the training state of {n_params / 1e6:.1f} M parameters")
+        try:
+            self.store = HostStore(model, dec, self.pinner, frozen_dtype=self.dtype)
+        except (MemoryError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
+                raise
+            raise PlanDoesNotFitError(f"host memory: cannot allocate the training state of {n_params / 1e6:.1f} M "
+                                      f"parameters ({' '.join(str(exc).split())[:200]})") from exc
         self.hidden_size = int(model.config.hidden_size)
         self.head_chunk = cfg.head_chunk_tokens or chunk_tokens_for(int(model.config.vocab_size))
         slot_numel = max(layer.numel for layer in dec.blocks)
@@ -119,6 +136,7 @@ class Engine:
         compile_backend = resolve_backend(cfg.compile_blocks, any(b.is_cuda for b in self.backends))
         if compile_backend is not None and compile_backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise ConfigError(f"compile_blocks: unknown torch.compile backend {compile_backend!r}")
+        self.compile_backend = compile_backend
         self.devices: list[DeviceRuntime] = []
         for i, backend in enumerate(self.backends):
             has_packs = i in self.plan.fwd_device or i in self.plan.bwd_device
@@ -127,24 +145,29 @@ class Engine:
                 resident[0], resident_grad[0] = dec.embed.numel, dec.embed.train_numel
             if i == self.plan.head_device:
                 resident[dec.num_blocks + 1], resident_grad[dec.num_blocks + 1] = dec.head.numel, dec.head.train_numel
-            pool = DevicePool(
-                backend,
-                self.dtype,
-                slot_numel,
-                self.plan.param_slots() if has_packs else 0,
-                self.plan.grad_slot_count() if has_packs else 0,
-                resident,
-                staging_numel=min(slot_numel, STAGING_MAX),
-                grad_numel=grad_numel,
-                resident_grad=resident_grad,
-            )
+            try:
+                pool = DevicePool(
+                    backend,
+                    self.dtype,
+                    slot_numel,
+                    self.plan.param_slots() if has_packs else 0,
+                    self.plan.grad_slot_count() if has_packs else 0,
+                    resident,
+                    staging_numel=min(slot_numel, STAGING_MAX),
+                    grad_numel=grad_numel,
+                    resident_grad=resident_grad,
+                )
+            except torch.OutOfMemoryError as exc:
+                raise PlanDoesNotFitError(
+                    f"device {cfg.devices[i]}: out of memory for its layer slots and resident layers "
+                    f"({' '.join(str(exc).split())[:160]}); lower pack_size or the micro-batch, use more devices, "
+                    "or run `tinypipe plan` to see what fits") from exc
             gpool = HostGradPool(buffer_count(max(1, grad_numel), cfg.host_grad_buffers), grad_chunk, self.pinner)
             shell = Shell(model, dec, backend.device)
             if compile_backend is not None:
                 shell.compile_blocks(compile_backend)
             self.devices.append(DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool))
         self.optimizer = CpuAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
-        retain = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"
         self._retained: dict[int, torch.Tensor] | None = {} if retain else None
         self._schedules: dict[int, Schedule] = {}
         self._broken: str | None = None
@@ -155,6 +178,8 @@ class Engine:
         self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
         self._rss_peak = 0
         self._prefetch_pool: dict = {}
+        self._workers = LaneWorkers()  # one persistent thread per lane, reused by every step
+        weakref.finalize(self, self._workers.shutdown, 0.0)
         cores = os.cpu_count() or 1
         # leave cores for the lanes that feed the GPUs; an OpenMP team sharing a core with a busy
         # lane runs at the straggler's pace
@@ -187,7 +212,8 @@ class Engine:
             raise BatchError(f"batch of shape {tuple(ids.shape)} is too small: need >= 1 sequence of >= 2 tokens")
         vocab = int(self.model.config.vocab_size)
         if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise BatchError(f"input_ids hold token ids outside the vocabulary [0, {vocab})")
+            raise BatchError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}) "
+                             f"(min {int(ids.min())}, max {int(ids.max())}): was the data tokenized with this model's tokenizer?")
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
         if max_pos is not None and S > int(max_pos):
             raise BatchError(f"sequence length {S} exceeds the model's max_position_embeddings {max_pos}")
@@ -254,11 +280,14 @@ class Engine:
             self.head_chunk, self._host_stash, self.config.trace, self.fault,
             stall_timeout=self.config.stall_timeout_s, check_finite=self.config.check_finite,
             optimizer_threads=self._optimizer_threads, prefetch_pool=self._prefetch_pool,
+            workers=self._workers,
         )
         self._last_origin = t0
         try:
-            state = runner.run()
+            with compile_settings(self.compile_backend):  # also covers the lazily compiled backward
+                state = runner.run()
         except WorkerError as exc:
+            self._workers.shutdown()  # no lane thread outlives a failed step (a stuck one is abandoned)
             if runner.stuck:
                 self._broken = f"a worker is still stuck in {runner.stuck}"
             if isinstance(exc.__cause__, NonFiniteError):  # check_finite located a NaN/inf
@@ -320,7 +349,16 @@ class Engine:
                 for p in s.spec.params:
                     yield p.name, s.param_view(p)
 
-        return save_hf_directory(self.model, tensors(), out_dir, dtype=dtype)
+        try:
+            return save_hf_directory(self.model, tensors(), out_dir, dtype=dtype)
+        except OSError as exc:
+            if isinstance(exc, WriteError):
+                raise
+            from tinypipe.runtime.checkpoint import describe_os_error
+
+            for partial in Path(out_dir).glob("*.safetensors.tmp"):  # give the space back
+                partial.unlink(missing_ok=True)
+            raise WriteError(f"cannot save the model to {out_dir}: {describe_os_error(exc)}") from exc
 
     # ------------------------------------------------------------------ observability
 
@@ -387,7 +425,8 @@ class Engine:
         return out
 
     def close(self) -> None:
-        """Unpin host memory; the engine is unusable afterwards."""
+        """Stop the lane threads and unpin host memory; the engine is unusable afterwards."""
+        self._workers.shutdown()
         self.pinner.release()
 
     def __enter__(self) -> "Engine":

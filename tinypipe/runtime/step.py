@@ -9,6 +9,7 @@ interval and the caller gets the first error with its lane and task.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -25,6 +26,7 @@ from tinypipe.runtime.handlers import TaskHandlers
 from tinypipe.runtime.stash_io import StashIO
 from tinypipe.runtime.signals import Abort, Aborted, Signal
 from tinypipe.runtime.updater import StepUpdater
+from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.tasks import STREAMING_KINDS, Kind, Schedule, Task
 
 
@@ -92,6 +94,7 @@ class StepRunner(StashIO, TaskHandlers):
         check_finite: bool = False,
         optimizer_threads: int | None = None,
         prefetch_pool: dict | None = None,
+        workers: LaneWorkers | None = None,
     ) -> None:
         self.s = schedule
         self.inp = inputs
@@ -112,6 +115,7 @@ class StepRunner(StashIO, TaskHandlers):
         self.check_finite = check_finite
         self.optimizer_threads = optimizer_threads
         self._ring = prefetch_pool if prefetch_pool is not None else {}  # device -> [buffers, next index]
+        self.workers = workers
         plan = schedule.plan
         B, S, Hd = inputs.batch, inputs.seq, hidden_size
         P = plan.num_packs
@@ -139,17 +143,22 @@ class StepRunner(StashIO, TaskHandlers):
         self.state.layer_queues = {layer: queue.Queue() for layer in range(schedule.num_layers)}
 
     def run(self) -> StepState:
-        threads = []
-        for lane, ids in self.s.lanes.items():
-            t = threading.Thread(target=self._lane, args=(lane, ids), name=f"tinypipe-{lane}", daemon=True)
-            threads.append(t)
-            t.start()
+        own = self.workers is None  # without the engine's persistent workers: threads for this step only
+        workers = LaneWorkers() if own else self.workers
+        done = [workers.submit(lane, functools.partial(self._lane, lane, ids)) for lane, ids in self.s.lanes.items()]
+        try:
+            return self._supervise(done)
+        finally:
+            if own:
+                workers.shutdown(timeout=0.0)
+
+    def _supervise(self, done: list[threading.Event]) -> StepState:
         last_progress, last_count = time.monotonic(), 0
         aborted_at: float | None = None
         self.stuck = ""
-        while any(t.is_alive() for t in threads):
-            for t in threads:
-                t.join(timeout=0.1)
+        while not all(d.is_set() for d in done):
+            for d in done:
+                d.wait(timeout=0.1)
             now = time.monotonic()
             count = len(self.state.timings)
             if count != last_count:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Literal
 
 import psutil
 
-from tinypipe.errors import ConfigError
+from tinypipe.errors import ConfigError, WriteError
 
 if TYPE_CHECKING:
     import torch
@@ -162,12 +162,16 @@ def train(
     ``{"step": ...}``), so a resumed run reproduces the uninterrupted one.
     """
     _check(steps, global_batch, lr, warmup_steps, schedule, min_lr_ratio)
+    _check_vocabulary(engine, dataset)
     batches = _batches(dataset, global_batch, seed, start_step)
     log = None
     if log_path is not None:
         path = Path(log_path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        log = path.open("a" if append else "w", encoding="utf-8")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            log = path.open("a" if append else "w", encoding="utf-8")
+        except OSError as exc:
+            raise _write_error(path, exc) from exc
     bar = None
     if progress:
         from tqdm.auto import tqdm
@@ -201,8 +205,11 @@ def train(
             }
             records.append(record)
             if log is not None:
-                log.write(json.dumps(record) + "\n")
-                log.flush()
+                try:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+                except OSError as exc:
+                    raise _write_error(Path(log_path), exc, i) from exc
             if bar is not None:
                 bar.set_postfix_str(
                     f"loss={record['loss']:.4f} lr={step_lr:.2e} "
@@ -220,14 +227,52 @@ def train(
         if bar is not None:
             bar.close()
         if log is not None:
-            log.close()
+            try:
+                log.close()
+            except OSError:  # the write that failed was already reported
+                pass
     return records
 
 
+def _write_error(path: Path, exc: OSError, step: int | None = None) -> WriteError:
+    from tinypipe.runtime.checkpoint import describe_os_error
+
+    at = f" after step {step + 1}" if step is not None else ""
+    return WriteError(f"cannot write {path}{at}: {describe_os_error(exc)}")
+
+
+def _check_vocabulary(engine: Engine, dataset: PackedDataset) -> None:
+    """Token ids the model has no embedding row for mean the tokenizer is not the model's: say so
+    before the first step instead of failing inside it."""
+    vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
+    ids = getattr(dataset, "input_ids", None)
+    if vocab is None or ids is None or ids.numel() == 0:
+        return
+    top = int(ids.max())
+    if top >= int(vocab):
+        raise ConfigError(
+            f"the data holds token id {top} but the model's embedding has {vocab} rows: "
+            "the tokenizer does not match the model (use the tokenizer saved with the model)"
+        )
+
+
 def read_metrics(path: str | os.PathLike[str]) -> list[dict]:
-    """The records of a metrics JSONL file written by :func:`train`."""
-    with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """The records of a metrics JSONL file written by :func:`train`.
+
+    A process killed while writing a record leaves a torn last line: it is ignored (that step
+    never reached its checkpoint, so a resumed run redoes it). A bad line elsewhere is an error.
+    """
+    with open(path, encoding="utf-8", errors="replace") as f:
+        lines = [line for line in f if line.strip()]
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            records.append(json.loads(line))
+        except ValueError:
+            if n == len(lines) and not line.endswith("\n"):
+                break
+            raise ConfigError(f"{path}:{n}: not a metrics record") from None
+    return records
 
 
 def plot_metrics(records: list[dict], out_png: str | os.PathLike[str]) -> Path:
