@@ -48,7 +48,7 @@ def test_ill_formed_model_dir(capsys, tmp_path: Path, tiny_model_dir: Path, data
     shutil.copytree(tiny_model_dir, truncated)
     weights = truncated / "model.safetensors"
     weights.write_bytes(weights.read_bytes()[:100])
-    _fails(capsys, _base(truncated, data_file, tmp_path / "o"), str(truncated), "cannot load the weights")
+    _fails(capsys, _base(truncated, data_file, tmp_path / "o"), str(truncated), "model.safetensors", "corrupt")
 
 
 def test_unsupported_architecture_one_line(capsys, tmp_path: Path, data_file: Path) -> None:  # noqa: F811
