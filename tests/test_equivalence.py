@@ -89,3 +89,36 @@ def test_clipping_triggers_on_some_steps_only() -> None:
     norms = sorted(ref.grad_norms)
     threshold = (norms[0] + norms[-1]) / 2
     run_both("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=threshold), pad=False)
+
+
+def test_late_clip_rolls_back_speculative_steps_exactly() -> None:
+    """A threshold just below step 1's norm: nearly every layer is stepped speculatively, then the
+    global norm exceeds it and all are undone and redone (the rollback path); later steps, after a
+    clipped one, defer every layer instead. All exact."""
+    model = make_model("llama")
+    batches = [make_batch(BATCH, SEQ, seed=i) for i in range(STEPS)]
+    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
+    run_both("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=0.99 * ref.grad_norms[0]),
+             pad=False)
+
+
+def test_adamw_undo_inverts_the_step() -> None:
+    from tinypipe.runtime.optimizer import CpuAdamW
+
+    class S:  # the LayerState fields the optimizer touches
+        pass
+
+    g = torch.Generator().manual_seed(0)
+    opt = CpuAdamW(1e-3, (0.9, 0.999), 1e-8, 0.1)
+    s = S()
+    s.master, s.exp_avg, s.exp_avg_sq = torch.randn(1000, generator=g), torch.empty(1000), torch.empty(1000)
+    for step in range(1, 6):
+        grad = torch.randn(1000, generator=g)
+        before = [t.clone() for t in (s.master, s.exp_avg, s.exp_avg_sq)]
+        opt.step(s, 0, 1000, grad, step, 1e-3)
+        assert not torch.equal(s.master, before[0])
+        opt.undo(s, 0, 1000, grad, step, 1e-3)
+        for t, b in zip((s.master, s.exp_avg, s.exp_avg_sq), before):
+            if step > 1 or t is s.master:
+                assert torch.allclose(t, b, rtol=1e-5, atol=1e-7), (step, (t - b).abs().max())
+        opt.step(s, 0, 1000, grad, step, 1e-3)  # keep going from the real step

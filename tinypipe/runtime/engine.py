@@ -174,6 +174,7 @@ class Engine:
         self._host_stash: dict[int, torch.Tensor] = {}
         self._last_state: StepState | None = None
         self._last_origin = 0.0
+        self._last_clipped = False  # a clipped step predicts another: the next one does not speculate
         self.step_count = 0
         self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
         self._rss_peak = 0
@@ -271,7 +272,8 @@ class Engine:
         sched = self.schedule_for(inputs.batch)
         self._prepare_host_stash(inputs.batch, inputs.seq)
         lr = self.config.lr if lr is None else float(lr)
-        updater = StepUpdater(self.store, self.optimizer, lr, self.config.max_grad_norm, self._retained)
+        updater = StepUpdater(self.store, self.optimizer, lr, self.config.max_grad_norm, self._retained,
+                              speculate=not self._last_clipped)
         for d in self.devices:
             d.backend.reset_peak()
             d.grad_pool.reset()
@@ -294,6 +296,7 @@ class Engine:
                 raise NonFiniteError(str(exc.__cause__)) from exc
             raise
         outcome = updater.finalize()
+        self._last_clipped = outcome.clipped
         self._last_state = state
         self._sample_rss()
         loss = state.loss_value if state.loss_value is not None else float("nan")

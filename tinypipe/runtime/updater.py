@@ -7,6 +7,10 @@ than stepped. At the end of the step the true global norm is known: if clipping 
 speculative step is undone exactly (from the retained gradient) and redone with the clipped
 gradient, and deferred layers are stepped with it. When clipping does not apply -- the common
 case -- nothing is redone and all optimizer work overlapped the backward pass.
+
+A rollback costs more than deferring (undo + redo vs one step), so speculation follows the last
+step: after a clipped step the next one defers every layer to the end (one optimizer pass after
+the backward instead of two); after an unclipped step it speculates again.
 """
 
 from __future__ import annotations
@@ -45,6 +49,7 @@ class StepUpdater:
     stepped: list[int] = field(default_factory=list)
     deferred: list[int] = field(default_factory=list)
     nonfinite: str | None = None
+    speculate: bool = True  # step layers before the global norm is known (False: defer them all)
 
     def decide(self, layer: int, norm_sq: float, loss_finite: bool = True) -> str:
         """'step', 'defer' or 'skip' for ``layer`` given its squared gradient norm."""
@@ -57,7 +62,7 @@ class StepUpdater:
             return "skip"
         if self.max_grad_norm is not None:
             partial = math.sqrt(sum(self.norms_sq.values()))
-            if partial + 1e-6 > self.max_grad_norm:
+            if not self.speculate or partial + 1e-6 > self.max_grad_norm:
                 self.deferred.append(layer)
                 return "defer"
         self.stepped.append(layer)
