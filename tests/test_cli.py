@@ -194,6 +194,8 @@ def test_finetune_end_to_end(capsys: pytest.CaptureFixture[str], monkeypatch: py
     assert all(math.isfinite(r["loss"]) and r["tokens"] == 4 * 16 and r["rss_bytes"] > 0 for r in records)
     assert records[0]["lr"] == pytest.approx(1e-3 / 2)  # warm-up step 1 of 1
     assert (out / "loss.png").stat().st_size > 1000
+    assert (out / "timeline.png").stat().st_size > 1000  # memory / link per step + the last step's lanes
+    assert all(r["h2d_gbs"] == 0.0 and r["gpu_peak_reserved"] == 0 for r in records)  # CPU: no link, no GPU
 
     (engine,) = engines
     master = engine.state_dict()

@@ -603,3 +603,21 @@ def test_too_few_gradient_slots_is_a_config_error() -> None:
 def test_too_few_gradient_slots_rejected_at_construction() -> None:
     with pytest.raises(tinypipe.ConfigError, match="slots"):
         tinypipe.Engine(make_model("llama", layers=4), tinypipe.Config(pack_size=4, grad_slots=2))
+
+
+def test_step_traffic_counts_each_gradient_once_and_the_host_stash() -> None:
+    """Downloads = every trainable layer's fp32 gradient once + one write per host-stashed pack
+    input; uploads move every layer at least once (blocks twice unless carried over the turn)."""
+    from tinypipe.runtime.traffic import step_traffic
+
+    model = make_model("llama", layers=4)
+    engine = tinypipe.Engine(model, tinypipe.Config(devices=["cpu"], pack_size=1, micro_batch_size=2, stash="host"))
+    B, S, H = 4, 8, int(model.config.hidden_size)
+    sched = engine.schedule_for(B)
+    t = step_traffic(sched, engine.store, S, H, 4, 4)
+    grads = sum(s.spec.train_numel * 4 for s in engine.store.layers)
+    host_inputs = sum(1 for q, h in enumerate(engine.plan.stash_on_host) if q > 0 and h)
+    assert host_inputs >= 1
+    assert t.d2h_bytes == grads + host_inputs * B * S * H * 4
+    assert t.h2d_bytes >= grads + 2 * host_inputs * B * S * H * 4 - B * S * H * 4
+    engine.close()

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--device", default=None, metavar="DEVICE",
                       help="cpu or cuda:N (default: cuda:0 if available, else cpu)")
     demo.add_argument("--output", default="runs/demo", metavar="DIR",
-                      help="where to write the model, metrics.jsonl and loss.png (default: runs/demo)")
+                      help="where to write the model, metrics.jsonl, loss.png and timeline.png (default: runs/demo)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=cmd_demo)
 

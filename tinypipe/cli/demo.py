@@ -165,7 +165,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
         engine.close()
     _say(f"saved: fine-tuned model + tokenizer -> {out}/ (AutoModelForCausalLM.from_pretrained loads it)")
     _say(f"       metrics -> {metrics}")
-    _say(f"       loss plot -> {png}")
+    _say(f"       plots -> {png} , {png.parent / 'timeline.png'}")
     since_start = _process_seconds()
     _say("time: " + ", ".join(f"{k} {v:.1f} s" for k, v in phases.items())
          + (f"; {since_start:.1f} s since the command started" if since_start else ""))

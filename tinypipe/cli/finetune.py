@@ -147,7 +147,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     what = "LoRA adapter (PeftModel.from_pretrained loads it)" if lora is not None else "model"
-    _say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; loss plot -> {png}")
+    _say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; plots -> {png} , {out / 'timeline.png'}")
     if s["merge"]:
         _say(f"saved: merged model + tokenizer -> {out / 'merged'}/ (AutoModelForCausalLM.from_pretrained loads it)")
     return 0

@@ -111,7 +111,7 @@ class Option:
 FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("model", _str, None, "Hugging Face model directory (config.json + safetensors) or a .gguf file", "PATH"),
     Option("data", _str, None, "training data: .jsonl (text, prompt/completion or chat messages) or .txt", "FILE"),
-    Option("output", _str, None, "directory for the fine-tuned model, tokenizer, metrics.jsonl and loss.png", "DIR"),
+    Option("output", _str, None, "directory for the fine-tuned model, tokenizer, metrics.jsonl, loss.png and timeline.png", "DIR"),
     Option("seq-len", _int, None, "tokens per training row (default: min(1024, the model's max positions))", "N"),
     Option("global-batch", _int, 8, "rows per optimizer step (default: 8)", "N"),
     Option("micro-batch", _int, 1, "rows per micro-batch on a device; bigger is faster and needs more device memory (default: 1)", "N"),

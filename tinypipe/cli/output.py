@@ -47,11 +47,14 @@ def _loss_summary(records: list[dict]) -> str:
 
 
 def _save_outputs(engine: Any, tokenizer: Any, records: list[dict], out: Path) -> tuple[Path, Path]:
-    from tinypipe.train.loop import plot_metrics
+    """The model (or adapter), tokenizer and plots: ``loss.png`` and ``timeline.png`` (memory and
+    link traffic per step, the last step's lanes)."""
+    from tinypipe.train.plots import plot_metrics, plot_timeline
 
     engine.save_pretrained(out)
     tokenizer.save_pretrained(str(out))
     png = plot_metrics(records, out / "loss.png")
+    plot_timeline(records, engine.step_timeline(), out / "timeline.png")
     return out / "metrics.jsonl", png
 
 

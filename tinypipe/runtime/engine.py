@@ -33,6 +33,7 @@ from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optimizer import CpuAdamW
 from tinypipe.runtime.step import StepInputs, StepRunner, StepState, host_times
+from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.updater import StepUpdater
 from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.builder import build_schedule
@@ -58,6 +59,10 @@ class StepResult:
     step: int
     lr: float
     timings: list = field(default_factory=list, repr=False)
+    h2d_bytes: int = 0  # host -> device traffic of the step (weights, stashed activations)
+    d2h_bytes: int = 0  # device -> host (gradients, stashed activations)
+    device_peak_allocated: int = 0  # the fullest device's allocator peaks during the step (0 on CPU)
+    device_peak_reserved: int = 0
 
 
 def _prefer_expandable_segments() -> None:
@@ -174,6 +179,7 @@ class Engine:
         self._host_stash: dict[int, torch.Tensor] = {}
         self._last_state: StepState | None = None
         self._last_origin = 0.0
+        self._traffic_cache: dict[tuple[int, int], Traffic] = {}
         self._last_clipped = False  # a clipped step predicts another: the next one does not speculate
         self.step_count = 0
         self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
@@ -301,10 +307,15 @@ class Engine:
         self._sample_rss()
         loss = state.loss_value if state.loss_value is not None else float("nan")
         self.step_count += 0 if outcome.skipped else 1
+        traffic = self._traffic(sched, inputs.seq)
+        stats = [d.backend.memory_stats() for d in self.devices]
         result = StepResult(
             loss=loss, grad_norm=outcome.grad_norm, clipped=outcome.clipped, skipped=outcome.skipped,
             tokens=int(inputs.batch * inputs.seq), seconds=time.perf_counter() - t0,
             step=self.step_count, lr=lr, timings=state.timings,
+            h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
+            device_peak_allocated=max((st.get("peak_allocated", 0) for st in stats), default=0),
+            device_peak_reserved=max((st.get("peak_reserved", 0) for st in stats), default=0),
         )
         if outcome.nonfinite is not None and self.config.nonfinite == "raise":
             raise NonFiniteError(
@@ -313,6 +324,15 @@ class Engine:
                 + ("" if self._retained is None else " and earlier ones were rolled back")
             )
         return result
+
+    def _traffic(self, sched: Schedule, seq: int) -> Traffic:
+        if not any(b.is_cuda for b in self.backends):
+            return Traffic(0, 0)
+        key = (sched.batch, seq)
+        if key not in self._traffic_cache:
+            esize = torch.empty((), dtype=self.dtype).element_size()
+            self._traffic_cache[key] = step_traffic(sched, self.store, seq, self.hidden_size, esize, esize)
+        return self._traffic_cache[key]
 
     # ------------------------------------------------------------------ state
 
@@ -398,6 +418,14 @@ class Engine:
 
     def schedule_text(self, batch: int) -> str:
         return to_text(self.schedule_for(batch))
+
+    def step_timeline(self) -> list[dict]:
+        """The last step's tasks as ``{"lane", "name", "start_us", "dur_us"}`` (device times for CUDA
+        tasks when ``trace=True``, else host times); empty before the first step."""
+        if self._last_state is None:
+            return []
+        events = host_times(self._last_state.timings, self._last_origin)
+        return self._device_events(events) if self.config.trace else events
 
     def export_trace(self, path: str | os.PathLike) -> Path:
         """Chrome/Perfetto trace of the last step (per lane; device times when ``trace=True``)."""

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Literal
 import psutil
 
 from tinypipe.errors import ConfigError, WriteError
+from tinypipe.train.plots import plot_metrics  # noqa: F401 - re-exported
 
 if TYPE_CHECKING:
     import torch
@@ -154,7 +155,9 @@ def train(
     Each record (also written as one JSON line to ``log_path``, flushed every step so a crashed
     run keeps its metrics) holds ``step`` (1-based), ``epoch``, ``loss``, ``lr``, ``grad_norm``,
     ``tokens``, ``seconds``, ``tokens_per_s``, ``rss_bytes`` (host resident memory after the
-    step), ``clipped`` and ``skipped``. ``log_path`` is truncated first unless ``append``.
+    step), ``h2d_gbs`` / ``d2h_gbs`` (host<->device traffic over the step's time; 0 on CPU),
+    ``gpu_peak_allocated`` / ``gpu_peak_reserved`` (the fullest device's peaks in the step; 0 on
+    CPU), ``clipped`` and ``skipped``. ``log_path`` is truncated first unless ``append``.
 
     Resuming: ``start_step`` continues a run at that global step (data position and learning rate
     follow from it); with ``checkpoint_dir`` and ``checkpoint_every`` K, an atomic checkpoint is
@@ -200,6 +203,10 @@ def train(
                 "seconds": seconds,
                 "tokens_per_s": result.tokens / seconds if seconds > 0 else float("nan"),
                 "rss_bytes": int(rss),
+                "h2d_gbs": result.h2d_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                "d2h_gbs": result.d2h_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+                "gpu_peak_allocated": int(result.device_peak_allocated),
+                "gpu_peak_reserved": int(result.device_peak_reserved),
                 "clipped": bool(result.clipped),
                 "skipped": bool(result.skipped),
             }
@@ -211,9 +218,11 @@ def train(
                 except OSError as exc:
                     raise _write_error(Path(log_path), exc, i) from exc
             if bar is not None:
+                link = (f" up={record['h2d_gbs']:.1f}GB/s down={record['d2h_gbs']:.1f}GB/s"
+                        f" gpu={_fmt_bytes(record['gpu_peak_reserved'])}") if record["gpu_peak_reserved"] else ""
                 bar.set_postfix_str(
                     f"loss={record['loss']:.4f} lr={step_lr:.2e} "
-                    f"tok/s={record['tokens_per_s']:.0f} rss={_fmt_bytes(rss)}",
+                    f"tok/s={record['tokens_per_s']:.0f}{link} host={_fmt_bytes(rss)}",
                     refresh=False,
                 )
                 bar.update(1)
@@ -273,29 +282,3 @@ def read_metrics(path: str | os.PathLike[str]) -> list[dict]:
                 break
             raise ConfigError(f"{path}:{n}: not a metrics record") from None
     return records
-
-
-def plot_metrics(records: list[dict], out_png: str | os.PathLike[str]) -> Path:
-    """Draw loss and tokens/s per step into ``out_png`` (matplotlib, Agg; no global backend change)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    steps = [r["step"] for r in records]
-    fig = Figure(figsize=(9, 3.6), dpi=100, layout="constrained")
-    FigureCanvasAgg(fig)
-    ax_loss, ax_tps = fig.subplots(1, 2)
-    ax_loss.plot(steps, [r["loss"] for r in records], marker="o", markersize=3, color="tab:blue")
-    ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("training loss")
-    ax_loss.set_title("loss")
-    ax_loss.grid(True, alpha=0.3)
-    ax_tps.plot(steps, [r["tokens_per_s"] for r in records], marker="o", markersize=3, color="tab:green")
-    ax_tps.set_xlabel("step")
-    ax_tps.set_ylabel("tokens / s")
-    ax_tps.set_title("throughput")
-    ax_tps.set_ylim(bottom=0)
-    ax_tps.grid(True, alpha=0.3)
-    fig.savefig(out)
-    return out

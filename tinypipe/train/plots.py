@@ -1,0 +1,104 @@
+"""PNG plots of a run: loss and throughput per step; memory, link traffic and the last step's lanes.
+
+Drawn with matplotlib's Agg canvas on a private Figure (no pyplot, no global backend change), so
+plotting works headless and never disturbs a user's own matplotlib state.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+GIB = 1024**3
+#: Lane kinds in the order they are drawn, with their colours.
+LANE_COLOURS = (("compute", "tab:blue"), ("h2d", "tab:green"), ("d2h", "tab:orange"), ("optimizer", "tab:red"))
+
+
+def _figure(width: float, height: float):  # noqa: ANN202 - matplotlib types
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(width, height), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def plot_metrics(records: list[dict], out_png: str | os.PathLike[str]) -> Path:
+    """Loss and tokens/s per step into ``out_png``."""
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in records]
+    fig = _figure(9, 3.6)
+    ax_loss, ax_tps = fig.subplots(1, 2)
+    ax_loss.plot(steps, [r["loss"] for r in records], marker="o", markersize=3, color="tab:blue")
+    ax_loss.set_xlabel("step")
+    ax_loss.set_ylabel("training loss")
+    ax_loss.set_title("loss")
+    ax_loss.grid(True, alpha=0.3)
+    ax_tps.plot(steps, [r["tokens_per_s"] for r in records], marker="o", markersize=3, color="tab:green")
+    ax_tps.set_xlabel("step")
+    ax_tps.set_ylabel("tokens / s")
+    ax_tps.set_title("throughput")
+    ax_tps.set_ylim(bottom=0)
+    ax_tps.grid(True, alpha=0.3)
+    fig.savefig(out)
+    return out
+
+
+def _lane_colour(lane: str) -> str:
+    for key, colour in LANE_COLOURS:
+        if lane.endswith(key):
+            return colour
+    return "tab:gray"
+
+
+def plot_timeline(records: list[dict], events: list[dict], out_png: str | os.PathLike[str]) -> Path:
+    """Memory and transfer timeline into ``out_png``: host RSS and GPU peaks per step, host<->device
+    GB/s per step, and the last step's lanes (compute, uploads, downloads, CPU optimizer) as bars
+    over time -- where overlap happens and where a lane waits."""
+    out = Path(out_png)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in records]
+    fig = _figure(11, 7.5)
+    grid = fig.add_gridspec(2, 2, height_ratios=[1, 1.2])
+    ax_mem, ax_link = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
+    ax_lanes = fig.add_subplot(grid[1, :])
+
+    ax_mem.plot(steps, [r.get("rss_bytes", 0) / GIB for r in records], marker="o", markersize=3, label="host RSS")
+    if any(r.get("gpu_peak_reserved") for r in records):
+        ax_mem.plot(steps, [r.get("gpu_peak_reserved", 0) / GIB for r in records], marker="o", markersize=3,
+                    label="GPU peak reserved")
+        ax_mem.plot(steps, [r.get("gpu_peak_allocated", 0) / GIB for r in records], marker="o", markersize=3,
+                    label="GPU peak allocated")
+    ax_mem.set_xlabel("step")
+    ax_mem.set_ylabel("GiB")
+    ax_mem.set_title("memory per step")
+    ax_mem.set_ylim(bottom=0)
+    ax_mem.grid(True, alpha=0.3)
+    ax_mem.legend(fontsize=8)
+
+    if any(r.get("h2d_gbs") for r in records):
+        ax_link.plot(steps, [r.get("h2d_gbs", 0.0) for r in records], marker="o", markersize=3,
+                     color="tab:green", label="host -> device")
+        ax_link.plot(steps, [r.get("d2h_gbs", 0.0) for r in records], marker="o", markersize=3,
+                     color="tab:orange", label="device -> host")
+        ax_link.legend(fontsize=8)
+        ax_link.set_ylim(bottom=0)
+    else:
+        ax_link.text(0.5, 0.5, "no host<->device link (CPU run)", ha="center", va="center",
+                     transform=ax_link.transAxes)
+    ax_link.set_xlabel("step")
+    ax_link.set_ylabel("GB/s (step average)")
+    ax_link.set_title("link traffic per step")
+    ax_link.grid(True, alpha=0.3)
+
+    lanes = sorted({e["lane"] for e in events})
+    for row, lane in enumerate(lanes):
+        spans = [(e["start_us"] / 1e3, e["dur_us"] / 1e3) for e in events if e["lane"] == lane]
+        ax_lanes.broken_barh(spans, (row - 0.4, 0.8), facecolors=_lane_colour(lane))
+    ax_lanes.set_yticks(range(len(lanes)), lanes)
+    ax_lanes.set_xlabel("ms since the step began")
+    ax_lanes.set_title("last step: what each lane was doing" if events else "last step: no timings recorded")
+    ax_lanes.grid(True, axis="x", alpha=0.3)
+    fig.savefig(out)
+    return out
