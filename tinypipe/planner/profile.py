@@ -25,6 +25,7 @@ import transformers
 
 from tinypipe.planner.hardware import PROFILE_FORMAT, HardwareSpec, _from_dict
 from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
+from tinypipe.planner.sizes import saved_tensor_bytes
 
 PROFILE_VERSION = 1
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -139,21 +140,12 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
             xg.grad = None
             # activation bytes: what autograd saves for backward (not the input, not parameters)
             skip = param_ptrs | {xg.untyped_storage().data_ptr()}
-            saved: dict[int, int] = {}
-
-            def pack(t: torch.Tensor) -> torch.Tensor:
-                st = t.untyped_storage()
-                if st.data_ptr() not in skip and st.device.type != "meta":
-                    saved[st.data_ptr()] = st.nbytes()
-                return t
-
             peak_extra = None
             if dev.type == "cuda":
                 _sync(dev)
                 base = torch.cuda.memory_allocated(dev)
                 torch.cuda.reset_peak_memory_stats(dev)
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-                recompute()
+            saved_bytes = saved_tensor_bytes(recompute, skip)
             backward()
             if dev.type == "cuda":
                 _sync(dev)
@@ -187,8 +179,8 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
             points.append(pt)
             tokens = seq * mb
             d = {"seq": int(seq), "micro_batch": int(mb), "tokens": tokens, "forward_s": fwd, "recompute_s": rec,
-                 "backward_s": bwd, "head_s": head_s, "act_saved_bytes": int(sum(saved.values())),
-                 "act_saved_bytes_per_token": sum(saved.values()) / tokens,
+                 "backward_s": bwd, "head_s": head_s, "act_saved_bytes": int(saved_bytes),
+                 "act_saved_bytes_per_token": saved_bytes / tokens,
                  "stash_bytes": tokens * hidden * x.element_size()}
             if peak_extra is not None:
                 d["act_peak_bytes"] = int(peak_extra)
@@ -196,7 +188,7 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
             if log:
                 log(f"  seq {seq:>6} x mb {mb:>3}: forward {fwd * 1e3:8.2f} ms  recompute {rec * 1e3:8.2f} ms  "
                     f"backward {bwd * 1e3:8.2f} ms  head {head_s * 1e3:8.2f} ms  "
-                    f"activations {sum(saved.values()) / 2**20:8.1f} MiB")
+                    f"activations {saved_bytes / 2**20:8.1f} MiB")
             del hidden_in, calls
             if dev.type == "cuda":
                 torch.cuda.empty_cache()

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import json
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import transformers
@@ -277,6 +278,14 @@ def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtyp
         hidden, calls = shell.embed_forward(ids, None)
     x = hidden.detach().to(dtype).requires_grad_(True)
     skip = param_ptrs | {x.untyped_storage().data_ptr()}
+    with torch.enable_grad():
+        nbytes = saved_tensor_bytes(lambda: shell.block_forward(0, x, calls[0]), skip)
+    return nbytes / (PROBE_BATCH * PROBE_SEQ)
+
+
+def saved_tensor_bytes(run: Callable[[], object], skip: set[int]) -> int:
+    """Bytes of the distinct storages autograd saves for backward while ``run`` executes, except
+    the storages in ``skip`` (the input and the parameters, which exist anyway)."""
     saved: dict[int, int] = {}
 
     def pack(t: torch.Tensor) -> torch.Tensor:
@@ -285,9 +294,9 @@ def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtyp
             saved[st.data_ptr()] = st.nbytes()
         return t
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        shell.block_forward(0, x, calls[0])
-    return sum(saved.values()) / (PROBE_BATCH * PROBE_SEQ)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        run()
+    return sum(saved.values())
 
 
 def _act_formula(shape: dict[str, int], precision: str) -> float:
