@@ -367,3 +367,19 @@ def test_finetune_with_a_saved_plan(capsys: pytest.CaptureFixture[str], tmp_path
     code, _, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file, "--output",
                            tmp_path / "out2", "--devices", "cpu", "--plan", bad, "--no-progress")
     assert code == 2 and "not a tinypipe plan" in err
+
+
+def test_memory_budgets_are_checked_before_training(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                    tiny_model_dir: Path, data_file: Path) -> None:
+    """--cpu-memory / --gpu-memory: a plan that cannot fit stops with one line saying what it needs;
+    a budget that is not a size is a usage error."""
+    base = ("finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch", "4",
+            "--steps", "1", "--no-progress", "--output")
+    code, _, err = run_cli(capsys, *base, tmp_path / "a", "--cpu-memory", "1MiB")
+    assert code == 2, err
+    line = assert_one_line_error(err, "needs", "host memory", "have")
+    assert "1.0 MiB" in line or "0.0 GiB" in line, line
+    code, _, err = run_cli(capsys, *base, tmp_path / "b", "--gpu-memory", "lots")
+    assert code == 2 and "gpu-memory" in err and "Traceback" not in err, err
+    code, out, err = run_cli(capsys, *base, tmp_path / "c", "--cpu-memory", "64GiB")
+    assert code == 0, err  # a generous budget: the hand-set plan is checked and fits

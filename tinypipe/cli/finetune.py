@@ -8,7 +8,7 @@ import math
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 from tinypipe.cli.options import _OPTIONS_BY_DEST, _check_devices, _default_device, _positive, _resolve_settings
 from tinypipe.cli.output import PROG, _count, _loss_summary, _prepare_output, _save_outputs, _say
@@ -36,14 +36,19 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     devices = s["devices"] or [_default_device()]
     precision = s["precision"] or ("bf16" if any(d.startswith("cuda") for d in devices) else "fp32")
+    cuda = any(d.startswith("cuda") for d in devices)
+    # on CUDA with no packing flags (and no --plan) the engine plans for itself; on cpu the defaults
+    auto = cuda and s["micro_batch"] is None and s["pack_size"] is None and not s["plan"]
     config = Config(
         devices=devices,
-        micro_batch_size=s["micro_batch"],
-        pack_size=s["pack_size"],
+        micro_batch_size=None if auto else (s["micro_batch"] or 1),
+        pack_size=None if auto else (s["pack_size"] or 1),
         precision=precision,
         lr=s["lr"],
         weight_decay=s["weight_decay"],
         max_grad_norm=s["max_grad_norm"],
+        gpu_memory_bytes=s["gpu_memory"],
+        cpu_memory_bytes=s["cpu_memory"],
     )
     _check_devices(config.devices)
     plan = None
@@ -107,8 +112,17 @@ def cmd_finetune(args: argparse.Namespace) -> int:
          f"{stats.rows} rows of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
          + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
 
+    if cuda and s["gpu_memory"]:
+        _cap_gpu_memory(config.devices, s["gpu_memory"])
+    if auto or s["gpu_memory"] or s["cpu_memory"]:  # plan for (or check the plan against) the workload
+        config = config.replace(seq_len=seq_len, global_batch=s["global_batch"])
     engine = Engine(model, config, plan=plan)
+    config = engine.config  # with the planner's knobs
     try:
+        if engine.plan_result is not None:
+            best = engine.plan_result.best
+            _say(f"plan: {best.describe()}; predicted {best.time.tokens_per_s:,.0f} tokens/s, "
+                 f"{best.gpu_need / 2**30:.1f} GiB per GPU (tinypipe plan shows the alternatives)")
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({precision}), lr {s['lr']:g} "
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps), pack size {config.pack_size}, "
              f"micro-batch {config.micro_batch_size}")
@@ -170,3 +184,13 @@ def _lora_settings(s: dict[str, Any]) -> Any:
         dropout=defaults.dropout if s["lora_dropout"] is None else s["lora_dropout"],
         targets=s["lora_targets"],
     )
+
+
+def _cap_gpu_memory(devices: Sequence[str], budget: int) -> None:
+    """Hold this process to ``budget`` bytes on each CUDA device (the allocator refuses beyond it)."""
+    import torch
+
+    for name in sorted({d for d in devices if d.startswith("cuda")}):
+        dev = torch.device(name)
+        total = torch.cuda.get_device_properties(dev).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), dev)

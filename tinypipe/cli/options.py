@@ -80,6 +80,15 @@ def _names(value: Any) -> list[str]:
     return out
 
 
+def _size(value: Any) -> int:
+    from tinypipe.planner.hardware import parse_bytes
+
+    try:
+        return parse_bytes(value if isinstance(value, (int, float)) else _str(value))
+    except ConfigError as exc:
+        raise ValueError(str(exc)) from None
+
+
 def _bool(value: Any) -> bool:
     if isinstance(value, bool):
         return value
@@ -114,8 +123,10 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("output", _str, None, "directory for the fine-tuned model, tokenizer, metrics.jsonl, loss.png and timeline.png", "DIR"),
     Option("seq-len", _int, None, "tokens per training row (default: min(1024, the model's max positions))", "N"),
     Option("global-batch", _int, 8, "rows per optimizer step (default: 8)", "N"),
-    Option("micro-batch", _int, 1, "rows per micro-batch on a device; bigger is faster and needs more device memory (default: 1)", "N"),
-    Option("pack-size", _pack_size, 1, "decoder blocks per pack, or a list like 4,4,2 (default: 1)", "N"),
+    Option("micro-batch", _int, None, "rows per micro-batch on a device; bigger is faster and needs more device memory (default: the planner's choice on CUDA, 1 on cpu)", "N"),
+    Option("pack-size", _pack_size, None, "decoder blocks per pack, or a list like 4,4,2 (default: the planner's choice on CUDA, 1 on cpu)", "N"),
+    Option("gpu-memory", _size, None, "memory budget per GPU, e.g. 24GiB: the plan must fit it and the process is capped to it (default: the GPU's)", "SIZE"),
+    Option("cpu-memory", _size, None, "host memory budget, e.g. 100GiB: the plan must fit it (default: the available RAM)", "SIZE"),
     Option("steps", _int, None, "optimizer steps (default: as many as --epochs takes)", "N"),
     Option("epochs", _float, None, "passes over the data when --steps is not given (default: 1)", "X"),
     Option("lr", _float, 1e-5, "peak learning rate (default: 1e-5)", "LR"),
