@@ -43,6 +43,7 @@ from tinypipe.schedule.tasks import Schedule, Task
 from tinypipe.schedule.validate import validate
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_ENGINE_KEY = "_tinypipe_engine"  # the engine's own state inside a checkpoint's extra
 STAGING_MAX = 32 * 1024 * 1024  # elements: the fp32 upload staging buffer (128 MiB) -- chunks larger layers
 
 
@@ -351,11 +352,16 @@ class Engine:
     def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
         """Atomically write master weights, AdamW state and step counts (+ ``extra``, e.g. the data
         position and RNG states) so :meth:`load_checkpoint` resumes exactly."""
-        return save_checkpoint(self.store, self.step_count, path, extra)
+        # whether the last step clipped decides how the next one steps (speculate or defer); the
+        # two paths round differently, so a resumed run must take the same one
+        meta = dict(extra or {}, **{_ENGINE_KEY: {"last_clipped": self._last_clipped}})
+        return save_checkpoint(self.store, self.step_count, path, meta)
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``."""
         self.step_count, extra = load_checkpoint(self.store, path)
+        extra = dict(extra)
+        self._last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
         return extra
 
     def save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
