@@ -16,7 +16,7 @@ from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.devices.backend import HostPinner, make_backend
-from tinypipe.errors import BatchError, ConfigError, NonFiniteError, PlanDoesNotFitError, WorkerError, WriteError
+from tinypipe.errors import ConfigError, NonFiniteError, PlanDoesNotFitError, WorkerError, WriteError
 from tinypipe.lora.hooks import save_adapter, split_peft
 from tinypipe.memory.budget import check_host_memory
 from tinypipe.memory.device_pool import DevicePool
@@ -31,8 +31,9 @@ from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import configure
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.device import DeviceRuntime
+from tinypipe.runtime.inputs import prepare_inputs
 from tinypipe.runtime.optimizer import CpuAdamW
-from tinypipe.runtime.step import StepInputs, StepRunner, StepState, host_times
+from tinypipe.runtime.step import StepRunner, StepState, host_times
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.updater import StepUpdater
 from tinypipe.runtime.workers import LaneWorkers
@@ -206,58 +207,6 @@ class Engine:
             self._schedules[batch] = sched
         return self._schedules[batch]
 
-    def _inputs(self, batch: Mapping[str, torch.Tensor]) -> StepInputs:
-        if not isinstance(batch, Mapping):
-            raise BatchError(f"batch must be a dict with 'input_ids' (and optional 'labels', 'attention_mask'), got {type(batch).__name__}")
-        if "input_ids" not in batch:
-            raise BatchError("batch needs 'input_ids' (LongTensor[batch, seq])")
-        ids = batch["input_ids"]
-        if not isinstance(ids, torch.Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int64, torch.int32):
-            raise BatchError("input_ids must be an integer tensor of shape [batch, seq]")
-        ids = ids.long().cpu()
-        B, S = ids.shape
-        if B == 0 or S < 2:
-            raise BatchError(f"batch of shape {tuple(ids.shape)} is too small: need >= 1 sequence of >= 2 tokens")
-        vocab = int(self.model.config.vocab_size)
-        if int(ids.min()) < 0 or int(ids.max()) >= vocab:
-            raise BatchError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}) "
-                             f"(min {int(ids.min())}, max {int(ids.max())}): was the data tokenized with this model's tokenizer?")
-        max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        if max_pos is not None and S > int(max_pos):
-            raise BatchError(f"sequence length {S} exceeds the model's max_position_embeddings {max_pos}")
-        mask = batch.get("attention_mask")
-        if mask is not None:
-            if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != (B, S):
-                raise BatchError(f"attention_mask must have shape {(B, S)}")
-            if mask.dtype.is_floating_point or mask.is_complex():
-                raise BatchError("attention_mask must hold integers or booleans (1 = token, 0 = padding)")
-            mask = mask.long().cpu()
-            if bool(((mask != 0) & (mask != 1)).any()):
-                raise BatchError("attention_mask must hold only 0 (padding) and 1 (token)")
-        labels = batch.get("labels")
-        if labels is None:
-            labels = ids.clone()
-            if mask is not None:
-                labels[mask == 0] = -100
-        else:
-            if not isinstance(labels, torch.Tensor) or tuple(labels.shape) != (B, S):
-                raise BatchError(f"labels must have shape {(B, S)}")
-            if labels.dtype.is_floating_point or labels.is_complex() or labels.dtype == torch.bool:
-                raise BatchError("labels must be integer token ids (-100 = ignored)")
-            labels = labels.long().cpu()
-        shifted = torch.full_like(labels, -100)
-        shifted[:, :-1] = labels[:, 1:]
-        denom = int((shifted != -100).sum())
-        if denom == 0:
-            raise BatchError("batch has no labelled tokens (all labels are -100)")
-        bad = (shifted != -100) & ((shifted < 0) | (shifted >= vocab))
-        if bool(bad.any()):
-            raise BatchError(f"labels hold ids outside the vocabulary [0, {vocab}) (use -100 to ignore)")
-        if any(b.is_cuda for b in self.backends):  # pinned: device copies never sync a stream
-            ids, shifted = ids.pin_memory(), shifted.pin_memory()
-            mask = mask.pin_memory() if mask is not None else None
-        return StepInputs(ids, mask, shifted, denom)
-
     def _prepare_host_stash(self, B: int, S: int) -> None:
         shape = (B, S, self.hidden_size)
         for q, on_host in enumerate(self.plan.stash_on_host):
@@ -275,7 +224,9 @@ class Engine:
         if self._broken is not None:
             raise WorkerError(f"engine unusable: {self._broken}; create a new Engine (from the last checkpoint)")
         t0 = time.perf_counter()
-        inputs = self._inputs(batch)
+        max_pos = getattr(self.model.config, "max_position_embeddings", None)
+        inputs = prepare_inputs(batch, int(self.model.config.vocab_size), None if max_pos is None else int(max_pos),
+                                pin=any(b.is_cuda for b in self.backends))
         sched = self.schedule_for(inputs.batch)
         self._prepare_host_stash(inputs.batch, inputs.seq)
         lr = self.config.lr if lr is None else float(lr)
