@@ -45,6 +45,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
+    ap.add_argument("--max-grad-norm", type=float, default=None, help="global-norm clipping (default: off)")
     ap.add_argument("--pin", default="register")
     ap.add_argument("--compile-blocks", default="auto", help="auto | off | a torch.compile backend")
     ap.add_argument("--trace", default=None)
@@ -86,6 +87,7 @@ def main(argv: list[str] | None = None) -> int:
             devices=devices, micro_batch_size=a.micro_batch, backward_micro_batch_size=a.bwd_micro_batch,
             pack_size=pack[0] if len(pack) == 1 else pack, prefetch_window=a.window, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, stash=stash, pin_memory=a.pin,
+            max_grad_norm=a.max_grad_norm,
             trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks,
         )
         t0 = time.perf_counter()
@@ -97,7 +99,7 @@ def main(argv: list[str] | None = None) -> int:
             r = engine.step(batch)
             results.append(r)
             print(f"step {i + 1}: loss {r.loss:.4f}  {r.seconds:.2f} s  {r.tokens / r.seconds:,.0f} tok/s"
-                  f"{'  (warm-up)' if i < a.warmup else ''}", flush=True)
+                  f"{'  clipped' if r.clipped else ''}{'  (warm-up)' if i < a.warmup else ''}", flush=True)
         report = engine.memory_report()
         events = host_times(engine._last_state.timings, engine._last_origin) if engine._last_state else []
         if a.trace:
