@@ -49,3 +49,24 @@ def test_auto_is_eager_on_cpu() -> None:
     assert resolve_backend("auto", any_cuda=False) is None
     assert resolve_backend("off", any_cuda=True) is None
     assert resolve_backend("aot_eager", any_cuda=False) == "aot_eager"
+
+
+def test_a_backend_that_fails_falls_back_to_eager(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compilation failing on the user's machine costs speed, not the run: the step completes eager
+    and matches an eager engine."""
+    from torch._dynamo import register_backend
+
+    from model_zoo import make_batch, make_model
+
+    @register_backend(name="tinypipe_test_broken")
+    def broken(gm, example_inputs):  # noqa: ANN001, ANN202 - a Dynamo backend's signature
+        raise RuntimeError("no C compiler here")
+
+    batch = make_batch(4, 8, seed=0)
+    losses = []
+    for backend in ("tinypipe_test_broken", "off"):
+        engine = tinypipe.Engine(make_model("llama"), tinypipe.Config(pack_size=2, micro_batch_size=2,
+                                                                      compile_blocks=backend))
+        losses.append([engine.step(batch).loss for _ in range(2)])
+        engine.close()
+    assert losses[0] == losses[1]
