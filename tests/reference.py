@@ -58,3 +58,14 @@ def compare(state: dict[str, torch.Tensor], ref: torch.nn.Module, init: dict[str
     diff = sum(float(((state[k] - rsd[k]) ** 2).sum()) for k in rsd) ** 0.5
     delta = sum(float(((rsd[k] - init[k]) ** 2).sum()) for k in rsd) ** 0.5
     return worst, diff / delta
+
+
+def assert_steps_match(results: list, ref: RefRun, clip: float | None) -> None:
+    """Each engine step's loss and gradient norm within 1e-5 relative of the reference's, and
+    clipped exactly when the reference's norm exceeds ``clip``."""
+    assert len(results) == len(ref.losses)
+    for r, loss, norm in zip(results, ref.losses, ref.grad_norms):
+        assert abs(r.loss - loss) <= 1e-5 * abs(loss), (r.loss, loss)
+        assert abs(r.grad_norm - norm) <= 1e-5 * norm, (r.grad_norm, norm)
+        if clip is not None:
+            assert r.clipped == (norm + 1e-6 > clip)
