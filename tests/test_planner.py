@@ -342,3 +342,62 @@ def test_cli_exit_codes(capsys, tmp_path) -> None:
 
     assert cli_plan.main(["--model", "list"]) == 0
     assert "qwen3-32b" in capsys.readouterr().out
+
+
+LORA_CASES = {
+    "fp32_pack1": dict(devices=["cpu"], pack_size=1, precision="fp32", stash="device"),
+    "bf16_n2_pack2_host_clip": dict(devices=["cpu", "cpu"], pack_size=2, precision="bf16", stash="host",
+                                    max_grad_norm=1.0),
+}
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("case", list(LORA_CASES))
+def test_lora_static_memory_equals_engine(family: str, case: str) -> None:
+    """With LoRA the planner sizes the PEFT-wrapped model exactly: adapters' master/AdamW/gradient
+    bytes, the frozen base at compute precision, adapter-sized gradient slots -- byte for byte
+    what the engine allocates."""
+    from tinypipe.lora.settings import LoraSettings, apply_lora
+    from tinypipe.planner.sizes import lora_sizes
+
+    kw = dict(LORA_CASES[case])
+    settings = LoraSettings(rank=4)
+    model = make_model(family, layers=4)
+    sizes = lora_sizes(model.config, settings)
+    assert 0 < sizes.train_total < sizes.frozen_total
+    cfg = tinypipe.Config(micro_batch_size=2, **kw)
+    engine = tinypipe.Engine(apply_lora(model, settings), cfg)
+    B, S = 5, 9
+    engine.step(make_batch(B, S, seed=1))
+    real = engine.memory_report()
+    est = estimate_memory(sizes, engine.plan, batch=B, seq=S, precision=cfg.precision, devices=list(cfg.devices),
+                          max_grad_norm=cfg.max_grad_norm)
+    assert est.host == real.host
+    for name, cats in real.devices.items():
+        assert {k: v for k, v in est.devices[name].items() if not k.endswith("_peak")} == cats, name
+    engine.close()
+
+
+def test_plan_lora_fits_where_full_finetuning_does_not(capsys: pytest.CaptureFixture[str]) -> None:
+    from tinypipe.cli import main
+
+    args = ["plan", "--model", "llama-2-7b", "--gpus", "1", "--gpu-memory", "24GiB", "--cpu-memory", "48GiB",
+            "--seq-len", "2048", "--global-batch", "16"]
+    assert main(args) == 1
+    err = capsys.readouterr().err
+    assert "host memory" in err and "try --lora" in err and len(err.strip().splitlines()) == 1, err
+    assert main(args + ["--lora", "--lora-rank", "16"]) == 0
+    out = capsys.readouterr().out
+    assert "frozen_weights" in out and "LoRA rank 16" in out
+    assert main(args + ["--lora-rank", "16"]) == 2  # needs --lora
+
+
+def test_engine_plans_a_peft_model_with_its_adapters() -> None:
+    from tinypipe.lora.settings import LoraSettings, apply_lora
+
+    model = apply_lora(make_model("llama", layers=4), LoraSettings(rank=4, targets=["q_proj", "v_proj"]))
+    engine = tinypipe.Engine(model, tinypipe.Config(devices=["cpu"], seq_len=16, global_batch=4))
+    assert engine.plan_result is not None and engine.plan_result.sizes.lora.startswith("LoRA rank 4 on q_proj,v_proj")
+    assert engine.plan_result.sizes.train_total == sum(s.spec.train_numel for s in engine.store.layers)
+    engine.step(make_batch(4, 16, seed=0))
+    engine.close()

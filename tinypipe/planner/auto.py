@@ -85,7 +85,7 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
     hand-set plan). Raises :class:`PlanDoesNotFitError` when no plan -- or the hand-set one, when
     the workload is given -- fits the budgets."""
     from tinypipe.planner.search import evaluate, plan_for
-    from tinypipe.planner.sizes import model_sizes
+    from tinypipe.planner.sizes import lora_sizes, model_sizes
 
     have_workload = config.seq_len is not None and config.global_batch is not None
     if any(d.startswith("cuda") for d in config.devices) and not torch.cuda.is_available():
@@ -96,7 +96,8 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
             return cfg, None
         # a hand-set plan with a known workload: check it against the budgets
         gpu, host = budgets(cfg)
-        sizes = model_sizes(model.config)
+        lora = lora_settings_of(model)
+        sizes = lora_sizes(model.config, lora) if lora is not None else model_sizes(model.config)
         c = evaluate(sizes, hardware_for(cfg), pack_size=cfg.pack_size, fwd_micro_batch=cfg.micro_batch_size,
                      bwd_micro_batch=cfg.bwd_micro_batch_size, prefetch_window=cfg.prefetch_window, stash=cfg.stash,
                      gpus=len(cfg.devices), seq=cfg.seq_len, global_batch=cfg.global_batch, precision=cfg.precision,
@@ -120,7 +121,7 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
     result = plan_for(model.config, hardware_for(config), gpus=len(config.devices), gpu_memory_bytes=gpu,
                       cpu_memory_bytes=host, seq=config.seq_len, global_batch=config.global_batch,
                       precision=config.precision, max_grad_norm=config.max_grad_norm,
-                      host_grad_buffers=config.host_grad_buffers)
+                      host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model))
     k = result.best.knobs
     pack = k["pack_size"] if isinstance(k["pack_size"], int) else tuple(k["pack_size"])
     stash = k["stash"] if isinstance(k["stash"], str) else tuple(k["stash"])
@@ -128,3 +129,25 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
                          backward_micro_batch_size=k["backward_micro_batch_size"],
                          prefetch_window=k["prefetch_window"], stash=stash)
     return cfg, result
+
+
+def lora_settings_of(model: nn.Module):  # -> LoraSettings | None
+    """The LoRA settings of a ``peft.PeftModel`` (so the plan sizes its adapters), else None."""
+    from tinypipe.lora.hooks import is_peft_model
+
+    if not is_peft_model(model):
+        return None
+    from tinypipe.lora.settings import LoraSettings
+
+    from tinypipe.errors import TinypipeError
+    from tinypipe.planner.sizes import lora_sizes
+
+    try:
+        pc = model.peft_config[model.active_adapter]
+        targets = pc.target_modules
+        targets = [targets] if isinstance(targets, str) else sorted(targets)
+        settings = LoraSettings(rank=int(pc.r), alpha=float(pc.lora_alpha), targets=targets)
+        lora_sizes(model.config, settings)  # adapters the planner cannot size: plan as full fine-tuning
+    except (TinypipeError, AttributeError, KeyError, TypeError, ValueError):
+        return None
+    return settings

@@ -50,6 +50,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="compute precision (default: bf16)")
     p.add_argument("--max-grad-norm", default=None, metavar="X",
                    help="global-norm clipping (retains gradients on the host: +4 B/param)")
+    p.add_argument("--lora", action="store_true", help="plan LoRA fine-tuning (adapters train; the base is frozen)")
+    p.add_argument("--lora-rank", default=None, metavar="R", help="LoRA rank (default: 8)")
+    p.add_argument("--lora-targets", default=None, metavar="LIST",
+                   help="comma-separated block linear layers to adapt (default: every attention and MLP projection)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--save-plan", default=None, metavar="FILE",
                    help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
@@ -119,8 +123,19 @@ def run(args: argparse.Namespace) -> int:
                 from tinypipe.errors import ConfigError
 
                 raise ConfigError(f"--max-grad-norm must be a number, got {args.max_grad_norm!r}") from None
+        lora = None
+        if args.lora:
+            from tinypipe.lora.settings import LoraSettings
+
+            rank = _positive_int("--lora-rank", args.lora_rank) if args.lora_rank is not None else LoraSettings().rank
+            targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None
+            lora = LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets)
+        elif args.lora_rank is not None or args.lora_targets is not None:
+            from tinypipe.errors import ConfigError
+
+            raise ConfigError("--lora-rank / --lora-targets need --lora")
         result = plan_for(args.model, args.hardware, gpus=gpus, gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_mem,
-                          seq=seq, global_batch=batch, precision=args.precision, max_grad_norm=clip)
+                          seq=seq, global_batch=batch, precision=args.precision, max_grad_norm=clip, lora=lora)
         if args.save_plan:
             try:
                 result.best.plan.save(args.save_plan)

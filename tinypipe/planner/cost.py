@@ -134,9 +134,25 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
 
     stats = pack_stats(sizes, plan.packs)
     fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
+    # LoRA: only the adapters train -- frozen weights upload at compute precision, only adapter
+    # gradients come down and step, and the backward skips the frozen weights' gradient GEMMs
+    a = 2 if precision == "bf16" else 4
+    trains = sizes.layer_train_numels
+    lora = bool(sizes.frozen_total)
 
     def numel(q: int) -> int:
         return stats[q][0]
+
+    def train(q: int) -> int:
+        return sum(trains[1 + b] for b in plan.packs[q])
+
+    def up_bytes(q: int) -> int:
+        return train(q) * UPLOAD_BYTES + (numel(q) - train(q)) * a
+
+    def layer_up(n: int, t: int) -> int:
+        return t * UPLOAD_BYTES + (n - t) * a
+
+    bwd_mult = 1.0 if lora else 2.0
 
     carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
     W = plan.prefetch_window
@@ -145,18 +161,18 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         """Uploads of pack q that cannot start before the previous pack on its device releases its
         slots (only W slots are free beforehand); pack q's first micro-batch waits for them."""
         extra = len(plan.packs[q]) - W
-        return extra * stats[q][1] * UPLOAD_BYTES / h2d if extra > 0 else 0.0
+        return extra * stats[q][1] * (up_bytes(q) / max(1, numel(q))) / h2d if extra > 0 else 0.0
 
     f_comp, b_comp = [0.0] * n, [0.0] * n
     f_up, b_up, down = [0.0] * n, [0.0] * n, [0.0] * n
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
         f_comp[df] += fwd_flops[q] / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 else 0.0)
-        b_comp[db] += fwd_flops[q] / rrc + 2.0 * fwd_flops[q] / rbw + PACK_OVERHEAD_S + (exposed(q) if q < P - 1 or not carry else 0.0)
-        f_up[df] += stats[q][0] * UPLOAD_BYTES
+        b_comp[db] += fwd_flops[q] / rrc + bwd_mult * fwd_flops[q] / rbw + PACK_OVERHEAD_S + (exposed(q) if q < P - 1 or not carry else 0.0)
+        f_up[df] += up_bytes(q)
         if not (carry and q == P - 1):
-            b_up[db] += stats[q][0] * UPLOAD_BYTES
-        down[db] += stats[q][0] * DOWNLOAD_BYTES
+            b_up[db] += up_bytes(q)
+        down[db] += train(q) * DOWNLOAD_BYTES
     # host-stashed pack inputs: written down and read back up in the forward, read up in the backward
     f_down = [0.0] * n
     stash_bytes = tokens * sizes.hidden * (2 if precision == "bf16" else 4)
@@ -168,13 +184,13 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
             if q < P:
                 b_up[plan.bwd_device[q]] += stash_bytes
     e, h = plan.embed_device, plan.head_device
-    down[e] += sizes.embed_numel * DOWNLOAD_BYTES
-    down[h] += sizes.head_numel * DOWNLOAD_BYTES
+    down[e] += trains[0] * DOWNLOAD_BYTES
+    down[h] += trains[-1] * DOWNLOAD_BYTES
 
     # fill: resident uploads then the first pack's layers, on the devices that need them first
     first = plan.fwd_device[0]
-    resident_up = (sizes.embed_numel + (sizes.head_numel if h == e else 0)) * UPLOAD_BYTES
-    fill = (resident_up if first == e else 0) / h2d + numel(0) * UPLOAD_BYTES / h2d
+    resident_up = layer_up(sizes.embed_numel, trains[0]) + (layer_up(sizes.head_numel, trains[-1]) if h == e else 0)
+    fill = (resident_up if first == e else 0) / h2d + up_bytes(0) / h2d
     if first != e:
         fill = max(fill, resident_up / h2d)
 
@@ -183,10 +199,10 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     f_terms = {"compute": max(f_comp) * slowdown, "upload": max(f_up) / h2d, "stash download": max(f_down) / d2h,
                "link (both directions)": max(u + d for u, d in zip(f_up, f_down)) / bidir}
     forward = max(f_terms.values())
-    head = 6.0 * sizes.head_matmul_params * tokens / rhead
+    head = (4.0 if lora else 6.0) * sizes.head_matmul_params * tokens / rhead
 
-    pack0 = numel(0)
-    overlappable = sizes.total_numel - pack0 - sizes.embed_numel
+    pack0 = train(0)
+    overlappable = sizes.train_total - pack0 - trains[0]
     b_terms = {
         "compute": max(b_comp) * slowdown,
         "upload": max(b_up) / h2d,
@@ -195,7 +211,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         "cpu optimizer": overlappable / adamw,
     }
     backward = max(b_terms.values())
-    tail = (pack0 + sizes.embed_numel) / adamw + sizes.slot_numel * DOWNLOAD_BYTES / d2h
+    tail = (pack0 + trains[0]) / adamw + sizes.grad_slot_numel * DOWNLOAD_BYTES / d2h
 
     step = fill + forward + head + backward + tail
     compute_total = sum(f_comp) + sum(b_comp) + head
@@ -203,6 +219,6 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
         tokens_per_s=tokens / step, compute_s=compute_total,
         upload_s=max(fu + bu for fu, bu in zip(f_up, b_up)) / h2d, download_s=max(down) / d2h,
-        optimizer_s=sizes.total_numel / adamw,
+        optimizer_s=sizes.train_total / adamw,
         forward_limit=max(f_terms, key=f_terms.get), backward_limit=max(b_terms, key=b_terms.get),
     )

@@ -87,16 +87,20 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
                host_grad_buffers: int | None = None, retain_grads: bool = False, hidden: int | None = None) -> dict[str, int]:
     """Host memory by category (``Engine.memory_report().host`` after a step)."""
     hidden = hidden or sizes.hidden
-    flat = sizes.total_numel
-    chunk = chunk_numel(sizes.slot_numel)
+    train = sizes.train_total  # every element, except under LoRA (the adapters only)
+    grad = max(1, sizes.grad_slot_numel)
+    chunk = chunk_numel(grad)
     stashed = sum(1 for q, on_host in enumerate(plan.stash_on_host) if on_host and q > 0)
-    return {
-        "master_weights": 4 * flat,
-        "optimizer_state": 8 * flat,
-        "pinned_grad_pool": num_devices * buffer_count(sizes.slot_numel, host_grad_buffers) * chunk * 4,
-        "gradient_buffers": 4 * flat if retain_grads else 0,
+    cats = {
+        "master_weights": 4 * train,
+        "optimizer_state": 8 * train,
+        "pinned_grad_pool": num_devices * buffer_count(grad, host_grad_buffers) * chunk * 4,
+        "gradient_buffers": 4 * train if retain_grads else 0,
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
     }
+    if sizes.frozen_total:  # LoRA: the frozen base at compute precision
+        cats["frozen_weights"] = sizes.frozen_total * dtype_bytes(precision)
+    return cats
 
 
 def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, precision: str) -> dict[str, int]:
@@ -104,18 +108,21 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, 
     a = dtype_bytes(precision)
     slot = sizes.slot_numel
     has_packs = index in plan.fwd_device or index in plan.bwd_device
-    resident = 0
+    trains = sizes.layer_train_numels
+    resident = resident_grad = 0
     if index == plan.embed_device:
         resident += sizes.embed_numel
+        resident_grad += trains[0]
     if index == plan.head_device:
         resident += sizes.head_numel
+        resident_grad += trains[-1]
     slots = plan.param_slots() if has_packs else 0
     gslots = plan.grad_slot_count() if has_packs else 0
     staging = min(slot, STAGING_MAX) * 4 if (_is_cuda(device) and precision != "fp32") else 0
     return {
         "resident_layers": resident * a,
         "layer_slots": slots * slot * a,
-        "gradient_accumulators": gslots * slot * 4 + resident * 4,
+        "gradient_accumulators": gslots * sizes.grad_slot_numel * 4 + resident_grad * 4,
         "staging": staging,
     }
 

@@ -13,7 +13,7 @@ and allocator fragmentation (:data:`GPU_CONTEXT_BYTES`, :data:`FRAGMENTATION`). 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import transformers
 
@@ -23,8 +23,11 @@ from tinypipe.planner.cost import REFERENCE_TOKENS, StepTime, predict_step_time
 from tinypipe.planner.estimate import estimate_memory
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
 from tinypipe.planner.presets import load_model_config
-from tinypipe.planner.sizes import ModelSizes, model_sizes
+from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.schedule.plan import Plan, make_plan
+
+if TYPE_CHECKING:
+    from tinypipe.lora.settings import LoraSettings
 
 #: GPU memory the CUDA context and library handles take outside PyTorch's allocator.
 GPU_CONTEXT_BYTES = 512 * 1024**2
@@ -246,9 +249,10 @@ def _resolve(config: transformers.PretrainedConfig | str) -> tuple[transformers.
 def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, *, gpus: int,
              gpu_memory_bytes: int | None = None, cpu_memory_bytes: int, seq: int, global_batch: int,
              precision: str = "bf16", max_grad_norm: float | None = None, host_grad_buffers: int | None = None,
-             max_pareto: int = 8) -> PlanResult:
+             max_pareto: int = 8, lora: LoraSettings | None = None) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
-    and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front.
+    and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
+    model is sized with those adapters (only they train; the base is frozen at compute precision).
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
@@ -271,7 +275,10 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     notes = []
     if isinstance(max_pos, int) and seq > max_pos:
         raise ConfigError(f"sequence length {seq} exceeds the model's max_position_embeddings {max_pos}")
-    sizes = model_sizes(cfg)
+    sizes = lora_sizes(cfg, lora) if lora is not None else model_sizes(cfg)
+    if lora is not None:
+        notes.append(f"{sizes.lora}: {sizes.train_total / 1e6:.1f} M trainable elements, "
+                     f"{sizes.frozen_total / 1e9:.2f} G frozen")
     if hw.layer_profile is not None:
         if hw.layer_profile.precision == precision:
             notes.append(f"compute times from measured per-layer times ({hw.name}, "
@@ -328,8 +335,12 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> s
     min_host = min(cands, key=lambda c: c.host_need)
     min_gpu = min(cands, key=lambda c: c.gpu_need)
     if not host_ok:
+        host = min_host.memory.host
+        if host.get("frozen_weights"):
+            return (f"needs {_gib(min_host.host_need)} host memory even with LoRA, have {_gib(cpu_mem)} "
+                    f"({_gib(host['frozen_weights'])} of it the frozen base weights); add RAM")
         return (f"needs {_gib(min_host.host_need)} host memory, have {_gib(cpu_mem)} "
-                f"({_gib(min_host.memory.host['master_weights'] + min_host.memory.host['optimizer_state'])} of it "
+                f"({_gib(host['master_weights'] + host['optimizer_state'])} of it "
                 "fp32 master weights + AdamW state); try --lora or more RAM")
     if not gpu_ok:
         return (f"needs {_gib(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}), have "

@@ -21,9 +21,10 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import json
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import transformers
@@ -31,6 +32,9 @@ from torch import nn
 
 from tinypipe.errors import ConfigError, UnsupportedModelError
 from tinypipe.models.decompose import ALIGN, Decomposition, Shell
+
+if TYPE_CHECKING:
+    from tinypipe.lora.settings import LoraSettings
 
 #: Config attributes holding widths that scale with the hidden size (the probe divides them).
 _WIDTH_ATTRS = ("hidden_size", "intermediate_size", "ffn_dim", "n_inner", "head_dim", "word_embed_proj_dim",
@@ -74,6 +78,10 @@ class ModelSizes:
     post_names: tuple[str, ...] = ()
     act_bytes_per_token: dict = field(default_factory=dict, compare=False)
     act_source: str = "probe"
+    #: trainable elements per layer (runtime order) when some parameters are frozen (LoRA: the
+    #: adapters); empty for full fine-tuning, where every element trains
+    train_numels: tuple[int, ...] = ()
+    lora: str = ""  # a description of the LoRA adapters these sizes include ("" = full fine-tuning)
 
     @property
     def layer_numels(self) -> list[int]:
@@ -87,6 +95,24 @@ class ModelSizes:
     @property
     def param_count(self) -> int:
         return self.embed_params + sum(self.block_params) + self.head_params
+
+    @property
+    def layer_train_numels(self) -> list[int]:
+        """Trainable elements per layer (runtime order): what has gradients and AdamW state."""
+        return list(self.train_numels) if self.train_numels else self.layer_numels
+
+    @property
+    def train_total(self) -> int:
+        return sum(self.layer_train_numels)
+
+    @property
+    def frozen_total(self) -> int:
+        return self.total_numel - self.train_total
+
+    @property
+    def grad_slot_numel(self) -> int:
+        """Elements of one device gradient accumulator slot: the largest block's trainable part."""
+        return max(self.layer_train_numels[1:-1])
 
     @property
     def slot_numel(self) -> int:
@@ -393,4 +419,29 @@ def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
         post_names=tuple(dec.post_names),
         act_bytes_per_token=acts,
         act_source=source,
+    )
+
+
+def lora_sizes(cfg: transformers.PretrainedConfig, settings: LoraSettings) -> ModelSizes:
+    """:func:`model_sizes` of ``cfg`` with LoRA ``settings`` applied: the exact flat layouts the
+    engine allocates for a PEFT-wrapped model (adapters trainable first, the frozen base after),
+    from a meta-device skeleton -- no weights, seconds even for 70B models."""
+    from tinypipe.lora.hooks import split_peft
+    from tinypipe.lora.settings import apply_lora
+    from tinypipe.models.skeleton import build_skeleton, decompose_skeleton
+
+    base = model_sizes(cfg)
+    real_cfg = copy.deepcopy(cfg)
+    real_cfg._attn_implementation = "sdpa"
+    _, inner = split_peft(apply_lora(build_skeleton(real_cfg), settings))
+    dec = decompose_skeleton(inner)
+    numels = [spec.numel for spec in dec.layers]
+    trains = [spec.train_numel for spec in dec.layers]
+    if len(numels) != base.num_blocks + 2:
+        raise UnsupportedModelError(f"LoRA changed the layer count of {base.model_type!r}")
+    targets = settings.targets or "all block projections"
+    return dataclasses.replace(
+        base, embed_numel=numels[0], head_numel=numels[-1], block_numels=tuple(numels[1:-1]),
+        train_numels=tuple(trains),
+        lora=f"LoRA rank {settings.rank} on {targets if isinstance(targets, str) else ','.join(targets)}",
     )
