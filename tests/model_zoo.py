@@ -12,25 +12,23 @@ def _common(**kw: object) -> dict:
     return dict(vocab_size=VOCAB, **kw)
 
 
+def _decoder(**kw: object) -> dict:
+    """The Llama-like families' shared tiny shape (grouped-query attention)."""
+    return _common(hidden_size=32, intermediate_size=64, num_attention_heads=4, num_key_value_heads=2,
+                   max_position_embeddings=128, **kw)
+
+
 def make_config(family: str, layers: int = 4, tied: bool | None = None) -> transformers.PretrainedConfig:
     """A small config of ``family``; ``tied`` overrides the family's default weight tying."""
     if family == "llama":
-        cfg = transformers.LlamaConfig(**_common(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                                 num_attention_heads=4, num_key_value_heads=2,
-                                                 max_position_embeddings=128, tie_word_embeddings=False))
+        cfg = transformers.LlamaConfig(**_decoder(num_hidden_layers=layers, tie_word_embeddings=False))
     elif family == "mistral":
-        cfg = transformers.MistralConfig(**_common(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                                   num_attention_heads=4, num_key_value_heads=2,
-                                                   max_position_embeddings=128, sliding_window=8,
-                                                   tie_word_embeddings=False))
+        cfg = transformers.MistralConfig(**_decoder(num_hidden_layers=layers, sliding_window=8,
+                                                    tie_word_embeddings=False))
     elif family == "qwen2":
-        cfg = transformers.Qwen2Config(**_common(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                                 num_attention_heads=4, num_key_value_heads=2,
-                                                 max_position_embeddings=128, tie_word_embeddings=True))
+        cfg = transformers.Qwen2Config(**_decoder(num_hidden_layers=layers, tie_word_embeddings=True))
     elif family == "qwen3":
-        cfg = transformers.Qwen3Config(**_common(hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                                                 num_attention_heads=4, num_key_value_heads=2, head_dim=8,
-                                                 max_position_embeddings=128, tie_word_embeddings=True))
+        cfg = transformers.Qwen3Config(**_decoder(num_hidden_layers=layers, head_dim=8, tie_word_embeddings=True))
     elif family == "gpt2":
         cfg = transformers.GPT2Config(**_common(n_embd=32, n_layer=layers, n_head=4, n_positions=128,
                                                 resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,

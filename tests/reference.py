@@ -69,3 +69,18 @@ def assert_steps_match(results: list, ref: RefRun, clip: float | None) -> None:
         assert abs(r.grad_norm - norm) <= 1e-5 * norm, (r.grad_norm, norm)
         if clip is not None:
             assert r.clipped == (norm + 1e-6 > clip)
+
+
+def train_both(engine_model: torch.nn.Module, ref_model: torch.nn.Module, batches: list[dict], cfg: dict, *,
+               lr: float, eps: float, weight_decay: float, head_chunk_tokens: int = 7) -> tuple:
+    """Train ``ref_model`` with plain torch AdamW and ``engine_model`` (same initial weights; the
+    same model, or a PEFT wrapper of it) through tinypipe with ``cfg``; every step must match.
+    Returns (engine, reference run)."""
+    import tinypipe
+
+    clip = cfg.get("max_grad_norm")
+    ref = train_reference(ref_model, batches, lr=lr, eps=eps, weight_decay=weight_decay, max_grad_norm=clip)
+    engine = tinypipe.Engine(engine_model, tinypipe.Config(lr=lr, eps=eps, weight_decay=weight_decay,
+                                                           head_chunk_tokens=head_chunk_tokens, **cfg))
+    assert_steps_match([engine.step(b) for b in batches], ref, clip)
+    return engine, ref

@@ -12,9 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import tinypipe
 from model_zoo import FAMILIES, make_batch, make_model
-from reference import assert_steps_match, compare, randomize_biases, train_reference
+from reference import compare, randomize_biases, train_both, train_reference
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
 BATCH, SEQ, STEPS = 5, 12, 3
@@ -25,11 +24,7 @@ def run_both(family: str, cfg: dict, tied: bool | None = None, pad: bool = True,
     randomize_biases(model)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [make_batch(BATCH, SEQ, seed=i, pad=pad and i == 1) for i in range(STEPS)]
-    clip = cfg.get("max_grad_norm")
-    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=clip)
-    engine = tinypipe.Engine(model, tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, **cfg))
-    results = [engine.step(b) for b in batches]
-    assert_steps_match(results, ref, clip)
+    engine, ref = train_both(model, model, batches, cfg, lr=LR, eps=EPS, weight_decay=WD)
     worst, update_err = compare(engine.state_dict(), ref.model, init)
     assert worst <= 1e-5, f"max per-tensor relative weight error {worst:.2e}"
     assert update_err <= 1e-4, f"relative error of the update {update_err:.2e}"

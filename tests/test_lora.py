@@ -21,7 +21,7 @@ import transformers
 
 import tinypipe
 from model_zoo import make_batch, make_model
-from reference import assert_steps_match, compare, train_reference
+from reference import compare, train_both
 from tinypipe.lora import LoraSettings, apply_lora, default_targets, save_merged
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
@@ -61,11 +61,7 @@ def run_both(family: str, cfg: dict, layers: int = 4, targets: list[str] | None 
     inner = pm.base_model.model
     init = {k: v.clone() for k, v in inner.state_dict().items()}
     batches = [make_batch(BATCH, SEQ, seed=i, pad=pad and i == 1) for i in range(STEPS)]
-    clip = cfg.get("max_grad_norm")
-    ref = train_reference(inner, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=clip)
-    engine = tinypipe.Engine(pm, tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, **cfg))
-    results = [engine.step(b) for b in batches]
-    assert_steps_match(results, ref, clip)
+    engine, ref = train_both(pm, inner, batches, cfg, lr=LR, eps=EPS, weight_decay=WD)
     state = engine.state_dict()
     adapters = trainable(state, ref.model)
     assert adapters and all(".lora_" in k for k in adapters)

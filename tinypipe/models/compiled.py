@@ -42,8 +42,8 @@ def resolve_backend(setting: str, any_cuda: bool) -> str | None:
 
 
 def compile_settings(backend: str | None) -> contextlib.ExitStack:
-    """Dynamo/Inductor settings for a step: they must also cover the backward, which AOT
-    autograd compiles lazily at its first call (outside the forward's call)."""
+    """Dynamo/Inductor settings for compiling tinypipe's blocks (thread-local: enter them in the
+    thread that calls the block)."""
     stack = contextlib.ExitStack()
     if backend is None:
         return stack
@@ -72,5 +72,7 @@ class CompiledBlock:
             self.compiled: Callable[..., Any] = torch.compile(block, backend=backend, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        # per call, in the calling thread: Dynamo's and Inductor's config patches are thread-local,
+        # and the blocks run (and compile) in the engine's lane threads
         with compile_settings(self.backend):
             return self.compiled(*args, **kwargs)

@@ -24,7 +24,7 @@ from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import IN_PLACE_MARK, HostStore
 from tinypipe.memory.report import MemoryReport
-from tinypipe.models.compiled import compile_settings, resolve_backend
+from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
@@ -244,8 +244,7 @@ class Engine:
         )
         self._last_origin = t0
         try:
-            with compile_settings(self.compile_backend):  # also covers the lazily compiled backward
-                state = runner.run()
+            state = runner.run()
         except WorkerError as exc:
             self._workers.shutdown()  # no lane thread outlives a failed step (a stuck one is abandoned)
             if runner.stuck:
