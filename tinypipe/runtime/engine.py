@@ -30,6 +30,7 @@ from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import configure
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+from tinypipe.runtime.deferred import DeferredUpdates
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.inputs import prepare_inputs
 from tinypipe.runtime.optimizer import CpuAdamW
@@ -188,6 +189,7 @@ class Engine:
         self._rss_peak = 0
         self._prefetch_pool: dict = {}
         self._workers = LaneWorkers()  # one persistent thread per lane, reused by every step
+        self._deferred = DeferredUpdates()  # the last step's leftover optimizer work (clipping)
         weakref.finalize(self, self._workers.shutdown, 0.0)
         cores = os.cpu_count() or 1
         # leave cores for the lanes that feed the GPUs; an OpenMP team sharing a core with a busy
@@ -223,6 +225,9 @@ class Engine:
         attention_mask and labels; labels default to input_ids with padding ignored)."""
         if self._broken is not None:
             raise WorkerError(f"engine unusable: {self._broken}; create a new Engine (from the last checkpoint)")
+        if self._deferred.error is not None:
+            self._broken = "the last step's optimizer update failed"
+            self._deferred.wait_all()  # raises the cause
         t0 = time.perf_counter()
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
         inputs = prepare_inputs(batch, int(self.model.config.vocab_size), None if max_pos is None else int(max_pos),
@@ -240,7 +245,7 @@ class Engine:
             self.head_chunk, self._host_stash, self.config.trace, self.fault,
             stall_timeout=self.config.stall_timeout_s, check_finite=self.config.check_finite,
             optimizer_threads=self._optimizer_threads, prefetch_pool=self._prefetch_pool,
-            workers=self._workers,
+            workers=self._workers, deferred=self._deferred,
         )
         self._last_origin = t0
         try:
@@ -252,7 +257,11 @@ class Engine:
             if isinstance(exc.__cause__, NonFiniteError):  # check_finite located a NaN/inf
                 raise NonFiniteError(str(exc.__cause__)) from exc
             raise
+        self._deferred.wait_all()  # every layer was uploaded, so the last step's leftovers are done
         outcome = updater.finalize()
+        # what still has to wait for the global norm runs while the next step starts (its uploads
+        # wait per layer); Engine.synchronize() waits for all of it
+        self._deferred.start(updater.work, self._workers, self._optimizer_threads)
         self._last_clipped = outcome.clipped
         self._last_state = state
         self._sample_rss()
@@ -287,13 +296,24 @@ class Engine:
 
     # ------------------------------------------------------------------ state
 
+    def synchronize(self) -> None:
+        """Wait until the host copy of every weight and optimizer state is final.
+
+        With clipping, part of a step's optimizer work finishes in the background while the next
+        step starts (see :mod:`tinypipe.runtime.deferred`). The engine's own readers (state_dict,
+        checkpoints, saving, :func:`tinypipe.train.train`'s return) call this; call it yourself
+        before reading ``engine.model``'s parameters directly after :meth:`step`."""
+        self._deferred.wait_all()
+
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under the keys of ``model.state_dict()`` (live views); frozen
         parameters (LoRA base weights) at the compute precision."""
+        self.synchronize()
         return self.store.state_dict()
 
     def optimizer_state(self) -> dict[str, object]:
         """AdamW moments and step counts per layer (live views), for checkpoints."""
+        self.synchronize()
         return {
             s.spec.name: {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step}
             for s in self.store.layers
@@ -304,11 +324,13 @@ class Engine:
         position and RNG states) so :meth:`load_checkpoint` resumes exactly."""
         # whether the last step clipped decides how the next one steps (speculate or defer); the
         # two paths round differently, so a resumed run must take the same one
+        self.synchronize()
         meta = dict(extra or {}, **{_ENGINE_KEY: {"last_clipped": self._last_clipped}})
         return save_checkpoint(self.store, self.step_count, path, meta)
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``."""
+        self.synchronize()
         self.step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
         self._last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
@@ -320,6 +342,7 @@ class Engine:
         A LoRA engine (built from a ``peft.PeftModel``) writes the adapter instead, in PEFT's format
         (``PeftModel.from_pretrained(base, out_dir)`` loads it); merged weights:
         :func:`tinypipe.lora.save_merged`."""
+        self.synchronize()
         if self.peft_model is not None:
             return save_adapter(self, out_dir)
 
@@ -413,6 +436,10 @@ class Engine:
 
     def close(self) -> None:
         """Stop the lane threads and unpin host memory; the engine is unusable afterwards."""
+        try:
+            self.synchronize()  # the model's parameters (views of the host copy) stay usable
+        except WorkerError:
+            pass  # the failure was raised by step() already or is in self._deferred.error
         self._workers.shutdown()
         self.pinner.release()
 

@@ -82,6 +82,7 @@ class TaskHandlers:
 
     def _upload(self, task: Task, dev: DeviceRuntime) -> None:
         layer = task.layers[0]
+        self.deferred.wait_layer(layer, self.abort)  # the last step's clipped update of this layer
         src = self.store.layers[layer].master
         dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
         staging = dev.pool.staging
@@ -282,6 +283,7 @@ class TaskHandlers:
             self.state.loss_value = float(self.state.loss_sum.item()) if self.state.loss_sum is not None else 0.0
             loss_finite = bool(torch.isfinite(torch.tensor(self.state.loss_value)))
         decision = self.updater.decide(layer, norm_sq, loss_finite)
+        self.deferred.wait_layer(layer, self.abort)  # done already unless the layer was never uploaded
         state = self.store.layers[layer]
         keep = self.updater.retain_buffer(layer)
         step_no = state.step + 1

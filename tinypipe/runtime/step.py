@@ -21,6 +21,7 @@ import torch
 from tinypipe.errors import WorkerError
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.buffers import RowBuffer
+from tinypipe.runtime.deferred import DeferredUpdates
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.handlers import TaskHandlers
 from tinypipe.runtime.stash_io import StashIO
@@ -95,6 +96,7 @@ class StepRunner(StashIO, TaskHandlers):
         optimizer_threads: int | None = None,
         prefetch_pool: dict | None = None,
         workers: LaneWorkers | None = None,
+        deferred: DeferredUpdates | None = None,
     ) -> None:
         self.s = schedule
         self.inp = inputs
@@ -116,6 +118,7 @@ class StepRunner(StashIO, TaskHandlers):
         self.optimizer_threads = optimizer_threads
         self._ring = prefetch_pool if prefetch_pool is not None else {}  # device -> [buffers, next index]
         self.workers = workers
+        self.deferred = deferred if deferred is not None else DeferredUpdates()  # the last step's leftovers
         plan = schedule.plan
         B, S, Hd = inputs.batch, inputs.seq, hidden_size
         P = plan.num_packs

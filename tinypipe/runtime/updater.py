@@ -15,8 +15,10 @@ the backward instead of two); after an unclipped step it speculates again.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 
@@ -24,7 +26,7 @@ from tinypipe.memory.host_buffers import aligned_empty
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.optimizer import CpuAdamW
 
-REDO_CHUNK = 1 << 24
+REDO_CHUNK = 1 << 22  # 16 MiB of fp32 gradient: scaled, then stepped while in cache
 
 
 @dataclass
@@ -50,6 +52,7 @@ class StepUpdater:
     deferred: list[int] = field(default_factory=list)
     nonfinite: str | None = None
     speculate: bool = True  # step layers before the global norm is known (False: defer them all)
+    work: list[tuple[int, Callable[[], None]]] = field(default_factory=list)  # set by finalize()
 
     def decide(self, layer: int, norm_sq: float, loss_finite: bool = True) -> str:
         """'step', 'defer' or 'skip' for ``layer`` given its squared gradient norm."""
@@ -76,12 +79,18 @@ class StepUpdater:
         return self.retained[layer]
 
     def finalize(self) -> UpdateOutcome:
-        """Apply clipping / roll back as the completed step requires."""
+        """Decide clipping / rollback for the completed step; the optimizer work that follows
+        from it is left in :attr:`work` (layer order), for :class:`DeferredUpdates` or
+        :meth:`run_work`. Step counts are final when this returns."""
         total = math.sqrt(sum(self.norms_sq.values())) if self.norms_sq else 0.0
+        self.work = []
         if self.nonfinite is not None:
             if self.retained is not None:
                 for layer in self.stepped:
-                    self._undo(layer)
+                    state = self.store.layers[layer]
+                    self.work.append((layer, functools.partial(self._undo, layer, state.step)))
+                    state.step -= 1
+            self.work.sort(key=lambda item: item[0])
             return UpdateOutcome(total, False, True, self.nonfinite)
         coef = 1.0
         if self.max_grad_norm is not None:
@@ -89,28 +98,44 @@ class StepUpdater:
         clipped = coef < 1.0
         if clipped:
             for layer in self.stepped:
-                self._undo(layer)
-                self._redo(layer, coef)
+                step = self.store.layers[layer].step
+                self.work.append((layer, functools.partial(self._redo, layer, coef, step, undo=True)))
         for layer in self.deferred:
-            self.store.layers[layer].step += 1
-            self._redo(layer, coef)
+            state = self.store.layers[layer]
+            state.step += 1
+            self.work.append((layer, functools.partial(self._redo, layer, coef, state.step, undo=False)))
+        self.work.sort(key=lambda item: item[0])  # forward order: the next step uploads layer 0 first
         return UpdateOutcome(total, clipped, False, None, coef)
+
+    def run_work(self) -> None:
+        """Apply :attr:`work` now, in this thread."""
+        for _, fn in self.work:
+            fn()
+        self.work = []
 
     def _chunks(self, layer: int) -> list[tuple[int, int]]:
         n = self.store.layers[layer].spec.train_numel
         return [(lo, min(n, lo + REDO_CHUNK)) for lo in range(0, n, REDO_CHUNK)]
 
-    def _undo(self, layer: int) -> None:
+    def _undo(self, layer: int, step: int) -> None:
+        """Roll back speculative step ``step`` of ``layer`` (a skipped, non-finite step)."""
         state = self.store.layers[layer]
         grad = self.retained[layer]  # type: ignore[index]
         for lo, hi in self._chunks(layer):
-            self.optimizer.undo(state, lo, hi, grad[lo:hi], state.step, self.lr)
-        if self.nonfinite is not None:
-            state.step -= 1
+            self.optimizer.undo(state, lo, hi, grad[lo:hi], step, self.lr)
 
-    def _redo(self, layer: int, coef: float) -> None:
+    def _redo(self, layer: int, coef: float, step: int, undo: bool) -> None:
+        """Step ``layer`` with its gradient scaled by ``coef`` (after undoing the speculative step).
+
+        Chunk by chunk, so the gradient chunk is still in cache for the step; the retained
+        gradient is scaled in place (it is rewritten by the next step anyway) -- a temporary per
+        chunk cost a page-faulting allocation each time."""
         state = self.store.layers[layer]
         grad = self.retained[layer]  # type: ignore[index]
         for lo, hi in self._chunks(layer):
-            g = grad[lo:hi] * coef if coef != 1.0 else grad[lo:hi]
-            self.optimizer.step(state, lo, hi, g, state.step, self.lr)
+            g = grad[lo:hi]
+            if undo:
+                self.optimizer.undo(state, lo, hi, g, step, self.lr)
+            if coef != 1.0:
+                g.mul_(coef)
+            self.optimizer.step(state, lo, hi, g, step, self.lr)

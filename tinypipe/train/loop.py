@@ -240,6 +240,7 @@ def train(
                 log.close()
             except OSError:  # the write that failed was already reported
                 pass
+    engine.synchronize()  # the model the caller holds reflects every step
     return records
 
 
