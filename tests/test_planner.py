@@ -110,6 +110,9 @@ ENGINE_CASES = {
     "n2_pack1_host_clip": dict(devices=["cpu", "cpu"], pack_size=1, stash="host", max_grad_norm=1.0),
     "n2_uneven_mixed_stash": dict(devices=["cpu", "cpu"], pack_size=[1, 3], stash=["device", "host", "device"],
                                   precision="bf16", host_grad_buffers=2),
+    "embed_on_device_clip": dict(devices=["cpu"], pack_size=2, device_optimizer="embed", max_grad_norm=1.0),
+    "n2_both_on_device_clip": dict(devices=["cpu", "cpu"], pack_size=1, stash="host", device_optimizer="both",
+                                   max_grad_norm=1.0),
 }
 
 
@@ -230,7 +233,8 @@ def test_search_choices_build_valid_schedules() -> None:
     cfg = tinypipe.Config(**result.config_kwargs())  # the knobs are Config fields; no GPU is touched
     again = make_plan(result.sizes.num_blocks, pack_size=cfg.pack_size, fwd_micro_batch=cfg.micro_batch_size,
                       bwd_micro_batch=cfg.bwd_micro_batch_size, num_devices=len(cfg.devices),
-                      prefetch_window=cfg.prefetch_window, stash=cfg.stash, tied=result.sizes.tied)
+                      prefetch_window=cfg.prefetch_window, stash=cfg.stash, tied=result.sizes.tied,
+                      device_optimizer=cfg.device_optimizer)
     assert again == result.best.plan
 
 
@@ -270,9 +274,14 @@ def test_too_little_gpu_memory_names_the_need() -> None:
 def test_clipping_retains_gradients_on_the_host() -> None:
     kw = dict(gpus=1, cpu_memory_bytes=1024 * GIB, seq=1024, global_batch=4)
     plain = plan_for("llama-3.2-1b", "l40s", **kw)
-    clip = plan_for("llama-3.2-1b", "l40s", max_grad_norm=1.0, **kw)
+    clip = plan_for("llama-3.2-1b", "l40s", max_grad_norm=1.0, device_optimizer="off", **kw)
     assert clip.best.memory.host["gradient_buffers"] == 4 * plain.sizes.total_numel
     assert plain.best.memory.host["gradient_buffers"] == 0
+    # layers stepped on the GPU keep their gradient there
+    on_gpu = plan_for("llama-3.2-1b", "l40s", max_grad_norm=1.0, device_optimizer="embed", **kw)
+    embed = on_gpu.sizes.layer_train_numels[0]
+    assert on_gpu.best.memory.host["gradient_buffers"] == 4 * (plain.sizes.total_numel - embed)
+    assert on_gpu.best.memory.devices["0:cuda:0"]["optimizer_state"] == 12 * embed
 
 
 # ---------------------------------------------------------------------------------- hardware, CLI

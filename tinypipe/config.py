@@ -17,7 +17,10 @@ NonFinitePolicy = Literal["raise", "skip"]
 #: The fields the planner chooses (``Config.auto_plan`` when all are unset).
 PLAN_KNOBS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash")
 #: What unset knobs mean when at least one is set (tinypipe's defaults before automatic planning).
-MANUAL_DEFAULTS = {"pack_size": 1, "micro_batch_size": 1, "prefetch_window": 1, "stash": "device"}
+MANUAL_DEFAULTS = {"pack_size": 1, "micro_batch_size": 1, "prefetch_window": 1, "stash": "device",
+                   "device_optimizer": "off"}
+#: Which resident layers keep their AdamW state on their device (``Config.device_optimizer``).
+DEVICE_OPTIMIZER_CHOICES = ("off", "embed", "head", "both")
 
 
 def _is_number(value: object) -> bool:
@@ -33,7 +36,8 @@ class Config:
     chooses them with the planner (:func:`tinypipe.planner.plan_for`) for the model, the devices
     and the budgets below, and refuses to start (:class:`PlanDoesNotFitError`, one line) when no
     plan fits. Set any of them and the plan is yours: unset ones take 1, the forward size, 1 and
-    ``"device"``, as before.
+    ``"device"``, as before. ``device_optimizer`` unset: the planner's choice when it plans,
+    else ``"off"``; set, the planner keeps it.
 
     * ``pack_size`` -- decoder blocks per pack: an int for uniform packs or a list of sizes
       (uneven packs, summing to the block count). Bigger packs: fewer pipeline bubbles and
@@ -46,6 +50,10 @@ class Config:
     * ``stash`` -- where each pack's input is kept between forward and backward: on the device
       (fast, costs device memory) or in host memory (costs link bandwidth). A list gives it per
       pack boundary.
+    * ``device_optimizer`` -- ``"embed"``, ``"head"`` or ``"both"`` keep the fp32 master weights and
+      AdamW moments of the embedding and/or head on their device (12 bytes per parameter of
+      device memory) and step them there: their weights and gradients stop crossing the link,
+      and the embedding's update no longer trails the backward on the host. ``"off"``: host AdamW.
     * ``head_chunk_tokens`` -- tokens per chunk of the fused head (None: chosen from the vocabulary
       so one chunk's logits stay near 512 MiB). Logits for a whole batch are never materialised.
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
@@ -83,6 +91,7 @@ class Config:
     weight_decay: float = 0.0
     max_grad_norm: float | None = None
     stash: StashPlace | Sequence[StashPlace] | None = None
+    device_optimizer: str | None = None
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
     grad_slots: int | None = None
@@ -198,6 +207,9 @@ class Config:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")
         if not self.compile_blocks or self.compile_blocks != self.compile_blocks.strip():
             raise ConfigError(f"compile_blocks must be 'auto', 'off' or a torch.compile backend name, got {self.compile_blocks!r}")
+        if self.device_optimizer is not None and self.device_optimizer not in DEVICE_OPTIMIZER_CHOICES:
+            raise ConfigError(f"device_optimizer must be one of {', '.join(DEVICE_OPTIMIZER_CHOICES)}, "
+                              f"got {self.device_optimizer!r}")
         if self.nonfinite not in ("raise", "skip"):
             raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
         if not self.stall_timeout_s > 0:

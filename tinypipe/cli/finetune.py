@@ -26,7 +26,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         raise ConfigError(f"epochs must be > 0, got {s['epochs']}")
     if not 0.0 <= s["min_lr_ratio"] <= 1.0:
         raise ConfigError(f"min_lr_ratio must be in [0, 1], got {s['min_lr_ratio']}")
-    for key in ("schedule", "precision"):
+    for key in ("schedule", "precision", "device_optimizer"):
         choices = _OPTIONS_BY_DEST[key].choices
         if s[key] is not None and choices and s[key] not in choices:
             raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {s[key]!r}")
@@ -47,6 +47,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         lr=s["lr"],
         weight_decay=s["weight_decay"],
         max_grad_norm=s["max_grad_norm"],
+        device_optimizer=s["device_optimizer"],
         gpu_memory_bytes=s["gpu_memory"],
         cpu_memory_bytes=s["cpu_memory"],
     )
@@ -125,7 +126,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                  f"{best.gpu_need / 2**30:.1f} GiB per GPU (tinypipe plan shows the alternatives)")
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({precision}), lr {s['lr']:g} "
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps), pack size {config.pack_size}, "
-             f"micro-batch {config.micro_batch_size}")
+             f"micro-batch {config.micro_batch_size}"
+             + (f", {config.device_optimizer} stepped on the GPU" if config.device_optimizer not in (None, "off") else ""))
         metrics = out / "metrics.jsonl"
         ckpt_dir = out / "checkpoint"
         start = 0

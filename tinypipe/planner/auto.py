@@ -75,11 +75,6 @@ def hardware_for(cfg: Config) -> HardwareSpec:
     return HARDWARE["rtx4090-pcie4"]
 
 
-def _knobs(cfg: Config) -> dict:
-    return dict(pack_size=cfg.pack_size, fwd_micro_batch=cfg.micro_batch_size, bwd_micro_batch=cfg.bwd_micro_batch_size,
-                prefetch_window=cfg.prefetch_window, stash=cfg.stash)
-
-
 def configure(model: nn.Module, config: Config, plan_given: bool = False):
     """The config the engine runs (packing knobs resolved) and the planner's result (None for a
     hand-set plan). Raises :class:`PlanDoesNotFitError` when no plan -- or the hand-set one, when
@@ -101,7 +96,8 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
         c = evaluate(sizes, hardware_for(cfg), pack_size=cfg.pack_size, fwd_micro_batch=cfg.micro_batch_size,
                      bwd_micro_batch=cfg.bwd_micro_batch_size, prefetch_window=cfg.prefetch_window, stash=cfg.stash,
                      gpus=len(cfg.devices), seq=cfg.seq_len, global_batch=cfg.global_batch, precision=cfg.precision,
-                     max_grad_norm=cfg.max_grad_norm, host_grad_buffers=cfg.host_grad_buffers)
+                     max_grad_norm=cfg.max_grad_norm, host_grad_buffers=cfg.host_grad_buffers,
+                     device_optimizer=cfg.device_optimizer or "off")
         if c.gpu_need > gpu:
             raise PlanDoesNotFitError(
                 f"this plan ({c.describe()}) needs {c.gpu_need / GiB:.1f} GiB memory per device for "
@@ -121,13 +117,15 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
     result = plan_for(model.config, hardware_for(config), gpus=len(config.devices), gpu_memory_bytes=gpu,
                       cpu_memory_bytes=host, seq=config.seq_len, global_batch=config.global_batch,
                       precision=config.precision, max_grad_norm=config.max_grad_norm,
-                      host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model))
+                      host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
+                      device_optimizer=config.device_optimizer)
     k = result.best.knobs
     pack = k["pack_size"] if isinstance(k["pack_size"], int) else tuple(k["pack_size"])
     stash = k["stash"] if isinstance(k["stash"], str) else tuple(k["stash"])
     cfg = config.replace(pack_size=pack, micro_batch_size=k["micro_batch_size"],
                          backward_micro_batch_size=k["backward_micro_batch_size"],
-                         prefetch_window=k["prefetch_window"], stash=stash)
+                         prefetch_window=k["prefetch_window"], stash=stash,
+                         device_optimizer=k.get("device_optimizer", "off"))
     return cfg, result
 
 

@@ -54,6 +54,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora-rank", default=None, metavar="R", help="LoRA rank (default: 8)")
     p.add_argument("--lora-targets", default=None, metavar="LIST",
                    help="comma-separated block linear layers to adapt (default: every attention and MLP projection)")
+    p.add_argument("--device-optimizer", default=None, choices=("off", "embed", "head", "both"),
+                   help="keep these resident layers' AdamW state on the GPU (default: searched)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--save-plan", default=None, metavar="FILE",
                    help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
@@ -135,7 +137,8 @@ def run(args: argparse.Namespace) -> int:
 
             raise ConfigError("--lora-rank / --lora-targets need --lora")
         result = plan_for(args.model, args.hardware, gpus=gpus, gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_mem,
-                          seq=seq, global_batch=batch, precision=args.precision, max_grad_norm=clip, lora=lora)
+                          seq=seq, global_batch=batch, precision=args.precision, max_grad_norm=clip, lora=lora,
+                          device_optimizer=args.device_optimizer)
         if args.save_plan:
             try:
                 result.best.plan.save(args.save_plan)

@@ -18,7 +18,8 @@ at the start and an exposed tail at the end::
   backward uploads / h2d, gradient downloads (4 B/param) / d2h, (uploads + downloads) / bidir),
   and the CPU optimizer's work that can overlap it (every layer but pack 0 and the embedding).
 * **tail** -- what cannot overlap: pack 0's and the embedding's AdamW steps after the last
-  backward (plus one gradient chunk's download).
+  backward (plus one gradient chunk's download). With ``device_optimizer`` the embedding / head
+  are stepped on their device instead (no upload, download or host AdamW for them).
 
 Compute counts matmul FLOPs: a block's forward 2 * N_block * T plus causal attention
 2 * S * (heads * head_dim) * T; the recompute repeats the forward, the backward is twice it.
@@ -65,6 +66,10 @@ MULTI_DEVICE_SCALING = 0.36
 #: micro-batch 4 / window 2 / host stash: 2.011 s/step measured, 1.789 s predicted without it);
 #: the other plans measured the same session are predicted within 5 % with it (bench/RESULTS.md).
 PROFILE_IN_PIPELINE = 1.136
+#: Seconds per parameter of AdamW on the device (``Config.device_optimizer``): ~30 bytes of HBM
+#: traffic per parameter (fp32 master, gradient, two moments read; three written; the compute
+#: copy written) at ~2 TB/s achieved. Milliseconds for an embedding -- only its order matters.
+DEVICE_ADAMW_S_PER_PARAM = 1.5e-11
 #: Bytes per parameter moved each way (fp32 master weights up, fp32 gradients down).
 UPLOAD_BYTES = 4
 DOWNLOAD_BYTES = 4
@@ -184,12 +189,17 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
             if q < P:
                 b_up[plan.bwd_device[q]] += stash_bytes
     e, h = plan.embed_device, plan.head_device
-    down[e] += trains[0] * DOWNLOAD_BYTES
-    down[h] += trains[-1] * DOWNLOAD_BYTES
+    # resident layers stepped on their device (device_optimizer): no upload, no download, no host AdamW
+    embed_dev = 0 in plan.device_optimized(e)
+    head_dev = plan.num_blocks + 1 in plan.device_optimized(h)
+    on_device = (trains[0] if embed_dev else 0) + (trains[-1] if head_dev else 0)
+    down[e] += 0 if embed_dev else trains[0] * DOWNLOAD_BYTES
+    down[h] += 0 if head_dev else trains[-1] * DOWNLOAD_BYTES
 
     # fill: resident uploads then the first pack's layers, on the devices that need them first
     first = plan.fwd_device[0]
-    resident_up = layer_up(sizes.embed_numel, trains[0]) + (layer_up(sizes.head_numel, trains[-1]) if h == e else 0)
+    resident_up = (0 if embed_dev else layer_up(sizes.embed_numel, trains[0])) + (
+        layer_up(sizes.head_numel, trains[-1]) if h == e and not head_dev else 0)
     fill = (resident_up if first == e else 0) / h2d + up_bytes(0) / h2d
     if first != e:
         fill = max(fill, resident_up / h2d)
@@ -202,7 +212,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     head = (4.0 if lora else 6.0) * sizes.head_matmul_params * tokens / rhead
 
     pack0 = train(0)
-    overlappable = sizes.train_total - pack0 - trains[0]
+    host_embed = 0 if embed_dev else trains[0]
+    overlappable = sizes.train_total - pack0 - trains[0] - (trains[-1] if head_dev else 0)
     b_terms = {
         "compute": max(b_comp) * slowdown,
         "upload": max(b_up) / h2d,
@@ -211,7 +222,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         "cpu optimizer": overlappable / adamw,
     }
     backward = max(b_terms.values())
-    tail = (pack0 + trains[0]) / adamw + sizes.grad_slot_numel * DOWNLOAD_BYTES / d2h
+    tail = (pack0 + host_embed) / adamw + sizes.grad_slot_numel * DOWNLOAD_BYTES / d2h \
+        + on_device * DEVICE_ADAMW_S_PER_PARAM
 
     step = fill + forward + head + backward + tail
     compute_total = sum(f_comp) + sum(b_comp) + head
@@ -219,6 +231,6 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
         tokens_per_s=tokens / step, compute_s=compute_total,
         upload_s=max(fu + bu for fu, bu in zip(f_up, b_up)) / h2d, download_s=max(down) / d2h,
-        optimizer_s=sizes.train_total / adamw,
+        optimizer_s=(sizes.train_total - on_device) / adamw,
         forward_limit=max(f_terms, key=f_terms.get), backward_limit=max(b_terms, key=b_terms.get),
     )

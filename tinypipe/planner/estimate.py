@@ -95,12 +95,20 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
         "master_weights": 4 * train,
         "optimizer_state": 8 * train,
         "pinned_grad_pool": num_devices * buffer_count(grad, host_grad_buffers) * chunk * 4,
-        "gradient_buffers": 4 * train if retain_grads else 0,
+        # gradients retained for exact clipping: every layer stepped on the host
+        "gradient_buffers": 4 * (train - device_stepped_numel(sizes, plan)) if retain_grads else 0,
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
     }
     if sizes.frozen_total:  # LoRA: the frozen base at compute precision
         cats["frozen_weights"] = sizes.frozen_total * dtype_bytes(precision)
     return cats
+
+
+def device_stepped_numel(sizes: ModelSizes, plan: Plan, index: int | None = None) -> int:
+    """Trainable elements whose AdamW runs on device ``index`` (all devices: None)."""
+    trains = sizes.layer_train_numels
+    devices = range(plan.num_devices) if index is None else [index]
+    return sum(trains[layer if layer == 0 else -1] for d in devices for layer in plan.device_optimized(d))
 
 
 def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, precision: str) -> dict[str, int]:
@@ -119,12 +127,15 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, 
     slots = plan.param_slots() if has_packs else 0
     gslots = plan.grad_slot_count() if has_packs else 0
     staging = min(slot, STAGING_MAX) * 4 if (_is_cuda(device) and precision != "fp32") else 0
-    return {
+    cats = {
         "resident_layers": resident * a,
         "layer_slots": slots * slot * a,
         "gradient_accumulators": gslots * sizes.grad_slot_numel * 4 + resident_grad * 4,
         "staging": staging,
     }
+    if plan.device_optimized(index):  # fp32 master + two AdamW moments of the layers stepped here
+        cats["optimizer_state"] = 12 * device_stepped_numel(sizes, plan, index)
+    return cats
 
 
 def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,

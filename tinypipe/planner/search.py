@@ -65,8 +65,10 @@ class Candidate:
         if not isinstance(stash, str):
             hosts = sum(1 for s in stash if s == "host")
             stash = f"host x{hosts}, device x{len(stash) - hosts}"
+        dopt = k.get("device_optimizer", "off")
         return (f"pack {pack_s}, micro-batch {k['micro_batch_size']}/{k['backward_micro_batch_size']} "
-                f"(fwd/bwd), window {k['prefetch_window']}, stash {stash}")
+                f"(fwd/bwd), window {k['prefetch_window']}, stash {stash}"
+                + ("" if dopt == "off" else f", {dopt} stepped on the GPU"))
 
 
 @dataclass
@@ -182,6 +184,20 @@ def stash_options(num_packs: int) -> list[str | tuple[str, ...]]:
     return out
 
 
+def device_optimizer_options(sizes: ModelSizes) -> tuple[str, ...]:
+    """Resident-layer choices worth comparing: off, the embedding, and (untied) the head or both.
+    Under LoRA a frozen embedding/head has nothing to step."""
+    trains = sizes.layer_train_numels
+    out = ["off"]
+    if trains[0]:
+        out.append("embed")
+    if trains[-1] and not sizes.tied:
+        out.append("head")
+        if trains[0]:
+            out.append("both")
+    return tuple(out)
+
+
 def _useful(options: Sequence[int], all_mbs: Sequence[int], seq: int, plateau: float = REFERENCE_TOKENS) -> list[int]:
     """Micro-batch sizes worth trying: one whose half is also an option and already reaches the
     cost model's efficiency plateau (``plateau`` tokens) is never faster, only larger."""
@@ -205,13 +221,14 @@ def _gpu_need(report: MemoryReport) -> int:
 def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequence[int], fwd_micro_batch: int,
              bwd_micro_batch: int, prefetch_window: int, stash: str | Sequence[str], gpus: int, seq: int,
              global_batch: int, precision: str = "bf16", max_grad_norm: float | None = None,
-             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None) -> Candidate:
+             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None,
+             device_optimizer: str = "off") -> Candidate:
     """Build the plan for these knobs and estimate its memory and time (``peaks``: activation
     peaks already estimated for the same plan with another window)."""
     plan = make_plan(sizes.num_blocks, pack_size=pack_size if isinstance(pack_size, int) else list(pack_size),
                      fwd_micro_batch=fwd_micro_batch, bwd_micro_batch=bwd_micro_batch, num_devices=gpus,
                      prefetch_window=prefetch_window, stash=stash if isinstance(stash, str) else list(stash),
-                     tied=sizes.tied)
+                     tied=sizes.tied, device_optimizer=device_optimizer)
     devices = [f"cuda:{i}" for i in range(gpus)]
     prof = hardware.layer_profile
     act = None
@@ -227,6 +244,7 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequ
         "backward_micro_batch_size": bwd_micro_batch,
         "prefetch_window": prefetch_window,
         "stash": stash if isinstance(stash, str) else list(stash),
+        "device_optimizer": device_optimizer,
     }
     return Candidate(plan, knobs, mem, t, _gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)
 
@@ -249,10 +267,12 @@ def _resolve(config: transformers.PretrainedConfig | str) -> tuple[transformers.
 def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, *, gpus: int,
              gpu_memory_bytes: int | None = None, cpu_memory_bytes: int, seq: int, global_batch: int,
              precision: str = "bf16", max_grad_norm: float | None = None, host_grad_buffers: int | None = None,
-             max_pareto: int = 8, lora: LoraSettings | None = None) -> PlanResult:
+             max_pareto: int = 8, lora: LoraSettings | None = None,
+             device_optimizer: str | None = None) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
+    ``device_optimizer`` fixes that choice (default: searched, see :func:`device_optimizer_options`).
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
@@ -294,6 +314,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     plateau = REFERENCE_TOKENS
     if hw.layer_profile is not None and hw.layer_profile.precision == precision:
         plateau = max(plateau, max(p.tokens for p in hw.layer_profile.points))
+    # which resident layers keep their AdamW on the GPU: a tied head owns only its final norm
+    dopts = device_optimizer_options(sizes) if device_optimizer is None else (device_optimizer,)
     cands: list[Candidate] = []
     fits: list[Candidate] = []
     for pack in pack_options(sizes.num_blocks):
@@ -305,14 +327,15 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                 for f in _useful([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq, plateau):
                     peaks = None
                     for w in windows:
-                        c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=f, bwd_micro_batch=b,
-                                     prefetch_window=w, stash=stash, gpus=gpus, seq=seq, global_batch=global_batch,
-                                     precision=precision, max_grad_norm=max_grad_norm,
-                                     host_grad_buffers=host_grad_buffers, peaks=peaks)
-                        peaks = [c.memory.devices[k]["activations_peak"] for k in c.memory.devices]
-                        cands.append(c)
-                        if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes:
-                            fits.append(c)
+                        for dopt in dopts:
+                            c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=f, bwd_micro_batch=b,
+                                         prefetch_window=w, stash=stash, gpus=gpus, seq=seq,
+                                         global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
+                                         host_grad_buffers=host_grad_buffers, peaks=peaks, device_optimizer=dopt)
+                            peaks = [c.memory.devices[k]["activations_peak"] for k in c.memory.devices]
+                            cands.append(c)
+                            if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes:
+                                fits.append(c)
     if not fits:
         raise PlanDoesNotFitError(_why_not(cands, gpu_mem, cpu_memory_bytes, gpus))
     front = _pareto(fits)

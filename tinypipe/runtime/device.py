@@ -10,6 +10,7 @@ from tinypipe.devices.backend import Backend
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool
 from tinypipe.models.decompose import Shell
+from tinypipe.runtime.device_optimizer import DeviceAdamW
 
 
 @dataclass
@@ -23,6 +24,7 @@ class DeviceRuntime:
     pool: DevicePool
     grad_pool: HostGradPool
     streams: dict[str, object] = field(default_factory=dict)
+    optim: DeviceAdamW | None = None  # AdamW state of resident layers kept on this device
 
     def __post_init__(self) -> None:
         for lane in ("compute", "h2d", "d2h", "stash_in", "stash_out"):

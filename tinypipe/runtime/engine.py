@@ -32,6 +32,7 @@ from tinypipe.planner.auto import configure
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.deferred import DeferredUpdates
 from tinypipe.runtime.device import DeviceRuntime
+from tinypipe.runtime.device_optimizer import DeviceAdamW
 from tinypipe.runtime.inputs import prepare_inputs
 from tinypipe.runtime.optimizer import CpuAdamW
 from tinypipe.runtime.step import StepRunner, StepState, host_times
@@ -114,6 +115,7 @@ class Engine:
             stash=cfg.stash,
             tied=dec.tied,
             grad_slots=cfg.grad_slots,
+            device_optimizer=cfg.device_optimizer or "off",
         )
         if self.plan.num_devices != len(cfg.devices):
             raise ConfigError(f"plan is for {self.plan.num_devices} devices, config lists {len(cfg.devices)}")
@@ -165,6 +167,8 @@ class Engine:
                     grad_numel=grad_numel,
                     resident_grad=resident_grad,
                 )
+                owned = self.plan.device_optimized(i)
+                optim = DeviceAdamW(backend, {layer: self.store.layers[layer] for layer in owned}) if owned else None
             except torch.OutOfMemoryError as exc:
                 raise PlanDoesNotFitError(
                     f"device {cfg.devices[i]}: out of memory for its layer slots and resident layers "
@@ -174,7 +178,7 @@ class Engine:
             shell = Shell(model, dec, backend.device)
             if compile_backend is not None:
                 shell.compile_blocks(compile_backend)
-            self.devices.append(DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool))
+            self.devices.append(DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool, optim=optim))
         self.optimizer = CpuAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay)
         self._retained: dict[int, torch.Tensor] | None = {} if retain else None
         self._schedules: dict[int, Schedule] = {}
@@ -236,7 +240,7 @@ class Engine:
         self._prepare_host_stash(inputs.batch, inputs.seq)
         lr = self.config.lr if lr is None else float(lr)
         updater = StepUpdater(self.store, self.optimizer, lr, self.config.max_grad_norm, self._retained,
-                              speculate=not self._last_clipped)
+                              speculate=not self._last_clipped, device_layers=self._device_layers())
         for d in self.devices:
             d.backend.reset_peak()
             d.grad_pool.reset()
@@ -262,6 +266,7 @@ class Engine:
         # what still has to wait for the global norm runs while the next step starts (its uploads
         # wait per layer); Engine.synchronize() waits for all of it
         self._deferred.start(updater.work, self._workers, self._optimizer_threads)
+        self._step_on_devices(updater, outcome.clip_coef, lr)
         self._last_clipped = outcome.clipped
         self._last_state = state
         self._sample_rss()
@@ -285,25 +290,46 @@ class Engine:
             )
         return result
 
+    def _device_layers(self) -> set[int]:
+        return {layer for d in self.devices if d.optim is not None for layer in d.optim.states}
+
+    def _step_on_devices(self, updater: StepUpdater, coef: float, lr: float) -> None:
+        """AdamW for the layers whose state lives on their device, queued on its compute stream
+        (the next step's kernels there run after it)."""
+        for d in self.devices:
+            if d.optim is None:
+                continue
+            for layer, step in updater.device_steps:
+                if d.optim.owns(layer):
+                    with d.backend.use_stream(d.streams["compute"]):
+                        d.optim.step(layer, self.optimizer, d.pool.grads(layer, None), coef, step, lr,
+                                     d.pool.params(layer, None))
+
     def _traffic(self, sched: Schedule, seq: int) -> Traffic:
         if not any(b.is_cuda for b in self.backends):
             return Traffic(0, 0)
         key = (sched.batch, seq)
         if key not in self._traffic_cache:
             esize = torch.empty((), dtype=self.dtype).element_size()
-            self._traffic_cache[key] = step_traffic(sched, self.store, seq, self.hidden_size, esize, esize)
+            self._traffic_cache[key] = step_traffic(sched, self.store, seq, self.hidden_size, esize, esize,
+                                                    on_device=self._device_layers())
         return self._traffic_cache[key]
 
     # ------------------------------------------------------------------ state
 
     def synchronize(self) -> None:
-        """Wait until the host copy of every weight and optimizer state is final.
+        """Wait until the host copy of every weight and optimizer state is final; from then on it is
+        authoritative again (changes made to it are what the next step trains on).
 
         With clipping, part of a step's optimizer work finishes in the background while the next
         step starts (see :mod:`tinypipe.runtime.deferred`). The engine's own readers (state_dict,
         checkpoints, saving, :func:`tinypipe.train.train`'s return) call this; call it yourself
         before reading ``engine.model``'s parameters directly after :meth:`step`."""
         self._deferred.wait_all()
+        for d in self.devices:
+            if d.optim is not None:
+                d.optim.store()  # layers stepped on their device: copy master and moments back
+                d.optim.invalidate()  # and reload them next step, with any change made on the host
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master weights under the keys of ``model.state_dict()`` (live views); frozen
@@ -330,7 +356,7 @@ class Engine:
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``."""
-        self.synchronize()
+        self.synchronize()  # the next step loads any device-side state from the checkpoint
         self.step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
         self._last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
@@ -386,6 +412,8 @@ class Engine:
         for d in self.devices:
             name = f"{d.index}:{d.name}"
             devices[name] = d.pool.bytes_by_category()
+            if d.optim is not None:
+                devices[name]["optimizer_state"] = d.optim.nbytes
             stats = d.backend.memory_stats()
             if stats:
                 static = sum(devices[name].values())

@@ -85,6 +85,13 @@ class TaskHandlers:
         self.deferred.wait_layer(layer, self.abort)  # the last step's clipped update of this layer
         src = self.store.layers[layer].master
         dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
+        if dev.optim is not None and dev.optim.owns(layer):  # stepped on the device: resident already
+            if not dev.optim.load(layer, dst):
+                return
+            frozen = self.store.layers[layer].frozen
+            if frozen is not None:
+                dst[src.numel() : src.numel() + frozen.numel()].copy_(frozen, non_blocking=True)
+            return
         staging = dev.pool.staging
         n = src.numel()
         frozen = self.store.layers[layer].frozen
@@ -249,11 +256,15 @@ class TaskHandlers:
         n = self._spec(layer).train_numel
         acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)[:n]
         q = self.state.layer_queues[layer]
+        on_device = dev.optim is not None and dev.optim.owns(layer)
         # fp32 norms of in-place chunks, combined in fp64: no full-size copy on the device (an fp64
         # reduction materialised an 8 B/element copy -- 3 GB of a 3B model's peak)
         norms = [torch.linalg.vector_norm(acc[lo : lo + NORM_CHUNK]) for lo in range(0, n, NORM_CHUNK)] or [acc.sum()]
         norm = torch.linalg.vector_norm(torch.stack(norms).double())
         q.put(("norm", norm, dev.backend.record_event(dev.streams["d2h"]), dev))
+        if on_device:  # stepped where it is: only the norm leaves the device
+            q.put(("end", None, None, dev))
+            return
         pool = dev.grad_pool
         for lo in range(0, n, pool.chunk):
             hi = min(n, lo + pool.chunk)
@@ -285,7 +296,7 @@ class TaskHandlers:
         decision = self.updater.decide(layer, norm_sq, loss_finite)
         self.deferred.wait_layer(layer, self.abort)  # done already unless the layer was never uploaded
         state = self.store.layers[layer]
-        keep = self.updater.retain_buffer(layer)
+        keep = self.updater.retain_buffer(layer) if decision != "device" else None
         step_no = state.step + 1
         while True:
             kind, payload, event, src = self._get(q)

@@ -19,7 +19,8 @@ from tinypipe.memory.host_store import LayerState
 
 
 class CpuAdamW:
-    """Hyper-parameters plus chunked step / undo over :class:`LayerState` buffers."""
+    """Hyper-parameters plus chunked step / undo over :class:`LayerState` buffers (host buffers;
+    :class:`~tinypipe.runtime.device_optimizer.DeviceAdamW` steps device copies with it too)."""
 
     def __init__(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
         self.lr = lr
@@ -32,7 +33,7 @@ class CpuAdamW:
         if step == 1:  # moments start at zero; they were left uninitialised at allocation
             state.exp_avg[lo:hi].zero_()
             state.exp_avg_sq[lo:hi].zero_()
-        steps = [torch.tensor(float(step - 1))]
+        steps = [torch.tensor(float(step - 1), device=state.master.device)]  # fused CUDA wants it on the device
         _adamw.adamw(
             [state.master[lo:hi]],
             [grad],

@@ -21,11 +21,14 @@ class Traffic:
 
 
 def step_traffic(sched: Schedule, store: HostStore, seq: int, hidden: int, act_bytes: int,
-                 frozen_bytes: int) -> Traffic:
+                 frozen_bytes: int, on_device: set[int] | frozenset[int] = frozenset()) -> Traffic:
     """Bytes up and down for one step of ``sched`` (``act_bytes`` per activation element,
-    ``frozen_bytes`` per frozen weight element)."""
+    ``frozen_bytes`` per frozen weight element). Layers in ``on_device`` are stepped on their
+    device: after their first upload neither weights nor gradients move."""
     up = down = 0
     for task in sched.tasks.values():
+        if task.layers and task.layers[0] in on_device:
+            continue
         if task.kind in (Kind.UPLOAD, Kind.RESIDENT_UPLOAD):
             spec = store.layers[task.layers[0]].spec
             up += spec.train_numel * 4 + spec.frozen_numel * frozen_bytes

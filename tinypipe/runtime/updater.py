@@ -52,7 +52,10 @@ class StepUpdater:
     deferred: list[int] = field(default_factory=list)
     nonfinite: str | None = None
     speculate: bool = True  # step layers before the global norm is known (False: defer them all)
+    device_layers: set[int] = field(default_factory=set)  # stepped on their device (DeviceAdamW)
     work: list[tuple[int, Callable[[], None]]] = field(default_factory=list)  # set by finalize()
+    device_steps: list[tuple[int, int]] = field(default_factory=list)  # (layer, step number) for the devices
+    _on_device: list[int] = field(default_factory=list)
 
     def decide(self, layer: int, norm_sq: float, loss_finite: bool = True) -> str:
         """'step', 'defer' or 'skip' for ``layer`` given its squared gradient norm."""
@@ -63,6 +66,9 @@ class StepUpdater:
             self.nonfinite = f"gradients of {self.store.layers[layer].spec.name}"
         if self.nonfinite is not None:
             return "skip"
+        if layer in self.device_layers:  # stepped after the step, on the device, once the norm is known
+            self._on_device.append(layer)
+            return "device"
         if self.max_grad_norm is not None:
             partial = math.sqrt(sum(self.norms_sq.values()))
             if not self.speculate or partial + 1e-6 > self.max_grad_norm:
@@ -84,6 +90,7 @@ class StepUpdater:
         :meth:`run_work`. Step counts are final when this returns."""
         total = math.sqrt(sum(self.norms_sq.values())) if self.norms_sq else 0.0
         self.work = []
+        self.device_steps = []
         if self.nonfinite is not None:
             if self.retained is not None:
                 for layer in self.stepped:
@@ -100,6 +107,10 @@ class StepUpdater:
             for layer in self.stepped:
                 step = self.store.layers[layer].step
                 self.work.append((layer, functools.partial(self._redo, layer, coef, step, undo=True)))
+        for layer in self._on_device:
+            state = self.store.layers[layer]
+            state.step += 1
+            self.device_steps.append((layer, state.step))
         for layer in self.deferred:
             state = self.store.layers[layer]
             state.step += 1

@@ -31,7 +31,12 @@ class Plan:
     embed_device: int = 0
     head_device: int = 0
     grad_slots: int | None = None
+    device_optimizer: str = "off"  # off | embed | head | both: resident layers stepped on their device
     extra: dict = field(default_factory=dict, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.device_optimizer not in ("off", "embed", "head", "both"):
+            raise ConfigError(f"plan: device_optimizer must be off, embed, head or both, got {self.device_optimizer!r}")
 
     @property
     def num_packs(self) -> int:
@@ -40,6 +45,15 @@ class Plan:
     @property
     def num_blocks(self) -> int:
         return sum(len(p) for p in self.packs)
+
+    def device_optimized(self, device: int) -> set[int]:
+        """Layers (0: embedding, num_blocks + 1: head) whose AdamW state lives on ``device``."""
+        out = set()
+        if self.device_optimizer in ("embed", "both") and device == self.embed_device:
+            out.add(0)
+        if self.device_optimizer in ("head", "both") and device == self.head_device:
+            out.add(self.num_blocks + 1)
+        return out
 
     def param_slots(self) -> int:
         """Layer slots per device: the largest pack plus the prefetch window."""
@@ -111,6 +125,7 @@ def make_plan(
     stash: str | Sequence[str],
     tied: bool,
     grad_slots: int | None = None,
+    device_optimizer: str = "off",
 ) -> Plan:
     """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes)."""
     packs = split_packs(num_blocks, pack_size)
@@ -137,4 +152,5 @@ def make_plan(
         embed_device=e,
         head_device=h,
         grad_slots=grad_slots,
+        device_optimizer=device_optimizer,
     )
