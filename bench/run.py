@@ -47,6 +47,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--max-grad-norm", type=float, default=None, help="global-norm clipping (default: off)")
     ap.add_argument("--pin", default="register")
+    ap.add_argument("--device-optimizer", default="off", choices=("off", "embed", "head", "both"),
+                    help="resident layers stepped on the GPU (default: off)")
+    ap.add_argument("--auto", action="store_true",
+                    help="let the engine plan (packing knobs, device optimizer) for the workload and --cap-gib")
+    ap.add_argument("--hardware", default=None, help="hardware preset or profile JSON for --auto")
     ap.add_argument("--compile-blocks", default="auto", help="auto | off | a torch.compile backend")
     ap.add_argument("--trace", default=None)
     ap.add_argument("--json", default=None)
@@ -83,17 +88,25 @@ def main(argv: list[str] | None = None) -> int:
         model = build_model(w)
         t_build = time.perf_counter() - t0
         phase(f"model built ({t_build:.1f} s)")
+        knobs = dict(micro_batch_size=a.micro_batch, backward_micro_batch_size=a.bwd_micro_batch,
+                     pack_size=pack[0] if len(pack) == 1 else pack, prefetch_window=a.window, stash=stash,
+                     device_optimizer=a.device_optimizer)
+        if a.auto:  # the engine's own plan for this workload and budget
+            knobs = dict(seq_len=w.seq, global_batch=w.batch, hardware=a.hardware,
+                         gpu_memory_bytes=int(a.cap_gib * 1024**3) if a.cap_gib > 0 else None)
         cfg = tinypipe.Config(
-            devices=devices, micro_batch_size=a.micro_batch, backward_micro_batch_size=a.bwd_micro_batch,
-            pack_size=pack[0] if len(pack) == 1 else pack, prefetch_window=a.window, precision=a.precision,
-            lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, stash=stash, pin_memory=a.pin,
+            devices=devices, precision=a.precision,
+            lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=a.pin,
             max_grad_norm=a.max_grad_norm,
-            trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks,
+            trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks, **knobs,
         )
         t0 = time.perf_counter()
         engine = tinypipe.Engine(model, cfg)
         t_engine = time.perf_counter() - t0
         phase(f"engine ready ({t_engine:.1f} s)")
+        if engine.plan_result is not None:
+            print(f"planner's choice: {engine.plan_result.best.describe()} "
+                  f"(predicted {engine.plan_result.best.time.step_s:.3f} s/step)", flush=True)
         batch = make_batch(w)
         for i in range(a.warmup + a.steps):
             r = engine.step(batch)
@@ -123,6 +136,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_self": rss.peak_self, "peak_rss_children": rss.peak_children, "max_children": rss.max_children,
         "build_s": t_build, "engine_init_s": t_engine, "params": params, **peaks,
         "memory_report": report.as_dict(), "torch": torch.__version__,
+        "plan": engine.plan_result.best.knobs if engine.plan_result is not None else None,
+        "predicted_s": engine.plan_result.best.time.step_s if engine.plan_result is not None else None,
     }
     print(report.to_text())
     bound = None
