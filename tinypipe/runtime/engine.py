@@ -258,6 +258,8 @@ class Engine:
             self._workers.shutdown()  # no lane thread outlives a failed step (a stuck one is abandoned)
             if runner.stuck:
                 self._broken = f"a worker is still stuck in {runner.stuck}"
+            if self._deferred.error is not None:  # the last step's update failed under this one
+                self._broken = "the last step's optimizer update failed"
             if isinstance(exc.__cause__, NonFiniteError):  # check_finite located a NaN/inf
                 raise NonFiniteError(str(exc.__cause__)) from exc
             raise
