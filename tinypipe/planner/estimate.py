@@ -94,7 +94,8 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
     cats = {
         "master_weights": 4 * train,
         "optimizer_state": 8 * train,
-        "pinned_grad_pool": num_devices * buffer_count(grad, host_grad_buffers) * chunk * 4,
+        # retained gradients are downloaded straight into their (pinned) buffers: no pool then
+        "pinned_grad_pool": 0 if retain_grads else num_devices * buffer_count(grad, host_grad_buffers) * chunk * 4,
         # gradients retained for exact clipping: every layer stepped on the host
         "gradient_buffers": 4 * (train - device_stepped_numel(sizes, plan)) if retain_grads else 0,
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),

@@ -16,6 +16,7 @@ host -- first calls :meth:`DeferredUpdates.wait_all` (``Engine.synchronize``).
 from __future__ import annotations
 
 import threading
+import time
 from typing import Callable
 
 import torch
@@ -36,6 +37,7 @@ class DeferredUpdates:
         self._done.set()
         self.error: BaseException | None = None
         self.failed_layer: int | None = None
+        self.timings: list[tuple[int, float, float]] = []  # (layer, start, end), perf_counter seconds
 
     def start(self, work: list[tuple[int, Callable[[], None]]], workers: LaneWorkers,
               threads: int | None = None) -> None:
@@ -45,6 +47,7 @@ class DeferredUpdates:
             return
         self._ready = {layer: threading.Event() for layer, _ in work}
         self._done = threading.Event()
+        self.timings = []
 
         def run() -> None:
             if threads:
@@ -52,7 +55,9 @@ class DeferredUpdates:
             try:
                 for layer, fn in work:
                     self.failed_layer = layer
+                    t0 = time.perf_counter()
                     fn()
+                    self.timings.append((layer, t0, time.perf_counter()))
                     self._ready[layer].set()
                 self.failed_layer = None
             except BaseException as exc:  # noqa: BLE001 - reported to whoever waits next

@@ -30,12 +30,13 @@ from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import configure
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+from tinypipe.runtime.deferred import LANE as DEFERRED_LANE
 from tinypipe.runtime.deferred import DeferredUpdates
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.device_optimizer import DeviceAdamW
 from tinypipe.runtime.inputs import prepare_inputs
 from tinypipe.runtime.optimizer import CpuAdamW
-from tinypipe.runtime.step import StepRunner, StepState, host_times
+from tinypipe.runtime.step import StepRunner, StepState, TaskTiming, host_times
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.updater import StepUpdater
 from tinypipe.runtime.workers import LaneWorkers
@@ -174,7 +175,10 @@ class Engine:
                     f"device {cfg.devices[i]}: out of memory for its layer slots and resident layers "
                     f"({' '.join(str(exc).split())[:160]}); lower pack_size or the micro-batch, use more devices, "
                     "or run `tinypipe plan` to see what fits") from exc
-            gpool = HostGradPool(buffer_count(max(1, grad_numel), cfg.host_grad_buffers), grad_chunk, self.pinner)
+            # retained gradients (clipping, non-finite skip) are downloaded straight into their
+            # page-locked host buffers: the staging pool would be an extra 4 B/param copy per step
+            pool_buffers = 0 if retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
+            gpool = HostGradPool(pool_buffers, grad_chunk, self.pinner)
             shell = Shell(model, dec, backend.device)
             if compile_backend is not None:
                 shell.compile_blocks(compile_backend)
@@ -240,7 +244,8 @@ class Engine:
         self._prepare_host_stash(inputs.batch, inputs.seq)
         lr = self.config.lr if lr is None else float(lr)
         updater = StepUpdater(self.store, self.optimizer, lr, self.config.max_grad_norm, self._retained,
-                              speculate=not self._last_clipped, device_layers=self._device_layers())
+                              speculate=not self._last_clipped, device_layers=self._device_layers(),
+                              pin=self.pinner.pin)
         for d in self.devices:
             d.backend.reset_peak()
             d.grad_pool.reset()
@@ -264,6 +269,8 @@ class Engine:
                 raise NonFiniteError(str(exc.__cause__)) from exc
             raise
         self._deferred.wait_all()  # every layer was uploaded, so the last step's leftovers are done
+        state.timings[:0] = [TaskTiming(DEFERRED_LANE, f"upd/L{layer} (last step's, clipped)", t0, t1)
+                             for layer, t0, t1 in self._deferred.timings]  # in this step's timeline
         outcome = updater.finalize()
         # what still has to wait for the global norm runs while the next step starts (its uploads
         # wait per layer); Engine.synchronize() waits for all of it

@@ -257,6 +257,9 @@ class TaskHandlers:
         acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)[:n]
         q = self.state.layer_queues[layer]
         on_device = dev.optim is not None and dev.optim.owns(layer)
+        # the retained buffer (clipping / skip) is created here, before the norm tells the update
+        # task to look for it: created by both lanes at once, the chunks would land in the other one
+        keep = None if on_device else self.updater.retain_buffer(layer)
         # fp32 norms of in-place chunks, combined in fp64: no full-size copy on the device (an fp64
         # reduction materialised an 8 B/element copy -- 3 GB of a 3B model's peak)
         norms = [torch.linalg.vector_norm(acc[lo : lo + NORM_CHUNK]) for lo in range(0, n, NORM_CHUNK)] or [acc.sum()]
@@ -268,8 +271,12 @@ class TaskHandlers:
         pool = dev.grad_pool
         for lo in range(0, n, pool.chunk):
             hi = min(n, lo + pool.chunk)
-            buf = pool.acquire(self.abort)
-            buf[: hi - lo].copy_(acc[lo:hi], non_blocking=True)
+            if keep is not None:
+                keep[lo:hi].copy_(acc[lo:hi], non_blocking=True)
+                buf = None
+            else:
+                buf = pool.acquire(self.abort)
+                buf[: hi - lo].copy_(acc[lo:hi], non_blocking=True)
             q.put(("chunk", (lo, hi, buf), dev.backend.record_event(dev.streams["d2h"]), dev))
         q.put(("end", None, None, dev))
 
@@ -296,7 +303,7 @@ class TaskHandlers:
         decision = self.updater.decide(layer, norm_sq, loss_finite)
         self.deferred.wait_layer(layer, self.abort)  # done already unless the layer was never uploaded
         state = self.store.layers[layer]
-        keep = self.updater.retain_buffer(layer) if decision != "device" else None
+        keep = self.updater.retain_buffer(layer) if decision != "device" else None  # holds the chunks already
         step_no = state.step + 1
         while True:
             kind, payload, event, src = self._get(q)
@@ -304,11 +311,10 @@ class TaskHandlers:
                 break
             lo, hi, buf = payload
             src.backend.sync_event(event)
-            grad = buf[: hi - lo]
-            if keep is not None:
-                keep[lo:hi].copy_(grad)
+            grad = keep[lo:hi] if buf is None else buf[: hi - lo]
             if decision == "step":
                 self.updater.optimizer.step(state, lo, hi, grad, step_no, self.updater.lr)
-            src.grad_pool.release(buf)
+            if buf is not None:
+                src.grad_pool.release(buf)
         if decision == "step":
             state.step = step_no

@@ -187,7 +187,7 @@ class StepRunner(StashIO, TaskHandlers):
         for q in self.state.layer_queues.values():
             while not q.empty():
                 kind, payload, _, src = q.get_nowait()
-                if kind == "chunk":
+                if kind == "chunk" and payload[2] is not None:  # None: downloaded into a retained buffer
                     src.grad_pool.release(payload[2])
 
     def _waiting(self) -> str:

@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from tinypipe.memory.host_buffers import aligned_empty
+from tinypipe.memory.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.optimizer import CpuAdamW
 
@@ -53,6 +53,7 @@ class StepUpdater:
     nonfinite: str | None = None
     speculate: bool = True  # step layers before the global norm is known (False: defer them all)
     device_layers: set[int] = field(default_factory=set)  # stepped on their device (DeviceAdamW)
+    pin: Callable[[torch.Tensor], None] | None = None  # page-locks new retained buffers (DMA target)
     work: list[tuple[int, Callable[[], None]]] = field(default_factory=list)  # set by finalize()
     device_steps: list[tuple[int, int]] = field(default_factory=list)  # (layer, step number) for the devices
     _on_device: list[int] = field(default_factory=list)
@@ -78,10 +79,14 @@ class StepUpdater:
         return "step"
 
     def retain_buffer(self, layer: int) -> torch.Tensor | None:
-        if self.retained is None:
+        n = self.store.layers[layer].spec.train_numel
+        if self.retained is None or n == 0:  # nothing to retain for a frozen layer (LoRA)
             return None
         if layer not in self.retained:
-            self.retained[layer] = aligned_empty(self.store.layers[layer].spec.train_numel, torch.float32)
+            buf = aligned_empty(n, torch.float32)
+            if self.pin is not None:
+                self.pin(registrable(buf))  # gradients are downloaded straight into it
+            self.retained[layer] = buf
         return self.retained[layer]
 
     def finalize(self) -> UpdateOutcome:
@@ -125,14 +130,15 @@ class StepUpdater:
         self.work = []
 
     def _chunks(self, layer: int) -> list[tuple[int, int]]:
+        """Optimizer chunks of ``layer`` (none for a frozen layer, which retains no gradient)."""
         n = self.store.layers[layer].spec.train_numel
         return [(lo, min(n, lo + REDO_CHUNK)) for lo in range(0, n, REDO_CHUNK)]
 
     def _undo(self, layer: int, step: int) -> None:
         """Roll back speculative step ``step`` of ``layer`` (a skipped, non-finite step)."""
         state = self.store.layers[layer]
-        grad = self.retained[layer]  # type: ignore[index]
         for lo, hi in self._chunks(layer):
+            grad = self.retained[layer]  # type: ignore[index]
             self.optimizer.undo(state, lo, hi, grad[lo:hi], step, self.lr)
 
     def _redo(self, layer: int, coef: float, step: int, undo: bool) -> None:
@@ -142,9 +148,8 @@ class StepUpdater:
         gradient is scaled in place (it is rewritten by the next step anyway) -- a temporary per
         chunk cost a page-faulting allocation each time."""
         state = self.store.layers[layer]
-        grad = self.retained[layer]  # type: ignore[index]
         for lo, hi in self._chunks(layer):
-            g = grad[lo:hi]
+            g = self.retained[layer][lo:hi]  # type: ignore[index]
             if undo:
                 self.optimizer.undo(state, lo, hi, g, step, self.lr)
             if coef != 1.0:
