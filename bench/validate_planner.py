@@ -119,7 +119,8 @@ def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, ste
     cfg = tinypipe.Config(devices=devices, precision=precision, lr=1e-5, max_grad_norm=None,
                           pack_size=k["pack_size"], micro_batch_size=k["micro_batch_size"],
                           backward_micro_batch_size=k["backward_micro_batch_size"],
-                          prefetch_window=k["prefetch_window"], stash=k["stash"])
+                          prefetch_window=k["prefetch_window"], stash=k["stash"],
+                          device_optimizer=k.get("device_optimizer", "off"))
     out: dict = {"knobs": k, "describe": cand.describe()}
     engine = None
     try:

@@ -102,7 +102,7 @@ class StepUpdater:
                     state = self.store.layers[layer]
                     self.work.append((layer, functools.partial(self._undo, layer, state.step)))
                     state.step -= 1
-            self.work.sort(key=lambda item: item[0])
+            self.work.sort(key=lambda item: self._upload_rank(item[0]))
             return UpdateOutcome(total, False, True, self.nonfinite)
         coef = 1.0
         if self.max_grad_norm is not None:
@@ -120,8 +120,16 @@ class StepUpdater:
             state = self.store.layers[layer]
             state.step += 1
             self.work.append((layer, functools.partial(self._redo, layer, coef, state.step, undo=False)))
-        self.work.sort(key=lambda item: item[0])  # forward order: the next step uploads layer 0 first
+        self.work.sort(key=lambda item: self._upload_rank(item[0]))
         return UpdateOutcome(total, clipped, False, None, coef)
+
+    def _upload_rank(self, layer: int) -> int:
+        """Position of ``layer`` in the next step's uploads: the embedding and head (both resident,
+        uploaded first), then the blocks in forward order. A device's uploads run one after the
+        other, so work sorted by block alone (head last) held every block upload behind the head's
+        (measured on an H200: the forward started only after the whole 1.17 s pass)."""
+        head = len(self.store.layers) - 1
+        return 0 if layer == 0 else 1 if layer == head else layer + 1
 
     def run_work(self) -> None:
         """Apply :attr:`work` now, in this thread."""
