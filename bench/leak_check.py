@@ -49,6 +49,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stash", default="host")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: off")
+    ap.add_argument("--device-optimizer", default="off", choices=("off", "embed", "head", "both"))
     ap.add_argument("--cap-gib", type=float, default=24.0, help="per-process GPU memory cap (GiB); 0 = none")
     ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
     ap.add_argument("--max-rss-slope-mib", type=float, default=1.0, help="host RSS bound, MiB per step")
@@ -85,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     model = build_model(w)
     engine = tinypipe.Engine(model, tinypipe.Config(
         devices=devices, micro_batch_size=a.micro_batch, pack_size=a.pack_size, prefetch_window=a.window, stash=a.stash,
-        precision=a.precision, lr=1e-5, max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None))
+        precision=a.precision, lr=1e-5, max_grad_norm=a.max_grad_norm if a.max_grad_norm > 0 else None,
+        device_optimizer=a.device_optimizer))
     print(f"{w.name}: {engine.store.param_count / 1e9:.2f} B params, {w.batch} x {w.seq} tokens/step, "
           f"devices {devices}, ready in {time.perf_counter() - t0:.1f} s", flush=True)
     batches = [make_batch(w, seed=i) for i in range(a.batches)]
