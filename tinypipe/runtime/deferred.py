@@ -87,6 +87,10 @@ class DeferredUpdates:
         self._done.wait()
         self._raise()
 
+    def wait_quietly(self) -> None:
+        """Block until the work has stopped, failed or not (for shutdown)."""
+        self._done.wait()
+
     def _raise(self) -> None:
         if self.error is not None:
             raise WorkerError(f"deferred optimizer update of layer {self.failed_layer} failed: "

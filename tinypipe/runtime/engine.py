@@ -84,6 +84,12 @@ def _prefer_expandable_segments() -> None:
         pass
 
 
+def _stop(deferred: DeferredUpdates, workers: LaneWorkers) -> None:
+    """Finish background optimizer work, then stop the lane threads (engine finalizer)."""
+    deferred.wait_quietly()
+    workers.shutdown(0.0)
+
+
 class Engine:
     """Trains ``model`` (a Hugging Face causal LM) with Tiny-Pipe's layer-wise swapping.
 
@@ -198,7 +204,10 @@ class Engine:
         self._prefetch_pool: dict = {}
         self._workers = LaneWorkers()  # one persistent thread per lane, reused by every step
         self._deferred = DeferredUpdates()  # the last step's leftover optimizer work (clipping)
-        weakref.finalize(self, self._workers.shutdown, 0.0)
+        # an engine dropped (or alive at interpreter exit) with a background update still running:
+        # finish it first -- torch kernels running in a thread while the interpreter tears down
+        # abort the process ("terminate called without an active exception")
+        weakref.finalize(self, _stop, self._deferred, self._workers)
         cores = os.cpu_count() or 1
         # leave cores for the lanes that feed the GPUs; an OpenMP team sharing a core with a busy
         # lane runs at the straggler's pace
