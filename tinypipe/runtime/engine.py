@@ -252,8 +252,12 @@ class Engine:
         sched = self.schedule_for(inputs.batch)
         self._prepare_host_stash(inputs.batch, inputs.seq)
         lr = self.config.lr if lr is None else float(lr)
+        # speculative layer steps are undone algebraically when the step turns out clipped (exact
+        # enough: redone at once) or non-finite -- where "skip" promises the state bit for bit, so
+        # under "skip" nothing is stepped before the whole backward has been checked
+        speculate = not self._last_clipped and self.config.nonfinite != "skip"
         updater = StepUpdater(self.store, self.optimizer, lr, self.config.max_grad_norm, self._retained,
-                              speculate=not self._last_clipped, device_layers=self._device_layers(),
+                              speculate=speculate, device_layers=self._device_layers(),
                               pin=self.pinner.pin)
         for d in self.devices:
             d.backend.reset_peak()

@@ -10,7 +10,12 @@ case -- nothing is redone and all optimizer work overlapped the backward pass.
 
 A rollback costs more than deferring (undo + redo vs one step), so speculation follows the last
 step: after a clipped step the next one defers every layer to the end (one optimizer pass after
-the backward instead of two); after an unclipped step it speculates again.
+the backward instead of two); after an unclipped step it speculates again. Under
+``nonfinite="skip"`` nothing is speculated: undoing a step is exact only to float rounding, and a
+skipped step must leave the state bit-identical.
+
+Leftover work (deferred layers, redone ones) is returned by :meth:`StepUpdater.finalize` in
+``work`` and runs while the next step starts (:mod:`tinypipe.runtime.deferred`).
 """
 
 from __future__ import annotations
@@ -70,11 +75,10 @@ class StepUpdater:
         if layer in self.device_layers:  # stepped after the step, on the device, once the norm is known
             self._on_device.append(layer)
             return "device"
-        if self.max_grad_norm is not None:
-            partial = math.sqrt(sum(self.norms_sq.values()))
-            if not self.speculate or partial + 1e-6 > self.max_grad_norm:
-                self.deferred.append(layer)
-                return "defer"
+        over = self.max_grad_norm is not None and math.sqrt(sum(self.norms_sq.values())) + 1e-6 > self.max_grad_norm
+        if not self.speculate or over:
+            self.deferred.append(layer)
+            return "defer"
         self.stepped.append(layer)
         return "step"
 
