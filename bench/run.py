@@ -49,6 +49,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--pin", default="register")
     ap.add_argument("--device-optimizer", default="off", choices=("off", "embed", "head", "both"),
                     help="resident layers stepped on the GPU (default: off)")
+    ap.add_argument("--resident-packs", type=int, default=0, help="first N packs resident on the GPU")
     ap.add_argument("--auto", action="store_true",
                     help="let the engine plan (packing knobs, device optimizer) for the workload and --cap-gib")
     ap.add_argument("--hardware", default=None, help="hardware preset or profile JSON for --auto")
@@ -90,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
         phase(f"model built ({t_build:.1f} s)")
         knobs = dict(micro_batch_size=a.micro_batch, backward_micro_batch_size=a.bwd_micro_batch,
                      pack_size=pack[0] if len(pack) == 1 else pack, prefetch_window=a.window, stash=stash,
-                     device_optimizer=a.device_optimizer)
+                     device_optimizer=a.device_optimizer, resident_packs=a.resident_packs)
         if a.auto:  # the engine's own plan for this workload and budget
             knobs = dict(seq_len=w.seq, global_batch=w.batch, hardware=a.hardware,
                          gpu_memory_bytes=int(a.cap_gib * 1024**3) if a.cap_gib > 0 else None)

@@ -108,3 +108,56 @@ def test_nonfinite_skip_leaves_device_layers_unchanged() -> None:
     for k, v in eng.optimizer_state().items():
         if k in ("embed", "head"):
             assert torch.equal(moments[k][0], v["exp_avg"]) and moments[k][1] == v["step"], k
+
+
+# ------------------------------------------------------------------ resident packs (blocks kept on the device)
+
+@pytest.mark.parametrize("family,tied", [("llama", False), ("gpt2", True), ("qwen2", True)])
+@pytest.mark.parametrize("cfg", [
+    dict(pack_size=1, micro_batch_size=2, resident_packs=1),
+    dict(pack_size=[2, 1, 1], micro_batch_size=2, backward_micro_batch_size=3, resident_packs=2,
+         max_grad_norm=0.5, device_optimizer="embed", stash="host"),
+    dict(pack_size=2, micro_batch_size=5, resident_packs=2, max_grad_norm=0.5),  # every block resident
+], ids=["first_layer", "two_packs_clip_host_stash", "all_resident"])
+def test_resident_packs_match_pytorch(family: str, tied: bool, cfg: dict) -> None:
+    engine = _run(family, dict(devices=["cpu"], **cfg), tied=tied)
+    layers = engine.store.layers
+    resident = engine.plan.resident_layers()
+    assert resident and all(not task.kind.name == "UPLOAD" or task.layers[0] not in resident
+                            for task in engine.schedule_for(5).tasks.values())
+    dev = engine.memory_report().devices["0:cpu"]
+    stepped_here = resident + ([0] if cfg.get("device_optimizer") == "embed" else [])
+    assert dev["optimizer_state"] == sum(12 * layers[i].spec.train_numel for i in stepped_here)
+    engine.close()
+
+
+def test_resident_packs_on_several_devices() -> None:
+    # round-robin placement runs pack q's forward on device (1 + q) % n and its backward on
+    # (1 + 2P - q) % n: one device when 2(P - q) is a multiple of n. 3 devices, 4 packs: pack 0
+    # is split and cannot stay resident; 3 devices, 3 packs: pack 0 can
+    from tinypipe.schedule.plan import make_plan
+
+    with pytest.raises(tinypipe.ConfigError, match="resident pack 0"):
+        make_plan(4, pack_size=1, fwd_micro_batch=1, bwd_micro_batch=1, num_devices=3, prefetch_window=1,
+                  stash="device", tied=False, resident_packs=1)
+    _run("llama", dict(devices=["cpu"] * 3, pack_size=[1, 2, 1], micro_batch_size=2, resident_packs=1),
+         layers=4, tied=False).close()
+
+
+def test_resident_packs_resume_from_checkpoint(tmp_path) -> None:
+    cfg = tinypipe.Config(devices=["cpu"], pack_size=1, micro_batch_size=2, lr=LR, max_grad_norm=0.5,
+                          resident_packs=2)
+    batches = [make_batch(4, 10, seed=i) for i in range(4)]
+    a = tinypipe.Engine(make_model("llama"), cfg)
+    for b in batches:
+        a.step(b)
+    b_eng = tinypipe.Engine(make_model("llama"), cfg)
+    for b in batches[:2]:
+        b_eng.step(b)
+    b_eng.save_checkpoint(tmp_path / "ck")
+    b_eng.step(make_batch(4, 10, seed=99))
+    b_eng.load_checkpoint(tmp_path / "ck")
+    for b in batches[2:]:
+        b_eng.step(b)
+    sa, sb = a.state_dict(), b_eng.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -113,6 +113,8 @@ ENGINE_CASES = {
     "embed_on_device_clip": dict(devices=["cpu"], pack_size=2, device_optimizer="embed", max_grad_norm=1.0),
     "n2_both_on_device_clip": dict(devices=["cpu", "cpu"], pack_size=1, stash="host", device_optimizer="both",
                                    max_grad_norm=1.0),
+    "resident_packs_clip": dict(devices=["cpu"], pack_size=[1, 2, 1], resident_packs=2, device_optimizer="embed",
+                                stash="host", precision="bf16", max_grad_norm=1.0),
 }
 
 
@@ -271,8 +273,21 @@ def test_too_little_gpu_memory_names_the_need() -> None:
                  seq=2048, global_batch=8)
 
 
+def test_spare_gpu_memory_goes_to_resident_packs() -> None:
+    """A small model, a small batch and a roomy GPU: the link and the host AdamW dominate, so the
+    planner keeps packs resident (and stepped) on the GPU; with a tight GPU it cannot."""
+    kw = dict(gpus=1, cpu_memory_bytes=64 * GIB, seq=512, global_batch=4)
+    roomy = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, **kw)
+    assert roomy.best.knobs["resident_packs"] == roomy.best.plan.num_packs  # the whole model stays
+    assert roomy.best.memory.host["gradient_buffers"] == 0
+    tight = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=6 * GIB, **kw)
+    assert tight.best.knobs["resident_packs"] < tight.best.plan.num_packs
+    off = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, resident_packs=0, **kw)
+    assert off.best.time.step_s > roomy.best.time.step_s
+
+
 def test_clipping_retains_gradients_on_the_host() -> None:
-    kw = dict(gpus=1, cpu_memory_bytes=1024 * GIB, seq=1024, global_batch=4)
+    kw = dict(gpus=1, cpu_memory_bytes=1024 * GIB, seq=1024, global_batch=4, resident_packs=0)
     plain = plan_for("llama-3.2-1b", "l40s", **kw)
     clip = plan_for("llama-3.2-1b", "l40s", max_grad_norm=1.0, device_optimizer="off", **kw)
     assert clip.best.memory.host["gradient_buffers"] == 4 * plain.sizes.total_numel

@@ -18,7 +18,7 @@ NonFinitePolicy = Literal["raise", "skip"]
 PLAN_KNOBS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash")
 #: What unset knobs mean when at least one is set (tinypipe's defaults before automatic planning).
 MANUAL_DEFAULTS = {"pack_size": 1, "micro_batch_size": 1, "prefetch_window": 1, "stash": "device",
-                   "device_optimizer": "off"}
+                   "device_optimizer": "off", "resident_packs": 0}
 #: Which resident layers keep their AdamW state on their device (``Config.device_optimizer``).
 DEVICE_OPTIMIZER_CHOICES = ("off", "embed", "head", "both")
 
@@ -36,8 +36,8 @@ class Config:
     chooses them with the planner (:func:`tinypipe.planner.plan_for`) for the model, the devices
     and the budgets below, and refuses to start (:class:`PlanDoesNotFitError`, one line) when no
     plan fits. Set any of them and the plan is yours: unset ones take 1, the forward size, 1 and
-    ``"device"``, as before. ``device_optimizer`` unset: the planner's choice when it plans,
-    else ``"off"``; set, the planner keeps it.
+    ``"device"``, as before. ``device_optimizer`` / ``resident_packs`` unset: the planner's
+    choice when it plans, else ``"off"`` / 0; set, the planner keeps them.
 
     * ``pack_size`` -- decoder blocks per pack: an int for uniform packs or a list of sizes
       (uneven packs, summing to the block count). Bigger packs: fewer pipeline bubbles and
@@ -54,6 +54,11 @@ class Config:
       AdamW moments of the embedding and/or head on their device (12 bytes per parameter of
       device memory) and step them there: their weights and gradients stop crossing the link,
       and the embedding's update no longer trails the backward on the host. ``"off"``: host AdamW.
+    * ``resident_packs`` -- the first N packs stay on their device for the whole run (loaded
+      once, never swapped) with their AdamW state there (2 + 4 + 12 bytes per parameter of device
+      memory): no upload, download or host AdamW for them -- host AdamW throughput and the
+      link are what the rest of the model shares. The first packs' updates are also the last
+      the backward produces. Needs each of those packs' forward and backward on one device.
     * ``head_chunk_tokens`` -- tokens per chunk of the fused head (None: chosen from the vocabulary
       so one chunk's logits stay near 512 MiB). Logits for a whole batch are never materialised.
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
@@ -97,6 +102,7 @@ class Config:
     max_grad_norm: float | None = None
     stash: StashPlace | Sequence[StashPlace] | None = None
     device_optimizer: str | None = None
+    resident_packs: int | None = None
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
     grad_slots: int | None = None
@@ -152,7 +158,7 @@ class Config:
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
         optional = ("micro_batch_size", "prefetch_window", "backward_micro_batch_size", "grad_slots",
                     "host_grad_buffers", "head_chunk_tokens", "optimizer_threads", "seq_len", "global_batch",
-                    "gpu_memory_bytes", "cpu_memory_bytes")
+                    "gpu_memory_bytes", "cpu_memory_bytes", "resident_packs")
         for name in optional:
             value = getattr(self, name)
             if value is None and name in optional:
@@ -169,6 +175,8 @@ class Config:
             value = getattr(self, name)
             if value is not None and value < (2 if name == "seq_len" else 1):
                 raise ConfigError(f"{name} must be >= {2 if name == 'seq_len' else 1}, got {value}")
+        if self.resident_packs is not None and self.resident_packs < 0:
+            raise ConfigError(f"resident_packs must be >= 0, got {self.resident_packs}")
         if self.micro_batch_size is not None and self.micro_batch_size < 1:
             raise ConfigError(f"micro_batch_size must be >= 1, got {self.micro_batch_size}")
         if self.backward_micro_batch_size is not None and self.backward_micro_batch_size < 1:

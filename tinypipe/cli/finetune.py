@@ -48,6 +48,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         weight_decay=s["weight_decay"],
         max_grad_norm=s["max_grad_norm"],
         device_optimizer=s["device_optimizer"],
+        resident_packs=s["resident_packs"],
         gpu_memory_bytes=s["gpu_memory"],
         cpu_memory_bytes=s["cpu_memory"],
     )
@@ -127,7 +128,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({precision}), lr {s['lr']:g} "
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps), pack size {config.pack_size}, "
              f"micro-batch {config.micro_batch_size}"
-             + (f", {config.device_optimizer} stepped on the GPU" if config.device_optimizer not in (None, "off") else ""))
+             + (f", {config.device_optimizer} stepped on the GPU" if config.device_optimizer not in (None, "off") else "")
+             + (f", {config.resident_packs} packs resident" if config.resident_packs else ""))
         metrics = out / "metrics.jsonl"
         ckpt_dir = out / "checkpoint"
         start = 0

@@ -137,6 +137,7 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("weight-decay", _float, 0.0, "AdamW weight decay (default: 0)", "X"),
     Option("device-optimizer", _str, None, "keep the embedding's / head's AdamW state on the GPU and step it there: 12 bytes/parameter of GPU memory, less link traffic and no host AdamW tail (default: the planner's choice on CUDA, off on cpu)", None,
            ("off", "embed", "head", "both")),
+    Option("resident-packs", _int, None, "keep the first N packs on the GPU for the whole run, stepped there: 18 bytes/parameter of GPU memory (bf16), no swapping or host AdamW for them (default: the planner's choice on CUDA, 0 on cpu)", "N"),
     Option("max-grad-norm", _optional_float, None, "clip the global gradient norm to this (default: off; costs one fp32 gradient copy in host memory)", "X"),
     Option("seed", _int, 0, "seed for the data order (default: 0)", "N"),
     Option("devices", _devices, None, "comma-separated devices, e.g. cuda:0,cuda:1 (default: cuda:0 if available, else cpu)", "LIST"),

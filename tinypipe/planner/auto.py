@@ -97,7 +97,7 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
                      bwd_micro_batch=cfg.bwd_micro_batch_size, prefetch_window=cfg.prefetch_window, stash=cfg.stash,
                      gpus=len(cfg.devices), seq=cfg.seq_len, global_batch=cfg.global_batch, precision=cfg.precision,
                      max_grad_norm=cfg.max_grad_norm, host_grad_buffers=cfg.host_grad_buffers,
-                     device_optimizer=cfg.device_optimizer or "off")
+                     device_optimizer=cfg.device_optimizer or "off", resident_packs=cfg.resident_packs or 0)
         if c.gpu_need > gpu:
             raise PlanDoesNotFitError(
                 f"this plan ({c.describe()}) needs {c.gpu_need / GiB:.1f} GiB memory per device for "
@@ -118,14 +118,14 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
                       cpu_memory_bytes=host, seq=config.seq_len, global_batch=config.global_batch,
                       precision=config.precision, max_grad_norm=config.max_grad_norm,
                       host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
-                      device_optimizer=config.device_optimizer)
+                      device_optimizer=config.device_optimizer, resident_packs=config.resident_packs)
     k = result.best.knobs
     pack = k["pack_size"] if isinstance(k["pack_size"], int) else tuple(k["pack_size"])
     stash = k["stash"] if isinstance(k["stash"], str) else tuple(k["stash"])
     cfg = config.replace(pack_size=pack, micro_batch_size=k["micro_batch_size"],
                          backward_micro_batch_size=k["backward_micro_batch_size"],
                          prefetch_window=k["prefetch_window"], stash=stash,
-                         device_optimizer=k.get("device_optimizer", "off"))
+                         device_optimizer=k.get("device_optimizer", "off"), resident_packs=k.get("resident_packs", 0))
     return cfg, result
 
 

@@ -56,9 +56,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated block linear layers to adapt (default: every attention and MLP projection)")
     p.add_argument("--device-optimizer", default=None, choices=("off", "embed", "head", "both"),
                    help="keep these resident layers' AdamW state on the GPU (default: searched)")
+    p.add_argument("--resident-packs", default=None, metavar="N",
+                   help="keep the first N packs resident on the GPU, stepped there (default: searched)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--save-plan", default=None, metavar="FILE",
                    help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
+
+
+def _nonnegative_int(name: str, text: Any) -> int:
+    from tinypipe.errors import ConfigError
+
+    try:
+        value = int(str(text).strip())
+    except ValueError:
+        raise ConfigError(f"{name} must be a whole number, got {text!r}") from None
+    if value < 0:
+        raise ConfigError(f"{name} must be >= 0, got {value}")
+    return value
 
 
 def _positive_int(name: str, text: Any) -> int:
@@ -138,7 +152,9 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--lora-rank / --lora-targets need --lora")
         result = plan_for(args.model, args.hardware, gpus=gpus, gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_mem,
                           seq=seq, global_batch=batch, precision=args.precision, max_grad_norm=clip, lora=lora,
-                          device_optimizer=args.device_optimizer)
+                          device_optimizer=args.device_optimizer,
+                          resident_packs=None if args.resident_packs is None else _nonnegative_int(
+                              "--resident-packs", args.resident_packs))
         if args.save_plan:
             try:
                 result.best.plan.save(args.save_plan)

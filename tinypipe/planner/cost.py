@@ -168,12 +168,17 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         extra = len(plan.packs[q]) - W
         return extra * stats[q][1] * (up_bytes(q) / max(1, numel(q))) / h2d if extra > 0 else 0.0
 
+    R = plan.resident_packs  # packs that never move: no uploads, downloads or host AdamW
     f_comp, b_comp = [0.0] * n, [0.0] * n
     f_up, b_up, down = [0.0] * n, [0.0] * n, [0.0] * n
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
-        f_comp[df] += fwd_flops[q] / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 else 0.0)
-        b_comp[db] += fwd_flops[q] / rrc + bwd_mult * fwd_flops[q] / rbw + PACK_OVERHEAD_S + (exposed(q) if q < P - 1 or not carry else 0.0)
+        res = q < R
+        f_comp[df] += fwd_flops[q] / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 and not res else 0.0)
+        b_comp[db] += fwd_flops[q] / rrc + bwd_mult * fwd_flops[q] / rbw + PACK_OVERHEAD_S + (
+            exposed(q) if (q < P - 1 or not carry) and not res else 0.0)
+        if res:
+            continue
         f_up[df] += up_bytes(q)
         if not (carry and q == P - 1):
             b_up[db] += up_bytes(q)
@@ -192,7 +197,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     # resident layers stepped on their device (device_optimizer): no upload, no download, no host AdamW
     embed_dev = 0 in plan.device_optimized(e)
     head_dev = plan.num_blocks + 1 in plan.device_optimized(h)
-    on_device = (trains[0] if embed_dev else 0) + (trains[-1] if head_dev else 0)
+    resident_train = sum(train(q) for q in range(R))
+    on_device = (trains[0] if embed_dev else 0) + (trains[-1] if head_dev else 0) + resident_train
     down[e] += 0 if embed_dev else trains[0] * DOWNLOAD_BYTES
     down[h] += 0 if head_dev else trains[-1] * DOWNLOAD_BYTES
 
@@ -200,7 +206,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     first = plan.fwd_device[0]
     resident_up = (0 if embed_dev else layer_up(sizes.embed_numel, trains[0])) + (
         layer_up(sizes.head_numel, trains[-1]) if h == e and not head_dev else 0)
-    fill = (resident_up if first == e else 0) / h2d + up_bytes(0) / h2d
+    fill = (resident_up if first == e else 0) / h2d + (0 if R else up_bytes(0)) / h2d
     if first != e:
         fill = max(fill, resident_up / h2d)
 
@@ -211,9 +217,10 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     forward = max(f_terms.values())
     head = (4.0 if lora else 6.0) * sizes.head_matmul_params * tokens / rhead
 
-    pack0 = train(0)
+    # the host AdamW steps of the lowest host-stepped pack (and a host embedding) trail the backward
+    pack0 = train(R) if R < P else 0
     host_embed = 0 if embed_dev else trains[0]
-    overlappable = sizes.train_total - pack0 - trains[0] - (trains[-1] if head_dev else 0)
+    overlappable = sizes.train_total - pack0 - trains[0] - (trains[-1] if head_dev else 0) - resident_train
     b_terms = {
         "compute": max(b_comp) * slowdown,
         "upload": max(b_up) / h2d,

@@ -107,9 +107,9 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
 
 def device_stepped_numel(sizes: ModelSizes, plan: Plan, index: int | None = None) -> int:
     """Trainable elements whose AdamW runs on device ``index`` (all devices: None)."""
-    trains = sizes.layer_train_numels
+    trains = sizes.layer_train_numels  # runtime layer order: embedding, blocks, head
     devices = range(plan.num_devices) if index is None else [index]
-    return sum(trains[layer if layer == 0 else -1] for d in devices for layer in plan.device_optimized(d))
+    return sum(trains[layer] for d in devices for layer in plan.device_optimized(d))
 
 
 def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, precision: str) -> dict[str, int]:
@@ -125,6 +125,9 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, 
     if index == plan.head_device:
         resident += sizes.head_numel
         resident_grad += trains[-1]
+    for layer in plan.resident_layers(index):  # resident packs: own buffers, never swapped
+        resident += sizes.block_numels[layer - 1]
+        resident_grad += trains[layer]
     slots = plan.param_slots() if has_packs else 0
     gslots = plan.grad_slot_count() if has_packs else 0
     staging = min(slot, STAGING_MAX) * 4 if (_is_cuda(device) and precision != "fp32") else 0

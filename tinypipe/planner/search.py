@@ -66,9 +66,11 @@ class Candidate:
             hosts = sum(1 for s in stash if s == "host")
             stash = f"host x{hosts}, device x{len(stash) - hosts}"
         dopt = k.get("device_optimizer", "off")
+        resident = k.get("resident_packs", 0)
         return (f"pack {pack_s}, micro-batch {k['micro_batch_size']}/{k['backward_micro_batch_size']} "
                 f"(fwd/bwd), window {k['prefetch_window']}, stash {stash}"
-                + ("" if dopt == "off" else f", {dopt} stepped on the GPU"))
+                + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
+                + ("" if not resident else f", first {resident} pack{'s' * (resident > 1)} resident on the GPU"))
 
 
 @dataclass
@@ -184,6 +186,38 @@ def stash_options(num_packs: int) -> list[str | tuple[str, ...]]:
     return out
 
 
+#: Pareto plans (fastest first) that the search tries again with resident packs.
+RESIDENT_SEEDS = 4
+
+
+def _with_resident_packs(sizes: ModelSizes, hw: HardwareSpec, seeds: list[Candidate], *, gpus: int, seq: int,
+                         global_batch: int, precision: str, max_grad_norm: float | None,
+                         host_grad_buffers: int | None, gpu_mem: int, cpu_mem: int) -> list[Candidate]:
+    """Each seed plan with 1, 2, ... of its first packs kept resident on the GPU (stepped there),
+    for as long as that fits and its pack placement allows it (one device per resident pack).
+
+    Resident packs trade GPU memory (18 bytes per parameter in bf16: weights, fp32 gradient,
+    master and moments) for link traffic and host AdamW work; the first packs come first because
+    their host updates are the ones left after the backward."""
+    out = []
+    for seed in seeds:
+        k = seed.knobs
+        for r in range(1, seed.plan.num_packs + 1):
+            try:
+                c = evaluate(sizes, hw, pack_size=k["pack_size"], fwd_micro_batch=k["micro_batch_size"],
+                             bwd_micro_batch=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
+                             stash=k["stash"], gpus=gpus, seq=seq, global_batch=global_batch, precision=precision,
+                             max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
+                             peaks=[seed.memory.devices[n]["activations_peak"] for n in seed.memory.devices],
+                             device_optimizer=k["device_optimizer"], resident_packs=r)
+            except ConfigError:  # this pack's forward and backward run on different devices
+                break
+            out.append(c)
+            if c.gpu_need > gpu_mem or c.host_need > cpu_mem:
+                break
+    return out
+
+
 def device_optimizer_options(sizes: ModelSizes) -> tuple[str, ...]:
     """Resident-layer choices worth comparing: off, the embedding, and (untied) the head or both.
     Under LoRA a frozen embedding/head has nothing to step."""
@@ -222,13 +256,13 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequ
              bwd_micro_batch: int, prefetch_window: int, stash: str | Sequence[str], gpus: int, seq: int,
              global_batch: int, precision: str = "bf16", max_grad_norm: float | None = None,
              host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None,
-             device_optimizer: str = "off") -> Candidate:
+             device_optimizer: str = "off", resident_packs: int = 0) -> Candidate:
     """Build the plan for these knobs and estimate its memory and time (``peaks``: activation
     peaks already estimated for the same plan with another window)."""
     plan = make_plan(sizes.num_blocks, pack_size=pack_size if isinstance(pack_size, int) else list(pack_size),
                      fwd_micro_batch=fwd_micro_batch, bwd_micro_batch=bwd_micro_batch, num_devices=gpus,
                      prefetch_window=prefetch_window, stash=stash if isinstance(stash, str) else list(stash),
-                     tied=sizes.tied, device_optimizer=device_optimizer)
+                     tied=sizes.tied, device_optimizer=device_optimizer, resident_packs=resident_packs)
     devices = [f"cuda:{i}" for i in range(gpus)]
     prof = hardware.layer_profile
     act = None
@@ -245,6 +279,7 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequ
         "prefetch_window": prefetch_window,
         "stash": stash if isinstance(stash, str) else list(stash),
         "device_optimizer": device_optimizer,
+        "resident_packs": resident_packs,
     }
     return Candidate(plan, knobs, mem, t, _gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)
 
@@ -268,11 +303,12 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              gpu_memory_bytes: int | None = None, cpu_memory_bytes: int, seq: int, global_batch: int,
              precision: str = "bf16", max_grad_norm: float | None = None, host_grad_buffers: int | None = None,
              max_pareto: int = 8, lora: LoraSettings | None = None,
-             device_optimizer: str | None = None) -> PlanResult:
+             device_optimizer: str | None = None, resident_packs: int | None = None) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
-    ``device_optimizer`` fixes that choice (default: searched, see :func:`device_optimizer_options`).
+    ``device_optimizer`` fixes that choice (default: searched, see :func:`device_optimizer_options`);
+    ``resident_packs`` likewise (default: searched, see :func:`_with_resident_packs`).
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
@@ -322,22 +358,39 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         num_packs = len(pack) if isinstance(pack, tuple) else -(-sizes.num_blocks // pack)
         largest = max(pack) if isinstance(pack, tuple) else pack
         windows = [w for w in WINDOWS if w <= max(1, largest)]
+        if resident_packs and resident_packs > num_packs:  # a fixed count this packing cannot hold
+            continue
         for stash in stash_options(num_packs):
             for b in _useful(mbs, mbs, seq, plateau):
                 for f in _useful([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq, plateau):
                     peaks = None
                     for w in windows:
                         for dopt in dopts:
-                            c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=f, bwd_micro_batch=b,
-                                         prefetch_window=w, stash=stash, gpus=gpus, seq=seq,
-                                         global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
-                                         host_grad_buffers=host_grad_buffers, peaks=peaks, device_optimizer=dopt)
+                            try:
+                                c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=f, bwd_micro_batch=b,
+                                             prefetch_window=w, stash=stash, gpus=gpus, seq=seq,
+                                             global_batch=global_batch, precision=precision,
+                                             max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
+                                             peaks=peaks, device_optimizer=dopt, resident_packs=resident_packs or 0)
+                            except ConfigError:  # fixed resident packs this placement splits across devices
+                                if not resident_packs:
+                                    raise
+                                continue
                             peaks = [c.memory.devices[k]["activations_peak"] for k in c.memory.devices]
                             cands.append(c)
                             if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes:
                                 fits.append(c)
+    if not cands:
+        raise ConfigError(f"no packing of the {sizes.num_blocks} blocks on {gpus} GPU(s) can keep {resident_packs} "
+                          "packs resident (each needs its forward and backward on one device)")
     if not fits:
         raise PlanDoesNotFitError(_why_not(cands, gpu_mem, cpu_memory_bytes, gpus))
+    if resident_packs is None:  # spend what GPU memory the fastest plans leave on resident packs
+        more = _with_resident_packs(sizes, hw, _pareto(fits)[:RESIDENT_SEEDS], gpus=gpus, seq=seq,
+                                    global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
+                                    host_grad_buffers=host_grad_buffers, gpu_mem=gpu_mem, cpu_mem=cpu_memory_bytes)
+        cands += more
+        fits += [c for c in more if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes]
     front = _pareto(fits)
     fastest = front[0].time.step_s
     best = min((c for c in front if c.time.step_s <= fastest * (1 + NEAR_FASTEST)), key=lambda c: c.gpu_need)

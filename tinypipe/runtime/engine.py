@@ -123,6 +123,7 @@ class Engine:
             tied=dec.tied,
             grad_slots=cfg.grad_slots,
             device_optimizer=cfg.device_optimizer or "off",
+            resident_packs=cfg.resident_packs or 0,
         )
         if self.plan.num_devices != len(cfg.devices):
             raise ConfigError(f"plan is for {self.plan.num_devices} devices, config lists {len(cfg.devices)}")
@@ -162,6 +163,8 @@ class Engine:
                 resident[0], resident_grad[0] = dec.embed.numel, dec.embed.train_numel
             if i == self.plan.head_device:
                 resident[dec.num_blocks + 1], resident_grad[dec.num_blocks + 1] = dec.head.numel, dec.head.train_numel
+            for layer in self.plan.resident_layers(i):  # resident packs: never swapped, stepped here
+                resident[layer], resident_grad[layer] = dec.blocks[layer - 1].numel, dec.blocks[layer - 1].train_numel
             try:
                 pool = DevicePool(
                     backend,

@@ -69,13 +69,19 @@ def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
     # forward pack and the first backward pack when both run on one device back to back.
     carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
 
+    R = plan.resident_packs  # the first R packs never leave their device (loaded once, stepped there)
     sched.add(Task("ru/E", Kind.RESIDENT_UPLOAD, e_dev, layers=(E,)))
     sched.add(Task("ru/H", Kind.RESIDENT_UPLOAD, h_dev, layers=(H,)))
+    for q in range(R):
+        for layer in layers_of(q):
+            sched.add(Task(f"ru/L{layer}", Kind.RESIDENT_UPLOAD, plan.fwd_device[q], layers=(layer,)))
     sched.add(Task("efwd", Kind.EMBED_FWD, e_dev, layers=(E,), rows=(0, batch), deps=("ru/E",)))
 
-    fwd_slots: dict[int, tuple[int, ...]] = {}
+    fwd_slots: dict[int, tuple[int | None, ...]] = {}
 
-    def uploads(q: int, device: int, tag: str) -> tuple[tuple[int, ...], list[str]]:
+    def uploads(q: int, device: int, tag: str) -> tuple[tuple[int | None, ...], list[str]]:
+        if q < R:  # resident: no slot; the forward waits for the one-time load
+            return (None,) * len(plan.packs[q]), [f"ru/L{layer}" for layer in layers_of(q)] if tag[0] == "f" else []
         slots, ids = [], []
         for layer in layers_of(q):
             slot, dep = param_rings[device].acquire(f"layer {layer}")
@@ -98,7 +104,8 @@ def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
                            slots=slots, first=m == 0, last=last, deps=tuple(dict.fromkeys(deps))))
         if not (carry and q == P - 1):
             for s in slots:
-                param_rings[dev].release(s, f"fwd/{q}/{len(frows) - 1}")
+                if s is not None:
+                    param_rings[dev].release(s, f"fwd/{q}/{len(frows) - 1}")
 
     # ---- head (forward + backward fused) ------------------------------------------------
     for m, (lo, hi) in enumerate(frows):
@@ -116,8 +123,12 @@ def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
             slots, up_ids = fwd_slots[q], []
         else:
             slots, up_ids = uploads(q, dev, f"b{q}")
-        gslots, gdeps = [], []
+        gslots: list[int | None] = []
+        gdeps = []
         for layer in layers_of(q):
+            if q < R:  # a resident layer accumulates into its own resident gradient buffer
+                gslots.append(None)
+                continue
             g, dep = grad_rings[dev].acquire(f"gradients of layer {layer}")
             gslots.append(g)
             if dep:
@@ -137,11 +148,14 @@ def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
                            deps=tuple(dict.fromkeys(deps))))
         last_bwd = f"bwd/{q}/{len(brows) - 1}"
         for s in slots:
-            param_rings[dev].release(s, last_bwd)
+            if s is not None:
+                param_rings[dev].release(s, last_bwd)
         for layer, g in zip(layers_of(q), gslots):
             dl = f"dl/L{layer}"
-            sched.add(Task(dl, Kind.DOWNLOAD, dev, layers=(layer,), grad_slots=(g,), deps=(last_bwd,)))
-            grad_rings[dev].release(g, dl)
+            sched.add(Task(dl, Kind.DOWNLOAD, dev, layers=(layer,), grad_slots=(g,) if g is not None else (),
+                           deps=(last_bwd,)))
+            if g is not None:
+                grad_rings[dev].release(g, dl)
             sched.add(Task(f"upd/L{layer}", Kind.UPDATE, -1, layers=(layer,), deps=(dl,)))
 
     # ---- embedding backward ---------------------------------------------------------------

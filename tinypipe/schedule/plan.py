@@ -32,11 +32,18 @@ class Plan:
     head_device: int = 0
     grad_slots: int | None = None
     device_optimizer: str = "off"  # off | embed | head | both: resident layers stepped on their device
+    resident_packs: int = 0  # the first packs stay on their device, stepped there (never swapped)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
         if self.device_optimizer not in ("off", "embed", "head", "both"):
             raise ConfigError(f"plan: device_optimizer must be off, embed, head or both, got {self.device_optimizer!r}")
+        if not 0 <= self.resident_packs <= len(self.packs):
+            raise ConfigError(f"plan: resident_packs must be in 0..{len(self.packs)}, got {self.resident_packs}")
+        for q in range(self.resident_packs):
+            if self.fwd_device and self.fwd_device[q] != self.bwd_device[q]:
+                raise ConfigError(f"plan: resident pack {q} runs its forward on device {self.fwd_device[q]} and its "
+                                  f"backward on device {self.bwd_device[q]}; a resident pack needs one device")
 
     @property
     def num_packs(self) -> int:
@@ -48,12 +55,17 @@ class Plan:
 
     def device_optimized(self, device: int) -> set[int]:
         """Layers (0: embedding, num_blocks + 1: head) whose AdamW state lives on ``device``."""
-        out = set()
+        out = set(self.resident_layers(device))
         if self.device_optimizer in ("embed", "both") and device == self.embed_device:
             out.add(0)
         if self.device_optimizer in ("head", "both") and device == self.head_device:
             out.add(self.num_blocks + 1)
         return out
+
+    def resident_layers(self, device: int | None = None) -> list[int]:
+        """Layer ids (block b is layer b + 1) of the resident packs (on ``device``, or on any)."""
+        return [b + 1 for q in range(self.resident_packs) for b in self.packs[q]
+                if device is None or (self.fwd_device[q] if self.fwd_device else 0) == device]
 
     def param_slots(self) -> int:
         """Layer slots per device: the largest pack plus the prefetch window."""
@@ -126,6 +138,7 @@ def make_plan(
     tied: bool,
     grad_slots: int | None = None,
     device_optimizer: str = "off",
+    resident_packs: int = 0,
 ) -> Plan:
     """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes)."""
     packs = split_packs(num_blocks, pack_size)
@@ -153,4 +166,5 @@ def make_plan(
         head_device=h,
         grad_slots=grad_slots,
         device_optimizer=device_optimizer,
+        resident_packs=resident_packs,
     )

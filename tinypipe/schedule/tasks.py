@@ -48,8 +48,8 @@ class Task:
     pack: int = -1
     mb: int = -1
     rows: tuple[int, int] = (0, 0)
-    slots: tuple[int, ...] = ()
-    grad_slots: tuple[int, ...] = ()
+    slots: tuple[int | None, ...] = ()  # None: the layer's resident buffer (a resident pack)
+    grad_slots: tuple[int | None, ...] = ()
     first: bool = False
     last: bool = False
     deps: tuple[str, ...] = ()

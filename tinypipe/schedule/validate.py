@@ -68,6 +68,10 @@ def _check_slots(sched: Schedule) -> None:
             last_user.pop(key, None)
         elif t.kind in (Kind.FWD, Kind.BWD):
             for layer, slot in zip(t.layers, t.slots):
+                if slot is None:  # a resident layer: its forward must wait for the one-time load
+                    if t.kind is Kind.FWD and t.first and f"ru/L{layer}" not in t.deps:
+                        raise ConfigError(f"schedule: {t.id} uses resident layer {layer} without waiting for ru/L{layer}")
+                    continue
                 key = (t.device, slot)
                 if occupant.get(key) != layer:
                     raise ConfigError(f"schedule: {t.id} expects layer {layer} in slot {key}, holds {occupant.get(key)}")
@@ -81,6 +85,8 @@ def _check_slots(sched: Schedule) -> None:
         t = sched.tasks[tid]
         if t.kind is Kind.BWD and t.first:
             for g in t.grad_slots:
+                if g is None:
+                    continue
                 key = (t.device, g)
                 if key in grad_user and grad_user[key] not in t.deps:
                     raise ConfigError(f"schedule: {t.id} reuses gradient slot {key} before {grad_user[key]}")
