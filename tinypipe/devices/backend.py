@@ -9,6 +9,7 @@ complete as soon as it is recorded, and pinning is a no-op.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from typing import Iterator
 
 import torch
@@ -130,12 +131,18 @@ class HostPinner:
     of GB of master weights that doubles host memory transiently and wastes up to half of it
     permanently. Registering the buffer we already own costs neither. Registration is undone by
     :meth:`release`. A no-op when CUDA is absent or ``enabled`` is False.
+
+    The pinning mode is therefore not a trade-off the planner has to search: registered memory
+    is the same bytes as pageable memory, and faster to copy. Pageable is only the fallback when
+    the driver refuses to register (e.g. a container's locked-memory limit): the first refusal
+    is reported once and the remaining buffers stay pageable -- slower transfers, same results.
     """
 
     def __init__(self, enabled: bool) -> None:
         self.enabled = enabled and torch.cuda.is_available()
         self._registered: list[tuple[int, torch.Tensor]] = []
         self.bytes = 0
+        self.failed = ""  # why registration stopped, if it did
 
     def pin(self, tensor: torch.Tensor) -> None:
         if not self.enabled or tensor.numel() == 0:
@@ -144,13 +151,15 @@ class HostPinner:
         err = torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
         code = getattr(err, "value", err)
         if code != 0:
-            raise RuntimeError(f"cudaHostRegister of {size} bytes failed with CUDA error {code}")
+            self.enabled = False  # keep what is registered; the rest stays pageable
+            self.failed = f"cudaHostRegister of {size} bytes failed with CUDA error {code}"
+            warnings.warn(f"{self.failed} after {self.bytes / 2**30:.1f} GiB: continuing with pageable host "
+                          "memory (slower host<->device copies)", RuntimeWarning, stacklevel=2)
+            return
         self._registered.append((ptr, tensor))
         self.bytes += size
 
     def release(self) -> None:
-        if not self.enabled:
-            return
         for ptr, _ in self._registered:
             torch.cuda.cudart().cudaHostUnregister(ptr)
         self._registered.clear()
