@@ -64,18 +64,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _nonnegative_int(name: str, text: Any) -> int:
-    from tinypipe.errors import ConfigError
-
-    try:
-        value = int(str(text).strip())
-    except ValueError:
-        raise ConfigError(f"{name} must be a whole number, got {text!r}") from None
-    if value < 0:
-        raise ConfigError(f"{name} must be >= 0, got {value}")
-    return value
+    return _positive_int(name, text, minimum=0)
 
 
-def _positive_int(name: str, text: Any) -> int:
+def _positive_int(name: str, text: Any, minimum: int = 1) -> int:
     from tinypipe.errors import ConfigError
 
     if text is None:
@@ -84,8 +76,8 @@ def _positive_int(name: str, text: Any) -> int:
         value = int(str(text).strip())
     except ValueError:
         raise ConfigError(f"{name} must be a whole number, got {text!r}") from None
-    if value < 1:
-        raise ConfigError(f"{name} must be >= 1, got {value}")
+    if value < minimum:
+        raise ConfigError(f"{name} must be >= {minimum}, got {value}")
     return value
 
 
