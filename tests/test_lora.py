@@ -91,6 +91,9 @@ CONFIGS = {
     "n2_packs2_host_stash": dict(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2, stash="host"),
     "n2_uneven_mb1": dict(devices=["cpu", "cpu"], pack_size=[1, 3], micro_batch_size=1, backward_micro_batch_size=2,
                           max_grad_norm=100.0),
+    # resident packs hold frozen weights and adapters; only the adapters are stepped on the device
+    "resident_packs_clip": dict(devices=["cpu"], pack_size=1, micro_batch_size=2, resident_packs=2,
+                                device_optimizer="both", max_grad_norm=0.05),
 }
 
 
