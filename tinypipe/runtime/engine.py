@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import os
-import resource
 import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
-import psutil
 import torch
 from torch import nn
 
@@ -23,7 +21,6 @@ from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import IN_PLACE_MARK, HostStore
-from tinypipe.memory.report import MemoryReport
 from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
@@ -35,14 +32,14 @@ from tinypipe.runtime.deferred import DeferredUpdates
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.device_optimizer import DeviceAdamW
 from tinypipe.runtime.inputs import prepare_inputs
+from tinypipe.runtime.observability import EngineObservability
 from tinypipe.runtime.optimizer import CpuAdamW
-from tinypipe.runtime.step import StepRunner, StepState, TaskTiming, host_times
+from tinypipe.runtime.step import StepRunner, StepState, TaskTiming
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.updater import StepUpdater
 from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.builder import build_schedule
 from tinypipe.schedule.plan import Plan, make_plan
-from tinypipe.schedule.render import chrome_trace, to_text
 from tinypipe.schedule.tasks import Schedule, Task
 from tinypipe.schedule.validate import validate
 
@@ -90,7 +87,7 @@ def _stop(deferred: DeferredUpdates, workers: LaneWorkers) -> None:
     workers.shutdown(0.0)
 
 
-class Engine:
+class Engine(EngineObservability):
     """Trains ``model`` (a Hugging Face causal LM) with Tiny-Pipe's layer-wise swapping.
 
     The model's parameters move into the engine's host store (one fp32 copy; the model's
@@ -412,80 +409,6 @@ class Engine:
             for partial in Path(out_dir).glob("*.safetensors.tmp"):  # give the space back
                 partial.unlink(missing_ok=True)
             raise WriteError(f"cannot save the model to {out_dir}: {describe_os_error(exc)}") from exc
-
-    # ------------------------------------------------------------------ observability
-
-    def _sample_rss(self) -> int:
-        rss = psutil.Process().memory_info().rss
-        self._rss_peak = max(self._rss_peak, rss)
-        return rss
-
-    def memory_report(self) -> MemoryReport:
-        """Host bytes by category, device bytes by category, and measured peaks."""
-        grad_pool = sum(d.grad_pool.nbytes for d in self.devices)
-        stash = sum(t.numel() * t.element_size() for t in self._host_stash.values())
-        retained = sum(t.numel() * 4 for t in (self._retained or {}).values())
-        host = {
-            "master_weights": self.store.master_bytes,
-            **({"frozen_weights": self.store.frozen_bytes} if self.store.frozen_bytes else {}),
-            "optimizer_state": self.store.optimizer_bytes,
-            "pinned_grad_pool": grad_pool,
-            "gradient_buffers": retained,
-            "stashed_activations": stash,
-        }
-        devices, peaks = {}, {}
-        for d in self.devices:
-            name = f"{d.index}:{d.name}"
-            devices[name] = d.pool.bytes_by_category()
-            if d.optim is not None:
-                devices[name]["optimizer_state"] = d.optim.nbytes
-            stats = d.backend.memory_stats()
-            if stats:
-                static = sum(devices[name].values())
-                devices[name]["activations_peak"] = max(0, stats["peak_allocated"] - static)
-                peaks[name] = {"peak_allocated": stats["peak_allocated"], "peak_reserved": stats["peak_reserved"]}
-        rss = self._sample_rss()
-        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return MemoryReport(host, devices, peaks, host_rss=rss, host_rss_peak=max(self._rss_peak, peak_kb * 1024))
-
-    def schedule_text(self, batch: int) -> str:
-        return to_text(self.schedule_for(batch))
-
-    def step_timeline(self) -> list[dict]:
-        """The last step's tasks as ``{"lane", "name", "start_us", "dur_us"}`` (device times for CUDA
-        tasks when ``trace=True``, else host times); empty before the first step."""
-        if self._last_state is None:
-            return []
-        events = host_times(self._last_state.timings, self._last_origin)
-        return self._device_events(events) if self.config.trace else events
-
-    def export_trace(self, path: str | os.PathLike) -> Path:
-        """Chrome/Perfetto trace of the last step (per lane; device times when ``trace=True``)."""
-        if self._last_state is None:
-            raise ConfigError("no step has run yet: nothing to trace")
-        events = host_times(self._last_state.timings, self._last_origin)
-        if self.config.trace:
-            events = self._device_events(events)
-        return chrome_trace(events, path)
-
-    def _device_events(self, host_events: list[dict]) -> list[dict]:
-        """Replace host times of CUDA tasks with their device times (aligned per device)."""
-        timings = self._last_state.timings if self._last_state else []
-        firsts: dict[str, tuple[object, float]] = {}
-        out = []
-        for t, h in zip(timings, host_events):
-            if t.events is None:
-                out.append(h)
-                continue
-            ev0, ev1 = t.events
-            dev = t.lane.split(":")[0]  # events of one device share one time base
-            if dev not in firsts:
-                firsts[dev] = (ev0, h["start_us"])
-            ref, ref_us = firsts[dev]
-            start = ref_us + ref.elapsed_time(ev0) * 1000.0  # type: ignore[attr-defined]
-            dur = ev0.elapsed_time(ev1) * 1000.0  # type: ignore[attr-defined]
-            out.append(dict(h, start_us=start, dur_us=dur))
-        return out
 
     def close(self) -> None:
         """Stop the lane threads and unpin host memory; the engine is unusable afterwards."""
