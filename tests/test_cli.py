@@ -383,3 +383,23 @@ def test_memory_budgets_are_checked_before_training(capsys: pytest.CaptureFixtur
     assert code == 2 and "gpu-memory" in err and "Traceback" not in err, err
     code, out, err = run_cli(capsys, *base, tmp_path / "c", "--cpu-memory", "64GiB")
     assert code == 0, err  # a generous budget: the hand-set plan is checked and fits
+
+
+def test_finetune_with_layers_stepped_on_the_device(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                                     tiny_model_dir: Path, data_file: Path) -> None:
+    """--device-optimizer / --resident-packs reach the engine and train the same weights (CPU "device":
+    the same fused AdamW, elementwise, on the same gradients -- bit-identical)."""
+    common = ["--data", str(data_file), "--model", str(tiny_model_dir), "--seq-len", "16", "--global-batch", "4",
+              "--micro-batch", "2", "--steps", "3", "--lr", "1e-3", "--devices", "cpu", "--max-grad-norm", "0.5",
+              "--no-progress"]
+    code, _, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "host"))
+    assert code == 0, err
+    code, stdout, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "dev"),
+                                "--device-optimizer", "both", "--resident-packs", "1")
+    assert code == 0, err
+    assert "both stepped on the GPU, 1 packs resident" in stdout
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "host", dtype=torch.float32).state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dev", dtype=torch.float32).state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    code, _, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "bad"), "--device-optimizer", "gpu")
+    assert code == 2 and "--device-optimizer: invalid choice: 'gpu'" in err
