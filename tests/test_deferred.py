@@ -90,3 +90,16 @@ def test_a_failing_background_update_surfaces_in_the_next_step(monkeypatch: pyte
     with pytest.raises(WorkerError, match="injected"):
         engine.synchronize()
     engine.close()  # does not raise
+
+
+def test_background_work_follows_the_next_steps_upload_order() -> None:
+    """The head's upload comes after pack 0's: its leftover update must not hold pack 0 back."""
+    engine = tinypipe.Engine(make_model("llama", layers=4), tinypipe.Config(
+        devices=["cpu"], pack_size=2, micro_batch_size=5, max_grad_norm=1e-3))
+    engine.step(make_batch(5, 12))
+    engine.synchronize()
+    done = [layer for layer, _, _ in engine._deferred.timings]
+    order = engine.schedule_for(5).upload_order()
+    assert done == sorted(done, key=order.__getitem__)
+    assert done == [0, 1, 2, 5, 3, 4]  # embedding, pack 0, head, pack 1
+    engine.close()

@@ -258,7 +258,7 @@ class Engine(EngineObservability):
         speculate = not self._last_clipped and self.config.nonfinite != "skip"
         updater = StepUpdater(self.store, self.optimizer, lr, self.config.max_grad_norm, self._retained,
                               speculate=speculate, device_layers=self._device_layers(),
-                              pin=self.pinner.pin)
+                              pin=self.pinner.pin, upload_order=sched.upload_order())
         for d in self.devices:
             d.backend.reset_peak()
             d.grad_pool.reset()

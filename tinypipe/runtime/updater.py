@@ -59,6 +59,7 @@ class StepUpdater:
     speculate: bool = True  # step layers before the global norm is known (False: defer them all)
     device_layers: set[int] = field(default_factory=set)  # stepped on their device (DeviceAdamW)
     pin: Callable[[torch.Tensor], None] | None = None  # page-locks new retained buffers (DMA target)
+    upload_order: dict[int, int] = field(default_factory=dict)  # layer -> rank of its first upload
     work: list[tuple[int, Callable[[], None]]] = field(default_factory=list)  # set by finalize()
     device_steps: list[tuple[int, int]] = field(default_factory=list)  # (layer, step number) for the devices
     _on_device: list[int] = field(default_factory=list)
@@ -128,12 +129,12 @@ class StepUpdater:
         return UpdateOutcome(total, clipped, False, None, coef)
 
     def _upload_rank(self, layer: int) -> int:
-        """Position of ``layer`` in the next step's uploads: the embedding and head (both resident,
-        uploaded first), then the blocks in forward order. A device's uploads run one after the
-        other, so work sorted by block alone (head last) held every block upload behind the head's
-        (measured on an H200: the forward started only after the whole 1.17 s pass)."""
-        head = len(self.store.layers) - 1
-        return 0 if layer == 0 else 1 if layer == head else layer + 1
+        """Position of ``layer``'s first upload in the next step (``upload_order``; default: layer
+        order). A device's uploads run one after the other, so work in any other order holds
+        uploads back: sorted by layer while the head's upload came second, every block upload
+        waited behind the head's update (measured on an H200: the forward started only after the
+        whole 1.17 s pass)."""
+        return self.upload_order.get(layer, layer) if self.upload_order else layer
 
     def run_work(self) -> None:
         """Apply :attr:`work` now, in this thread."""

@@ -71,7 +71,6 @@ def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
 
     R = plan.resident_packs  # the first R packs never leave their device (loaded once, stepped there)
     sched.add(Task("ru/E", Kind.RESIDENT_UPLOAD, e_dev, layers=(E,)))
-    sched.add(Task("ru/H", Kind.RESIDENT_UPLOAD, h_dev, layers=(H,)))
     for q in range(R):
         for layer in layers_of(q):
             sched.add(Task(f"ru/L{layer}", Kind.RESIDENT_UPLOAD, plan.fwd_device[q], layers=(layer,)))
@@ -96,6 +95,10 @@ def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
         dev = plan.fwd_device[q]
         slots, up_ids = uploads(q, dev, f"f{q}")
         fwd_slots[q] = slots
+        if q == 0:
+            # the head's upload: behind the first pack's (which the forward waits for first) and
+            # ahead of the rest, a whole forward before the head needs it
+            sched.add(Task("ru/H", Kind.RESIDENT_UPLOAD, h_dev, layers=(H,)))
         for m, (lo, hi) in enumerate(frows):
             deps = ["efwd"] + (up_ids if m == 0 else [])
             deps.append("efwd" if q == 0 else f"fwd/{q - 1}/{m}")

@@ -70,6 +70,15 @@ class Schedule:
     lanes: dict[str, list[str]] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # a global order consistent with all deps
 
+    def upload_order(self) -> dict[int, int]:
+        """Layer -> rank of its first upload in :attr:`order` (what a step needs first)."""
+        ranks: dict[int, int] = {}
+        for tid in self.order:
+            t = self.tasks[tid]
+            if t.kind in (Kind.UPLOAD, Kind.RESIDENT_UPLOAD) and t.layers[0] not in ranks:
+                ranks[t.layers[0]] = len(ranks)
+        return ranks
+
     def add(self, task: Task) -> Task:
         if task.id in self.tasks:
             raise ValueError(f"duplicate task id {task.id}")
