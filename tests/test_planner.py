@@ -29,7 +29,7 @@ from tinypipe.planner import (
 )
 from tinypipe.planner import cli_plan
 from tinypipe.planner.estimate import activation_peaks
-from tinypipe.planner.search import pack_options, stash_options
+from tinypipe.planner.options import pack_options, stash_options
 from tinypipe.schedule.builder import build_schedule
 from tinypipe.schedule.plan import make_plan
 from tinypipe.schedule.validate import validate

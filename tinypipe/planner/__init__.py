@@ -15,7 +15,8 @@ from tinypipe.planner.cost import StepTime, predict_step_time
 from tinypipe.planner.estimate import activation_peaks, device_static_bytes, estimate_memory, host_bytes
 from tinypipe.planner.hardware import HARDWARE, HardwareSpec, load_hardware, parse_bytes
 from tinypipe.planner.presets import PRESETS, load_model_config, preset_names
-from tinypipe.planner.search import Candidate, PlanResult, evaluate, format_plan, plan_for
+from tinypipe.planner.format import format_plan
+from tinypipe.planner.search import Candidate, PlanResult, evaluate, plan_for
 from tinypipe.planner.sizes import ModelSizes, model_sizes
 
 __all__ = [

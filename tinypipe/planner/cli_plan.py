@@ -116,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
             print(_listing("hardware"))
             return EXIT_OK
         from tinypipe.planner.hardware import parse_bytes
-        from tinypipe.planner.search import format_plan, plan_for
+        from tinypipe.planner.format import format_plan
+        from tinypipe.planner.search import plan_for
 
         gpus = _positive_int("--gpus", args.gpus)
         seq = _positive_int("--seq-len", args.seq_len)

@@ -1,6 +1,7 @@
-"""Plan search: enumerate packings, micro-batch sizes, prefetch windows and stash placements,
-estimate each plan's memory and step time, keep those that fit, return the fastest and the
-time-memory Pareto front.
+"""Plan search: every combination of the options (:mod:`tinypipe.planner.options`: packings,
+micro-batch sizes, prefetch windows, stash placements, embedding/head on the GPU), then resident
+packs on the fastest; estimate each plan's memory and step time, keep those that fit, return the
+fastest and the time-memory Pareto front (printed by :mod:`tinypipe.planner.format`).
 
 Fitting means, for every device, static pools + estimated activation peak + headroom <= the
 GPU's memory, and host bytes (tinypipe-owned, exact) + the process baseline <= the host budget.
@@ -18,10 +19,18 @@ from typing import TYPE_CHECKING, Sequence
 import transformers
 
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.memory.report import GIB, MemoryReport, fmt_bytes
+from tinypipe.memory.report import GIB, MemoryReport
 from tinypipe.planner.cost import REFERENCE_TOKENS, StepTime, predict_step_time
 from tinypipe.planner.estimate import estimate_memory
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
+from tinypipe.planner.options import (
+    WINDOWS,
+    device_optimizer_options,
+    micro_batch_options,
+    pack_options,
+    stash_options,
+    useful_micro_batches,
+)
 from tinypipe.planner.presets import load_model_config
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.schedule.plan import Plan, make_plan
@@ -38,8 +47,6 @@ FRAGMENTATION = 0.10
 HOST_BASELINE_BYTES = 3 * GIB
 #: Plans within this fraction of the fastest count as equally fast; the leanest of them is chosen.
 NEAR_FASTEST = 0.01
-MAX_UNIFORM_PACK = 8
-WINDOWS = (1, 2, 3)
 
 
 @dataclass
@@ -134,58 +141,6 @@ class PlanResult:
         }
 
 
-# --------------------------------------------------------------------------- enumeration
-
-
-def pack_options(num_blocks: int, max_uniform: int = MAX_UNIFORM_PACK) -> list[int | tuple[int, ...]]:
-    """Uniform pack sizes 1..max (remainder last, as ``split_packs``) and a few uneven packings:
-    the remainder first, and a first pack of one block (pack 0's optimizer steps are the exposed
-    tail of the step, so a small first pack shortens it)."""
-    L = num_blocks
-    out: list[int | tuple[int, ...]] = []
-    seen: set[tuple[int, ...]] = set()
-
-    def add(sizes: tuple[int, ...], as_int: int | None = None) -> None:
-        if sizes in seen or not sizes or min(sizes) < 1 or sum(sizes) != L:
-            return
-        seen.add(sizes)
-        out.append(as_int if as_int is not None else sizes)
-
-    def uniform(k: int, n: int) -> tuple[int, ...]:
-        return tuple([k] * (n // k) + ([n % k] if n % k else []))
-
-    for k in range(1, min(max_uniform, L) + 1):
-        add(uniform(k, L), k)
-    for k in range(2, min(max_uniform, L) + 1):
-        if L % k:
-            add(tuple([L % k] + [k] * (L // k)))
-        if L > k:
-            add((1,) + uniform(k, L - 1))
-    return out
-
-
-def micro_batch_options(batch: int) -> list[int]:
-    """Divisors of the batch and powers of two up to it."""
-    opts = {d for d in range(1, batch + 1) if batch % d == 0}
-    p = 1
-    while p <= batch:
-        opts.add(p)
-        p *= 2
-    return sorted(opts)
-
-
-def stash_options(num_packs: int) -> list[str | tuple[str, ...]]:
-    """All on the device, all in host memory, and host for the first k pack inputs (the longest
-    lived on the device) for k around a quarter, half and three quarters of the packs."""
-    out: list[str | tuple[str, ...]] = ["device"]
-    if num_packs > 1:
-        out.append("host")
-    ks = sorted({k for k in (num_packs // 4, num_packs // 2, (3 * num_packs) // 4) if 0 < k < num_packs - 1})
-    for k in ks:
-        out.append(tuple(["device"] + ["host"] * k + ["device"] * (num_packs - k)))
-    return out
-
-
 #: Pareto plans (fastest first) that the search tries again with resident packs.
 RESIDENT_SEEDS = 4
 
@@ -216,31 +171,6 @@ def _with_resident_packs(sizes: ModelSizes, hw: HardwareSpec, seeds: list[Candid
             if c.gpu_need > gpu_mem or c.host_need > cpu_mem:
                 break
     return out
-
-
-def device_optimizer_options(sizes: ModelSizes) -> tuple[str, ...]:
-    """Resident-layer choices worth comparing: off, the embedding, and (untied) the head or both.
-    Under LoRA a frozen embedding/head has nothing to step."""
-    trains = sizes.layer_train_numels
-    out = ["off"]
-    if trains[0]:
-        out.append("embed")
-    if trains[-1] and not sizes.tied:
-        out.append("head")
-        if trains[0]:
-            out.append("both")
-    return tuple(out)
-
-
-def _useful(options: Sequence[int], all_mbs: Sequence[int], seq: int, plateau: float = REFERENCE_TOKENS) -> list[int]:
-    """Micro-batch sizes worth trying: one whose half is also an option and already reaches the
-    cost model's efficiency plateau (``plateau`` tokens) is never faster, only larger."""
-    keep = []
-    for m in sorted(set(options)):
-        if m % 2 == 0 and m // 2 in all_mbs and (m // 2) * seq >= plateau:
-            continue
-        keep.append(m)
-    return keep
 
 
 def _gpu_need(report: MemoryReport) -> int:
@@ -361,8 +291,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         if resident_packs and resident_packs > num_packs:  # a fixed count this packing cannot hold
             continue
         for stash in stash_options(num_packs):
-            for b in _useful(mbs, mbs, seq, plateau):
-                for f in _useful([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq, plateau):
+            for b in useful_micro_batches(mbs, mbs, seq, plateau):
+                for f in useful_micro_batches([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq, plateau):
                     peaks = None
                     for w in windows:
                         for dopt in dopts:
@@ -400,7 +330,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                       model_name=name, notes=notes)
 
 
-def _gib(n: float) -> str:
+def gib_text(n: float) -> str:
+    """``n`` bytes as '12.3 GiB' (plan messages)."""
     return f"{n / GIB:.1f} GiB"
 
 
@@ -413,66 +344,16 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> s
     if not host_ok:
         host = min_host.memory.host
         if host.get("frozen_weights"):
-            return (f"needs {_gib(min_host.host_need)} host memory even with LoRA, have {_gib(cpu_mem)} "
-                    f"({_gib(host['frozen_weights'])} of it the frozen base weights); add RAM")
-        return (f"needs {_gib(min_host.host_need)} host memory, have {_gib(cpu_mem)} "
-                f"({_gib(host['master_weights'] + host['optimizer_state'])} of it "
+            return (f"needs {gib_text(min_host.host_need)} host memory even with LoRA, have {gib_text(cpu_mem)} "
+                    f"({gib_text(host['frozen_weights'])} of it the frozen base weights); add RAM")
+        return (f"needs {gib_text(min_host.host_need)} host memory, have {gib_text(cpu_mem)} "
+                f"({gib_text(host['master_weights'] + host['optimizer_state'])} of it "
                 "fp32 master weights + AdamW state); try --lora or more RAM")
     if not gpu_ok:
-        return (f"needs {_gib(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}), have "
-                f"{_gib(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch, more GPUs or --lora")
+        return (f"needs {gib_text(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}), have "
+                f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch, more GPUs or --lora")
     # each budget can be met alone, but no plan meets both: the GPU-lean plans stash on the host
     best = min(host_ok, key=lambda c: c.gpu_need)
-    return (f"needs {_gib(best.gpu_need)} GPU memory per device with host memory under {_gib(cpu_mem)} "
-            f"(or {_gib(min_gpu.host_need)} host memory at {_gib(min_gpu.gpu_need)} GPU memory); have "
-            f"{_gib(gpu_mem)} GPU memory; try a shorter --seq-len, more RAM or more GPUs")
-
-
-# --------------------------------------------------------------------------- report
-
-
-def format_plan(result: PlanResult) -> str:
-    """Human-readable plan: the choice, predicted speed, memory per GPU and host by category."""
-    b = result.best
-    s = result.sizes
-    t = b.time
-    lines = [
-        f"model: {result.model_name or s.model_type} ({s.model_type}, {s.param_count / 1e9:.2f} B params, "
-        f"{s.num_blocks} blocks, hidden {s.hidden}, vocab {s.vocab}{', tied embeddings' if s.tied else ''})",
-        f"hardware: {result.gpus} x {result.hardware.name} ({_gib(result.gpu_memory_bytes)} each), "
-        f"host {_gib(result.cpu_memory_bytes)}; {result.precision}, {result.global_batch} x {result.seq} tokens/step"
-        + (f", clip {result.max_grad_norm}" if result.max_grad_norm is not None else ""),
-        f"plan: {b.describe()}",
-        f"predicted: {t.step_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s "
-        f"(fill {t.fill_s:.2f} + forward {t.forward_s:.2f} [{t.forward_limit}] + head {t.head_s:.2f} + "
-        f"backward {t.backward_s:.2f} [{t.backward_limit}] + tail {t.tail_s:.2f})",
-        f"bound: compute {t.compute_s:.2f} s, upload {t.upload_s:.2f} s, download {t.download_s:.2f} s, "
-        f"cpu optimizer {t.optimizer_s:.2f} s",
-        "",
-        "GPU memory per device (static pools exact, activations estimated):",
-    ]
-    for name, cats in b.memory.devices.items():
-        act = cats.get("activations_peak", 0)
-        parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in cats.items())
-        total = b.memory.device_total(name) + act
-        lines.append(f"  {name}: {fmt_bytes(total)} ({parts})")
-    lines.append(f"  + headroom (CUDA context, fragmentation): need {fmt_bytes(b.gpu_need)} of "
-                 f"{fmt_bytes(result.gpu_memory_bytes)} on the fullest device")
-    lines.append("host memory:")
-    for k, v in b.memory.host.items():
-        lines.append(f"  {k:<24} {fmt_bytes(v):>12}")
-    lines.append(f"  {'total (tinypipe)':<24} {fmt_bytes(b.memory.host_total):>12}   "
-                 f"+ process ~{fmt_bytes(HOST_BASELINE_BYTES)} = {fmt_bytes(b.host_need)} of "
-                 f"{fmt_bytes(result.cpu_memory_bytes)}")
-    kw = result.config_kwargs()
-    lines.append("")
-    lines.append("tinypipe.Config(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")")
-    if len(result.pareto) > 1:
-        lines.append("")
-        lines.append(f"time-memory trade-offs ({result.fitting} of {result.considered} plans fit):")
-        for c in result.pareto:
-            lines.append(f"  {c.time.step_s:6.2f} s/step {c.tokens_per_s:>9,.0f} tok/s  GPU {_gib(c.gpu_need):>9}  "
-                         f"host {_gib(c.host_need):>9}  {c.describe()}")
-    for note in result.notes:
-        lines.append(f"note: {note}")
-    return "\n".join(lines)
+    return (f"needs {gib_text(best.gpu_need)} GPU memory per device with host memory under {gib_text(cpu_mem)} "
+            f"(or {gib_text(min_gpu.host_need)} host memory at {gib_text(min_gpu.gpu_need)} GPU memory); have "
+            f"{gib_text(gpu_mem)} GPU memory; try a shorter --seq-len, more RAM or more GPUs")
