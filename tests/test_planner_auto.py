@@ -215,3 +215,35 @@ def test_h200_profile_predicts_the_recorded_runs() -> None:
         assert abs(c.time.step_s / m["step_s"] - 1) <= 0.15, (r["label"], c.time.step_s, m["step_s"])
         assert abs(alloc / m["peak_allocated"] - 1) <= 0.10, (r["label"], alloc, m["peak_allocated"])
         assert c.gpu_need >= m["peak_reserved"], (r["label"], c.gpu_need, m["peak_reserved"])
+
+
+@pytest.mark.parametrize("run,device_optimizer,fitted", [
+    ("s3_w1_clip_overlap_embed_gpu.json", "embed", True),  # CLIPPED_ADAMW_EFFICIENCY was fitted on it
+    ("s3_w1_clip_overlap.json", "off", False),
+])
+def test_h200_profile_predicts_clipped_steps(run: str, device_optimizer: str, fitted: bool) -> None:
+    """Steps where clipping triggers (random-init W1 clips every step), measured on the H200
+    (bench/results/s3_*.json): the clipped-step prediction within 5 %."""
+    import json
+    from pathlib import Path
+
+    import transformers
+
+    from tinypipe.bench.workloads import WORKLOADS
+    from tinypipe.planner.hardware import load_hardware
+    from tinypipe.planner.search import evaluate
+    from tinypipe.planner.sizes import model_sizes
+
+    root = Path(__file__).resolve().parent.parent / "bench" / "results"
+    m = json.loads((root / run).read_text())
+    cfg = m["config"]
+    assert cfg["max_grad_norm"] == "1.0" and cfg["device_optimizer"] == device_optimizer
+    assert all(m["steps_s"][i] > 2.0 for i in range(2, len(m["steps_s"])))  # every step clipped: slow
+    w = WORKLOADS["W1"]
+    c = evaluate(model_sizes(transformers.LlamaConfig(**w.config)), load_hardware(str(root / "h200_profile_w1.json")),
+                 pack_size=int(cfg["pack_size"]), fwd_micro_batch=int(cfg["micro_batch"]),
+                 bwd_micro_batch=int(cfg["micro_batch"]), prefetch_window=int(cfg["window"]), stash=cfg["stash"],
+                 gpus=1, seq=w.seq, global_batch=w.batch, max_grad_norm=1.0, device_optimizer=device_optimizer)
+    err = c.time.clipped_step_s / m["seconds_per_step"] - 1
+    assert abs(err) <= (0.01 if fitted else 0.05), (run, c.time.clipped_step_s, m["seconds_per_step"])
+    assert c.time.clipped_step_s > 1.3 * c.time.step_s  # clipping is the slow path

@@ -25,6 +25,9 @@ def format_plan(result: PlanResult) -> str:
         f"backward {t.backward_s:.2f} [{t.backward_limit}] + tail {t.tail_s:.2f})",
         f"bound: compute {t.compute_s:.2f} s, upload {t.upload_s:.2f} s, download {t.download_s:.2f} s, "
         f"cpu optimizer {t.optimizer_s:.2f} s",
+        *([f"in a step where clipping triggers: {t.clipped_step_s:.2f} s/step, "
+           f"{result.global_batch * result.seq / t.clipped_step_s:,.0f} tokens/s (the host AdamW waits for the "
+           "global norm)"] if result.max_grad_norm is not None else []),
         "",
         "GPU memory per device (static pools exact, activations estimated):",
     ]
