@@ -85,18 +85,17 @@ class TaskHandlers:
         self.deferred.wait_layer(layer, self.abort)  # the last step's clipped update of this layer
         src = self.store.layers[layer].master
         dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
-        if dev.optim is not None and dev.optim.owns(layer):  # stepped on the device: resident already
-            if not dev.optim.load(layer, dst):
-                return
-            frozen = self.store.layers[layer].frozen
-            if frozen is not None:
-                dst[src.numel() : src.numel() + frozen.numel()].copy_(frozen, non_blocking=True)
+        # stepped on the device: loaded (master and moments) once, resident from then on
+        on_device = dev.optim is not None and dev.optim.owns(layer)
+        if on_device and not dev.optim.load(layer, dst):
             return
         staging = dev.pool.staging
         n = src.numel()
         frozen = self.store.layers[layer].frozen
         if frozen is not None:  # already at the compute precision: one plain copy after the prefix
             dst[n : n + frozen.numel()].copy_(frozen, non_blocking=True)
+        if on_device:
+            return
         if staging is None:
             dst[:n].copy_(src, non_blocking=True)
             return
@@ -301,7 +300,6 @@ class TaskHandlers:
             self.state.loss_value = float(self.state.loss_sum.item()) if self.state.loss_sum is not None else 0.0
             loss_finite = bool(torch.isfinite(torch.tensor(self.state.loss_value)))
         decision = self.updater.decide(layer, norm_sq, loss_finite)
-        self.deferred.wait_layer(layer, self.abort)  # done already unless the layer was never uploaded
         state = self.store.layers[layer]
         keep = self.updater.retain_buffer(layer) if decision != "device" else None  # holds the chunks already
         step_no = state.step + 1

@@ -95,9 +95,10 @@ class StepUpdater:
         return self.retained[layer]
 
     def finalize(self) -> UpdateOutcome:
-        """Decide clipping / rollback for the completed step; the optimizer work that follows
-        from it is left in :attr:`work` (layer order), for :class:`DeferredUpdates` or
-        :meth:`run_work`. Step counts are final when this returns."""
+        """Decide clipping / rollback for the completed step; the host optimizer work that
+        follows from it is left in :attr:`work` (in the next step's upload order, for
+        :class:`~tinypipe.runtime.deferred.DeferredUpdates`), the device steps in
+        :attr:`device_steps`. Step counts are final when this returns."""
         total = math.sqrt(sum(self.norms_sq.values())) if self.norms_sq else 0.0
         self.work = []
         self.device_steps = []
@@ -136,12 +137,6 @@ class StepUpdater:
         whole 1.17 s pass)."""
         return self.upload_order.get(layer, layer) if self.upload_order else layer
 
-    def run_work(self) -> None:
-        """Apply :attr:`work` now, in this thread."""
-        for _, fn in self.work:
-            fn()
-        self.work = []
-
     def _chunks(self, layer: int) -> list[tuple[int, int]]:
         """Optimizer chunks of ``layer`` (none for a frozen layer, which retains no gradient)."""
         n = self.store.layers[layer].spec.train_numel
@@ -151,8 +146,7 @@ class StepUpdater:
         """Roll back speculative step ``step`` of ``layer`` (a skipped, non-finite step)."""
         state = self.store.layers[layer]
         for lo, hi in self._chunks(layer):
-            grad = self.retained[layer]  # type: ignore[index]
-            self.optimizer.undo(state, lo, hi, grad[lo:hi], step, self.lr)
+            self.optimizer.undo(state, lo, hi, self.retained[layer][lo:hi], step, self.lr)  # type: ignore[index]
 
     def _redo(self, layer: int, coef: float, step: int, undo: bool) -> None:
         """Step ``layer`` with its gradient scaled by ``coef`` (after undoing the speculative step).

@@ -69,15 +69,19 @@ class Schedule:
     tasks: dict[str, Task] = field(default_factory=dict)
     lanes: dict[str, list[str]] = field(default_factory=dict)
     order: list[str] = field(default_factory=list)  # a global order consistent with all deps
+    _upload_ranks: dict[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def upload_order(self) -> dict[int, int]:
-        """Layer -> rank of its first upload in :attr:`order` (what a step needs first)."""
-        ranks: dict[int, int] = {}
-        for tid in self.order:
-            t = self.tasks[tid]
-            if t.kind in (Kind.UPLOAD, Kind.RESIDENT_UPLOAD) and t.layers[0] not in ranks:
-                ranks[t.layers[0]] = len(ranks)
-        return ranks
+        """Layer -> rank of its first upload in :attr:`order` (what a step needs first); computed
+        once per schedule (the engine asks every step)."""
+        if self._upload_ranks is None:
+            ranks: dict[int, int] = {}
+            for tid in self.order:
+                t = self.tasks[tid]
+                if t.kind in (Kind.UPLOAD, Kind.RESIDENT_UPLOAD) and t.layers[0] not in ranks:
+                    ranks[t.layers[0]] = len(ranks)
+            self._upload_ranks = ranks
+        return self._upload_ranks
 
     def add(self, task: Task) -> Task:
         if task.id in self.tasks:
@@ -85,6 +89,7 @@ class Schedule:
         self.tasks[task.id] = task
         self.lanes.setdefault(task.lane, []).append(task.id)
         self.order.append(task.id)
+        self._upload_ranks = None
         return task
 
     def fwd_rows(self) -> list[tuple[int, int]]:
