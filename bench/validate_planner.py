@@ -120,7 +120,7 @@ def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, ste
                           pack_size=k["pack_size"], micro_batch_size=k["micro_batch_size"],
                           backward_micro_batch_size=k["backward_micro_batch_size"],
                           prefetch_window=k["prefetch_window"], stash=k["stash"],
-                          device_optimizer=k.get("device_optimizer", "off"))
+                          device_optimizer=k.get("device_optimizer", "off"), resident_packs=k.get("resident_packs", 0))
     out: dict = {"knobs": k, "describe": cand.describe()}
     engine = None
     try:
