@@ -36,8 +36,9 @@ class _SlotRing:
             raise ConfigError(f"schedule needs more slots than {self.count} for {what}")
         return self.pending.popleft()
 
-    def release(self, slot: int, task_id: str) -> None:
-        self.pending.append((slot, task_id))
+    def release(self, slot: int | None, task_id: str) -> None:
+        if slot is not None:  # None: a resident layer's own buffer, not a ring slot
+            self.pending.append((slot, task_id))
 
 
 def _overlapping(rows: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
@@ -107,8 +108,7 @@ def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
                            slots=slots, first=m == 0, last=last, deps=tuple(dict.fromkeys(deps))))
         if not (carry and q == P - 1):
             for s in slots:
-                if s is not None:
-                    param_rings[dev].release(s, f"fwd/{q}/{len(frows) - 1}")
+                param_rings[dev].release(s, f"fwd/{q}/{len(frows) - 1}")
 
     # ---- head (forward + backward fused) ------------------------------------------------
     for m, (lo, hi) in enumerate(frows):
@@ -151,14 +151,12 @@ def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
                            deps=tuple(dict.fromkeys(deps))))
         last_bwd = f"bwd/{q}/{len(brows) - 1}"
         for s in slots:
-            if s is not None:
-                param_rings[dev].release(s, last_bwd)
+            param_rings[dev].release(s, last_bwd)
         for layer, g in zip(layers_of(q), gslots):
             dl = f"dl/L{layer}"
             sched.add(Task(dl, Kind.DOWNLOAD, dev, layers=(layer,), grad_slots=(g,) if g is not None else (),
                            deps=(last_bwd,)))
-            if g is not None:
-                grad_rings[dev].release(g, dl)
+            grad_rings[dev].release(g, dl)
             sched.add(Task(f"upd/L{layer}", Kind.UPDATE, -1, layers=(layer,), deps=(dl,)))
 
     # ---- embedding backward ---------------------------------------------------------------
