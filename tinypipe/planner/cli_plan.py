@@ -25,7 +25,7 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
     p = subparsers.add_parser(
         "plan", parents=list(parents), help="plan packing/micro-batches/memory for a model and machine (offline)",
         description="Choose a Tiny-Pipe plan (pack sizes, micro-batch sizes, prefetch window, where pack inputs "
-                    "are stashed) that fits the GPUs and host memory, and predict its speed. Runs offline from a "
+                    "are stashed, which layers stay on the GPU with their optimizer) that fits the GPUs and host memory, and predict its speed. Runs offline from a "
                     "config: no GPU, no weights.",
     )
     add_arguments(p)
