@@ -30,6 +30,7 @@ import functools
 import importlib.util
 import json
 import os
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -197,6 +198,8 @@ def _load_config(folder: Path):
                 f"transformers {transformers.__version__}"
             ) from None
         raise ModelFilesError(f"{folder}/config.json: {msg}") from None
+    except _config_validation_errors() as exc:  # e.g. hidden size not a multiple of the heads
+        raise ModelFilesError(f"{folder}/config.json: {_one_line(exc)}") from None
     except (OSError, TypeError, KeyError) as exc:
         raise ModelFilesError(f"{folder}/config.json: cannot read ({_one_line(exc)})") from None
 
@@ -321,6 +324,23 @@ def _load_hf_dir_whole(folder: Path) -> nn.Module:
 # --------------------------------------------------------------------------- GGUF
 
 
+#: What the GGUF readers (transformers', gguf's) raise on a malformed file: truncated headers
+#: (struct.error, EOFError), garbage strings (UnicodeDecodeError), absurd declared counts or lengths
+#: (OverflowError, MemoryError), wrong types where a value was expected (TypeError, KeyError, ...).
+_GGUF_READ_ERRORS = (OSError, RuntimeError, KeyError, IndexError, TypeError, AttributeError, struct.error,
+                     EOFError, UnicodeDecodeError, OverflowError, MemoryError)
+
+
+def _config_validation_errors() -> tuple[type[BaseException], ...]:
+    """huggingface_hub's strict-dataclass validation error (not a ValueError), which transformers 5
+    configs raise for inconsistent values; absent from older versions."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
+
+
 def _require_gguf() -> None:
     if importlib.util.find_spec("gguf") is None:
         raise MissingDependencyError("reading .gguf files needs the gguf package; run: pip install gguf")
@@ -346,7 +366,7 @@ def _load_gguf(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreT
             if isinstance(exc, NotImplementedError) or "not supported" in msg or "Unrecognized" in msg or "Unknown" in msg:
                 raise UnsupportedArchitectureError(f"{file}: {msg}") from None
             raise ModelFilesError(f"{file}: cannot load ({msg})") from None
-        except (OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
+        except (*_GGUF_READ_ERRORS, *_config_validation_errors()) as exc:
             raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
         _check_causal_lm(getattr(config, "model_type", None), file)
         model, mat = _skeleton(_plain_config(config), file)
@@ -364,7 +384,7 @@ def _load_gguf(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreT
             streamed = False
         except NotImplementedError as exc:
             raise UnsupportedArchitectureError(f"{file}: {_one_line(exc)}") from None
-        except (ValueError, OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
+        except (ValueError, *_GGUF_READ_ERRORS) as exc:
             raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
     if not streamed:
         del model, mat
@@ -394,7 +414,7 @@ def _load_gguf_whole(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module
         raise ModelFilesError(f"{file}: cannot load ({msg})") from None
     except NotImplementedError as exc:
         raise UnsupportedArchitectureError(f"{file}: {_one_line(exc)}") from None
-    except (OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
+    except _GGUF_READ_ERRORS as exc:
         raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
     tokenizer = _load_tokenizer(file.parent, gguf_file=name) if want_tokenizer else None
     model = _plain_copy(loaded)
