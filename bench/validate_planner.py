@@ -86,7 +86,7 @@ def grid(sizes, hw, *, seq: int, batch: int, precision: str, gpu: int, host: int
                 for w in (1, 2):
                     if w > pack and w > 1:
                         continue
-                    c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=mb, bwd_micro_batch=mb, prefetch_window=w,
+                    c = evaluate(sizes, hw, pack_size=pack, micro_batch_size=mb, backward_micro_batch_size=mb, prefetch_window=w,
                                  stash=stash, gpus=1, seq=seq, global_batch=batch, precision=precision)
                     if c.gpu_need <= gpu and c.host_need <= host:
                         out.append(c)
@@ -228,8 +228,8 @@ def main(argv: list[str] | None = None) -> int:
         if hw2 is None:
             return None
         k = c.knobs
-        return evaluate(sizes, hw2, pack_size=k["pack_size"], fwd_micro_batch=k["micro_batch_size"],
-                        bwd_micro_batch=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
+        return evaluate(sizes, hw2, pack_size=k["pack_size"], micro_batch_size=k["micro_batch_size"],
+                        backward_micro_batch_size=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
                         stash=k["stash"], gpus=1, seq=w.seq, global_batch=w.batch, precision=precision).time.step_s
 
     devices = [device]

@@ -142,7 +142,7 @@ def test_static_memory_equals_engine(family: str, case: str) -> None:
 
 def test_cuda_staging_counted_in_bf16_only() -> None:
     sizes = model_sizes(load_model_config("llama-3.2-1b"))
-    plan = make_plan(sizes.num_blocks, pack_size=2, fwd_micro_batch=1, bwd_micro_batch=1, num_devices=1,
+    plan = make_plan(sizes.num_blocks, pack_size=2, micro_batch_size=1, backward_micro_batch_size=1, num_devices=1,
                      prefetch_window=1, stash="host", tied=sizes.tied)
     bf16 = estimate_memory(sizes, plan, batch=2, seq=64, precision="bf16", devices=["cuda:0"])
     fp32 = estimate_memory(sizes, plan, batch=2, seq=64, precision="fp32", devices=["cuda:0"])
@@ -182,7 +182,7 @@ def runtime_of_the_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_calibration_points(row: tuple) -> None:
     workload, pack, mb, stash, peak_gib, act_gb, static_gb, step_s = row
     sizes = model_sizes(transformers.LlamaConfig(**(W1 if workload == "W1" else W3)))
-    plan = make_plan(sizes.num_blocks, pack_size=pack, fwd_micro_batch=mb, bwd_micro_batch=mb, num_devices=1,
+    plan = make_plan(sizes.num_blocks, pack_size=pack, micro_batch_size=mb, backward_micro_batch_size=mb, num_devices=1,
                      prefetch_window=2, stash=stash, tied=sizes.tied)
     rep = estimate_memory(sizes, plan, batch=16, seq=2048, precision="bf16", devices=["cuda:0"])
     static = rep.device_total("0:cuda:0")
@@ -202,7 +202,7 @@ def test_calibration_points(row: tuple) -> None:
 def test_two_device_calibration() -> None:
     """W1 on two H200s (pack 2, mb 4, host stash): 3.56 / 3.09 GB activations, 1.94 s/step."""
     sizes = model_sizes(transformers.LlamaConfig(**W1))
-    plan = make_plan(sizes.num_blocks, pack_size=2, fwd_micro_batch=4, bwd_micro_batch=4, num_devices=2,
+    plan = make_plan(sizes.num_blocks, pack_size=2, micro_batch_size=4, backward_micro_batch_size=4, num_devices=2,
                      prefetch_window=2, stash="host", tied=sizes.tied)
     peaks = activation_peaks(sizes, plan, batch=16, seq=2048, precision="bf16", devices=["cuda:0", "cuda:1"])
     assert peaks[0] / 1e9 == pytest.approx(3.56, rel=0.15)
@@ -233,8 +233,8 @@ def test_search_choices_build_valid_schedules() -> None:
     for c in result.pareto[:4]:
         validate(build_schedule(c.plan, 16, result.sizes.tied))
     cfg = tinypipe.Config(**result.config_kwargs())  # the knobs are Config fields; no GPU is touched
-    again = make_plan(result.sizes.num_blocks, pack_size=cfg.pack_size, fwd_micro_batch=cfg.micro_batch_size,
-                      bwd_micro_batch=cfg.bwd_micro_batch_size, num_devices=len(cfg.devices),
+    again = make_plan(result.sizes.num_blocks, pack_size=cfg.pack_size, micro_batch_size=cfg.micro_batch_size,
+                      backward_micro_batch_size=cfg.bwd_micro_batch_size, num_devices=len(cfg.devices),
                       prefetch_window=cfg.prefetch_window, stash=cfg.stash, tied=result.sizes.tied,
                       device_optimizer=cfg.device_optimizer)
     assert again == result.best.plan

@@ -58,7 +58,7 @@ def test_cost_model_uses_measured_times() -> None:
                                                  num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
                                                  tie_word_embeddings=True, max_position_embeddings=8192))
     base = HARDWARE["h200-pcie5"]
-    kw = dict(pack_size=2, fwd_micro_batch=4, bwd_micro_batch=4, prefetch_window=2, stash="host", gpus=1, seq=2048,
+    kw = dict(pack_size=2, micro_batch_size=4, backward_micro_batch_size=4, prefetch_window=2, stash="host", gpus=1, seq=2048,
               global_batch=16, precision="bf16")
     from dataclasses import replace
 
@@ -88,7 +88,7 @@ def test_profile_command_on_cpu_feeds_plan(tmp_path: Path, capsys) -> None:
     assert any("measured per-layer" in n for n in result.notes)
     # the predicted compute of a one-block-per-pack plan is built from the measured block times
     p = hw.layer_profile
-    c = evaluate(result.sizes, hw, pack_size=1, fwd_micro_batch=2, bwd_micro_batch=2, prefetch_window=1,
+    c = evaluate(result.sizes, hw, pack_size=1, micro_batch_size=2, backward_micro_batch_size=2, prefetch_window=1,
                  stash="device", gpus=1, seq=32, global_batch=4, precision="fp32")
     pt = next(x for x in p.points if x.seq == 32 and x.micro_batch == 2)
     blocks = 4 * 2 * (pt.forward_s + pt.recompute_s + pt.backward_s)  # 4 blocks x 2 micro-batches
@@ -126,7 +126,7 @@ def test_engine_plans_when_no_knob_is_set() -> None:
     assert eng.plan_result is not None
     best = eng.plan_result.best.knobs
     assert eng.config.micro_batch_size == best["micro_batch_size"] and not eng.config.auto_plan
-    assert eng.plan.fwd_micro_batch == best["micro_batch_size"]
+    assert eng.plan.micro_batch_size == best["micro_batch_size"]
     r = eng.step(make_batch(4, 16))
     assert r.loss == r.loss
     eng.close()
@@ -208,8 +208,8 @@ def test_h200_profile_predicts_the_recorded_runs() -> None:
     for r in rows:
         m = r["measured"]
         k = m["knobs"]
-        c = evaluate(sizes, hw, pack_size=k["pack_size"], fwd_micro_batch=k["micro_batch_size"],
-                     bwd_micro_batch=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
+        c = evaluate(sizes, hw, pack_size=k["pack_size"], micro_batch_size=k["micro_batch_size"],
+                     backward_micro_batch_size=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
                      stash=k["stash"], gpus=1, seq=w.seq, global_batch=w.batch)
         alloc = sum(c.memory.devices["0:cuda:0"].values())
         assert abs(c.time.step_s / m["step_s"] - 1) <= 0.15, (r["label"], c.time.step_s, m["step_s"])
@@ -241,8 +241,8 @@ def test_h200_profile_predicts_clipped_steps(run: str, device_optimizer: str, fi
     assert all(m["steps_s"][i] > 2.0 for i in range(2, len(m["steps_s"])))  # every step clipped: slow
     w = WORKLOADS["W1"]
     c = evaluate(model_sizes(transformers.LlamaConfig(**w.config)), load_hardware(str(root / "h200_profile_w1.json")),
-                 pack_size=int(cfg["pack_size"]), fwd_micro_batch=int(cfg["micro_batch"]),
-                 bwd_micro_batch=int(cfg["micro_batch"]), prefetch_window=int(cfg["window"]), stash=cfg["stash"],
+                 pack_size=int(cfg["pack_size"]), micro_batch_size=int(cfg["micro_batch"]),
+                 backward_micro_batch_size=int(cfg["micro_batch"]), prefetch_window=int(cfg["window"]), stash=cfg["stash"],
                  gpus=1, seq=w.seq, global_batch=w.batch, max_grad_norm=1.0, device_optimizer=device_optimizer)
     err = c.time.clipped_step_s / m["seconds_per_step"] - 1
     assert abs(err) <= (0.01 if fitted else 0.05), (run, c.time.clipped_step_s, m["seconds_per_step"])

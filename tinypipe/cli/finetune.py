@@ -63,7 +63,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             raise ConfigError(f"{s['plan']}: not a tinypipe plan ({exc})") from None
         if plan.num_devices != len(config.devices):
             raise ConfigError(f"{s['plan']}: plan is for {plan.num_devices} device(s), --devices lists {len(config.devices)}")
-        config = config.replace(micro_batch_size=plan.fwd_micro_batch, backward_micro_batch_size=plan.bwd_micro_batch,
+        config = config.replace(micro_batch_size=plan.micro_batch_size, backward_micro_batch_size=plan.backward_micro_batch_size,
                                 prefetch_window=plan.prefetch_window)
     from tinypipe.train.data import read_records
     from tinypipe.train.model_io import resolve_model_path

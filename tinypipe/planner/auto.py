@@ -93,8 +93,8 @@ def configure(model: nn.Module, config: Config, plan_given: bool = False):
         gpu, host = budgets(cfg)
         lora = lora_settings_of(model)
         sizes = lora_sizes(model.config, lora) if lora is not None else model_sizes(model.config)
-        c = evaluate(sizes, hardware_for(cfg), pack_size=cfg.pack_size, fwd_micro_batch=cfg.micro_batch_size,
-                     bwd_micro_batch=cfg.bwd_micro_batch_size, prefetch_window=cfg.prefetch_window, stash=cfg.stash,
+        c = evaluate(sizes, hardware_for(cfg), pack_size=cfg.pack_size, micro_batch_size=cfg.micro_batch_size,
+                     backward_micro_batch_size=cfg.bwd_micro_batch_size, prefetch_window=cfg.prefetch_window, stash=cfg.stash,
                      gpus=len(cfg.devices), seq=cfg.seq_len, global_batch=cfg.global_batch, precision=cfg.precision,
                      max_grad_norm=cfg.max_grad_norm, host_grad_buffers=cfg.host_grad_buffers,
                      device_optimizer=cfg.device_optimizer or "off", resident_packs=cfg.resident_packs or 0)

@@ -155,8 +155,8 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     P = plan.num_packs
     n = len(devices)
     B, S = batch, seq
-    tf = min(plan.fwd_micro_batch, B) * S  # tokens per forward / backward micro-batch
-    tb = min(plan.bwd_micro_batch, B) * S
+    tf = min(plan.micro_batch_size, B) * S  # tokens per forward / backward micro-batch
+    tb = min(plan.backward_micro_batch_size, B) * S
     bsh = B * S * H * a
     chunk = head_chunk or head_chunk_tokens(V)
     act_tok = act_per_token or sizes.block_act_bytes(precision)
@@ -241,7 +241,7 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         if cuda[d]:
             reads_host = any(plan.stash_on_host[q] and (plan.fwd_device[q] == d or plan.bwd_device[q] == d)
                              for q in range(1, P))
-            if reads_host and (B > plan.fwd_micro_batch or B > plan.bwd_micro_batch):
+            if reads_host and (B > plan.micro_batch_size or B > plan.backward_micro_batch_size):
                 const += 2 * max(tf, tb) * H * a
             const += CUDA_WORKSPACE_BYTES
         peaks.append(int(totals[k] + const))

@@ -159,8 +159,8 @@ def _with_resident_packs(sizes: ModelSizes, hw: HardwareSpec, seeds: list[Candid
         k = seed.knobs
         for r in range(1, seed.plan.num_packs + 1):
             try:
-                c = evaluate(sizes, hw, pack_size=k["pack_size"], fwd_micro_batch=k["micro_batch_size"],
-                             bwd_micro_batch=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
+                c = evaluate(sizes, hw, pack_size=k["pack_size"], micro_batch_size=k["micro_batch_size"],
+                             backward_micro_batch_size=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
                              stash=k["stash"], gpus=gpus, seq=seq, global_batch=global_batch, precision=precision,
                              max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
                              peaks=[seed.memory.devices[n]["activations_peak"] for n in seed.memory.devices],
@@ -182,15 +182,15 @@ def _gpu_need(report: MemoryReport) -> int:
     return worst
 
 
-def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequence[int], fwd_micro_batch: int,
-             bwd_micro_batch: int, prefetch_window: int, stash: str | Sequence[str], gpus: int, seq: int,
+def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequence[int], micro_batch_size: int,
+             backward_micro_batch_size: int, prefetch_window: int, stash: str | Sequence[str], gpus: int, seq: int,
              global_batch: int, precision: str = "bf16", max_grad_norm: float | None = None,
              host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None,
              device_optimizer: str = "off", resident_packs: int = 0) -> Candidate:
     """Build the plan for these knobs and estimate its memory and time (``peaks``: activation
     peaks already estimated for the same plan with another window)."""
     plan = make_plan(sizes.num_blocks, pack_size=pack_size if isinstance(pack_size, int) else list(pack_size),
-                     fwd_micro_batch=fwd_micro_batch, bwd_micro_batch=bwd_micro_batch, num_devices=gpus,
+                     micro_batch_size=micro_batch_size, backward_micro_batch_size=backward_micro_batch_size, num_devices=gpus,
                      prefetch_window=prefetch_window, stash=stash if isinstance(stash, str) else list(stash),
                      tied=sizes.tied, device_optimizer=device_optimizer, resident_packs=resident_packs)
     devices = [f"cuda:{i}" for i in range(gpus)]
@@ -204,8 +204,8 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequ
     t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision)
     knobs = {
         "pack_size": pack_size if isinstance(pack_size, int) else list(pack_size),
-        "micro_batch_size": fwd_micro_batch,
-        "backward_micro_batch_size": bwd_micro_batch,
+        "micro_batch_size": micro_batch_size,
+        "backward_micro_batch_size": backward_micro_batch_size,
         "prefetch_window": prefetch_window,
         "stash": stash if isinstance(stash, str) else list(stash),
         "device_optimizer": device_optimizer,
@@ -297,7 +297,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                     for w in windows:
                         for dopt in dopts:
                             try:
-                                c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=f, bwd_micro_batch=b,
+                                c = evaluate(sizes, hw, pack_size=pack, micro_batch_size=f, backward_micro_batch_size=b,
                                              prefetch_window=w, stash=stash, gpus=gpus, seq=seq,
                                              global_batch=global_batch, precision=precision,
                                              max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,

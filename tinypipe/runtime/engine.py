@@ -112,8 +112,8 @@ class Engine(EngineObservability):
         self.plan = plan or make_plan(
             dec.num_blocks,
             pack_size=cfg.pack_size,
-            fwd_micro_batch=cfg.micro_batch_size,
-            bwd_micro_batch=cfg.bwd_micro_batch_size,
+            micro_batch_size=cfg.micro_batch_size,
+            backward_micro_batch_size=cfg.bwd_micro_batch_size,
             num_devices=len(cfg.devices),
             prefetch_window=cfg.prefetch_window,
             stash=cfg.stash,

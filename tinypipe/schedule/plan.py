@@ -21,8 +21,8 @@ class Plan:
     """
 
     packs: tuple[tuple[int, ...], ...]
-    fwd_micro_batch: int
-    bwd_micro_batch: int
+    micro_batch_size: int
+    backward_micro_batch_size: int
     num_devices: int = 1
     prefetch_window: int = 1
     stash_on_host: tuple[bool, ...] = ()
@@ -130,8 +130,8 @@ def make_plan(
     num_blocks: int,
     *,
     pack_size: int | Sequence[int],
-    fwd_micro_batch: int,
-    bwd_micro_batch: int,
+    micro_batch_size: int,
+    backward_micro_batch_size: int,
     num_devices: int,
     prefetch_window: int,
     stash: str | Sequence[str],
@@ -155,8 +155,8 @@ def make_plan(
         fwd, bwd, e, h = round_robin_devices(len(packs), num_devices, tied)
     return Plan(
         packs=packs,
-        fwd_micro_batch=fwd_micro_batch,
-        bwd_micro_batch=bwd_micro_batch,
+        micro_batch_size=micro_batch_size,
+        backward_micro_batch_size=backward_micro_batch_size,
         num_devices=num_devices,
         prefetch_window=prefetch_window,
         stash_on_host=stash_host,
