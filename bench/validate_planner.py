@@ -36,9 +36,10 @@ from tinypipe.bench.rss import RssSampler  # noqa: E402
 from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
 from tinypipe.errors import TinypipeError  # noqa: E402
 from tinypipe.planner.auto import CPU_HARDWARE  # noqa: E402
-from tinypipe.planner.hardware import load_hardware, parse_bytes  # noqa: E402
+from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.search import Candidate, evaluate, plan_for  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from tinypipe.units import parse_bytes  # noqa: E402
 
 GIB = 1024**3
 

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Sequence
 
 from tinypipe.errors import ConfigError
+from tinypipe.units import parse_bytes
 
 Precision = Literal["fp32", "bf16"]
 PinMode = Literal["register", "pageable"]
@@ -142,8 +143,6 @@ class Config:
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
         for name in ("gpu_memory_bytes", "cpu_memory_bytes"):  # "24GiB" as well as bytes
             if isinstance(getattr(self, name), str):
-                from tinypipe.planner.hardware import parse_bytes
-
                 setattr(self, name, parse_bytes(getattr(self, name)))
         if self.hardware is not None and not isinstance(self.hardware, str):
             raise ConfigError(f"hardware must be a preset name or a file path, got {self.hardware!r}")

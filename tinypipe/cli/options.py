@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from tinypipe.errors import ConfigError
+from tinypipe.units import parse_bytes
 
 def _int(text: Any) -> int:
     if isinstance(text, bool):
@@ -81,8 +82,6 @@ def _names(value: Any) -> list[str]:
 
 
 def _size(value: Any) -> int:
-    from tinypipe.planner.hardware import parse_bytes
-
     try:
         return parse_bytes(value if isinstance(value, (int, float)) else _str(value))
     except ConfigError as exc:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Sequence
 import transformers
 
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.memory.report import GIB, MemoryReport
+from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.cost import REFERENCE_TOKENS, StepTime, predict_step_time
 from tinypipe.planner.estimate import estimate_memory
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
@@ -34,6 +34,7 @@ from tinypipe.planner.options import (
 from tinypipe.planner.presets import load_model_config
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.schedule.plan import Plan, make_plan
+from tinypipe.units import GIB, gib_text
 
 if TYPE_CHECKING:
     from tinypipe.lora.settings import LoraSettings
@@ -328,11 +329,6 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                       gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=global_batch,
                       precision=precision, max_grad_norm=max_grad_norm, considered=len(cands), fitting=len(fits),
                       model_name=name, notes=notes)
-
-
-def gib_text(n: float) -> str:
-    """``n`` bytes as '12.3 GiB' (plan messages)."""
-    return f"{n / GIB:.1f} GiB"
 
 
 def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> str:
