@@ -28,6 +28,7 @@ from tinypipe.bench.analysis import overlap_table, step_bound  # noqa: E402
 from tinypipe.bench.machine import measure  # noqa: E402
 from tinypipe.bench.rss import RssSampler  # noqa: E402
 from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
 from tinypipe.runtime.step import host_times  # noqa: E402
 
 
@@ -41,13 +42,13 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bwd-micro-batch", type=int, default=None)
     ap.add_argument("--window", type=int, default=1)
     ap.add_argument("--stash", default="device", help="device | host | comma list per boundary")
-    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--precision", default="bf16", choices=PRECISIONS)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--max-grad-norm", type=float, default=None, help="global-norm clipping (default: off)")
-    ap.add_argument("--pin", default="register")
-    ap.add_argument("--device-optimizer", default="off", choices=("off", "embed", "head", "both"),
+    ap.add_argument("--pin", default="register", choices=PIN_MODES)
+    ap.add_argument("--device-optimizer", default="off", choices=DEVICE_OPTIMIZER_CHOICES,
                     help="resident layers stepped on the GPU (default: off)")
     ap.add_argument("--resident-packs", type=int, default=0, help="first N packs resident on the GPU")
     ap.add_argument("--auto", action="store_true",

@@ -34,6 +34,7 @@ import transformers  # noqa: E402
 import tinypipe  # noqa: E402
 from tinypipe.bench.rss import RssSampler  # noqa: E402
 from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.config import STASH_PLACES  # noqa: E402
 from tinypipe.errors import TinypipeError  # noqa: E402
 from tinypipe.planner.auto import CPU_HARDWARE  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
@@ -81,7 +82,7 @@ def grid(sizes, hw, *, seq: int, batch: int, precision: str, gpu: int, host: int
     out = []
     for pack in packs:
         for mb in mbs:
-            for stash in ("device", "host"):
+            for stash in STASH_PLACES:
                 if stash == "host" and -(-L // pack) < 2:
                     continue
                 for w in (1, 2):

@@ -4,15 +4,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Sequence, get_args
 
 from tinypipe.errors import ConfigError
+from tinypipe.schedule.plan import (  # noqa: F401 - re-exported: the plan's choice sets
+    DEVICE_OPTIMIZER_CHOICES,
+    STASH_PLACES,
+    DeviceOptimizer,
+    StashPlace,
+)
 from tinypipe.units import parse_bytes
 
+#: Compute precision (master weights and AdamW state stay fp32).
 Precision = Literal["fp32", "bf16"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+#: How the host master weights are made DMA-able.
 PinMode = Literal["register", "pageable"]
-StashPlace = Literal["device", "host"]
+PIN_MODES: tuple[PinMode, ...] = get_args(PinMode)
+#: What a NaN/inf loss or gradient does.
 NonFinitePolicy = Literal["raise", "skip"]
+NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = get_args(NonFinitePolicy)
 
 
 #: The fields the planner chooses (``Config.auto_plan`` when all are unset).
@@ -20,12 +31,15 @@ PLAN_KNOBS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "pre
 #: What unset knobs mean when at least one is set (tinypipe's defaults before automatic planning).
 MANUAL_DEFAULTS = {"pack_size": 1, "micro_batch_size": 1, "prefetch_window": 1, "stash": "device",
                    "device_optimizer": "off", "resident_packs": 0}
-#: Which resident layers keep their AdamW state on their device (``Config.device_optimizer``).
-DEVICE_OPTIMIZER_CHOICES = ("off", "embed", "head", "both")
 
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass
@@ -102,7 +116,7 @@ class Config:
     weight_decay: float = 0.0
     max_grad_norm: float | None = None
     stash: StashPlace | Sequence[StashPlace] | None = None
-    device_optimizer: str | None = None
+    device_optimizer: DeviceOptimizer | None = None
     resident_packs: int | None = None
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
@@ -137,7 +151,8 @@ class Config:
         if self.stash is not None and not isinstance(self.stash, str) and not (
             isinstance(self.stash, (list, tuple)) and all(isinstance(x, str) for x in self.stash)
         ):
-            raise ConfigError(f"stash must be 'device', 'host' or a list of them, got {self.stash!r}")
+            raise ConfigError(f"stash must be one of {', '.join(STASH_PLACES)} or a list of them, "
+                              f"got {self.stash!r}")
         for name in ("precision", "pin_memory", "nonfinite", "compile_blocks"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
@@ -193,8 +208,7 @@ class Config:
                 raise ConfigError(f"pack_size list must hold positive sizes, got {self.pack_size}")
         if self.prefetch_window is not None and self.prefetch_window < 0:
             raise ConfigError(f"prefetch_window must be >= 0, got {self.prefetch_window}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        _check_choice("precision", self.precision, PRECISIONS)
         if not self.lr >= 0:
             raise ConfigError(f"lr must be >= 0, got {self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -207,23 +221,19 @@ class Config:
             raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
         stashes = () if self.stash is None else (self.stash,) if isinstance(self.stash, str) else tuple(self.stash)
         for s in stashes:
-            if s not in ("device", "host"):
-                raise ConfigError(f"stash must be 'device' or 'host', got {s!r}")
+            _check_choice("stash", s, STASH_PLACES)
         if self.stash is not None and not isinstance(self.stash, str):
             self.stash = tuple(self.stash)
-        if self.pin_memory not in ("register", "pageable"):
-            raise ConfigError(f"pin_memory must be 'register' or 'pageable', got {self.pin_memory!r}")
+        _check_choice("pin_memory", self.pin_memory, PIN_MODES)
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         if self.grad_slots is not None and self.grad_slots < 1:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")
         if not self.compile_blocks or self.compile_blocks != self.compile_blocks.strip():
             raise ConfigError(f"compile_blocks must be 'auto', 'off' or a torch.compile backend name, got {self.compile_blocks!r}")
-        if self.device_optimizer is not None and self.device_optimizer not in DEVICE_OPTIMIZER_CHOICES:
-            raise ConfigError(f"device_optimizer must be one of {', '.join(DEVICE_OPTIMIZER_CHOICES)}, "
-                              f"got {self.device_optimizer!r}")
-        if self.nonfinite not in ("raise", "skip"):
-            raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+        if self.device_optimizer is not None:
+            _check_choice("device_optimizer", self.device_optimizer, DEVICE_OPTIMIZER_CHOICES)
+        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         if not self.stall_timeout_s > 0:
             raise ConfigError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.host_grad_buffers is not None and self.host_grad_buffers < 1:

@@ -14,8 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PRECISIONS
 from tinypipe.errors import ConfigError
+from tinypipe.train.loop import SCHEDULES
 from tinypipe.units import parse_bytes
+
 
 def _int(text: Any) -> int:
     if isinstance(text, bool):
@@ -131,17 +134,17 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("lr", _float, 1e-5, "peak learning rate (default: 1e-5)", "LR"),
     Option("warmup-steps", _int, 0, "linear warm-up steps (default: 0)", "N"),
     Option("schedule", _str, "cosine", "learning-rate decay after warm-up (default: cosine)", None,
-           ("cosine", "linear", "constant")),
+           SCHEDULES),
     Option("min-lr-ratio", _float, 0.1, "final learning rate as a fraction of --lr (default: 0.1)", "X"),
     Option("weight-decay", _float, 0.0, "AdamW weight decay (default: 0)", "X"),
     Option("device-optimizer", _str, None, "keep the embedding's / head's AdamW state on the GPU and step it there: 12 bytes/parameter of GPU memory, less link traffic and no host AdamW tail (default: the planner's choice on CUDA, off on cpu)", None,
-           ("off", "embed", "head", "both")),
+           DEVICE_OPTIMIZER_CHOICES),
     Option("resident-packs", _int, None, "keep the first N packs on the GPU for the whole run, stepped there: 18 bytes/parameter of GPU memory (bf16), no swapping or host AdamW for them (default: the planner's choice on CUDA, 0 on cpu)", "N"),
     Option("max-grad-norm", _optional_float, None, "clip the global gradient norm to this (default: off; costs one fp32 gradient copy in host memory)", "X"),
     Option("seed", _int, 0, "seed for the data order (default: 0)", "N"),
     Option("devices", _devices, None, "comma-separated devices, e.g. cuda:0,cuda:1 (default: cuda:0 if available, else cpu)", "LIST"),
     Option("precision", _str, None, "compute precision; master weights stay fp32 (default: bf16 on CUDA, fp32 on cpu)", None,
-           ("fp32", "bf16")),
+           PRECISIONS),
     Option("skip-bad-lines", _bool, False, "skip malformed data lines (logged) instead of stopping", flag=True),
     Option("plan", _str, None, "a plan from `tinypipe plan --save-plan FILE` (packs, micro-batches, placement; overrides those flags)", "FILE"),
     Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps (default: off)", "N"),

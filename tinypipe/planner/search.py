@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import transformers
 
+from tinypipe.config import PRECISIONS, Precision
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.cost import REFERENCE_TOKENS, StepTime, predict_step_time
@@ -249,8 +250,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         raise ConfigError(f"sequence length must be >= 2, got {seq}")
     if global_batch < 1:
         raise ConfigError(f"global batch must be >= 1, got {global_batch}")
-    if precision not in ("bf16", "fp32"):
-        raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
     hw = load_hardware(hardware)

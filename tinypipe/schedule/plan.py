@@ -5,9 +5,16 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 from tinypipe.errors import ConfigError
+
+#: Which resident layers keep their AdamW state on their device and are stepped there.
+DeviceOptimizer = Literal["off", "embed", "head", "both"]
+DEVICE_OPTIMIZER_CHOICES: tuple[DeviceOptimizer, ...] = get_args(DeviceOptimizer)
+#: Where a pack's input waits between its forward and its backward.
+StashPlace = Literal["device", "host"]
+STASH_PLACES: tuple[StashPlace, ...] = get_args(StashPlace)
 
 
 @dataclass(frozen=True)
@@ -31,13 +38,14 @@ class Plan:
     embed_device: int = 0
     head_device: int = 0
     grad_slots: int | None = None
-    device_optimizer: str = "off"  # off | embed | head | both: resident layers stepped on their device
+    device_optimizer: DeviceOptimizer = "off"  # resident layers stepped on their device
     resident_packs: int = 0  # the first packs stay on their device, stepped there (never swapped)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.device_optimizer not in ("off", "embed", "head", "both"):
-            raise ConfigError(f"plan: device_optimizer must be off, embed, head or both, got {self.device_optimizer!r}")
+        if self.device_optimizer not in DEVICE_OPTIMIZER_CHOICES:
+            raise ConfigError(f"plan: device_optimizer must be one of {', '.join(DEVICE_OPTIMIZER_CHOICES)}, "
+                              f"got {self.device_optimizer!r}")
         if not 0 <= self.resident_packs <= len(self.packs):
             raise ConfigError(f"plan: resident_packs must be in 0..{len(self.packs)}, got {self.resident_packs}")
         for q in range(self.resident_packs):
@@ -134,14 +142,17 @@ def make_plan(
     backward_micro_batch_size: int,
     num_devices: int,
     prefetch_window: int,
-    stash: str | Sequence[str],
+    stash: StashPlace | Sequence[StashPlace],
     tied: bool,
     grad_slots: int | None = None,
-    device_optimizer: str = "off",
+    device_optimizer: DeviceOptimizer = "off",
     resident_packs: int = 0,
 ) -> Plan:
     """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes)."""
     packs = split_packs(num_blocks, pack_size)
+    for s in (stash,) if isinstance(stash, str) else stash:
+        if s not in STASH_PLACES:
+            raise ConfigError(f"stash must be one of {', '.join(STASH_PLACES)}, got {s!r}")
     if isinstance(stash, str):
         # the embedding's output and the head's input are consumed on the spot: never host-stashed
         stash_host = tuple(stash == "host" and 0 < q < len(packs) for q in range(len(packs) + 1))
