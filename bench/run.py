@@ -106,9 +106,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = tinypipe.Engine(model, cfg)
         t_engine = time.perf_counter() - t0
         phase(f"engine ready ({t_engine:.1f} s)")
-        if engine.plan_result is not None:
-            print(f"planner's choice: {engine.plan_result.best.describe()} "
-                  f"(predicted {engine.plan_result.best.time.step_s:.3f} s/step)", flush=True)
+        planned = engine.plan_result.best if engine.plan_result is not None else None
+        print(f"plan{' (the planner chose it)' if planned else ''}: {engine.plan.describe()}"
+              + (f" (predicted {planned.time.step_s:.3f} s/step)" if planned else ""), flush=True)
         batch = make_batch(w)
         for i in range(a.warmup + a.steps):
             r = engine.step(batch)
@@ -138,8 +138,8 @@ def main(argv: list[str] | None = None) -> int:
         "peak_rss_self": rss.peak_self, "peak_rss_children": rss.peak_children, "max_children": rss.max_children,
         "build_s": t_build, "engine_init_s": t_engine, "params": params, **peaks,
         "memory_report": report.as_dict(), "torch": torch.__version__,
-        "plan": engine.plan_result.best.knobs if engine.plan_result is not None else None,
-        "predicted_s": engine.plan_result.best.time.step_s if engine.plan_result is not None else None,
+        "plan": engine.plan.as_dict(), "plan_text": engine.plan.describe(), "planned": planned is not None,
+        "predicted_s": planned.time.step_s if planned is not None else None,
     }
     print(report.to_text())
     bound = None

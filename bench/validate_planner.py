@@ -40,6 +40,7 @@ from tinypipe.planner.auto import CPU_HARDWARE  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.search import Candidate, evaluate, plan_for  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from tinypipe.schedule.plan import make_plan  # noqa: E402
 from tinypipe.units import parse_bytes  # noqa: E402
 
 GIB = 1024**3
@@ -70,7 +71,7 @@ def _stage(num_blocks: int) -> int:
 
 
 def _key(c: Candidate) -> str:
-    return json.dumps(c.knobs, sort_keys=True)
+    return json.dumps(c.plan.settings(), sort_keys=True)
 
 
 def grid(sizes, hw, *, seq: int, batch: int, precision: str, gpu: int, host: int) -> list[Candidate]:
@@ -88,8 +89,9 @@ def grid(sizes, hw, *, seq: int, batch: int, precision: str, gpu: int, host: int
                 for w in (1, 2):
                     if w > pack and w > 1:
                         continue
-                    c = evaluate(sizes, hw, pack_size=pack, micro_batch_size=mb, backward_micro_batch_size=mb, prefetch_window=w,
-                                 stash=stash, gpus=1, seq=seq, global_batch=batch, precision=precision)
+                    plan = make_plan(L, pack_size=pack, micro_batch_size=mb, backward_micro_batch_size=mb,
+                                     num_devices=1, prefetch_window=w, stash=stash, tied=sizes.tied)
+                    c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision)
                     if c.gpu_need <= gpu and c.host_need <= host:
                         out.append(c)
     return out
@@ -97,7 +99,7 @@ def grid(sizes, hw, *, seq: int, batch: int, precision: str, gpu: int, host: int
 
 def choose(result, extra: list[Candidate], n: int) -> list[tuple[str, Candidate]]:
     """The planner's choice plus n-1 others from the Pareto front (spread from fast to lean), then
-    from the grid, each with knobs different from those already taken."""
+    from the grid, each with settings different from those already taken."""
     picked = [("planner", result.best)]
     seen = {_key(result.best)}
     front = [c for c in result.pareto if _key(c) not in seen]
@@ -116,18 +118,13 @@ def choose(result, extra: list[Candidate], n: int) -> list[tuple[str, Candidate]
 
 
 def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, steps: int, cuda: bool, rss: RssSampler):
-    """Build an engine for ``cand``'s knobs, run warm-up + timed steps, return measurements."""
-    k = cand.knobs
-    cfg = tinypipe.Config(devices=devices, precision=precision, lr=1e-5, max_grad_norm=None,
-                          pack_size=k["pack_size"], micro_batch_size=k["micro_batch_size"],
-                          backward_micro_batch_size=k["backward_micro_batch_size"],
-                          prefetch_window=k["prefetch_window"], stash=k["stash"],
-                          device_optimizer=k.get("device_optimizer", "off"), resident_packs=k.get("resident_packs", 0))
-    out: dict = {"knobs": k, "describe": cand.describe()}
+    """Build an engine that runs ``cand``'s plan, run warm-up + timed steps, return measurements."""
+    cfg = tinypipe.Config(devices=devices, precision=precision, lr=1e-5, max_grad_norm=None)
+    out: dict = {"settings": cand.plan.settings(), "describe": cand.describe()}
     engine = None
     try:
         t0 = time.perf_counter()
-        engine = tinypipe.Engine(model, cfg)
+        engine = tinypipe.Engine(model, cfg, plan=cand.plan)
         out["engine_init_s"] = time.perf_counter() - t0
         secs, losses = [], []
         for i in range(warmup + steps):
@@ -213,8 +210,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_comparison:
         L = sizes.num_blocks
         stage = _stage(L)
-        uniform = [c for c in fits if c.knobs["pack_size"] == 1]
-        mobius = [c for c in fits if c.knobs["pack_size"] == stage and c.knobs["prefetch_window"] == 1]
+        uniform = [c for c in fits if c.plan.pack_size == 1]
+        mobius = [c for c in fits if c.plan.pack_size == stage and c.plan.prefetch_window == 1]
         for label, pool in (("uniform-1", uniform), (f"mobius-{-(-L // stage)}x{stage}", mobius)):
             if pool:
                 runs.append((label, min(pool, key=lambda c: c.time.step_s)))
@@ -229,10 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     def predict2(c: Candidate) -> float | None:
         if hw2 is None:
             return None
-        k = c.knobs
-        return evaluate(sizes, hw2, pack_size=k["pack_size"], micro_batch_size=k["micro_batch_size"],
-                        backward_micro_batch_size=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
-                        stash=k["stash"], gpus=1, seq=w.seq, global_batch=w.batch, precision=precision).time.step_s
+        return evaluate(sizes, hw2, c.plan, seq=w.seq, global_batch=w.batch, precision=precision).time.step_s
 
     devices = [device]
     batch = make_batch(w)
@@ -266,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"wrote {path}")
     print(f"\n=== planner validation: {w.name} ({w.batch} x {w.seq}, {precision}) on {out['device_name']}, "
           f"budget {gpu_budget / GIB:.0f} GiB ===")
-    print("| plan | knobs | pred s/step | meas s/step | err | pred tok/s | meas tok/s | pred peak alloc | "
+    print("| plan | settings | pred s/step | meas s/step | err | pred tok/s | meas tok/s | pred peak alloc | "
           "meas peak alloc | err | pred need (w/ headroom) | meas peak reserved | err | pred act | meas act |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:

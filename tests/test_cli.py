@@ -13,6 +13,7 @@ import transformers
 from _data_helpers import CORPUS, make_tokenizer, write_jsonl
 from tinypipe import cli
 from tinypipe.errors import TinypipeError
+from tinypipe.schedule.plan import Plan, make_plan
 from tinypipe.train import model_io
 from tinypipe.train.corpus import demo_corpus_path
 from tinypipe.train.loop import lr_at, plot_metrics, read_metrics
@@ -362,11 +363,42 @@ def test_finetune_with_a_saved_plan(capsys: pytest.CaptureFixture[str], tmp_path
                                 tmp_path / "out", "--seq-len", "16", "--global-batch", "4", "--steps", "2",
                                 "--devices", "cpu", "--plan", plan_file, "--no-progress")
     assert code == 0, err
+    assert f"plan: {Plan.load(plan_file).describe()}" in stdout.splitlines()
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     code, _, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file, "--output",
                            tmp_path / "out2", "--devices", "cpu", "--plan", bad, "--no-progress")
     assert code == 2 and "not a tinypipe plan" in err
+
+
+def test_finetune_prints_and_runs_the_plan_file(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path, tiny_model_dir: Path, data_file: Path) -> None:
+    """`finetune --plan` with a pack of 2 blocks and unequal micro-batches: the printed plan is the
+    file's (it used to say "pack size 1"), the engine runs exactly that plan, and the plan flags
+    the file overrides leave the printed plan alone."""
+    import tinypipe.runtime.engine as engine_module
+
+    engines: list = []
+
+    class CapturingEngine(engine_module.Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(engine_module, "Engine", CapturingEngine)
+    plan = make_plan(2, pack_size=2, micro_batch_size=2, backward_micro_batch_size=1, num_devices=1,
+                     prefetch_window=2, stash="device", tied=False, device_optimizer="head")
+    plan_file = tmp_path / "plan.json"
+    plan.save(plan_file)
+    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file, "--output",
+                                tmp_path / "out", "--seq-len", "16", "--global-batch", "4", "--steps", "1",
+                                "--devices", "cpu", "--plan", plan_file, "--micro-batch", "3", "--no-progress")
+    assert code == 0, err
+    printed = [line for line in stdout.splitlines() if line.startswith("plan: ")]
+    assert printed == ["plan: pack 2, micro-batch 2/1 (fwd/bwd), window 2, stash device, head stepped on the GPU"]
+    assert printed == [f"plan: {Plan.load(plan_file).describe()}"]
+    (engine,) = engines
+    assert engine.plan == plan and engine.plan_result is None
 
 
 def test_memory_budgets_are_checked_before_training(capsys: pytest.CaptureFixture[str], tmp_path: Path,
@@ -397,7 +429,8 @@ def test_finetune_with_layers_stepped_on_the_device(capsys: pytest.CaptureFixtur
     code, stdout, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "dev"),
                                 "--device-optimizer", "both", "--resident-packs", "1")
     assert code == 0, err
-    assert "both stepped on the GPU, 1 packs resident" in stdout
+    assert "plan: pack 1, micro-batch 2/2 (fwd/bwd), window 1, stash device, both stepped on the GPU, first 1 pack " \
+           "resident on the GPU" in stdout.splitlines()
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "host", dtype=torch.float32).state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dev", dtype=torch.float32).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

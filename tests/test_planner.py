@@ -232,12 +232,12 @@ def test_search_choices_build_valid_schedules() -> None:
     assert times == sorted(times) and needs == sorted(needs, reverse=True)
     for c in result.pareto[:4]:
         validate(build_schedule(c.plan, 16, result.sizes.tied))
-    cfg = tinypipe.Config(**result.config_kwargs())  # the knobs are Config fields; no GPU is touched
-    again = make_plan(result.sizes.num_blocks, pack_size=cfg.pack_size, micro_batch_size=cfg.micro_batch_size,
-                      backward_micro_batch_size=cfg.bwd_micro_batch_size, num_devices=len(cfg.devices),
-                      prefetch_window=cfg.prefetch_window, stash=cfg.stash, tied=result.sizes.tied,
-                      device_optimizer=cfg.device_optimizer)
+    cfg = tinypipe.Config(**result.config_kwargs())  # the plan's settings are Config fields; no GPU is touched
+    again = make_plan(result.sizes.num_blocks, num_devices=len(cfg.devices), tied=result.sizes.tied,
+                      **cfg.plan_settings())
     assert again == result.best.plan
+    for c in result.pareto:  # every plan's settings rebuild it
+        assert make_plan(result.sizes.num_blocks, num_devices=2, tied=result.sizes.tied, **c.plan.settings()) == c.plan
 
 
 def test_best_plan_runs_in_the_engine() -> None:
@@ -278,10 +278,10 @@ def test_spare_gpu_memory_goes_to_resident_packs() -> None:
     planner keeps packs resident (and stepped) on the GPU; with a tight GPU it cannot."""
     kw = dict(gpus=1, cpu_memory_bytes=64 * GIB, seq=512, global_batch=4)
     roomy = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, **kw)
-    assert roomy.best.knobs["resident_packs"] == roomy.best.plan.num_packs  # the whole model stays
+    assert roomy.best.plan.resident_packs == roomy.best.plan.num_packs  # the whole model stays
     assert roomy.best.memory.host["gradient_buffers"] == 0
     tight = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=6 * GIB, **kw)
-    assert tight.best.knobs["resident_packs"] < tight.best.plan.num_packs
+    assert tight.best.plan.resident_packs < tight.best.plan.num_packs
     off = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, resident_packs=0, **kw)
     assert off.best.time.step_s > roomy.best.time.step_s
 
@@ -320,6 +320,34 @@ def test_sizes_and_hardware_files(tmp_path) -> None:
         load_hardware(str(f))
     with pytest.raises(ConfigError, match="presets: h200-pcie5"):
         load_hardware("tpu-v9")
+
+
+def test_plan_settings_description_and_old_files() -> None:
+    """A plan gives back the settings that rebuild it, describes itself in one line, and loads
+    from the JSON that older versions wrote (fwd_micro_batch / bwd_micro_batch keys)."""
+    uneven = make_plan(6, pack_size=[1, 3, 2], micro_batch_size=2, backward_micro_batch_size=1, num_devices=2,
+                       prefetch_window=2, stash=["device", "host", "device", "device"], tied=False,
+                       device_optimizer="embed", resident_packs=1, grad_slots=5)
+    uniform = make_plan(5, pack_size=2, micro_batch_size=4, backward_micro_batch_size=4, num_devices=1,
+                        prefetch_window=1, stash="host", tied=True)
+    assert uneven.settings() == dict(pack_size=(1, 3, 2), micro_batch_size=2, backward_micro_batch_size=1,
+                                     prefetch_window=2, stash=("device", "host", "device", "device"), grad_slots=5,
+                                     device_optimizer="embed", resident_packs=1)
+    assert uniform.settings() == dict(pack_size=2, micro_batch_size=4, backward_micro_batch_size=4,
+                                      prefetch_window=1, stash="host", device_optimizer="off", resident_packs=0)
+    assert make_plan(6, num_devices=2, tied=False, **uneven.settings()) == uneven
+    assert make_plan(5, num_devices=1, tied=True, **uniform.settings()) == uniform
+    assert uneven.describe() == ("pack [1,3,2], micro-batch 2/1 (fwd/bwd), window 2, stash host x1, device x3, "
+                                 "embed stepped on the GPU, first 1 pack resident on the GPU")
+    assert uniform.describe() == "pack 2, micro-batch 4/4 (fwd/bwd), window 1, stash host"
+    for plan in (uneven, uniform):
+        assert tinypipe.schedule.plan.Plan.from_json(plan.to_json()) == plan
+        old = plan.as_dict()
+        old["fwd_micro_batch"] = old.pop("micro_batch_size")
+        old["bwd_micro_batch"] = old.pop("backward_micro_batch_size")
+        assert tinypipe.schedule.plan.Plan.from_json(json.dumps(old)) == plan
+    with pytest.raises(ConfigError, match="stash"):
+        make_plan(5, num_devices=1, tied=True, **dict(uniform.settings(), stash="disk"))
 
 
 def _args(**kw) -> argparse.Namespace:

@@ -9,6 +9,7 @@ from typing import Literal, Sequence, get_args
 from tinypipe.errors import ConfigError
 from tinypipe.schedule.plan import (  # noqa: F401 - re-exported: the plan's choice sets
     DEVICE_OPTIMIZER_CHOICES,
+    PLAN_SETTINGS,
     STASH_PLACES,
     DeviceOptimizer,
     StashPlace,
@@ -240,18 +241,19 @@ class Config:
             raise ConfigError(f"host_grad_buffers must be >= 1, got {self.host_grad_buffers}")
 
     @property
-    def bwd_micro_batch_size(self) -> int:
-        return self.backward_micro_batch_size or self.micro_batch_size or 1
-
-    @property
     def auto_plan(self) -> bool:
         """True when no packing knob is set: the engine plans them (see the class docstring)."""
         return all(getattr(self, k) is None for k in PLAN_KNOBS)
 
-    def with_default_knobs(self) -> "Config":
-        """This config with unset packing knobs at their hand-set defaults (no planning)."""
-        fill = {k: v for k, v in MANUAL_DEFAULTS.items() if getattr(self, k) is None}
-        return self.replace(**fill) if fill else self
+    def plan_settings(self) -> dict:
+        """The hand-set plan: :data:`~tinypipe.schedule.plan.PLAN_SETTINGS` from these fields,
+        unset ones at their defaults (backward micro-batch: the forward's) -- the keywords of
+        :func:`~tinypipe.schedule.plan.make_plan`."""
+        out = {name: getattr(self, name) for name in PLAN_SETTINGS}
+        out.update({k: v for k, v in MANUAL_DEFAULTS.items() if out[k] is None})
+        if out["backward_micro_batch_size"] is None:
+            out["backward_micro_batch_size"] = out["micro_batch_size"]
+        return out
 
     def replace(self, **changes: object) -> "Config":
         """A copy with some fields changed (validated)."""

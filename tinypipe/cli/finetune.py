@@ -63,8 +63,6 @@ def cmd_finetune(args: argparse.Namespace) -> int:
             raise ConfigError(f"{s['plan']}: not a tinypipe plan ({exc})") from None
         if plan.num_devices != len(config.devices):
             raise ConfigError(f"{s['plan']}: plan is for {plan.num_devices} device(s), --devices lists {len(config.devices)}")
-        config = config.replace(micro_batch_size=plan.micro_batch_size, backward_micro_batch_size=plan.backward_micro_batch_size,
-                                prefetch_window=plan.prefetch_window)
     from tinypipe.train.data import read_records
     from tinypipe.train.model_io import resolve_model_path
 
@@ -119,17 +117,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     if auto or s["gpu_memory"] or s["cpu_memory"]:  # plan for (or check the plan against) the workload
         config = config.replace(seq_len=seq_len, global_batch=s["global_batch"])
     engine = Engine(model, config, plan=plan)
-    config = engine.config  # with the planner's knobs
     try:
-        if engine.plan_result is not None:
-            best = engine.plan_result.best
-            _say(f"plan: {best.describe()}; predicted {best.time.tokens_per_s:,.0f} tokens/s, "
-                 f"{best.gpu_need / 2**30:.1f} GiB per GPU (tinypipe plan shows the alternatives)")
+        _say(_plan_line(engine))
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({precision}), lr {s['lr']:g} "
-             f"({s['schedule']}, {s['warmup_steps']} warm-up steps), pack size {config.pack_size}, "
-             f"micro-batch {config.micro_batch_size}"
-             + (f", {config.device_optimizer} stepped on the GPU" if config.device_optimizer not in (None, "off") else "")
-             + (f", {config.resident_packs} packs resident" if config.resident_packs else ""))
+             f"({s['schedule']}, {s['warmup_steps']} warm-up steps)")
         metrics = out / "metrics.jsonl"
         ckpt_dir = out / "checkpoint"
         start = 0
@@ -169,6 +160,16 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     if s["merge"]:
         _say(f"saved: merged model + tokenizer -> {out / 'merged'}/ (AutoModelForCausalLM.from_pretrained loads it)")
     return 0
+
+
+def _plan_line(engine: Any) -> str:
+    """``plan: ...``: what the engine runs (``engine.plan``), and what the planner predicted for it."""
+    line = f"plan: {engine.plan.describe()}"
+    if engine.plan_result is not None:
+        best = engine.plan_result.best
+        line += (f"; predicted {best.time.tokens_per_s:,.0f} tokens/s, {best.gpu_need / 2**30:.1f} GiB per GPU "
+                 "(tinypipe plan shows the alternatives)")
+    return line
 
 
 def _lora_settings(s: dict[str, Any]) -> Any:

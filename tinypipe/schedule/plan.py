@@ -15,6 +15,12 @@ DEVICE_OPTIMIZER_CHOICES: tuple[DeviceOptimizer, ...] = get_args(DeviceOptimizer
 #: Where a pack's input waits between its forward and its backward.
 StashPlace = Literal["device", "host"]
 STASH_PLACES: tuple[StashPlace, ...] = get_args(StashPlace)
+#: The settings :func:`make_plan` takes besides the model's shape and the device count: the same
+#: names as the :class:`tinypipe.Config` fields that set them (:meth:`Plan.settings` gives them back).
+PLAN_SETTINGS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash",
+                 "grad_slots", "device_optimizer", "resident_packs")
+#: Plan JSON keys written by older versions -> today's field names (:meth:`Plan.from_json`).
+_RENAMED_KEYS = {"fwd_micro_batch": "micro_batch_size", "bwd_micro_batch": "backward_micro_batch_size"}
 
 
 @dataclass(frozen=True)
@@ -58,6 +64,49 @@ class Plan:
         return len(self.packs)
 
     @property
+    def pack_size(self) -> int | tuple[int, ...]:
+        """The packing as Config writes it: one size (uniform packs, a smaller one last) or the sizes."""
+        sizes = tuple(len(p) for p in self.packs)
+        if sizes and split_packs(self.num_blocks, sizes[0]) == self.packs:
+            return sizes[0]
+        return sizes
+
+    @property
+    def stash(self) -> StashPlace | tuple[StashPlace, ...]:
+        """The stash placement as Config writes it: ``"device"``, ``"host"`` (every pack input that
+        can be) or one place per pack input, the head's included."""
+        host = self.stash_on_host
+        if not any(host):
+            return "device"
+        if host == tuple(0 < q < self.num_packs for q in range(self.num_packs + 1)):
+            return "host"
+        return tuple("host" if h else "device" for h in host)
+
+    def settings(self) -> dict:
+        """The :data:`PLAN_SETTINGS` that rebuild this plan with :func:`make_plan` (with the
+        round-robin placement) -- also the :class:`tinypipe.Config` fields that select it;
+        ``grad_slots`` only when set."""
+        out = {name: getattr(self, name) for name in PLAN_SETTINGS}
+        if out["grad_slots"] is None:
+            del out["grad_slots"]
+        return out
+
+    def describe(self) -> str:
+        """One line: packing, micro-batches, window, stash and what stays on the device (every
+        printed plan reads it)."""
+        pack = self.pack_size
+        pack_text = str(pack) if isinstance(pack, int) else "[" + ",".join(map(str, pack)) + "]"
+        stash = self.stash
+        if not isinstance(stash, str):
+            hosts = sum(self.stash_on_host)
+            stash = f"host x{hosts}, device x{len(self.stash_on_host) - hosts}"
+        dopt, resident = self.device_optimizer, self.resident_packs
+        return (f"pack {pack_text}, micro-batch {self.micro_batch_size}/{self.backward_micro_batch_size} "
+                f"(fwd/bwd), window {self.prefetch_window}, stash {stash}"
+                + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
+                + ("" if not resident else f", first {resident} pack{'s' * (resident > 1)} resident on the GPU"))
+
+    @property
     def num_blocks(self) -> int:
         return sum(len(p) for p in self.packs)
 
@@ -83,17 +132,25 @@ class Plan:
         # one pack accumulating plus one layer downloading lets the next pack start at once
         return self.grad_slots or max(len(p) for p in self.packs) + 1
 
-    def to_json(self) -> str:
+    def as_dict(self) -> dict:
+        """Every field but ``extra`` (JSON-ready: tuples become lists when dumped)."""
         d = asdict(self)
         d.pop("extra")
-        return json.dumps(d, indent=1)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=1)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @staticmethod
     def from_json(text: str) -> "Plan":
+        """A plan from :meth:`to_json`'s text, also as older versions wrote it (renamed keys)."""
         d = json.loads(text)
+        for old, new in _RENAMED_KEYS.items():
+            if old in d and new not in d:
+                d[new] = d.pop(old)
         for key in ("packs",):
             d[key] = tuple(tuple(p) for p in d[key])
         for key in ("stash_on_host", "fwd_device", "bwd_device"):
