@@ -17,8 +17,8 @@ from tinypipe.errors import ConfigError
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     s = _resolve_settings(args)
-    for name in ("global_batch", "micro_batch"):
-        _positive(name, s[name])
+    for name in ("global_batch", "micro_batch_size"):
+        _positive(_OPTIONS_BY_DEST[name].key, s[name])
     _positive("seq_len", s["seq_len"], 2)
     _positive("steps", s["steps"])
     _positive("warmup_steps", s["warmup_steps"], 0)
@@ -38,10 +38,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     precision = s["precision"] or ("bf16" if any(d.startswith("cuda") for d in devices) else "fp32")
     cuda = any(d.startswith("cuda") for d in devices)
     # on CUDA with no packing flags (and no --plan) the engine plans for itself; on cpu the defaults
-    auto = cuda and s["micro_batch"] is None and s["pack_size"] is None and not s["plan"]
+    auto = cuda and s["micro_batch_size"] is None and s["pack_size"] is None and not s["plan"]
     config = Config(
         devices=devices,
-        micro_batch_size=None if auto else (s["micro_batch"] or 1),
+        micro_batch_size=None if auto else (s["micro_batch_size"] or 1),
         pack_size=None if auto else (s["pack_size"] or 1),
         precision=precision,
         lr=s["lr"],
@@ -49,8 +49,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         max_grad_norm=s["max_grad_norm"],
         device_optimizer=s["device_optimizer"],
         resident_packs=s["resident_packs"],
-        gpu_memory_bytes=s["gpu_memory"],
-        cpu_memory_bytes=s["cpu_memory"],
+        gpu_memory_bytes=s["gpu_memory_bytes"],
+        cpu_memory_bytes=s["cpu_memory_bytes"],
     )
     _check_devices(config.devices)
     plan = None
@@ -112,9 +112,9 @@ def cmd_finetune(args: argparse.Namespace) -> int:
          f"{stats.rows} rows of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
          + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
 
-    if cuda and s["gpu_memory"]:
-        _cap_gpu_memory(config.devices, s["gpu_memory"])
-    if auto or s["gpu_memory"] or s["cpu_memory"]:  # plan for (or check the plan against) the workload
+    if cuda and s["gpu_memory_bytes"]:
+        _cap_gpu_memory(config.devices, s["gpu_memory_bytes"])
+    if auto or s["gpu_memory_bytes"] or s["cpu_memory_bytes"]:  # plan for (or check the plan against) the workload
         config = config.replace(seq_len=seq_len, global_batch=s["global_batch"])
     engine = Engine(model, config, plan=plan)
     try:

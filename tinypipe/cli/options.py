@@ -104,7 +104,11 @@ def _bool(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Option:
-    """One ``finetune`` setting: a ``--flag`` and the same key (underscores) in a config file."""
+    """One ``finetune`` setting: a ``--flag`` and the same key (underscores) in a config file.
+
+    ``field`` is the setting's own name (the :class:`tinypipe.Config` / :class:`~tinypipe.schedule.plan.Plan`
+    field) where the friendlier flag differs from it: this table is the one place flags map to
+    names. The resolved settings and argparse use that name (:attr:`dest`)."""
 
     name: str
     parse: Callable[[Any], Any]
@@ -113,10 +117,17 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     flag: bool = False  # a store_true switch
+    field: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The config-file key: the flag's name with underscores."""
+        return self.name.replace("-", "_")
 
     @property
     def dest(self) -> str:
-        return self.name.replace("-", "_")
+        """The setting's name: its Config / Plan field, else :attr:`key`."""
+        return self.field or self.key
 
 
 FINETUNE_OPTIONS: tuple[Option, ...] = (
@@ -125,10 +136,13 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("output", _str, None, "directory for the fine-tuned model, tokenizer, metrics.jsonl, loss.png and timeline.png", "DIR"),
     Option("seq-len", _int, None, "tokens per training row (default: min(1024, the model's max positions))", "N"),
     Option("global-batch", _int, 8, "rows per optimizer step (default: 8)", "N"),
-    Option("micro-batch", _int, None, "rows per micro-batch on a device; bigger is faster and needs more device memory (default: the planner's choice on CUDA, 1 on cpu)", "N"),
+    Option("micro-batch", _int, None, "rows per micro-batch on a device; bigger is faster and needs more device memory (default: the planner's choice on CUDA, 1 on cpu)", "N",
+           field="micro_batch_size"),
     Option("pack-size", _pack_size, None, "decoder blocks per pack, or a list like 4,4,2 (default: the planner's choice on CUDA, 1 on cpu)", "N"),
-    Option("gpu-memory", _size, None, "memory budget per GPU, e.g. 24GiB: the plan must fit it and the process is capped to it (default: the GPU's)", "SIZE"),
-    Option("cpu-memory", _size, None, "host memory budget, e.g. 100GiB: the plan must fit it (default: the available RAM)", "SIZE"),
+    Option("gpu-memory", _size, None, "memory budget per GPU, e.g. 24GiB: the plan must fit it and the process is capped to it (default: the GPU's)", "SIZE",
+           field="gpu_memory_bytes"),
+    Option("cpu-memory", _size, None, "host memory budget, e.g. 100GiB: the plan must fit it (default: the available RAM)", "SIZE",
+           field="cpu_memory_bytes"),
     Option("steps", _int, None, "optimizer steps (default: as many as --epochs takes)", "N"),
     Option("epochs", _float, None, "passes over the data when --steps is not given (default: 1)", "X"),
     Option("lr", _float, 1e-5, "peak learning rate (default: 1e-5)", "LR"),
@@ -157,6 +171,7 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("merge", _bool, False, "with --lora: also write the merged full model to OUTPUT/merged", flag=True),
 )
 _OPTIONS_BY_DEST = {o.dest: o for o in FINETUNE_OPTIONS}
+_OPTIONS_BY_KEY = {o.key: o for o in FINETUNE_OPTIONS}
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
@@ -196,18 +211,18 @@ def _load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{p}: expected a table of settings (key = value), got {type(data).__name__}")
     out: dict[str, Any] = {}
     for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        option = _OPTIONS_BY_DEST.get(dest)
+        option = _OPTIONS_BY_KEY.get(str(key).replace("-", "_"))
         if option is None:
-            known = ", ".join(sorted(_OPTIONS_BY_DEST))
+            known = ", ".join(sorted(_OPTIONS_BY_KEY))
             raise ConfigError(f"{p}: unknown setting {key!r} (known: {known})")
         try:
             parsed = option.parse(value)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{p}: {dest}: invalid value {value!r} ({exc})") from None
+            raise ConfigError(f"{p}: {option.key}: invalid value {value!r} ({exc})") from None
         if option.choices and parsed not in option.choices:
-            raise ConfigError(f"{p}: {dest}: invalid value {value!r} (choose from {', '.join(option.choices)})")
-        out[dest] = parsed
+            raise ConfigError(f"{p}: {option.key}: invalid value {value!r} "
+                              f"(choose from {', '.join(option.choices)})")
+        out[option.dest] = parsed
     return out
 
 
