@@ -52,7 +52,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="resident layers stepped on the GPU (default: off)")
     ap.add_argument("--resident-packs", type=int, default=0, help="first N packs resident on the GPU")
     ap.add_argument("--auto", action="store_true",
-                    help="let the engine plan (packing knobs, device optimizer) for the workload and --cap-gib")
+                    help="let the engine plan (packing, micro-batches, device optimizer...) for the workload "
+                         "and --cap-gib")
     ap.add_argument("--hardware", default=None, help="hardware preset or profile JSON for --auto")
     ap.add_argument("--compile-blocks", default="auto", help="auto | off | a torch.compile backend")
     ap.add_argument("--trace", default=None)
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and a.cap_gib > 0:
         for dev in sorted(set(devices)):
             total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 1024**3 / total), torch.device(dev))
+            torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 1024**3 / total),
+                                                       torch.device(dev))
     pack = [int(x) for x in a.pack_size.split(",")]
     stash = a.stash.split(",") if "," in a.stash else a.stash
     results = []
@@ -135,7 +137,8 @@ def main(argv: list[str] | None = None) -> int:
         "workload": w.name, "devices": devices, "config": {k: str(v) for k, v in vars(a).items()},
         "tokens_per_s": tps, "seconds_per_step": sec, "losses": [r.loss for r in results],
         "steps_s": [r.seconds for r in results], "peak_rss": rss.peak, "rss_before": rss_before,
-        "peak_rss_self": rss.peak_self, "peak_rss_children": rss.peak_children, "max_children": rss.max_children,
+        "peak_rss_self": rss.peak_self, "peak_rss_children": rss.peak_children,
+        "max_children": rss.max_children,
         "build_s": t_build, "engine_init_s": t_engine, "params": params, **peaks,
         "memory_report": report.as_dict(), "torch": torch.__version__,
         "plan": engine.plan.as_dict(), "plan_text": engine.plan.describe(), "planned": planned is not None,

@@ -54,9 +54,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-memory", default=None, help="host budget, e.g. 100GiB (default: available RAM)")
     ap.add_argument("--hardware", default=None, help="preset or profile JSON (default: h200-pcie5 on CUDA)")
     ap.add_argument("--compare-hardware", default=None,
-                    help="second hardware (e.g. a 'tinypipe profile' JSON): its predictions for the same plans too")
+                    help="second hardware (e.g. a 'tinypipe profile' JSON): its predictions for the same "
+                         "plans too")
     ap.add_argument("--precision", default=None, help="bf16 (CUDA default) or fp32 (CPU default)")
-    ap.add_argument("--plans", type=int, default=3, help="plans to validate (the planner's choice + Pareto points)")
+    ap.add_argument("--plans", type=int, default=3,
+                    help="plans to validate (the planner's choice + Pareto points)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--no-comparison", action="store_true", help="skip uniform-1 / Mobius-like runs")
@@ -117,7 +119,8 @@ def choose(result, extra: list[Candidate], n: int) -> list[tuple[str, Candidate]
     return picked
 
 
-def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, steps: int, cuda: bool, rss: RssSampler):
+def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, steps: int, cuda: bool,
+             rss: RssSampler):
     """Build an engine that runs ``cand``'s plan, run warm-up + timed steps, return measurements."""
     cfg = tinypipe.Config(devices=devices, precision=precision, lr=1e-5, max_grad_norm=None)
     out: dict = {"settings": cand.plan.settings(), "describe": cand.describe()}
@@ -134,8 +137,8 @@ def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, ste
             losses.append(r.loss)
             if i >= warmup:
                 secs.append(r.seconds)
-            print(f"    step {i + 1}: {r.seconds:.3f} s  loss {r.loss:.4f}{'  (warm-up)' if i < warmup else ''}",
-                  flush=True)
+            note = "  (warm-up)" if i < warmup else ""
+            print(f"    step {i + 1}: {r.seconds:.3f} s  loss {r.loss:.4f}{note}", flush=True)
         out["steps_s"] = secs
         out["step_s"] = sum(secs) / len(secs)
         out["tokens_per_s"] = batch["input_ids"].numel() / out["step_s"]
@@ -148,7 +151,8 @@ def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, ste
             out["peak_allocated"] = torch.cuda.max_memory_allocated(devices[0])
             out["peak_reserved"] = torch.cuda.max_memory_reserved(devices[0])
         out["host_rss_peak"] = rss.peak
-    except (TinypipeError, RuntimeError, torch.OutOfMemoryError) as exc:  # record and go on with the next plan
+    except (TinypipeError, RuntimeError,
+            torch.OutOfMemoryError) as exc:  # record and go on with the next plan
         out["error"] = " ".join(str(exc).split())[:400]
         print(f"    FAILED: {out['error']}", flush=True)
         traceback.print_exc()
@@ -201,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         host_budget = int(psutil.virtual_memory().available)
     cfg = transformers.LlamaConfig(**w.config)
     print(f"[{time.perf_counter() - t_start:6.1f} s] planning {w.name} ({w.batch} x {w.seq}, {precision}) on "
-          f"{device} ({hw.name}), GPU budget {gpu_budget / GIB:.1f} GiB, host {host_budget / GIB:.1f} GiB", flush=True)
+          f"{device} ({hw.name}), GPU budget {gpu_budget / GIB:.1f} GiB, host {host_budget / GIB:.1f} GiB",
+          flush=True)
     result = plan_for(cfg, hw, gpus=1, gpu_memory_bytes=gpu_budget, cpu_memory_bytes=host_budget, seq=w.seq,
                       global_batch=w.batch, precision=precision)
     sizes = model_sizes(cfg)
@@ -235,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     with RssSampler() as rss:
         t0 = time.perf_counter()
         model = build_model(w)
-        print(f"[{time.perf_counter() - t_start:6.1f} s] model built ({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(f"[{time.perf_counter() - t_start:6.1f} s] model built ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
         for label, c in runs:
             key = _key(c)
             print(f"[{time.perf_counter() - t_start:6.1f} s] {label}: {c.describe()}", flush=True)
@@ -249,19 +255,23 @@ def main(argv: list[str] | None = None) -> int:
                          "predicted_compare_step_s": predict2(c)})
 
     # ------------------------------------------------------------------ report
-    out = {"workload": w.name, "device": device, "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+    out = {"workload": w.name, "device": device,
+           "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
            "precision": precision, "hardware": hw.as_dict(), "gpu_budget_bytes": gpu_budget,
            "host_budget_bytes": host_budget, "warmup": a.warmup, "steps": a.steps, "torch": torch.__version__,
-           "compare_hardware": hw2.as_dict() if hw2 is not None else None, "planner_best": result.best.describe(), "rows": rows, "seconds": time.perf_counter() - t_start}
-    path = a.json or (os.path.join(os.environ["OUT"], "validate_planner.json") if os.environ.get("OUT") else None)
+           "compare_hardware": hw2.as_dict() if hw2 is not None else None,
+           "planner_best": result.best.describe(), "rows": rows, "seconds": time.perf_counter() - t_start}
+    path = a.json or (os.path.join(os.environ["OUT"],
+                                   "validate_planner.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as f:
             json.dump(out, f, indent=1, default=str)
         print(f"wrote {path}")
     print(f"\n=== planner validation: {w.name} ({w.batch} x {w.seq}, {precision}) on {out['device_name']}, "
           f"budget {gpu_budget / GIB:.0f} GiB ===")
-    print("| plan | settings | pred s/step | meas s/step | err | pred tok/s | meas tok/s | pred peak alloc | "
-          "meas peak alloc | err | pred need (w/ headroom) | meas peak reserved | err | pred act | meas act |")
+    print("| plan | settings | pred s/step | meas s/step | err | pred tok/s | meas tok/s | pred peak alloc "
+          "| meas peak alloc | err | pred need (w/ headroom) | meas peak reserved | err | pred act "
+          "| meas act |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p, m = r["predicted"], r["measured"]

@@ -55,26 +55,32 @@ def test_layer_profile_reproduces_and_interpolates() -> None:
 
 
 def test_cost_model_uses_measured_times() -> None:
-    sizes = model_sizes(transformers.LlamaConfig(hidden_size=3072, num_hidden_layers=28, intermediate_size=8192,
-                                                 num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+    sizes = model_sizes(transformers.LlamaConfig(hidden_size=3072, num_hidden_layers=28,
+                                                 intermediate_size=8192,
+                                                 num_attention_heads=24, num_key_value_heads=8,
+                                                 vocab_size=128256,
                                                  tie_word_embeddings=True, max_position_embeddings=8192))
     base = HARDWARE["h200-pcie5"]
-    plan = make_plan(sizes.num_blocks, pack_size=2, micro_batch_size=4, backward_micro_batch_size=4, num_devices=1,
-                     prefetch_window=2, stash="host", tied=sizes.tied)
+    plan = make_plan(sizes.num_blocks, pack_size=2, micro_batch_size=4, backward_micro_batch_size=4,
+                     num_devices=1, prefetch_window=2, stash="host", tied=sizes.tied)
     kw = dict(seq=2048, global_batch=16, precision="bf16")
     from dataclasses import replace
 
     fast = evaluate(sizes, replace(base, layer_profile=_synthetic(1.0)), plan, **kw).time
     slow = evaluate(sizes, replace(base, layer_profile=_synthetic(4.0)), plan, **kw).time
     assert slow.compute_s == pytest.approx(4 * fast.compute_s, rel=0.05)  # 4x slower blocks and head
-    other = evaluate(sizes, replace(base, layer_profile=replace(_synthetic(4.0), precision="fp32")), plan, **kw).time
-    assert other.compute_s == pytest.approx(evaluate(sizes, base, plan, **kw).time.compute_s)  # other precision: FLOPs
+    other = evaluate(sizes, replace(base, layer_profile=replace(_synthetic(4.0), precision="fp32")), plan,
+                     **kw).time
+    assert other.compute_s == pytest.approx(evaluate(sizes, base, plan,
+                                                     **kw).time.compute_s)  # other precision: FLOPs
 
 
 def test_profile_command_on_cpu_feeds_plan(tmp_path: Path, capsys) -> None:
     model_dir = tmp_path / "tiny"
-    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=128).save_pretrained(model_dir)
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512,
+                             max_position_embeddings=128).save_pretrained(model_dir)
     out = tmp_path / "profile.json"
     rc = cli.main(["profile", "--device", "cpu", "--model", str(model_dir), "--seq-lens", "16,32",
                    "--micro-batches", "1,2", "--reps", "1", "--output", str(out)])
@@ -85,8 +91,8 @@ def test_profile_command_on_cpu_feeds_plan(tmp_path: Path, capsys) -> None:
     assert d["h2d_gbs"] > 0 and d["cpu_adamw_gparams_s"] > 0 and d["model"]["block_param_bytes"] > 0
     hw = load_hardware(str(out))
     assert hw.layer_profile is not None and hw.layer_profile.precision == "fp32"
-    result = plan_for(str(model_dir), str(out), gpus=1, gpu_memory_bytes=GIB, cpu_memory_bytes=8 * GIB, seq=32,
-                      global_batch=4, precision="fp32")
+    result = plan_for(str(model_dir), str(out), gpus=1, gpu_memory_bytes=GIB, cpu_memory_bytes=8 * GIB,
+                      seq=32, global_batch=4, precision="fp32")
     assert any("measured per-layer" in n for n in result.notes)
     # the predicted compute of a one-block-per-pack plan is built from the measured block times
     p = hw.layer_profile
@@ -98,13 +104,15 @@ def test_profile_command_on_cpu_feeds_plan(tmp_path: Path, capsys) -> None:
     assert c.time.compute_s > blocks
     assert c.time.compute_s < blocks + 1.0
     # plan --hardware FILE
-    assert cli.main(["plan", "--model", str(model_dir), "--hardware", str(out), "--seq-len", "32", "--global-batch",
-                     "4", "--cpu-memory", "8GiB", "--gpu-memory", "1GiB", "--precision", "fp32"]) == 0
+    assert cli.main(["plan", "--model", str(model_dir), "--hardware", str(out), "--seq-len", "32",
+                     "--global-batch", "4", "--cpu-memory", "8GiB", "--gpu-memory", "1GiB",
+                     "--precision", "fp32"]) == 0
     assert "measured per-layer" in capsys.readouterr().out
 
 
 def test_profile_bad_input_is_one_line(tmp_path: Path, capsys) -> None:
-    assert cli.main(["profile", "--device", "cpu", "--seq-lens", "0", "--output", str(tmp_path / "p.json")]) == 2
+    assert cli.main(["profile", "--device", "cpu", "--seq-lens", "0", "--output",
+                     str(tmp_path / "p.json")]) == 2
     assert "seq-lens" in capsys.readouterr().err
 
 
@@ -142,7 +150,8 @@ def test_engine_refuses_when_nothing_fits() -> None:
         tinypipe.Engine(make_model("llama", layers=4), cfg)
     assert "\n" not in str(e.value) and "GPU memory" in str(e.value)
     with pytest.raises(PlanDoesNotFitError, match="host memory"):
-        tinypipe.Engine(make_model("llama", layers=4), cfg.replace(gpu_memory_bytes=2 * GIB, cpu_memory_bytes=1024**2))
+        tinypipe.Engine(make_model("llama", layers=4), cfg.replace(gpu_memory_bytes=2 * GIB,
+                                                                   cpu_memory_bytes=1024**2))
 
 
 def test_hand_set_plan_kept_and_checked_only_with_a_workload() -> None:
@@ -168,7 +177,8 @@ def test_hand_set_plan_kept_and_checked_only_with_a_workload() -> None:
 def test_automatic_plan_on_cuda_needs_the_workload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match="seq_len"):
-        resolve_plan(make_model("llama", layers=2), tinypipe.Config(devices=["cuda:0"]), num_blocks=2, tied=False)
+        resolve_plan(make_model("llama", layers=2), tinypipe.Config(devices=["cuda:0"]), num_blocks=2,
+                     tied=False)
 
 
 # --------------------------------------------------------------------------- validation script
@@ -181,8 +191,8 @@ def test_validate_planner_script_logic_on_cpu(tmp_path: Path, capsys) -> None:
     finally:
         sys.path.pop(0)
     out = tmp_path / "v.json"
-    rc = validate_planner.main(["--workload", "tiny", "--device", "cpu", "--cap-gib", "2", "--cpu-memory", "16GiB",
-                                "--plans", "3", "--warmup", "0", "--steps", "1", "--json", str(out),
+    rc = validate_planner.main(["--workload", "tiny", "--device", "cpu", "--cap-gib", "2", "--cpu-memory",
+                                "16GiB", "--plans", "3", "--warmup", "0", "--steps", "1", "--json", str(out),
                                 "--compare-hardware", "h200-pcie5", "--watchdog", "0"])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -250,12 +260,13 @@ def test_h200_profile_predicts_clipped_steps(run: str, device_optimizer: str, fi
     assert all(m["steps_s"][i] > 2.0 for i in range(2, len(m["steps_s"])))  # every step clipped: slow
     w = WORKLOADS["W1"]
     sizes = model_sizes(transformers.LlamaConfig(**w.config))
-    plan = make_plan(sizes.num_blocks, pack_size=int(cfg["pack_size"]), micro_batch_size=int(cfg["micro_batch"]),
+    plan = make_plan(sizes.num_blocks, pack_size=int(cfg["pack_size"]),
+                     micro_batch_size=int(cfg["micro_batch"]),
                      backward_micro_batch_size=int(cfg["micro_batch"]), num_devices=1,
                      prefetch_window=int(cfg["window"]), stash=cfg["stash"], tied=sizes.tied,
                      device_optimizer=device_optimizer)
-    c = evaluate(sizes, load_hardware(str(root / "h200_profile_w1.json")), plan, seq=w.seq, global_batch=w.batch,
-                 max_grad_norm=1.0)
+    c = evaluate(sizes, load_hardware(str(root / "h200_profile_w1.json")), plan, seq=w.seq,
+                 global_batch=w.batch, max_grad_norm=1.0)
     err = c.time.clipped_step_s / m["seconds_per_step"] - 1
     assert abs(err) <= (0.01 if fitted else 0.05), (run, c.time.clipped_step_s, m["seconds_per_step"])
     assert c.time.clipped_step_s > 1.3 * c.time.step_s  # clipping is the slow path

@@ -220,7 +220,8 @@ class Config:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        stashes = () if self.stash is None else (self.stash,) if isinstance(self.stash, str) else tuple(self.stash)
+        stashes = () if self.stash is None else (
+            (self.stash,) if isinstance(self.stash, str) else tuple(self.stash))
         for s in stashes:
             _check_choice("stash", s, STASH_PLACES)
         if self.stash is not None and not isinstance(self.stash, str):
@@ -231,7 +232,8 @@ class Config:
         if self.grad_slots is not None and self.grad_slots < 1:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")
         if not self.compile_blocks or self.compile_blocks != self.compile_blocks.strip():
-            raise ConfigError(f"compile_blocks must be 'auto', 'off' or a torch.compile backend name, got {self.compile_blocks!r}")
+            raise ConfigError("compile_blocks must be 'auto', 'off' or a torch.compile backend name, "
+                              f"got {self.compile_blocks!r}")
         if self.device_optimizer is not None:
             _check_choice("device_optimizer", self.device_optimizer, DEVICE_OPTIMIZER_CHOICES)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)

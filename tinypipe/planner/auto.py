@@ -32,7 +32,8 @@ CPU_HARDWARE = HardwareSpec("cpu", 0, 10.0, 10.0, 10.0, 0.2, 0.5, fp32_tflops=0.
                             description="CPU devices (tests): host memory is device memory")
 #: GPU name fragment -> hardware preset, for the time model when Config.hardware is not given.
 _NAME_TO_PRESET = (("h200", "h200-pcie5"), ("h100", "h200-pcie5"), ("4090", "rtx4090-pcie4"),
-                   ("3090", "rtx3090-pcie4"), ("a5000", "a5000"), ("l40s", "l40s"), ("a100", "a100-40g-pcie4"))
+                   ("3090", "rtx3090-pcie4"), ("a5000", "a5000"), ("l40s", "l40s"),
+                   ("a100", "a100-40g-pcie4"))
 
 
 def _cuda_capacity(device: str) -> int:

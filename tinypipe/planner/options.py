@@ -77,7 +77,8 @@ def device_optimizer_options(sizes: ModelSizes) -> tuple[DeviceOptimizer, ...]:
     return tuple(out)
 
 
-def useful_micro_batches(options: Sequence[int], all_mbs: Sequence[int], seq: int, plateau: float = REFERENCE_TOKENS) -> list[int]:
+def useful_micro_batches(options: Sequence[int], all_mbs: Sequence[int], seq: int,
+                         plateau: float = REFERENCE_TOKENS) -> list[int]:
     """Micro-batch sizes worth trying: one whose half is also an option and already reaches the
     cost model's efficiency plateau (``plateau`` tokens) is never faster, only larger."""
     keep = []

@@ -206,7 +206,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              gpu_memory_bytes: int | None = None, cpu_memory_bytes: int, seq: int, global_batch: int,
              precision: Precision = "bf16", max_grad_norm: float | None = None,
              host_grad_buffers: int | None = None, max_pareto: int = 8, lora: LoraSettings | None = None,
-             device_optimizer: DeviceOptimizer | None = None, resident_packs: int | None = None) -> PlanResult:
+             device_optimizer: DeviceOptimizer | None = None,
+             resident_packs: int | None = None) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
@@ -243,8 +244,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
             notes.append(f"compute times from measured per-layer times ({hw.name}, "
                          f"{len(hw.layer_profile.points)} points)")
         else:
-            notes.append(f"the hardware profile was measured at {hw.layer_profile.precision}, not {precision}: "
-                         "compute times are FLOP-rate estimates")
+            notes.append(f"the hardware profile was measured at {hw.layer_profile.precision}, not "
+                         f"{precision}: compute times are FLOP-rate estimates")
     if sizes.act_source != "probe":
         notes.append("activation sizes come from a generic formula (the probe model could not be built)")
 
@@ -265,44 +266,47 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
             continue
         for stash in stash_options(num_packs):
             for b in useful_micro_batches(mbs, mbs, seq, plateau):
-                for f in useful_micro_batches([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq, plateau):
+                forwards = [x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b]
+                for f in useful_micro_batches(forwards, mbs, seq, plateau):
                     peaks = None
                     for w in windows:
                         for dopt in dopts:
                             try:
                                 plan = make_plan(sizes.num_blocks, pack_size=pack, micro_batch_size=f,
-                                                 backward_micro_batch_size=b, num_devices=gpus, prefetch_window=w,
-                                                 stash=stash, tied=sizes.tied, device_optimizer=dopt,
-                                                 resident_packs=resident_packs or 0)
+                                                 backward_micro_batch_size=b, num_devices=gpus,
+                                                 prefetch_window=w, stash=stash, tied=sizes.tied,
+                                                 device_optimizer=dopt, resident_packs=resident_packs or 0)
                             except ConfigError:  # fixed resident packs this placement splits across devices
                                 if not resident_packs:
                                     raise
                                 continue
-                            c = evaluate(sizes, hw, plan, seq=seq, global_batch=global_batch, precision=precision,
-                                         max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
-                                         peaks=peaks)
+                            c = evaluate(sizes, hw, plan, seq=seq, global_batch=global_batch,
+                                         precision=precision, max_grad_norm=max_grad_norm,
+                                         host_grad_buffers=host_grad_buffers, peaks=peaks)
                             peaks = [c.memory.devices[k]["activations_peak"] for k in c.memory.devices]
                             cands.append(c)
                             if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes:
                                 fits.append(c)
     if not cands:
-        raise ConfigError(f"no packing of the {sizes.num_blocks} blocks on {gpus} GPU(s) can keep {resident_packs} "
-                          "packs resident (each needs its forward and backward on one device)")
+        raise ConfigError(f"no packing of the {sizes.num_blocks} blocks on {gpus} GPU(s) can keep "
+                          f"{resident_packs} packs resident (each needs its forward and backward on one "
+                          "device)")
     if not fits:
         raise PlanDoesNotFitError(_why_not(cands, gpu_mem, cpu_memory_bytes, gpus))
     if resident_packs is None:  # spend what GPU memory the fastest plans leave on resident packs
         more = _with_resident_packs(sizes, hw, _pareto(fits)[:RESIDENT_SEEDS], seq=seq,
-                                    global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
-                                    host_grad_buffers=host_grad_buffers, gpu_mem=gpu_mem, cpu_mem=cpu_memory_bytes)
+                                    global_batch=global_batch, precision=precision,
+                                    max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
+                                    gpu_mem=gpu_mem, cpu_mem=cpu_memory_bytes)
         cands += more
         fits += [c for c in more if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes]
     front = _pareto(fits)
     fastest = front[0].time.step_s
     best = min((c for c in front if c.time.step_s <= fastest * (1 + NEAR_FASTEST)), key=lambda c: c.gpu_need)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
-                      gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=global_batch,
-                      precision=precision, max_grad_norm=max_grad_norm, considered=len(cands), fitting=len(fits),
-                      model_name=name, notes=notes)
+                      gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq,
+                      global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
+                      considered=len(cands), fitting=len(fits), model_name=name, notes=notes)
 
 
 def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> str:
@@ -314,16 +318,19 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> s
     if not host_ok:
         host = min_host.memory.host
         if host.get("frozen_weights"):
-            return (f"needs {gib_text(min_host.host_need)} host memory even with LoRA, have {gib_text(cpu_mem)} "
+            return (f"needs {gib_text(min_host.host_need)} host memory even with LoRA, "
+                    f"have {gib_text(cpu_mem)} "
                     f"({gib_text(host['frozen_weights'])} of it the frozen base weights); add RAM")
         return (f"needs {gib_text(min_host.host_need)} host memory, have {gib_text(cpu_mem)} "
                 f"({gib_text(host['master_weights'] + host['optimizer_state'])} of it "
                 "fp32 master weights + AdamW state); try --lora or more RAM")
     if not gpu_ok:
         return (f"needs {gib_text(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}), have "
-                f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch, more GPUs or --lora")
+                f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch, more GPUs "
+                "or --lora")
     # each budget can be met alone, but no plan meets both: the GPU-lean plans stash on the host
     best = min(host_ok, key=lambda c: c.gpu_need)
-    return (f"needs {gib_text(best.gpu_need)} GPU memory per device with host memory under {gib_text(cpu_mem)} "
-            f"(or {gib_text(min_gpu.host_need)} host memory at {gib_text(min_gpu.gpu_need)} GPU memory); have "
+    return (f"needs {gib_text(best.gpu_need)} GPU memory per device with host memory under "
+            f"{gib_text(cpu_mem)} (or {gib_text(min_gpu.host_need)} host memory at "
+            f"{gib_text(min_gpu.gpu_need)} GPU memory); have "
             f"{gib_text(gpu_mem)} GPU memory; try a shorter --seq-len, more RAM or more GPUs")

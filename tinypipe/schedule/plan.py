@@ -53,11 +53,13 @@ class Plan:
             raise ConfigError(f"plan: device_optimizer must be one of {', '.join(DEVICE_OPTIMIZER_CHOICES)}, "
                               f"got {self.device_optimizer!r}")
         if not 0 <= self.resident_packs <= len(self.packs):
-            raise ConfigError(f"plan: resident_packs must be in 0..{len(self.packs)}, got {self.resident_packs}")
+            raise ConfigError(f"plan: resident_packs must be in 0..{len(self.packs)}, "
+                              f"got {self.resident_packs}")
         for q in range(self.resident_packs):
             if self.fwd_device and self.fwd_device[q] != self.bwd_device[q]:
-                raise ConfigError(f"plan: resident pack {q} runs its forward on device {self.fwd_device[q]} and its "
-                                  f"backward on device {self.bwd_device[q]}; a resident pack needs one device")
+                raise ConfigError(f"plan: resident pack {q} runs its forward on device {self.fwd_device[q]} "
+                                  f"and its backward on device {self.bwd_device[q]}; a resident pack needs "
+                                  "one device")
 
     @property
     def num_packs(self) -> int:
@@ -101,10 +103,11 @@ class Plan:
             hosts = sum(self.stash_on_host)
             stash = f"host x{hosts}, device x{len(self.stash_on_host) - hosts}"
         dopt, resident = self.device_optimizer, self.resident_packs
+        packs = f"pack{'s' * (resident > 1)}"
         return (f"pack {pack_text}, micro-batch {self.micro_batch_size}/{self.backward_micro_batch_size} "
                 f"(fwd/bwd), window {self.prefetch_window}, stash {stash}"
                 + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
-                + ("" if not resident else f", first {resident} pack{'s' * (resident > 1)} resident on the GPU"))
+                + ("" if not resident else f", first {resident} {packs} resident on the GPU"))
 
     @property
     def num_blocks(self) -> int:
@@ -179,7 +182,8 @@ def split_packs(num_blocks: int, pack_size: int | Sequence[int]) -> tuple[tuple[
     return tuple(packs)
 
 
-def round_robin_devices(num_packs: int, num_devices: int, tied: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+def round_robin_devices(num_packs: int, num_devices: int,
+                        tied: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
     """Tiny-Pipe placement: the execution sequence [embed, fwd packs, head, bwd packs] is dealt
     round-robin over the devices, so no device owns a fixed stage and backward continues the
     rotation in reverse. The embedding is resident on device 0 (its backward runs there too);
@@ -216,7 +220,8 @@ def make_plan(
     else:
         stash_host = tuple(s == "host" for s in stash)
         if len(stash_host) != len(packs) + 1:
-            raise ConfigError(f"stash list needs {len(packs) + 1} entries (one per pack input incl. the head), got {len(stash_host)}")
+            raise ConfigError(f"stash list needs {len(packs) + 1} entries (one per pack input incl. the "
+                              f"head), got {len(stash_host)}")
     if num_devices == 1:
         fwd, bwd, e, h = (0,) * len(packs), (0,) * len(packs), 0, 0
     else:
