@@ -45,6 +45,21 @@ def data_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
 
 
+def captured_engines(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The engines the commands build from now on (the list fills as they are made)."""
+    import tinypipe.runtime.engine as engine_module
+
+    engines: list = []
+
+    class CapturingEngine(engine_module.Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(engine_module, "Engine", CapturingEngine)
+    return engines
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = cli.main([str(a) for a in argv])
     captured = capsys.readouterr()
@@ -193,16 +208,7 @@ def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str], tmp_path:
 
 def test_finetune_end_to_end(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                              tmp_path: Path, tiny_model_dir: Path, data_file: Path) -> None:
-    import tinypipe.runtime.engine as engine_module
-
-    engines: list = []
-
-    class CapturingEngine(engine_module.Engine):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            engines.append(self)
-
-    monkeypatch.setattr(engine_module, "Engine", CapturingEngine)
+    engines = captured_engines(monkeypatch)
     config = tmp_path / "run.toml"
     config.write_text(
         f'model = "{tiny_model_dir}"\nseq_len = 16\nglobal_batch = 4\nmicro_batch = 2\n'
@@ -406,16 +412,7 @@ def test_finetune_prints_and_runs_the_plan_file(capsys: pytest.CaptureFixture[st
     """`finetune --plan` with a pack of 2 blocks and unequal micro-batches: the printed plan is the
     file's (it used to say "pack size 1"), the engine runs exactly that plan, and the plan flags
     the file overrides leave the printed plan alone."""
-    import tinypipe.runtime.engine as engine_module
-
-    engines: list = []
-
-    class CapturingEngine(engine_module.Engine):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            engines.append(self)
-
-    monkeypatch.setattr(engine_module, "Engine", CapturingEngine)
+    engines = captured_engines(monkeypatch)
     plan = make_plan(2, pack_size=2, micro_batch_size=2, backward_micro_batch_size=1, num_devices=1,
                      prefetch_window=2, stash="device", tied=False, device_optimizer="head")
     plan_file = tmp_path / "plan.json"
