@@ -92,16 +92,23 @@ def resolve_plan(model: nn.Module, config: Config, *, num_blocks: int, tied: boo
                  plan: Plan | None = None) -> tuple[Plan, PlanResult | None]:
     """The plan the engine runs and the planner's result (None unless the planner chose the plan).
 
-    ``plan`` given: that plan, checked against the model and the devices. No packing knob set in
-    ``config``: the planner's plan for the workload and the budgets. Otherwise the plan of the
-    hand-set knobs, checked against the budgets when the workload is given. Raises
-    :class:`PlanDoesNotFitError` when no plan -- or the hand-set one -- fits."""
-    if plan is not None:
-        if plan.num_devices != len(config.devices):
-            raise ConfigError(f"plan is for {plan.num_devices} devices, config lists {len(config.devices)}")
-        if plan.num_blocks != num_blocks:
-            raise ConfigError(f"plan covers {plan.num_blocks} blocks, the model has {num_blocks}")
-        return plan, None
+    ``plan`` given: that plan. No packing knob set in ``config``: the planner's plan for the
+    workload and the budgets. Otherwise the plan of the hand-set knobs, checked against the
+    budgets when the workload is given. Raises :class:`PlanDoesNotFitError` when no plan -- or
+    the hand-set one -- fits, ConfigError when the plan does not suit the model or the devices."""
+    result = None
+    if plan is None:
+        plan, result = _choose(model, config, num_blocks=num_blocks, tied=tied)
+    if plan.num_devices != len(config.devices):
+        raise ConfigError(f"plan is for {plan.num_devices} devices, config lists {len(config.devices)}")
+    if plan.num_blocks != num_blocks:
+        raise ConfigError(f"plan covers {plan.num_blocks} blocks, the model has {num_blocks}")
+    return plan, result
+
+
+def _choose(model: nn.Module, config: Config, *, num_blocks: int,
+            tied: bool) -> tuple[Plan, PlanResult | None]:
+    """The hand-set knobs' plan (checked when the workload is given), or the planner's."""
     have_workload = config.seq_len is not None and config.global_batch is not None
     cuda = any(d.startswith("cuda") for d in config.devices)
     if cuda and not torch.cuda.is_available():  # the device backend reports it, in its words
