@@ -139,7 +139,7 @@ def test_resident_packs_on_several_devices() -> None:
     from tinypipe.schedule.plan import make_plan
 
     with pytest.raises(tinypipe.ConfigError, match="resident pack 0"):
-        make_plan(4, pack_size=1, fwd_micro_batch=1, bwd_micro_batch=1, num_devices=3, prefetch_window=1,
+        make_plan(4, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1, num_devices=3, prefetch_window=1,
                   stash="device", tied=False, resident_packs=1)
     _run("llama", dict(devices=["cpu"] * 3, pack_size=[1, 2, 1], micro_batch_size=2, resident_packs=1),
          layers=4, tied=False).close()

@@ -24,7 +24,7 @@ BATCH = 5
 
 
 def plan_for(devices: int, packing, fwd: int, bwd: int, window: int, tied: bool, stash: str = "device") -> Plan:
-    return make_plan(BLOCKS, pack_size=packing, fwd_micro_batch=fwd, bwd_micro_batch=bwd, num_devices=devices,
+    return make_plan(BLOCKS, pack_size=packing, micro_batch_size=fwd, backward_micro_batch_size=bwd, num_devices=devices,
                      prefetch_window=window, stash=stash, tied=tied)
 
 
@@ -87,7 +87,7 @@ def test_explicit_plans_validate(stash: str) -> None:
     packs = split_packs(BLOCKS, [2, 1, 3])
     for fwd_dev, bwd_dev in [((0, 0, 0), (0, 0, 0)), ((1, 0, 1), (0, 1, 0)), ((0, 1, 2), (2, 1, 0))]:
         for grad_slots in (None, 3, 5):
-            plan = Plan(packs=packs, fwd_micro_batch=2, bwd_micro_batch=3, num_devices=3, prefetch_window=1,
+            plan = Plan(packs=packs, micro_batch_size=2, backward_micro_batch_size=3, num_devices=3, prefetch_window=1,
                         stash_on_host=(False, stash == "host", stash == "host", False), fwd_device=fwd_dev,
                         bwd_device=bwd_dev, embed_device=0, head_device=2, grad_slots=grad_slots)
             sched = build_schedule(plan, BATCH, tied=False)
@@ -246,7 +246,7 @@ def test_single_device_plan_places_everything_on_device_zero() -> None:
 
 @pytest.mark.parametrize("stash", ["device", "host", ["device", "host", "host", "device"]])
 def test_plan_json_round_trip(stash, tmp_path) -> None:
-    plan = make_plan(BLOCKS, pack_size=[1, 3, 2], fwd_micro_batch=2, bwd_micro_batch=3, num_devices=3,
+    plan = make_plan(BLOCKS, pack_size=[1, 3, 2], micro_batch_size=2, backward_micro_batch_size=3, num_devices=3,
                      prefetch_window=2, stash=stash, tied=False, grad_slots=4)
     text = plan.to_json()
     back = Plan.from_json(text)
@@ -262,7 +262,7 @@ def test_plan_json_round_trip(stash, tmp_path) -> None:
 
 
 def test_plan_json_defaults_round_trip() -> None:
-    plan = Plan(packs=((0, 1), (2,)), fwd_micro_batch=1, bwd_micro_batch=1)
+    plan = Plan(packs=((0, 1), (2,)), micro_batch_size=1, backward_micro_batch_size=1)
     assert Plan.from_json(plan.to_json()) == plan
 
 

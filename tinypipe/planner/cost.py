@@ -129,8 +129,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     n = plan.num_devices
     P = plan.num_packs
     tokens = batch * seq
-    tf = min(plan.fwd_micro_batch, batch) * seq
-    tb = min(plan.bwd_micro_batch, batch) * seq
+    tf = min(plan.micro_batch_size, batch) * seq
+    tb = min(plan.backward_micro_batch_size, batch) * seq
     rf, rb = _rate(hw, precision, tf), _rate(hw, precision, tb)
     rrc = rbw = rb
     rhead = hw.tflops(precision) * 1e12 * HEAD_EFFICIENCY

@@ -25,7 +25,7 @@ from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
-from tinypipe.planner.auto import configure
+from tinypipe.planner.auto import resolve_plan
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.deferred import LANE as DEFERRED_LANE
 from tinypipe.runtime.deferred import DeferredUpdates
@@ -39,7 +39,7 @@ from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.updater import StepUpdater
 from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.builder import build_schedule
-from tinypipe.schedule.plan import Plan, make_plan
+from tinypipe.schedule.plan import Plan
 from tinypipe.schedule.tasks import Schedule, Task
 from tinypipe.schedule.validate import validate
 
@@ -94,38 +94,24 @@ class Engine(EngineObservability):
     parameters become views of it). Every :meth:`step` streams layers through the configured
     devices and steps AdamW on the host, overlapped with the backward pass.
 
-    With no packing knob set in ``config`` the planner chooses them (``engine.config`` holds the
-    choice, ``engine.plan_result`` the planner's answer; see :class:`tinypipe.Config`).
+    ``engine.plan`` is what runs: ``plan`` if given, else the plan of ``config``'s packing knobs
+    or, with none set, the planner's choice (``engine.plan_result`` holds the planner's answer;
+    see :class:`tinypipe.Config`). ``engine.config`` stays as given.
     """
 
     def __init__(self, model: nn.Module, config: Config | None = None, plan: Plan | None = None) -> None:
-        # unset packing knobs: the planner picks them (or refuses: PlanDoesNotFitError, one line)
-        self.config, self.plan_result = configure(model, config or Config(), plan_given=plan is not None)
-        cfg = self.config
+        self.config = cfg = config or Config()  # as given: the plan's settings live in self.plan
+        given = model
         # a peft.PeftModel (LoRA): train its inner model; frozen base weights stay at compute precision
         self.peft_model, model = split_peft(model)
         self.model = model
+        self.decomposition = dec = Decomposition(model)
+        # the plan given, else the hand-set knobs' or (none set) the planner's; PlanDoesNotFitError
+        # (one line) when it cannot fit
+        self.plan, self.plan_result = resolve_plan(given, cfg, num_blocks=dec.num_blocks, tied=dec.tied,
+                                                   plan=plan)
         self.backends = [make_backend(d) for d in cfg.devices]
         self.dtype = _DTYPES[cfg.precision]
-        self.decomposition = Decomposition(model)
-        dec = self.decomposition
-        self.plan = plan or make_plan(
-            dec.num_blocks,
-            pack_size=cfg.pack_size,
-            fwd_micro_batch=cfg.micro_batch_size,
-            bwd_micro_batch=cfg.bwd_micro_batch_size,
-            num_devices=len(cfg.devices),
-            prefetch_window=cfg.prefetch_window,
-            stash=cfg.stash,
-            tied=dec.tied,
-            grad_slots=cfg.grad_slots,
-            device_optimizer=cfg.device_optimizer or "off",
-            resident_packs=cfg.resident_packs or 0,
-        )
-        if self.plan.num_devices != len(cfg.devices):
-            raise ConfigError(f"plan is for {self.plan.num_devices} devices, config lists {len(cfg.devices)}")
-        if self.plan.num_blocks != dec.num_blocks:
-            raise ConfigError(f"plan covers {self.plan.num_blocks} blocks, the model has {dec.num_blocks}")
         any_cuda = any(b.is_cuda for b in self.backends)
         self.pinner = HostPinner(enabled=any_cuda and cfg.pin_memory == "register")
         retain = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"

@@ -13,8 +13,8 @@ def to_text(sched: Schedule) -> str:
     """One block per lane, one line per task: id, layers, rows, slots and dependencies."""
     p = sched.plan
     lines = [
-        f"schedule: batch={sched.batch} packs={[list(x) for x in p.packs]} fwd_mb={p.fwd_micro_batch} "
-        f"bwd_mb={p.bwd_micro_batch} devices={p.num_devices} window={p.prefetch_window} "
+        f"schedule: batch={sched.batch} packs={[list(x) for x in p.packs]} fwd_mb={p.micro_batch_size} "
+        f"bwd_mb={p.backward_micro_batch_size} devices={p.num_devices} window={p.prefetch_window} "
         f"slots/device={p.param_slots()} grad_slots/device={p.grad_slot_count()}"
     ]
     for lane in sorted(sched.lanes):

@@ -93,10 +93,10 @@ class Schedule:
         return task
 
     def fwd_rows(self) -> list[tuple[int, int]]:
-        return _rows(self.batch, self.plan.fwd_micro_batch)
+        return _rows(self.batch, self.plan.micro_batch_size)
 
     def bwd_rows(self) -> list[tuple[int, int]]:
-        return _rows(self.batch, self.plan.bwd_micro_batch)
+        return _rows(self.batch, self.plan.backward_micro_batch_size)
 
 
 def _rows(batch: int, size: int) -> list[tuple[int, int]]:
