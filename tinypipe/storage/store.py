@@ -17,8 +17,28 @@ Guarantees the optimizer path relies on:
   reference to it). Buffers must start on a page boundary (``aligned_empty``, a StagingPool
   slot); a region's size need not be a multiple of a page.
 
-Measured on the CPU machine (ext4 on a virtio disk, 2 cores; ``bench/ssd_rates.py``, raw numbers
-in ``bench/results/ssd_rates_cpu.json``): see :data:`DEFAULT_THREADS` and :data:`DEFAULT_CHUNK_BYTES`.
+Why this path (measured 2026-12-01 on the CPU machine: ext4 on a virtio disk, 2 shared cores;
+``bench/ssd_rates.py /tmp --gib 2 --reps 4``, raw rows in ``bench/results/ssd_rates_cpu.json``;
+medians of 4, read / write GB/s, writes including the final flush; dd with direct I/O, one
+64 MiB request at a time, gave 1.1 / 1.7):
+
+=========  ===========  ===========  ===========
+threads    4 MiB        16 MiB       64 MiB
+=========  ===========  ===========  ===========
+1          1.49 / 2.82  1.45 / 2.89  1.89 / 2.50
+2          1.61 / 2.99  2.20 / 2.78  2.15 / 2.58
+4          2.13 / 3.61  1.64 / 2.97  1.55 / 2.46
+8          2.53 / 2.66  2.10 / 3.20  1.52 / 3.58
+16         1.76 / 2.88  2.51 / 2.67  1.52 / 3.72
+=========  ===========  ===========  ===========
+
+The disk is shared and the spread between repetitions (1.1-2.6 read) is larger than between
+settings; what is consistent is that one request at a time reads slowest and that several in
+flight reach the device's rate. Buffered I/O (the fallback) reached 1.82 / 1.59 but cost 0.40
+CPU s/GB against 0.12 for O_DIRECT -- CPU the AdamW step needs on a 2-core host -- and passes
+every byte through the page cache. DeepSpeed's aio op needs libaio, absent here and on the GPU
+machine; kvikio and ``torch.cuda.gds`` move file <-> GPU memory, not the host staging buffers the
+CPU optimizer works on. The GPU machine's disk reached 1.6 / 2.4 GB/s with 16 threads x 64 MiB.
 """
 
 from __future__ import annotations
@@ -43,9 +63,11 @@ from tinypipe.storage.direct import ALIGN, ScratchFile, align_up, open_scratch_f
 from tinypipe.storage.io_stats import IoRecord, IoStats
 from tinypipe.storage.scratch import ScratchDir, check_free_space, free_bytes
 
-#: Worker threads per store. PLACEHOLDER until measured.
+#: Worker threads per store: requests in flight at the device (8 reached the disk's rate above; they
+#: sleep in the syscall, so they cost no CPU while waiting).
 DEFAULT_THREADS = 8
-#: Largest transfer one worker does at once. PLACEHOLDER until measured.
+#: Largest transfer one worker does at once: small enough that one layer's region (tens to hundreds
+#: of MiB) is spread over all threads, large enough that syscall overhead is nil.
 DEFAULT_CHUNK_BYTES = 16 << 20
 #: How often a blocked ``wait`` runs its ``check`` callback (seconds).
 POLL_S = 0.05
