@@ -35,8 +35,12 @@ NEW_GRACE_S = 60.0
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
 
 
-def _gib(n: int | float) -> str:
-    return f"{n / 2**30:.1f} GiB"
+def format_bytes(n: int | float) -> str:
+    """``1.5 GiB`` / ``12.0 MiB``: one decimal in the largest unit that keeps it >= 1."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
 
 
 def check_directory(parent: str | os.PathLike) -> Path:
@@ -62,7 +66,7 @@ def check_free_space(parent: str | os.PathLike, need: int, what: str = "the SSD 
     """Refuse up front, in one line, when ``parent``'s filesystem has less than ``need`` bytes."""
     have = free_bytes(check_directory(parent))
     if have is not None and have < need:
-        raise StorageError(f"offload directory {parent} has {_gib(have)} free; {what} needs {_gib(need)} "
+        raise StorageError(f"offload directory {parent} has {format_bytes(have)} free; {what} needs {format_bytes(need)} "
                            f"({need} bytes): free space or choose another directory")
 
 
@@ -112,7 +116,7 @@ class Leftover:
         o = self.owner
         who = f"pid {o['pid']} on {o.get('host', '?')}" if "pid" in o else "an unknown run"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(o["started"])) if "started" in o else "?"
-        return f"removed SSD scratch left by a killed run: {self.path} ({who}, started {when}, {_gib(self.nbytes)})"
+        return f"removed SSD scratch left by a killed run: {self.path} ({who}, started {when}, {format_bytes(self.nbytes)})"
 
 
 def _remove_tree(path: Path) -> int:
@@ -217,6 +221,8 @@ def _release(path: Path, fd: int) -> None:
     """Finalizer body: remove the directory while still holding its lock, then drop the lock."""
     try:
         _remove_tree(path)
+    except OSError as e:  # e.g. the disk failed: the next run's sweep retries
+        warnings.warn(f"could not remove SSD scratch {path}: {e.strerror or e}", RuntimeWarning, stacklevel=2)
     finally:
         try:
             os.close(fd)

@@ -61,7 +61,7 @@ from tinypipe.errors import StorageError
 from tinypipe.memory.host_buffers import aligned_empty
 from tinypipe.storage.direct import ALIGN, ScratchFile, align_up, open_scratch_file, read_into, write_from
 from tinypipe.storage.io_stats import IoRecord, IoStats
-from tinypipe.storage.scratch import ScratchDir, check_free_space, free_bytes
+from tinypipe.storage.scratch import ScratchDir, check_free_space, format_bytes, free_bytes
 
 #: Worker threads per store: requests in flight at the device (8 reached the disk's rate above; they
 #: sleep in the syscall, so they cost no CPU while waiting).
@@ -73,10 +73,6 @@ DEFAULT_CHUNK_BYTES = 16 << 20
 POLL_S = 0.05
 
 _EMPTY, _VALID, _WRITING = "never written", "valid", "being written"
-
-
-def _gib(n: int) -> str:
-    return f"{n / 2**30:.1f} GiB"
 
 
 def _describe(e: BaseException) -> str:
@@ -271,7 +267,7 @@ class _Core:
             have = free_bytes(os.path.dirname(self.file.path))
         except OSError:
             return "the disk is full"
-        return "the disk is full" if have is None else f"{_gib(have)} free on the disk"
+        return "the disk is full" if have is None else f"{format_bytes(have)} free on the disk"
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -335,8 +331,8 @@ class SsdStateStore:
                 scratch.close()
             have = free_bytes(scratch.parent)
             if e.errno == errno.ENOSPC:
-                raise StorageError(f"offload directory {scratch.parent} cannot hold the SSD tier's {_gib(offset)} "
-                                   f"({_gib(have or 0)} free): free space or choose another directory") from e
+                raise StorageError(f"offload directory {scratch.parent} cannot hold the SSD tier's {format_bytes(offset)} "
+                                   f"({format_bytes(have or 0)} free): free space or choose another directory") from e
             raise StorageError(f"cannot create the SSD tier's scratch file {path}: {_describe(e)}") from e
         self.path = Path(path)
         self.direct = file.direct
