@@ -49,7 +49,8 @@ def main() -> int:
             cpu = time.process_time()
             r = measure_rates(args.directory, nbytes, threads=threads, chunk_bytes=chunk, direct=direct)
             cpu = time.process_time() - cpu  # includes filling the 64 MiB source buffer once
-            r.update(rep=rep, requested_direct=direct, time=time.time(), cpu_s_per_gb=cpu / (2 * r["nbytes"] / 1e9))
+            r.update(rep=rep, requested_direct=direct, time=time.time(),
+                     cpu_s_per_gb=cpu / (2 * r["nbytes"] / 1e9))
             rows.append(r)
             print(f"rep {rep} threads {threads:2d} chunk {chunk >> 20:3d} MiB direct {r['direct']!s:5}: "
                   f"read {r['read_gbps']:.2f} GB/s, write {r['write_gbps']:.2f} GB/s, "
@@ -59,10 +60,11 @@ def main() -> int:
             "libaio": "libaio" in ldconfig, "python": platform.python_version()}
     print("median over repetitions (read, write GB/s):")
     for threads, chunk, direct in configs:
-        same = [r for r in rows if (r["threads"], r["chunk_bytes"], r["requested_direct"]) == (threads, chunk, direct)]
+        same = [r for r in rows
+                if (r["threads"], r["chunk_bytes"], r["requested_direct"]) == (threads, chunk, direct)]
         med = {k: statistics.median(r[k] for r in same) for k in ("read_gbps", "write_gbps", "cpu_s_per_gb")}
-        print(f"  threads {threads:2d} chunk {chunk >> 20:3d} MiB direct {direct!s:5}: {med['read_gbps']:.2f}, "
-              f"{med['write_gbps']:.2f} (CPU {med['cpu_s_per_gb']:.3f} s/GB)")
+        print(f"  threads {threads:2d} chunk {chunk >> 20:3d} MiB direct {direct!s:5}: "
+              f"{med['read_gbps']:.2f}, {med['write_gbps']:.2f} (CPU {med['cpu_s_per_gb']:.3f} s/GB)")
     if args.json:
         args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
     return 0

@@ -18,6 +18,6 @@ from tinypipe.storage.staging import StagingPool, StagingSlot
 from tinypipe.storage.store import IoHandle, SsdStateStore
 
 __all__ = [
-    "IoHandle", "IoRecord", "IoStats", "IoTotals", "ScratchDir", "SsdStateStore", "StagingPool", "StagingSlot",
-    "check_directory", "check_free_space", "measure_rates", "sweep_stale",
+    "IoHandle", "IoRecord", "IoStats", "IoTotals", "ScratchDir", "SsdStateStore", "StagingPool",
+    "StagingSlot", "check_directory", "check_free_space", "measure_rates", "sweep_stale",
 ]

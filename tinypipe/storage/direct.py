@@ -95,15 +95,17 @@ def open_scratch_file(path: str, nbytes: int, direct: bool = True, prealloc: boo
     """Create ``path`` (it must not exist) sized for ``nbytes``, for direct I/O where possible."""
     fd = -1
     try:
+        created = False
         if direct:
             try:
                 fd = _open(path, True, True)
             except OSError as e:
                 if e.errno != errno.EINVAL:
                     raise
-                direct = False
+                direct = False  # ramfs creates the file, then refuses the flag
+                created = os.path.exists(path)
         if fd < 0:
-            fd = _open(path, False, True)
+            fd = _open(path, False, not created)
         done = preallocate(fd, nbytes) if prealloc else False
         if not done:
             os.ftruncate(fd, nbytes)  # sparse: space is taken as regions are written

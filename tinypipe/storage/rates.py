@@ -32,7 +32,8 @@ def measure_rates(directory: str | os.PathLike, nbytes: int = 1 << 30, *, thread
     regions = {i: region_bytes for i in range(max(1, -(-nbytes // region_bytes)))}
     total = len(regions) * region_bytes
     src = aligned_empty(region_bytes, torch.uint8)
-    src.copy_(torch.randint(0, 256, (region_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0)))
+    gen = torch.Generator().manual_seed(0)
+    src.copy_(torch.randint(0, 256, (region_bytes,), dtype=torch.uint8, generator=gen))
     dst = aligned_empty(region_bytes, torch.uint8)
     with SsdStateStore(directory, regions, threads=threads, chunk_bytes=chunk_bytes, direct=direct) as store:
         t0 = time.perf_counter()

@@ -66,8 +66,8 @@ def check_free_space(parent: str | os.PathLike, need: int, what: str = "the SSD 
     """Refuse up front, in one line, when ``parent``'s filesystem has less than ``need`` bytes."""
     have = free_bytes(check_directory(parent))
     if have is not None and have < need:
-        raise StorageError(f"offload directory {parent} has {format_bytes(have)} free; {what} needs {format_bytes(need)} "
-                           f"({need} bytes): free space or choose another directory")
+        raise StorageError(f"offload directory {parent} has {format_bytes(have)} free; {what} needs "
+                           f"{format_bytes(need)} ({need} bytes): free space or choose another directory")
 
 
 def filesystem_type(path: str | os.PathLike) -> str:
@@ -116,7 +116,8 @@ class Leftover:
         o = self.owner
         who = f"pid {o['pid']} on {o.get('host', '?')}" if "pid" in o else "an unknown run"
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(o["started"])) if "started" in o else "?"
-        return f"removed SSD scratch left by a killed run: {self.path} ({who}, started {when}, {format_bytes(self.nbytes)})"
+        return (f"removed SSD scratch left by a killed run: {self.path} ({who}, started {when}, "
+                f"{format_bytes(self.nbytes)})")
 
 
 def _remove_tree(path: Path) -> int:
@@ -205,8 +206,8 @@ def sweep_stale(parent: str | os.PathLike) -> list[Leftover]:
         try:
             nbytes = _remove_tree(path)
         except OSError as e:
-            warnings.warn(f"SSD scratch left by a killed run at {path} could not be removed: {e.strerror or e}",
-                          RuntimeWarning, stacklevel=2)
+            warnings.warn(f"SSD scratch left by a killed run at {path} could not be removed: "
+                          f"{e.strerror or e}", RuntimeWarning, stacklevel=2)
             continue
         finally:
             if fd >= 0:

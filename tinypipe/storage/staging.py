@@ -57,7 +57,7 @@ class StagingPool:
 
     def __init__(self, slots: int, slot_bytes: int, pinner: Pinner | None = None) -> None:
         if slots < 1 or slot_bytes < 1:
-            raise ValueError(f"a staging pool needs slots >= 1 and slot_bytes >= 1 (got {slots}, {slot_bytes})")
+            raise ValueError(f"a staging pool needs slots, slot_bytes >= 1, got {slots}, {slot_bytes}")
         self.slot_bytes = -(-slot_bytes // PAGE) * PAGE
         self._buffer = aligned_empty(slots * self.slot_bytes, torch.uint8)
         if pinner is not None:

@@ -43,6 +43,7 @@ CPU optimizer works on. The GPU machine's disk reached 1.6 / 2.4 GB/s with 16 th
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -327,20 +328,24 @@ class SsdStateStore:
         try:
             file = open_scratch_file(path, offset, direct=direct, prealloc=preallocate)
         except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
             if owned:
                 scratch.close()
-            have = free_bytes(scratch.parent)
             if e.errno == errno.ENOSPC:
-                raise StorageError(f"offload directory {scratch.parent} cannot hold the SSD tier's {format_bytes(offset)} "
-                                   f"({format_bytes(have or 0)} free): free space or choose another directory") from e
+                have = format_bytes(free_bytes(scratch.parent) or 0)
+                raise StorageError(f"offload directory {scratch.parent} cannot hold the SSD tier's "
+                                   f"{format_bytes(offset)} ({have} free): free space or choose another "
+                                   "directory") from e
             raise StorageError(f"cannot create the SSD tier's scratch file {path}: {_describe(e)}") from e
         self.path = Path(path)
         self.direct = file.direct
         self.preallocated = file.preallocated
         if direct and not file.direct:
-            warnings.warn(f"offload directory {scratch.parent} ({scratch.filesystem or 'unknown filesystem'}) "
-                          "refuses O_DIRECT: using buffered I/O, flushed and dropped from the page cache after "
-                          "each transfer (slower)", RuntimeWarning, stacklevel=2)
+            fs = scratch.filesystem or "unknown filesystem"
+            warnings.warn(f"offload directory {scratch.parent} ({fs}) refuses O_DIRECT: using buffered I/O, "
+                          "flushed and dropped from the page cache after each transfer (slower)",
+                          RuntimeWarning, stacklevel=2)
         if preallocate and not file.preallocated:
             warnings.warn(f"offload directory {scratch.parent} cannot preallocate: a disk that fills up will "
                           "fail mid-run (one-line error) instead of now", RuntimeWarning, stacklevel=2)
@@ -405,7 +410,8 @@ class SsdStateStore:
         try:
             os.fsync(self._core.file.fd)
         except OSError as e:
-            raise StorageError(f"flushing the SSD tier's scratch file {self.path} failed: {_describe(e)}") from e
+            raise StorageError(f"flushing the SSD tier's scratch file {self.path} failed: "
+                               f"{_describe(e)}") from e
 
     def cancel(self) -> None:
         """Drop every queued request (they fail with "cancelled"; cancelled writes leave their
