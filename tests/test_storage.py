@@ -308,3 +308,39 @@ def test_measure_rates_cleans_up(tmp_path):
     assert rates["read_gbps"] > 0 and rates["write_gbps"] > 0 and rates["direct"] is True
     assert rates["nbytes"] == 16 << 20
     assert list(tmp_path.iterdir()) == []
+
+
+def test_done_callback_may_submit(tmp_path):
+    """Callbacks run outside the store's lock: chaining a request from one cannot deadlock."""
+    with SsdStateStore(tmp_path, {"a": 1 << 16, "b": 1 << 16}) as store:
+        src, out = _state(1 << 14, 5), aligned_empty(1 << 14)
+        chained: list = []
+        store.write_async("a", src).add_done_callback(lambda h: chained.append(store.read_async("a", out)))
+        deadline = time.monotonic() + 10
+        while not chained and time.monotonic() < deadline:
+            time.sleep(0.01)
+        chained[0].wait(timeout=10)
+        assert torch.equal(out, src)
+
+
+def test_forked_child_leaves_the_parents_files_alone(tmp_path):
+    import os
+    import warnings
+
+    store = SsdStateStore(tmp_path, {"x": 4096})
+    store.write("x", aligned_empty(1024))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # fork() of a multi-threaded process
+        pid = os.fork()
+    if pid == 0:  # the child: what its exit would run (finalizers), then leave without atexit
+        try:
+            store.close()
+            store._core.scratch.close()
+        finally:
+            os._exit(0)
+    _, status = os.waitpid(pid, 0)
+    assert status == 0
+    assert store.path.exists()
+    store.read("x", aligned_empty(1024))  # still usable in the parent
+    store.close()
+    assert _scratch_dirs(tmp_path) == []

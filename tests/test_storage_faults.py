@@ -12,6 +12,7 @@ import contextlib
 import errno
 import os
 import shutil
+import signal
 import subprocess
 import warnings
 from collections.abc import Iterator
@@ -24,6 +25,8 @@ from tinypipe.errors import StorageError, TinypipeError
 from tinypipe.memory.host_buffers import aligned_empty
 from tinypipe.storage import ScratchDir, SsdStateStore, check_free_space
 from tinypipe.storage.scratch import PREFIX, free_bytes
+
+from test_storage_scratch import store_child  # noqa: E402 - tests/ is on sys.path (conftest)
 
 root_only = pytest.mark.skipif(os.geteuid() != 0 or shutil.which("mount") is None,
                                reason="mounting a small filesystem needs root")
@@ -129,6 +132,23 @@ def test_free_space_refusal_on_a_small_filesystem(tmp_path):
                 warnings.simplefilter("ignore")
                 SsdStateStore(small, {i: 16 << 20 for i in range(4)})
         assert list(small.iterdir()) == []
+
+
+@root_only
+def test_a_killed_runs_leftover_is_swept_before_free_space_is_checked(tmp_path):
+    with mounted(tmp_path / "small", "tmpfs", "size=32m") as small, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        proc, leftover = store_child(small, "sleep", 20 << 20)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        assert leftover.exists() and free_bytes(small) < 20 << 20
+        warnings.simplefilter("always", RuntimeWarning)
+        with warnings.catch_warnings(record=True) as caught:
+            with SsdStateStore(small, {"x": 20 << 20}) as store:
+                store.write("x", _buf(5 << 20, 1.0))
+        assert any("left by a killed run" in str(w.message) for w in caught)
+        assert not leftover.exists() and list(small.iterdir()) == []
 
 
 # -- the disk fills up mid-run ---------------------------------------------------------------------

@@ -26,18 +26,20 @@ CHILD = textwrap.dedent("""
     import sys, time
     from tinypipe.memory.host_buffers import aligned_empty
     from tinypipe.storage import SsdStateStore
-    store = SsdStateStore(sys.argv[1], {"x": 1 << 20})
-    store.write("x", aligned_empty(1 << 18))
+    store = SsdStateStore(sys.argv[1], {"x": int(sys.argv[3])})
+    store.write("x", aligned_empty(int(sys.argv[3]) // 4))
     print(store.path.parent, flush=True)
     if sys.argv[2] == "sleep":
         time.sleep(120)
 """)
 
 
-def _child(directory: Path, mode: str) -> tuple[subprocess.Popen, Path]:
+def store_child(directory: Path, mode: str, nbytes: int = 1 << 20) -> tuple[subprocess.Popen, Path]:
+    """A real run in a child process with an SSD store of ``nbytes`` under ``directory``: it
+    sleeps (``mode="sleep"``, for the test to SIGKILL) or exits without closing (``"exit"``)."""
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(directory), mode], cwd=REPO, env=env,
-                            stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", CHILD, str(directory), mode, str(nbytes)], cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None
     line = proc.stdout.readline().strip()
     assert line, f"child failed (rc {proc.poll()})"
@@ -49,7 +51,7 @@ def _scratch(parent: Path) -> list[Path]:
 
 
 def test_live_run_is_untouched_and_killed_run_is_swept(tmp_path):
-    proc, scratch = _child(tmp_path, "sleep")
+    proc, scratch = store_child(tmp_path, "sleep")
     try:
         assert scratch.is_dir() and (scratch / OWNER).exists()
         with warnings.catch_warnings():
@@ -74,7 +76,7 @@ def test_live_run_is_untouched_and_killed_run_is_swept(tmp_path):
 
 
 def test_sweep_returns_what_it_removed(tmp_path):
-    proc, scratch = _child(tmp_path, "sleep")
+    proc, scratch = store_child(tmp_path, "sleep")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
@@ -85,7 +87,7 @@ def test_sweep_returns_what_it_removed(tmp_path):
 
 
 def test_normal_exit_removes_the_scratch(tmp_path):
-    proc, scratch = _child(tmp_path, "exit")  # never calls close(): the finalizer does it at exit
+    proc, scratch = store_child(tmp_path, "exit")  # never calls close(): the finalizer does it at exit
     assert proc.wait(60) == 0
     proc.stdout.close()
     assert not scratch.exists() and list(tmp_path.iterdir()) == []

@@ -218,8 +218,11 @@ def sweep_stale(parent: str | os.PathLike) -> list[Leftover]:
     return found
 
 
-def _release(path: Path, fd: int) -> None:
-    """Finalizer body: remove the directory while still holding its lock, then drop the lock."""
+def _release(path: Path, fd: int, owner_pid: int) -> None:
+    """Finalizer body: remove the directory while still holding its lock, then drop the lock. A
+    forked child that inherited the directory must not remove its parent's files at its exit."""
+    if os.getpid() != owner_pid:
+        return
     try:
         _remove_tree(path)
     except OSError as e:  # e.g. the disk failed: the next run's sweep retries
@@ -234,13 +237,15 @@ def _release(path: Path, fd: int) -> None:
 class ScratchDir:
     """This process's scratch directory under an offload directory.
 
-    Creating one sweeps leftovers of killed runs first. ``close()`` (or the end of a ``with``
-    block, or interpreter exit, or garbage collection) removes it and everything in it.
+    Creating one sweeps leftovers of killed runs first, then checks that ``need`` bytes are free
+    (after the sweep: a crashed run's files must not cause a refusal). ``close()`` (or the end of
+    a ``with`` block, or interpreter exit, or garbage collection) removes it and everything in it.
     """
 
-    def __init__(self, parent: str | os.PathLike) -> None:
+    def __init__(self, parent: str | os.PathLike, need: int = 0) -> None:
         base = check_directory(parent)
         sweep_stale(base)
+        check_free_space(base, need)
         self.parent = base
         self.filesystem = filesystem_type(base)
         tmp = base / f"{NEW_PREFIX}{secrets.token_hex(6)}"
@@ -263,7 +268,7 @@ class ScratchDir:
             _remove_tree(tmp)
             raise StorageError(f"cannot create scratch files in offload directory {base}: "
                                f"{e.strerror or e}") from e
-        self._finalizer = weakref.finalize(self, _release, self.path, fd)
+        self._finalizer = weakref.finalize(self, _release, self.path, fd, os.getpid())
         if self.filesystem in _MEMORY_FILESYSTEMS:
             warnings.warn(f"offload directory {base} is on {self.filesystem}: its scratch files occupy RAM, "
                           "not an SSD", RuntimeWarning, stacklevel=2)

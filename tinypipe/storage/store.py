@@ -147,6 +147,8 @@ class _Core:
         self.cancelled = False
         self.closed = False
         self.failure: BaseException | None = None  # a done-callback raised
+        self.due: list[tuple[Callable[[IoHandle], None], IoHandle]] = []  # callbacks to run unlocked
+        self.owner_pid = os.getpid()
         self.workers = [threading.Thread(target=self.work, name=f"tinypipe-ssd-{i}", daemon=True)
                         for i in range(threads)]
         for t in self.workers:
@@ -200,6 +202,7 @@ class _Core:
         with handle._lock:
             handle._event.set()
             callbacks, handle._callbacks = handle._callbacks, []
+        self.due.extend((fn, handle) for fn in callbacks)
         if self.tails.get(key) is handle:
             del self.tails[key]
         for nxt in handle._successors:
@@ -207,7 +210,12 @@ class _Core:
         handle._successors = []
         if not self.tails:
             self.idle.notify_all()
-        for fn in callbacks:
+
+    def run_due(self) -> None:
+        """Run the done-callbacks of finished requests, outside the lock (they may submit)."""
+        with self.lock:
+            due, self.due = self.due, []
+        for fn, handle in due:
             try:
                 fn(handle)
             except BaseException as e:  # surfaced by the store's next call
@@ -235,6 +243,8 @@ class _Core:
                     error = _describe(e)
                     if e.errno == errno.ENOSPC:
                         error += f"; {self.space_left()}"
+                except Exception as e:  # noqa: BLE001 - a worker must never die with a request open
+                    error = f"{type(e).__name__}: {e}"
             elif self.cancelled:
                 error = "cancelled"
             with self.lock:
@@ -243,6 +253,7 @@ class _Core:
                 handle._pending -= 1
                 if handle._pending == 0:
                     self.finish(handle, handle._first_error)
+            self.run_due()
 
     def transfer(self, handle: IoHandle, start: int, length: int, bounce: torch.Tensor) -> None:
         file_offset = self.layout[handle.key][0] + start
@@ -272,7 +283,13 @@ class _Core:
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Finish what is in flight, stop the workers, close and remove the file (idempotent)."""
+        """Finish what is in flight, stop the workers, close and remove the file (idempotent). In a
+        forked child (which inherited the store) it only closes the descriptor: the files are the
+        parent's."""
+        if os.getpid() != self.owner_pid:
+            with contextlib.suppress(OSError):
+                os.close(self.file.fd)
+            return
         with self.lock:
             if self.closed:
                 return
@@ -321,9 +338,11 @@ class SsdStateStore:
             offset += align_up(int(nbytes))
         self.nbytes = offset
         owned = not isinstance(directory, ScratchDir)
-        check_free_space(directory.parent if isinstance(directory, ScratchDir) else directory, offset)
-        scratch = ScratchDir(directory) if owned else directory
-        assert isinstance(scratch, ScratchDir)
+        if isinstance(directory, ScratchDir):
+            scratch = directory
+            check_free_space(scratch.parent, offset)
+        else:
+            scratch = ScratchDir(directory, need=offset)
         path = scratch.file(f"state-{secrets.token_hex(4)}.bin")
         try:
             file = open_scratch_file(path, offset, direct=direct, prealloc=preallocate)
@@ -464,4 +483,5 @@ class SsdStateStore:
             if core.closed:
                 raise StorageError(f"SSD {op} of {key!r} after the store was closed")
             core.submit(handle)
+        core.run_due()
         return handle
