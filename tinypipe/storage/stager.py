@@ -8,7 +8,9 @@ The optimizer path's pattern, in one place so that its two hazards are handled o
   exhausted, which is exactly the back-pressure the schedule wants.
 - **Reuse before landing**: a slot goes back to the pool only when the write-back from it has
   completed (a done-callback, no thread waits for it), so the next layer's read can never
-  overwrite bytes still being written.
+  overwrite bytes still being written. Hence size the pool for ``depth + 1`` layers: ``depth``
+  read ahead plus the one whose write-back is landing. With only ``depth``, staging the next
+  layer waits for the previous write-back, which then no longer overlaps the step.
 
 Usage (one layer)::
 
