@@ -11,7 +11,8 @@ full = max(io, compute).
 Measured on the CPU machine (2 cores shared with two other busy processes, load 6; 8 layers x 3 x
 64 MiB, depth 2; ``bench/results/ssd_overlap_cpu.json``): io 0.85-1.20 s (2.7-3.8 GB/s read +
 write), compute 1.4-2.3 s, full 2.3-2.6 s = 1.08-1.60x the bound, median 1.22. Timed inside the
-full loop, waiting for reads was ~2% of it: the residue is CPU contention, not exposed I/O.
+full loop (3 more runs), waiting for reads was 0.10-0.36 s of 1.7-2.5 s, including the first
+``depth`` layers' reads that nothing can hide; the rest of the residue is CPU contention.
 """
 
 from __future__ import annotations
