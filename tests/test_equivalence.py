@@ -94,13 +94,13 @@ def test_late_clip_rolls_back_speculative_steps_exactly() -> None:
 
 
 def test_adamw_undo_inverts_the_step() -> None:
-    from tinypipe.runtime.optimizer import CpuAdamW
+    from tinypipe.runtime.optim.adamw import ChunkedAdamW
 
     class S:  # the LayerState fields the optimizer touches
         pass
 
     g = torch.Generator().manual_seed(0)
-    opt = CpuAdamW(1e-3, (0.9, 0.999), 1e-8, 0.1)
+    opt = ChunkedAdamW(1e-3, (0.9, 0.999), 1e-8, 0.1)
     s = S()
     s.master, s.exp_avg, s.exp_avg_sq = torch.randn(1000, generator=g), torch.empty(1000), torch.empty(1000)
     for step in range(1, 6):

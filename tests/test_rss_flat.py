@@ -66,7 +66,7 @@ def test_lane_threads_are_reused_across_steps_and_stop_on_close() -> None:
         seen.append(set())
         eng.step(make_batch(4, 8, seed=seed))
     assert seen[0] == seen[1] == seen[2] and len(seen[0]) == 7  # 2 devices x 3 lanes + the optimizer lane
-    threads = eng._workers.threads()
+    threads = eng.resources.workers.threads()
     assert all(t.is_alive() and not t.name.startswith("tinypipe-") for t in threads)  # idle between steps
     eng.close()
     for t in threads:
