@@ -19,31 +19,22 @@ import torch
 from torch import nn
 
 from tinypipe.config import Config
-from tinypipe.devices.backend import Backend, HostPinner, make_backend
-from tinypipe.errors import ConfigError, NonFiniteError, PlanDoesNotFitError, WorkerError, WriteError
+from tinypipe.devices.backend import make_backend
+from tinypipe.errors import ConfigError, NonFiniteError, WorkerError, WriteError
 from tinypipe.lora.hooks import save_adapter, split_peft
-from tinypipe.memory.budget import check_host_memory
-from tinypipe.memory.device_pool import DevicePool
-from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
-from tinypipe.memory.host_store import IN_PLACE_MARK, HostStore
 from tinypipe.memory.report import MemoryReport
-from tinypipe.models.compiled import resolve_backend
-from tinypipe.models.decompose import Decomposition, Shell
+from tinypipe.models.decompose import Decomposition
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import configure
+from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.context import TaskTiming
-from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.inputs import StepInputs, prepare_inputs
 from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report, timeline_events
-from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepOutcome
-from tinypipe.runtime.optim.device_state import DeviceOptimizerState
-from tinypipe.runtime.optim.path import OptimizerPath, retains_gradients
-from tinypipe.runtime.resources import EngineResources
-from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
+from tinypipe.runtime.optim.path import retains_gradients
 from tinypipe.runtime.step import StepRunner
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.workers import LaneWorkers
@@ -56,7 +47,6 @@ from tinypipe.schedule.validate import validate
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ENGINE_KEY = "_tinypipe_engine"  # the engine's own state inside a checkpoint's extra
-STAGING_MAX = 32 * 1024 * 1024  # elements: the fp32 upload staging buffer (128 MiB) -- chunks larger layers
 
 
 @dataclass
@@ -98,10 +88,6 @@ def _stop(background: BackgroundUpdates, workers: LaneWorkers) -> None:
     workers.shutdown(0.0)
 
 
-def _one_line(exc: BaseException, limit: int) -> str:
-    return " ".join(str(exc).split())[:limit]
-
-
 class Engine:
     """Trains ``model`` (a Hugging Face causal LM) with Tiny-Pipe's layer-wise swapping.
 
@@ -141,22 +127,21 @@ class Engine:
             raise ConfigError(f"plan is for {self.plan.num_devices} devices, config lists {len(cfg.devices)}")
         if self.plan.num_blocks != dec.num_blocks:
             raise ConfigError(f"plan covers {self.plan.num_blocks} blocks, the model has {dec.num_blocks}")
-        self._any_cuda = any(b.is_cuda for b in self.backends)
-        self.pinner = HostPinner(enabled=self._any_cuda and cfg.pin_memory == "register")
-        retain = retains_gradients(cfg.max_grad_norm, cfg.nonfinite)
-        self.store = self._build_host_store(retain)
+        build = EngineBuilder(model, cfg, self.plan, dec, self.backends, self.dtype)
+        self._any_cuda = build.any_cuda
+        self.pinner = build.pinner
+        self.store = build.host_store()
         self.hidden_size = int(model.config.hidden_size)
         self.head_chunk = cfg.head_chunk_tokens or chunk_tokens_for(int(model.config.vocab_size))
-        self.compile_backend = self._compile_backend()
-        self.devices: list[DeviceRuntime] = []
-        device_states: dict[int, DeviceOptimizerState] = {}
-        for i, backend in enumerate(self.backends):
-            runtime, state = self._build_device(i, backend, retain)
-            self.devices.append(runtime)
-            if state is not None:
-                device_states[i] = state
-        self.optimizer = self._build_optimizer(device_states)
-        self.resources = self._start_workers()
+        self.compile_backend = build.compile_backend()
+        self.devices, device_states = build.devices(self.store, self.compile_backend)
+        self.optimizer = build.optimizer(self.store, device_states)
+        self.resources = build.resources(self.store, self.devices, self.optimizer, self.hidden_size,
+                                         self.head_chunk)
+        # an engine dropped (or alive at interpreter exit) with a background update still running:
+        # finish it first -- torch kernels running in a thread while the interpreter tears down
+        # abort the process ("terminate called without an active exception")
+        weakref.finalize(self, _stop, self.optimizer.background, self.resources.workers)
         self._runner = StepRunner(self.resources)
         self._schedules: dict[int, Schedule] = {}
         self._traffic_cache: dict[tuple[int, int], Traffic] = {}
@@ -167,120 +152,6 @@ class Engine:
         if self._any_cuda:
             _prefer_expandable_segments()
         validate(build_schedule(self.plan, 1, dec.tied))  # an unschedulable plan fails here, not at step 1
-
-    # ------------------------------------------------------------------ construction
-
-    def _build_host_store(self, retain: bool) -> HostStore:
-        """The one host copy of the training state, after checking that it fits in host memory."""
-        model = self.model
-        n_params = sum(p.numel() for p in model.parameters())
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        # what the store still allocates: AdamW moments, the fp32 master unless a loader already
-        # placed it (tinypipe.load_model), the retained gradient, frozen weights at compute precision
-        per = 8 + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (4 if retain else 0)
-        need = per * trainable + (n_params - trainable) * self.dtype.itemsize
-        check_host_memory(need, f"the training state of {n_params / 1e6:.1f} M parameters")
-        try:
-            return HostStore(model, self.decomposition, self.pinner, frozen_dtype=self.dtype)
-        except (MemoryError, RuntimeError) as exc:
-            if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
-                raise
-            raise PlanDoesNotFitError(f"host memory: cannot allocate the training state of {n_params / 1e6:.1f} "
-                                      f"M parameters ({_one_line(exc, 200)})") from exc
-
-    def _compile_backend(self) -> str | None:
-        """The torch.compile backend for the decoder blocks (None: eager)."""
-        backend = resolve_backend(self.config.compile_blocks, self._any_cuda)
-        if backend is not None and backend not in torch._dynamo.list_backends(exclude_tags=()):
-            raise ConfigError(f"compile_blocks: unknown torch.compile backend {backend!r}")
-        return backend
-
-    def _resident_sizes(self, i: int) -> tuple[dict[int, int], dict[int, int]]:
-        """Elements (all, trainable) of the layers resident on device ``i``: the embedding, the
-        head, the resident packs' blocks (never swapped, stepped there)."""
-        dec, plan = self.decomposition, self.plan
-        resident, resident_grad = {}, {}
-        if i == plan.embed_device:
-            resident[0], resident_grad[0] = dec.embed.numel, dec.embed.train_numel
-        if i == plan.head_device:
-            resident[dec.num_blocks + 1], resident_grad[dec.num_blocks + 1] = dec.head.numel, dec.head.train_numel
-        for layer in plan.resident_layers(i):
-            block = dec.blocks[layer - 1]
-            resident[layer], resident_grad[layer] = block.numel, block.train_numel
-        return resident, resident_grad
-
-    def _build_device(self, i: int, backend: Backend,
-                      retain: bool) -> tuple[DeviceRuntime, DeviceOptimizerState | None]:
-        """Device ``i``'s layer slots and resident layers, its host gradient pool and model shell,
-        and the AdamW state of the layers stepped on it."""
-        cfg, dec, plan = self.config, self.decomposition, self.plan
-        slot_numel = max(layer.numel for layer in dec.blocks)
-        grad_numel = max(layer.train_numel for layer in dec.blocks)  # frozen parameters: no gradients
-        has_packs = i in plan.fwd_device or i in plan.bwd_device
-        resident, resident_grad = self._resident_sizes(i)
-        try:
-            pool = DevicePool(
-                backend,
-                self.dtype,
-                slot_numel,
-                plan.param_slots() if has_packs else 0,
-                plan.grad_slot_count() if has_packs else 0,
-                resident,
-                staging_numel=min(slot_numel, STAGING_MAX),
-                grad_numel=grad_numel,
-                resident_grad=resident_grad,
-            )
-        except torch.OutOfMemoryError as exc:
-            raise self._no_room(i, exc) from exc
-        # retained gradients (clipping, non-finite skip) are downloaded straight into their
-        # page-locked host buffers: the staging pool would be an extra 4 B/param copy per step
-        pool_buffers = 0 if retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
-        gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner)
-        shell = Shell(self.model, dec, backend.device)
-        if self.compile_backend is not None:
-            shell.compile_blocks(self.compile_backend)
-        runtime = DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool)
-        owned = plan.device_optimized(i)
-        if not owned:
-            return runtime, None
-        try:
-            state = DeviceOptimizerState(backend, runtime.streams["compute"], pool,
-                                         {layer: self.store.layers[layer] for layer in owned})
-        except torch.OutOfMemoryError as exc:
-            raise self._no_room(i, exc) from exc
-        return runtime, state
-
-    def _no_room(self, i: int, exc: BaseException) -> PlanDoesNotFitError:
-        return PlanDoesNotFitError(
-            f"device {self.config.devices[i]}: out of memory for its layer slots and resident layers "
-            f"({_one_line(exc, 160)}); lower pack_size or the micro-batch, use more devices, "
-            "or run `tinypipe plan` to see what fits")
-
-    def _build_optimizer(self, device_states: dict[int, DeviceOptimizerState]) -> OptimizerPath:
-        cfg = self.config
-        cores = os.cpu_count() or 1
-        # leave cores for the lanes that feed the GPUs; an OpenMP team sharing a core with a busy
-        # lane runs at the straggler's pace
-        threads = cfg.optimizer_threads or (max(1, cores - 1 - len(self.devices)) if self._any_cuda else None)
-        return OptimizerPath(self.store, ChunkedAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay),
-                             max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
-                             device_states=device_states, pin=self.pinner.pin, threads=threads)
-
-    def _start_workers(self) -> EngineResources:
-        """The lane workers, and every resource a step uses, in one object."""
-        workers = LaneWorkers()  # one persistent thread per lane, reused by every step
-        # an engine dropped (or alive at interpreter exit) with a background update still running:
-        # finish it first -- torch kernels running in a thread while the interpreter tears down
-        # abort the process ("terminate called without an active exception")
-        weakref.finalize(self, _stop, self.optimizer.background, workers)
-        cfg = self.config
-        return EngineResources(
-            devices=self.devices, store=self.store, optimizer=self.optimizer, workers=workers,
-            host_stash=HostStash(self.pinner), read_ahead=ReadAheadBuffers(), compute_dtype=self.dtype,
-            hidden_size=self.hidden_size, head_chunk_tokens=self.head_chunk,
-            optimizer_threads=self.optimizer.threads, trace=cfg.trace, check_finite=cfg.check_finite,
-            stall_timeout_s=cfg.stall_timeout_s,
-        )
 
     # ------------------------------------------------------------------ training
 
@@ -314,7 +185,8 @@ class Engine:
         try:
             self._runner.run(ctx)
         except WorkerError as exc:
-            self.resources.workers.shutdown()  # no lane thread outlives a failed step (a stuck one is abandoned)
+            # no lane thread outlives a failed step (a stuck one is abandoned)
+            self.resources.workers.shutdown()
             if ctx.stuck:
                 self._broken = f"a worker is still stuck in {ctx.stuck}"
             if self.optimizer.failed:  # the last step's update failed under this one
@@ -323,8 +195,10 @@ class Engine:
                 raise NonFiniteError(str(exc.__cause__)) from exc
             raise
         outcome = self.optimizer.finish_step(self.resources.workers)
-        ctx.timings[:0] = [TaskTiming(str(BACKGROUND_LANE), f"{update_id(layer)} (last step's, clipped)", s, e)
-                           for layer, s, e in outcome.background_timings]  # in this step's timeline
+        # the last step's leftover updates ran during this one: in this step's timeline
+        lane = str(BACKGROUND_LANE)
+        ctx.timings[:0] = [TaskTiming(lane, f"{update_id(layer)} (last step's, clipped)", start, end)
+                           for layer, start, end in outcome.background_timings]
         self._last = StepTimeline(ctx.timings, t0)
         self._rss.sample()
         loss = ctx.loss_value if ctx.loss_value is not None else float("nan")
@@ -333,21 +207,23 @@ class Engine:
             rolled_back = retains_gradients(self.config.max_grad_norm, self.config.nonfinite)
             raise NonFiniteError(
                 f"step {self.step_count + 1}: non-finite {outcome.nonfinite} (loss={loss}); "
-                "layers after it were not updated" + (" and earlier ones were rolled back" if rolled_back else "")
+                "layers after it were not updated"
+                + (" and earlier ones were rolled back" if rolled_back else "")
             )
         return result
 
     def _check_usable(self) -> None:
         if self._broken is not None:
-            raise WorkerError(f"engine unusable: {self._broken}; create a new Engine (from the last checkpoint)")
+            raise WorkerError(f"engine unusable: {self._broken}; create a new Engine (from the last "
+                              "checkpoint)")
         if self.optimizer.failed:
             self._broken = "the last step's optimizer update failed"
             self.optimizer.wait_background()  # raises the cause
 
     def _inputs(self, batch: Mapping[str, torch.Tensor]) -> StepInputs:
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
-        return prepare_inputs(batch, int(self.model.config.vocab_size), None if max_pos is None else int(max_pos),
-                              pin=self._any_cuda)
+        return prepare_inputs(batch, int(self.model.config.vocab_size),
+                              None if max_pos is None else int(max_pos), pin=self._any_cuda)
 
     def _result(self, outcome: StepOutcome, inputs: StepInputs, sched: Schedule, loss: float, lr: float,
                 t0: float, timings: list[TaskTiming]) -> StepResult:

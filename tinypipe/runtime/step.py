@@ -123,14 +123,14 @@ class StepRunner:
                     for dep in task.deps:
                         signals[dep].wait(abort, backend, stream)
                 start = time.perf_counter()
-                ev0 = backend.record_event(stream, timing=True) if timed else None  # type: ignore[union-attr]
+                ev0 = backend.record_event(stream, timing=True) if timed and backend else None
                 side[name] = []
                 if dev is not None:
                     with dev.backend.use_stream(stream):
                         handlers.run(task, dev)
                 else:
                     handlers.run(task, None)
-                ev1 = backend.record_event(stream, timing=True) if ev0 is not None else None  # type: ignore[union-attr]
+                ev1 = backend.record_event(stream, timing=True) if ev0 is not None and backend else None
                 signals[tid].fire(backend, [stream] + side[name])
                 ctx.timings.append(
                     TaskTiming(name, tid, start, time.perf_counter(), (ev0, ev1) if ev0 is not None else None)

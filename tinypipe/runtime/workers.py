@@ -73,7 +73,8 @@ class LaneWorkers:
         done = threading.Event()
         with self._lock:
             w = self._workers.get(lane)
-            if w is None or not w.alive or w.busy or not w.thread.is_alive():  # busy: stuck in an abandoned step -- never reuse it
+            # busy: stuck in an abandoned step -- never reuse it
+            if w is None or not w.alive or w.busy or not w.thread.is_alive():
                 w = _Worker(lane, self)
                 self._workers[lane] = w
             w.busy = True
