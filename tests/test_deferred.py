@@ -41,15 +41,18 @@ def slow_deferred_optimizer(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("family,cfg", [
     ("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2)),
-    ("gpt2", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=3, backward_micro_batch_size=2, stash="host")),
+    ("gpt2", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=3, backward_micro_batch_size=2,
+                  stash="host")),
 ])
-def test_slow_background_updates_still_match_pytorch(slow_deferred_optimizer: None, family: str, cfg: dict) -> None:
+def test_slow_background_updates_still_match_pytorch(slow_deferred_optimizer: None, family: str,
+                                                     cfg: dict) -> None:
     model = make_model(family, layers=4)
     randomize_biases(model)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [make_batch(5, 12, seed=i) for i in range(4)]
     # a threshold every step exceeds: step 1 speculates and rolls back, later steps defer all layers
-    engine, ref = train_both(model, model, batches, dict(cfg, max_grad_norm=1e-3), lr=LR, eps=EPS, weight_decay=WD)
+    engine, ref = train_both(model, model, batches, dict(cfg, max_grad_norm=1e-3), lr=LR, eps=EPS,
+                             weight_decay=WD)
     worst, update_err = compare(engine.state_dict(), ref.model, init)
     assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
     engine.close()
@@ -82,7 +85,8 @@ def test_a_failing_background_update_surfaces_in_the_next_step(monkeypatch: pyte
         devices=["cpu"], pack_size=1, micro_batch_size=5, max_grad_norm=1e-3, stall_timeout_s=30))
     engine.step(make_batch(5, 12))
     t0 = time.monotonic()
-    with pytest.raises(WorkerError, match="deferred optimizer update of layer 0 failed: MemoryError: injected"):
+    failed = "deferred optimizer update of layer 0 failed: MemoryError: injected"
+    with pytest.raises(WorkerError, match=failed):
         engine.step(make_batch(5, 12, seed=1))
     assert time.monotonic() - t0 < 10
     with pytest.raises(WorkerError, match="engine unusable"):

@@ -24,7 +24,8 @@ MICRO = [(1, 1), (2, 2), (2, 3), (3, 1), (5, 2), (7, 7)]  # (fwd, bwd); 7 > batc
 BATCH = 5
 
 
-def plan_for(devices: int, packing, fwd: int, bwd: int, window: int, tied: bool, stash: str = "device") -> Plan:
+def plan_for(devices: int, packing, fwd: int, bwd: int, window: int, tied: bool,
+             stash: str = "device") -> Plan:
     return make_plan(BLOCKS, pack_size=packing, fwd_micro_batch=fwd, bwd_micro_batch=bwd, num_devices=devices,
                      prefetch_window=window, stash=stash, tied=tied)
 
@@ -77,7 +78,8 @@ def check_structure(sched: Schedule, tied: bool) -> None:
     for t in sched.tasks.values():
         if t.kind in (Kind.FWD, Kind.BWD) and t.first:
             ups = {sched.tasks[d].layers[0] for d in t.deps if sched.tasks[d].kind is Kind.UPLOAD}
-            carried = t.kind is Kind.BWD and t.pack == P - 1 and plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
+            same_device = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
+            carried = t.kind is Kind.BWD and t.pack == P - 1 and same_device
             assert carried or ups == set(t.layers), (t.id, ups)
     if tied:
         assert plan.head_device == plan.embed_device
@@ -115,8 +117,9 @@ def test_builder_rejects_impossible_plans() -> None:
         build_schedule(dataclasses.replace(plan, head_device=1, embed_device=0), BATCH, tied=True)
     with pytest.raises(tinypipe.ConfigError, match="at least one"):
         build_schedule(plan, 0, tied=False)
+    few_grad_slots = dataclasses.replace(plan_for(1, 3, 2, 2, 1, tied=False), grad_slots=2)
     with pytest.raises(tinypipe.ConfigError, match="slots"):  # fewer gradient slots than a pack's layers
-        build_schedule(dataclasses.replace(plan_for(1, 3, 2, 2, 1, tied=False), grad_slots=2), BATCH, tied=False)
+        build_schedule(few_grad_slots, BATCH, tied=False)
 
 
 # ---------------------------------------------------------------------------------- corruption
@@ -166,7 +169,8 @@ def test_validator_rejects_two_task_cycle() -> None:
 
 
 def reusing_upload(sched: Schedule) -> Task:
-    return next(sched.tasks[t] for t in sched.order if sched.tasks[t].kind is Kind.UPLOAD and sched.tasks[t].deps)
+    tasks = (sched.tasks[t] for t in sched.order)
+    return next(t for t in tasks if t.kind is Kind.UPLOAD and t.deps)
 
 
 def test_validator_rejects_upload_without_release_dependency() -> None:
