@@ -47,8 +47,8 @@ class StepContext:
     abort: Abort = field(default_factory=Abort)
     timings: list[TaskTiming] = field(default_factory=list)
     # block arguments (masks, rotary embeddings) captured by the embedding forward, per device
-    contexts: dict[int, list] = field(default_factory=dict)
-    context_lock: threading.Lock = field(default_factory=threading.Lock)
+    block_calls: dict[int, list] = field(default_factory=dict)
+    block_calls_lock: threading.Lock = field(default_factory=threading.Lock)
     loss_sum: torch.Tensor | None = None  # fp64 on the head's device
     loss_value: float | None = None  # on the host, once the head's update read it
     side_streams: dict[str, list[object]] = field(default_factory=dict)  # lane -> its task's side streams

@@ -98,16 +98,16 @@ class TaskHandlers:
         if self.res.check_finite and t is not None and not bool(torch.isfinite(t).all()):
             raise NonFiniteError(f"{task.id}: non-finite {what}")
 
-    def _context(self, dev: DeviceRuntime) -> list:
+    def _block_calls(self, dev: DeviceRuntime) -> list:
         """The block arguments captured by the embedding forward, on ``dev``'s device."""
-        step = self.ctx
-        with step.context_lock:
-            ctx = step.contexts.get(dev.index)
-            if ctx is None:
-                src = step.contexts[step.schedule.plan.embed_device]
-                ctx = map_tensors(src, lambda t: t.to(dev.device, non_blocking=True))
-                step.contexts[dev.index] = ctx
-            return ctx
+        ctx = self.ctx
+        with ctx.block_calls_lock:
+            calls = ctx.block_calls.get(dev.index)
+            if calls is None:
+                src = ctx.block_calls[ctx.schedule.plan.embed_device]
+                calls = map_tensors(src, lambda t: t.to(dev.device, non_blocking=True))
+                ctx.block_calls[dev.index] = calls
+            return calls
 
     def _rows(self, task: Task, dev: DeviceRuntime, t: torch.Tensor) -> torch.Tensor:
         lo, hi = task.rows
@@ -132,9 +132,9 @@ class TaskHandlers:
         if staging is None:
             dst[:n].copy_(src, non_blocking=True)
             return
-        step = staging.numel()
-        for lo in range(0, n, step):
-            hi = min(n, lo + step)
+        span = staging.numel()
+        for lo in range(0, n, span):
+            hi = min(n, lo + span)
             staging[: hi - lo].copy_(src[lo:hi], non_blocking=True)
             dst[lo:hi].copy_(staging[: hi - lo])
 
@@ -146,8 +146,8 @@ class TaskHandlers:
         mask = mask.to(dev.device, non_blocking=True) if mask is not None else None
         with torch.no_grad():
             hidden, calls = dev.shell.embed_forward(ids, mask)
-        with self.ctx.context_lock:
-            self.ctx.contexts[dev.index] = calls
+        with self.ctx.block_calls_lock:
+            self.ctx.block_calls[dev.index] = calls
         buf = self.ctx.acts[0]
         if buf.device == dev.device and buf.owner is not None:
             buf.adopt(hidden.to(self.dtype))
@@ -155,10 +155,10 @@ class TaskHandlers:
             buf.write(0, inp.batch, hidden.to(self.dtype))
 
     def _run_pack(self, task: Task, dev: DeviceRuntime, x: torch.Tensor) -> torch.Tensor:
-        ctx = self._context(dev)
+        calls = self._block_calls(dev)
         lo, hi = task.rows
         for layer in task.layers:
-            call = slice_rows(ctx[layer - 1], lo, hi, self.ctx.inputs.batch)
+            call = slice_rows(calls[layer - 1], lo, hi, self.ctx.inputs.batch)
             x = dev.shell.block_forward(layer - 1, x, call)
         return x
 
@@ -175,19 +175,19 @@ class TaskHandlers:
         self.stash.write_rows(self.ctx.acts[q + 1], *task.rows, y, dev)
 
     def _head(self, task: Task, dev: DeviceRuntime) -> None:
-        step, inp = self.ctx, self.ctx.inputs
-        H = step.schedule.num_layers - 1
-        P = step.schedule.plan.num_packs
+        ctx, inp = self.ctx, self.ctx.inputs
+        H = ctx.schedule.num_layers - 1
+        P = ctx.schedule.plan.num_packs
         spec = self._spec(H)
         tied = bool(spec.borrowed)
         if task.first:
             self._zero_grads(dev, H, None)
             if tied:
                 self._zero_grads(dev, 0, None)
-            step.loss_sum = torch.zeros((), dtype=torch.float64, device=dev.device)
+            ctx.loss_sum = torch.zeros((), dtype=torch.float64, device=dev.device)
         own = self._bind(dev, H, None, grad=True)
         borrowed = self._bind_borrowed(dev, H, grad=True)
-        x = self.stash.read_rows(step.acts[P], *task.rows, dev)
+        x = self.stash.read_rows(ctx.acts[P], *task.rows, dev)
         labels = self._rows(task, dev, inp.shifted_labels)
         flat_x = x.reshape(-1, x.shape[-1])
         flat_y = labels.reshape(-1)
@@ -230,10 +230,10 @@ class TaskHandlers:
             grad_x[c0:c1] = gx
             self._check(task, "loss", loss)
             self._check(task, "input gradient", gx)
-            step.loss_sum += loss.double()  # type: ignore[operator]
-        step.grads[P].write(*task.rows, grad_x.view_as(x))
-        if task.last and step.acts[P].owner is not None:
-            step.acts[P].free()
+            ctx.loss_sum += loss.double()  # type: ignore[operator]
+        ctx.grads[P].write(*task.rows, grad_x.view_as(x))
+        if task.last and ctx.acts[P].owner is not None:
+            ctx.acts[P].free()
 
     def _bwd(self, task: Task, dev: DeviceRuntime) -> None:
         q = task.pack
@@ -246,10 +246,10 @@ class TaskHandlers:
             ps = self._bind(dev, layer, slot, grad=True)
             params += ps
             counts.append(len(ps))
-        step = self.ctx
-        x = self.stash.read_rows(step.acts[q], *task.rows, dev).detach().requires_grad_(True)
+        ctx = self.ctx
+        x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
         self.stash.read_ahead_next(task, dev)
-        gout = step.grads[q + 1].read(*task.rows, dev.device)
+        gout = ctx.grads[q + 1].read(*task.rows, dev.device)
         with torch.enable_grad():
             y = self._run_pack(task, dev, x)
         self._check(task, "stashed input", x)
@@ -258,38 +258,38 @@ class TaskHandlers:
         self._check(task, "input gradient", grads[0])
         for g in grads[1:]:
             self._check(task, "parameter gradient", g)
-        step.grads[q].write(*task.rows, grads[0])
+        ctx.grads[q].write(*task.rows, grads[0])
         i = 1
         for layer, g, n in zip(task.layers, task.grad_slots, counts):
             self._accumulate(dev, layer, g, list(grads[i : i + n]))
             i += n
         del y, grads, x, gout
         if task.last:
-            step.grads[q + 1].free()
+            ctx.grads[q + 1].free()
             if q > 0:
-                step.acts[q].free()
+                ctx.acts[q].free()
 
     def _embed_bwd(self, task: Task, dev: DeviceRuntime) -> None:
-        step, inp = self.ctx, self.ctx.inputs
-        tied = bool(self._spec(step.schedule.num_layers - 1).borrowed)
-        head_shares = tied and step.schedule.plan.head_device == dev.index
+        ctx, inp = self.ctx, self.ctx.inputs
+        tied = bool(self._spec(ctx.schedule.num_layers - 1).borrowed)
+        head_shares = tied and ctx.schedule.plan.head_device == dev.index
         if not head_shares:  # a tied head on this device zeroed the embedding's gradient already
             self._zero_grads(dev, 0, None)
         if not self._spec(0).train_numel:  # frozen embedding (LoRA): nothing to differentiate
-            step.grads[0].free()
-            step.acts[0].free()
+            ctx.grads[0].free()
+            ctx.acts[0].free()
             return
         params = self._bind(dev, 0, None, grad=True)
         ids = inp.input_ids.to(dev.device, non_blocking=True)
         mask = inp.attention_mask
         mask = mask.to(dev.device, non_blocking=True) if mask is not None else None
-        gout = step.grads[0].read(0, inp.batch, dev.device)
+        gout = ctx.grads[0].read(0, inp.batch, dev.device)
         with torch.enable_grad():
             hidden, _ = dev.shell.embed_forward(ids, mask)
         grads = torch.autograd.grad(hidden.to(self.dtype), params, gout, allow_unused=True)
         self._accumulate(dev, 0, None, list(grads))
-        step.grads[0].free()
-        step.acts[0].free()
+        ctx.grads[0].free()
+        ctx.acts[0].free()
 
     def _download(self, task: Task, dev: DeviceRuntime) -> None:
         layer = task.layers[0]
@@ -329,7 +329,7 @@ class TaskHandlers:
 
     def _loss_finite(self) -> bool:
         """The step's loss, on the host once the head's last micro-batch is done: finite?"""
-        step = self.ctx
-        step.signals[head_id(len(step.schedule.fwd_rows()) - 1)].synchronize(step.abort)
-        step.loss_value = float(step.loss_sum.item()) if step.loss_sum is not None else 0.0
-        return bool(torch.isfinite(torch.tensor(step.loss_value)))
+        ctx = self.ctx
+        ctx.signals[head_id(len(ctx.schedule.fwd_rows()) - 1)].synchronize(ctx.abort)
+        ctx.loss_value = float(ctx.loss_sum.item()) if ctx.loss_sum is not None else 0.0
+        return bool(torch.isfinite(torch.tensor(ctx.loss_value)))

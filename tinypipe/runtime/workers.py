@@ -39,13 +39,9 @@ class _Worker:
             try:
                 item = self.queue.get(timeout=IDLE_EXIT_S)
             except queue.Empty:
-                with self.pool._lock:
-                    if self.busy or not self.queue.empty():
-                        continue
-                    self.alive = False
-                    if self.pool._workers.get(self.lane) is self:
-                        del self.pool._workers[self.lane]
-                return
+                if self.pool.retire(self):
+                    return
+                continue
             if item is None:
                 return
             fn, done = item
@@ -80,6 +76,16 @@ class LaneWorkers:
             w.busy = True
             w.queue.put((fn, done))
         return done
+
+    def retire(self, worker: _Worker) -> bool:
+        """Let an idle ``worker`` exit unless work reached it meanwhile; whether it may."""
+        with self._lock:
+            if worker.busy or not worker.queue.empty():
+                return False
+            worker.alive = False
+            if self._workers.get(worker.lane) is worker:
+                del self._workers[worker.lane]
+            return True
 
     def threads(self) -> list[threading.Thread]:
         with self._lock:
