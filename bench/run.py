@@ -29,7 +29,6 @@ from tinypipe.bench.machine import measure  # noqa: E402
 from tinypipe.bench.rss import RssSampler  # noqa: E402
 from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
 from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
-from tinypipe.runtime.step import host_times  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -118,10 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {i + 1}: loss {r.loss:.4f}  {r.seconds:.2f} s  {r.tokens / r.seconds:,.0f} tok/s"
                   f"{'  clipped' if r.clipped else ''}{'  (warm-up)' if i < a.warmup else ''}", flush=True)
         report = engine.memory_report()
-        events = host_times(engine._last_state.timings, engine._last_origin) if engine._last_state else []
+        events = engine.step_timeline()  # device times when traced
         if a.trace:
             engine.export_trace(a.trace)
-            events = engine._device_events(events)
     timed = results[a.warmup:]
     sec = sum(r.seconds for r in timed) / len(timed)
     tps = w.tokens / sec

@@ -46,7 +46,8 @@ def chrome_trace(events: Iterable[dict], path: str | Path) -> Path:
     for e in events:
         out.append({
             "ph": "X", "pid": 0, "tid": tid[e["lane"]], "name": e["name"],
-            "ts": round(e["start_us"], 3), "dur": round(max(e["dur_us"], 0.001), 3), "args": e.get("args", {}),
+            "ts": round(e["start_us"], 3), "dur": round(max(e["dur_us"], 0.001), 3),
+            "args": e.get("args", {}),
         })
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))
