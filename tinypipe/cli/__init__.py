@@ -9,8 +9,9 @@ Errors caused by input (a missing model, a malformed data line, a bad option val
 line, ``tinypipe: error: ...``, and exit with status 2; ``--debug`` adds the traceback.
 
 The package: :mod:`~tinypipe.cli.options` (the finetune option table, config files),
-:mod:`~tinypipe.cli.finetune`, :mod:`~tinypipe.cli.demo`, :mod:`~tinypipe.cli.output` (messages,
-summaries, saved files); this module builds the parser and runs ``main``. Importing it loads
+:mod:`~tinypipe.cli.finetune`, :mod:`~tinypipe.cli.demo`, :mod:`~tinypipe.cli.plan`,
+:mod:`~tinypipe.cli.profile`, :mod:`~tinypipe.cli.output` (messages, summaries, saved files); this
+module builds the parser and runs ``main``. Importing it loads
 neither torch nor transformers: ``tinypipe plan`` and ``--help`` stay fast.
 """
 
@@ -82,11 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--no-progress", action="store_true", help="no progress bar")
     ft.set_defaults(func=cmd_finetune)
 
-    from tinypipe.planner.cli_plan import add_parser as add_plan_parser  # light: no torch at import
+    # imported here, not at the top: ``python -m tinypipe.cli.plan`` then runs a module not yet imported
+    from tinypipe.cli.plan import add_parser as add_plan_parser
+    from tinypipe.cli.profile import add_parser as add_profile_parser
 
     add_plan_parser(sub, parents=[debug])
-    from tinypipe.planner.cli_profile import add_parser as add_profile_parser
-
     add_profile_parser(sub, parents=[debug])
     return parser
 

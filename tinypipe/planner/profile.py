@@ -6,7 +6,7 @@ the fused head (final norm + output embedding + loss, forward and backward), ove
 micro-batch sizes and sequence lengths; records the block's parameter bytes and its activation
 bytes (saved for backward; on CUDA also the measured allocator peak of recompute + backward);
 measures host<->device bandwidth (pinned H2D, D2H, both at once; on a CPU device, memcpy) and the
-CPU's fused AdamW rate (:mod:`tinypipe.bench.machine`). The JSON it writes is a hardware file:
+CPU's fused AdamW rate (:mod:`tinypipe.perf.machine`). The JSON it writes is a hardware file:
 ``tinypipe plan --hardware profile.json`` and ``plan_for(..., hardware="profile.json")`` use the
 measured per-layer times instead of FLOP-rate estimates.
 """
@@ -209,7 +209,7 @@ def run_profile(device: str = "cpu", model: str | transformers.PretrainedConfig 
                 precision: str | None = None, reps: int = 3, transfer_bytes: int | None = None,
                 adamw_params: int | None = None, log: Callable[[str], None] | None = print) -> dict:
     """Measure and return the profile as a JSON-able dict (a valid hardware file)."""
-    from tinypipe.bench.machine import cpu_copy_gbs, measure
+    from tinypipe.perf.machine import cpu_copy_gbs, measure
     from tinypipe.planner.presets import load_model_config
 
     cuda = device.startswith("cuda")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinypipe.bench.machine import MachineRates
+from tinypipe.perf.machine import MachineRates
 
 
 @dataclass

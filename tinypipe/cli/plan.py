@@ -177,7 +177,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry (``python -m tinypipe.planner.cli_plan ...``) until ``tinypipe plan`` is wired."""
+    """``python -m tinypipe.cli.plan ...``: the same as ``tinypipe plan ...``."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)
