@@ -29,9 +29,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from tinypipe.memory.host_buffers import aligned_empty
-from tinypipe.memory.host_store import IN_PLACE_MARK, zero_gaps
+from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.models.decompose import Decomposition
+from tinypipe.models.placement import IN_PLACE_MARK, zero_gaps
 
 __all__ = ["LayerMaterialiser", "build_skeleton", "decompose_skeleton", "empty_parameters"]
 

@@ -14,17 +14,18 @@ from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.devices.backend import HostPinner, make_backend
+from tinypipe.devices.host_buffers import aligned_empty, registrable
 from tinypipe.errors import ConfigError, NonFiniteError, PlanDoesNotFitError, WorkerError, WriteError
 from tinypipe.lora.hooks import save_adapter, split_peft
 from tinypipe.memory.budget import check_host_memory
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
-from tinypipe.memory.host_buffers import aligned_empty, registrable
-from tinypipe.memory.host_store import IN_PLACE_MARK, HostStore
+from tinypipe.memory.host_store import HostStore
 from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, Shell
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
+from tinypipe.models.placement import IN_PLACE_MARK
 from tinypipe.planner.auto import configure
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.deferred import LANE as DEFERRED_LANE
@@ -34,6 +35,7 @@ from tinypipe.runtime.device_optimizer import DeviceAdamW
 from tinypipe.runtime.inputs import prepare_inputs
 from tinypipe.runtime.observability import EngineObservability
 from tinypipe.runtime.optimizer import CpuAdamW
+from tinypipe.runtime.signals import POLL_S
 from tinypipe.runtime.step import StepRunner, StepState, TaskTiming
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.updater import StepUpdater
@@ -184,7 +186,7 @@ class Engine(EngineObservability):
             # retained gradients (clipping, non-finite skip) are downloaded straight into their
             # page-locked host buffers: the staging pool would be an extra 4 B/param copy per step
             pool_buffers = 0 if retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
-            gpool = HostGradPool(pool_buffers, grad_chunk, self.pinner)
+            gpool = HostGradPool(pool_buffers, grad_chunk, self.pinner, POLL_S)
             shell = Shell(model, dec, backend.device)
             if compile_backend is not None:
                 shell.compile_blocks(compile_backend)
@@ -392,7 +394,7 @@ class Engine(EngineObservability):
         :func:`tinypipe.lora.save_merged`."""
         self.synchronize()
         if self.peft_model is not None:
-            return save_adapter(self, out_dir)
+            return save_adapter(self.peft_model, out_dir)
 
         def tensors():
             for s in self.store.layers:

@@ -27,7 +27,7 @@ from typing import Callable
 
 import torch
 
-from tinypipe.memory.host_buffers import aligned_empty, registrable
+from tinypipe.devices.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.optimizer import CpuAdamW
 
