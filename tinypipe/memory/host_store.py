@@ -146,7 +146,8 @@ class HostStore:
         return out
 
 
-def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec, named: dict[str, nn.Parameter]) -> None:
+def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec,
+          named: dict[str, nn.Parameter]) -> None:
     """Copy the model's parameters into the layer's buffers and re-point them at their views."""
     base = {True: (master, 0), False: (frozen, spec.train_numel)}
     end = {True: 0, False: spec.train_numel}

@@ -56,13 +56,15 @@ class SafetensorsError(ValueError):
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a model directory: the index's shards, ``model.safetensors`` or all ``*.safetensors``."""
+    """The weight files of a model directory: the index's shards, ``model.safetensors`` or all
+    ``*.safetensors``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SafetensorsError(f"{index}: cannot read the shard index ({type(exc).__name__}: {exc})") from None
+            raise SafetensorsError(
+                f"{index}: cannot read the shard index ({type(exc).__name__}: {exc})") from None
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
@@ -104,7 +106,8 @@ def read_header(file: Path) -> list[TensorEntry]:
             numel *= d
         itemsize = torch.empty((), dtype=dtype).element_size()
         if end - begin != numel * itemsize or base + end > size:
-            raise SafetensorsError(f"{file}: tensor {name!r}: data range does not match its shape (truncated file?)")
+            raise SafetensorsError(
+                f"{file}: tensor {name!r}: data range does not match its shape (truncated file?)")
         out.append(TensorEntry(file, name, dtype, shape, base + begin, end - begin))
     out.sort(key=lambda e: e.start)
     return out
@@ -122,7 +125,8 @@ def _readinto(fh, out: torch.Tensor, entry: TensorEntry) -> None:  # noqa: ANN00
         done += n
 
 
-def read_tensor(fh, entry: TensorEntry, target: torch.Tensor | None = None) -> torch.Tensor | None:  # noqa: ANN001
+def read_tensor(fh, entry: TensorEntry,  # noqa: ANN001
+                target: torch.Tensor | None = None) -> torch.Tensor | None:
     """Read ``entry`` from open file ``fh``.
 
     With a contiguous CPU ``target`` of the same dtype and size, the bytes are read straight into

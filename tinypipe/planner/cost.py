@@ -92,7 +92,8 @@ class StepTime:
     tail_s: float
     step_s: float
     tokens_per_s: float
-    compute_s: float  # compute-lane work (matmuls at the achieved rate, pack overheads, exposed uploads), all devices
+    # compute-lane work (matmuls at the achieved rate, pack overheads, exposed uploads), all devices
+    compute_s: float
     upload_s: float  # busiest device's link, both passes
     download_s: float
     optimizer_s: float  # all parameters through the CPU optimizer
@@ -112,7 +113,8 @@ class StepTime:
 def _rate(hw: HardwareSpec, precision: str, tokens: float) -> float:
     """Achieved FLOP/s for a micro-batch of ``tokens``: below the reference size efficiency drops
     as T / (T + T0); above it the rate is held at the hardware's figure (not extrapolated)."""
-    eff = min(1.0, (tokens / (tokens + EFFICIENCY_T0)) / (REFERENCE_TOKENS / (REFERENCE_TOKENS + EFFICIENCY_T0)))
+    reference = REFERENCE_TOKENS / (REFERENCE_TOKENS + EFFICIENCY_T0)
+    eff = min(1.0, (tokens / (tokens + EFFICIENCY_T0)) / reference)
     return hw.tflops(precision) * 1e12 * eff
 
 
@@ -123,7 +125,7 @@ def pack_stats(sizes: ModelSizes, packs: tuple[tuple[int, ...], ...]) -> tuple[t
                   sum(sizes.block_params[b] for b in p)) for p in packs)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _Rates:
     """What the plan's work runs at: FLOP/s per kind of compute, bytes/s per link, parameters/s of
     host AdamW."""
@@ -154,25 +156,21 @@ def _rates(hw: HardwareSpec, precision: str, seq: int, tf: int, tb: int) -> _Rat
                   d2h=hw.d2h_gbs * 1e9, bidir=hw.bidir_gbs * 1e9, adamw=hw.cpu_adamw_gparams_s * 1e9)
 
 
-@dataclass(frozen=True)
 class _Packs:
-    """The plan's packs as the links see them. Under LoRA only the adapters train: frozen weights
-    upload at compute precision (``frozen_bytes`` per element) and only adapter gradients come down."""
+    """The plan's packs as the links see them, per pack ``q``: ``numel[q]``, trainable ``train[q]``
+    and upload bytes ``up[q]``. Under LoRA only the adapters train: frozen weights upload at compute
+    precision (``frozen_bytes`` per element) and only adapter gradients come down. Computed once:
+    the search evaluates thousands of plans."""
 
-    sizes: ModelSizes
-    plan: Plan
-    stats: tuple[tuple[int, int, int], ...]  # pack_stats
-    frozen_bytes: int
+    __slots__ = ("sizes", "plan", "stats", "frozen_bytes", "numel", "train", "up")
 
-    def numel(self, q: int) -> int:
-        return self.stats[q][0]
-
-    def train(self, q: int) -> int:
-        trains = self.sizes.layer_train_numels
-        return sum(trains[1 + b] for b in self.plan.packs[q])
-
-    def up_bytes(self, q: int) -> int:
-        return self.train(q) * UPLOAD_BYTES + (self.numel(q) - self.train(q)) * self.frozen_bytes
+    def __init__(self, sizes: ModelSizes, plan: Plan, stats: tuple[tuple[int, int, int], ...],
+                 frozen_bytes: int) -> None:
+        trains = sizes.layer_train_numels
+        self.sizes, self.plan, self.stats, self.frozen_bytes = sizes, plan, stats, frozen_bytes
+        self.numel = [st[0] for st in stats]
+        self.train = [sum(trains[1 + b] for b in p) for p in plan.packs]
+        self.up = [t * UPLOAD_BYTES + (n - t) * frozen_bytes for n, t in zip(self.numel, self.train)]
 
     def layer_up(self, n: int, t: int) -> int:
         """Upload bytes of one layer of ``n`` elements of which ``t`` train."""
@@ -182,10 +180,12 @@ class _Packs:
         """Uploads of pack q that cannot start before the previous pack on its device releases its
         slots (only W slots are free beforehand); pack q's first micro-batch waits for them."""
         extra = len(self.plan.packs[q]) - self.plan.prefetch_window
-        return extra * self.stats[q][1] * (self.up_bytes(q) / max(1, self.numel(q))) / h2d if extra > 0 else 0.0
+        if extra <= 0:
+            return 0.0
+        return extra * self.stats[q][1] * (self.up[q] / max(1, self.numel[q])) / h2d
 
 
-@dataclass
+@dataclass(slots=True)
 class _Lanes:
     """Per device: compute-lane seconds and link bytes of the forward and the backward pass."""
 
@@ -214,10 +214,10 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool)
             + PACK_OVERHEAD_S + (packs.exposed(q, rates.h2d) if (q < P - 1 or not carry) and not res else 0.0)
         if res:
             continue
-        lanes.f_up[df] += packs.up_bytes(q)
+        lanes.f_up[df] += packs.up[q]
         if not (carry and q == P - 1):
-            lanes.b_up[db] += packs.up_bytes(q)
-        lanes.down[db] += packs.train(q) * DOWNLOAD_BYTES
+            lanes.b_up[db] += packs.up[q]
+        lanes.down[db] += packs.train[q] * DOWNLOAD_BYTES
     return lanes
 
 
@@ -241,13 +241,13 @@ def _fill_s(packs: _Packs, embed_dev: bool, head_dev: bool, h2d: float) -> float
     first = plan.fwd_device[0]
     resident_up = (0 if embed_dev else packs.layer_up(sizes.embed_numel, trains[0])) + (
         packs.layer_up(sizes.head_numel, trains[-1]) if h == e and not head_dev else 0)
-    fill = (resident_up if first == e else 0) / h2d + (0 if plan.resident_packs else packs.up_bytes(0)) / h2d
+    fill = (resident_up if first == e else 0) / h2d + (0 if plan.resident_packs else packs.up[0]) / h2d
     if first != e:
         fill = max(fill, resident_up / h2d)
     return fill
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class _OnDevice:
     """Layers stepped on their device (``device_optimizer``, resident packs): no upload, no
     download, no host AdamW."""
@@ -262,7 +262,7 @@ def _on_device(packs: _Packs) -> _OnDevice:
     plan, trains = packs.plan, packs.sizes.layer_train_numels
     embed = 0 in plan.device_optimized(plan.embed_device)
     head = plan.num_blocks + 1 in plan.device_optimized(plan.head_device)
-    resident_train = sum(packs.train(q) for q in range(plan.resident_packs))
+    resident_train = sum(packs.train[q] for q in range(plan.resident_packs))
     train = (trains[0] if embed else 0) + (trains[-1] if head else 0) + resident_train
     return _OnDevice(embed, head, resident_train, train)
 
@@ -313,9 +313,10 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     head = (4.0 if lora else 6.0) * sizes.head_matmul_params * tokens / rates.head
 
     # the host AdamW steps of the lowest host-stepped pack (and a host embedding) trail the backward
-    pack0 = packs.train(R) if R < P else 0
+    pack0 = packs.train[R] if R < P else 0
     host_embed = 0 if dev.embed else trains[0]
-    overlappable = sizes.train_total - pack0 - trains[0] - (trains[-1] if dev.head else 0) - dev.resident_train
+    overlappable = (sizes.train_total - pack0 - trains[0] - (trains[-1] if dev.head else 0)
+                    - dev.resident_train)
     b_terms = _backward_terms(lanes, slowdown, rates, overlappable)
     backward = max(b_terms.values())
     last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / rates.d2h

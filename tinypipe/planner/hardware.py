@@ -33,9 +33,10 @@ GiB = 1024**3
 
 _UNITS = {
     "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4,
-    "tib": 1024**4,
+    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+    "t": 1000**4, "tb": 1000**4,
+    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3,
+    "ti": 1024**4, "tib": 1024**4,
 }
 
 
@@ -115,7 +116,8 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
         saved = [p.get("act_saved_bytes_per_token") for p in d.get("points", []) if isinstance(p, dict)]
         saved = [float(x) for x in saved if x]
         d = {k: v for k, v in d.items() if k in known}
-        if saved and isinstance(d.get("layer_profile"), dict) and not d["layer_profile"].get("act_bytes_per_token"):
+        if (saved and isinstance(d.get("layer_profile"), dict)
+                and not d["layer_profile"].get("act_bytes_per_token")):
             d["layer_profile"] = dict(d["layer_profile"], act_bytes_per_token=max(saved))
     prof = d.pop("layer_profile", None)
     if prof is not None:
@@ -127,7 +129,8 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
         d["gpu_memory_bytes"] = d.pop("gpu_memory")
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ConfigError(f"hardware file: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"hardware file: unknown field(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}")
     d.setdefault("name", default_name)
     missing = [f.name for f in fields(HardwareSpec)
                if f.name not in d and f.name not in ("fp32_tflops", "description", "layer_profile")]

@@ -40,7 +40,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _timed(fn: Callable[[], object], device: torch.device, reps: int, setup: Callable[[], object] | None = None) -> float:
+def _timed(fn: Callable[[], object], device: torch.device, reps: int,
+           setup: Callable[[], object] | None = None) -> float:
     """Median seconds of ``fn`` over ``reps`` runs after one warm-up (``setup`` runs untimed
     before each)."""
     times = []
@@ -57,7 +58,8 @@ def _timed(fn: Callable[[], object], device: torch.device, reps: int, setup: Cal
     return times[len(times) // 2]
 
 
-def _one_block_model(cfg: transformers.PretrainedConfig, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+def _one_block_model(cfg: transformers.PretrainedConfig, device: torch.device,
+                     dtype: torch.dtype) -> torch.nn.Module:
     from tinypipe.planner.sizes import _build, _set_layers
 
     c = copy.deepcopy(cfg)
@@ -101,7 +103,8 @@ class _Bench:
             t.grad = None
 
 
-def _bench(cfg: transformers.PretrainedConfig, dev: torch.device, dtype: torch.dtype, compile_blocks: str) -> _Bench:
+def _bench(cfg: transformers.PretrainedConfig, dev: torch.device, dtype: torch.dtype,
+           compile_blocks: str) -> _Bench:
     from tinypipe.models.compiled import resolve_backend
     from tinypipe.models.decompose import Decomposition, Shell
     from tinypipe.models.head import chunk_tokens_for, is_plain_linear
@@ -128,8 +131,8 @@ def _bench(cfg: transformers.PretrainedConfig, dev: torch.device, dtype: torch.d
         dev=dev, dtype=dtype, model=model, shell=shell, bound=bound, block_params=block_params,
         post_params=[p for m in shell.post for p in m.parameters()], weight=weight,
         fast=weight is not None and is_plain_linear(shell.lm_head), chunk=chunk_tokens_for(vocab),
-        hidden=hidden, vocab=vocab, block_raw=sum(p.numel() for p in block_params), attn_width=heads * head_dim,
-        head_matmul=weight.numel() if weight is not None else vocab * hidden,
+        hidden=hidden, vocab=vocab, block_raw=sum(p.numel() for p in block_params),
+        attn_width=heads * head_dim, head_matmul=weight.numel() if weight is not None else vocab * hidden,
     )
 
 
@@ -182,8 +185,8 @@ def _time_head(b: _Bench, x: torch.Tensor, g: torch.Generator, reps: int) -> flo
         for c0 in range(0, flat.shape[0], b.chunk):
             c1 = min(flat.shape[0], c0 + b.chunk)
             if b.fast:
-                fused_head_chunk(b.shell.post, b.shell.lm_head, flat[c0:c1], labels[c0:c1], denom, b.post_params,
-                                 wacc)
+                fused_head_chunk(b.shell.post, b.shell.lm_head, flat[c0:c1], labels[c0:c1], denom,
+                                 b.post_params, wacc)
             else:
                 xx = flat[c0:c1].detach().requires_grad_(True)
                 with torch.enable_grad():
@@ -244,7 +247,8 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     act = max((d["act_saved_bytes_per_token"] for d in details), default=0.0) or None
-    prof = LayerProfile(precision, int(b.block_raw), int(b.attn_width), int(b.head_matmul), tuple(points), act)
+    prof = LayerProfile(precision, int(b.block_raw), int(b.attn_width), int(b.head_matmul), tuple(points),
+                        act)
     esize = torch.empty((), dtype=dtype).element_size()
     sizes = {"block_params": int(b.block_raw), "block_param_bytes": int(b.block_raw) * esize,
              "block_master_bytes": int(b.block_raw) * 4, "head_params": int(b.head_matmul),
@@ -300,7 +304,8 @@ def run_profile(device: str = "cpu", model: str | transformers.PretrainedConfig 
         name = model if isinstance(model, str) else getattr(cfg, "name_or_path", "") or cfg.model_type
         if log:
             log(f"one {cfg.model_type} block (hidden {cfg.hidden_size}) at {precision}:")
-        prof, details, sizes = profile_layers(cfg, device, precision, seq_lens, micro_batches, reps=reps, log=log)
+        prof, details, sizes = profile_layers(cfg, device, precision, seq_lens, micro_batches, reps=reps,
+                                              log=log)
         best = prof.best_rate("forward") / 1e12
         out["model"] = {"name": str(name), "model_type": cfg.model_type, **sizes}
         out["precision"] = precision

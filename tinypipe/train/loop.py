@@ -64,7 +64,8 @@ def lr_at(
     raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
 
 
-def _check(steps: int, global_batch: int, lr: float, warmup_steps: int, schedule: str, min_lr_ratio: float) -> None:
+def _check(steps: int, global_batch: int, lr: float, warmup_steps: int, schedule: str,
+           min_lr_ratio: float) -> None:
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     if global_batch < 1:
@@ -188,7 +189,8 @@ def train(
                     engine.save_checkpoint(checkpoint_dir,
                                            extra={"step": i + 1, "seed": seed, "global_batch": global_batch})
                 if stop["stop"] and i + 1 < steps:
-                    raise TrainingInterrupted(i + 1, Path(checkpoint_dir) if checkpoint_dir is not None else None)
+                    where = Path(checkpoint_dir) if checkpoint_dir is not None else None
+                    raise TrainingInterrupted(i + 1, where)
     finally:
         _close(bar, log)
     engine.synchronize()  # the model the caller holds reflects every step
