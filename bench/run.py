@@ -24,10 +24,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
-from tinypipe.bench.analysis import overlap_table, step_bound  # noqa: E402
-from tinypipe.bench.machine import measure  # noqa: E402
-from tinypipe.bench.rss import RssSampler  # noqa: E402
-from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.perf.analysis import overlap_table, step_bound  # noqa: E402
+from tinypipe.perf.machine import measure  # noqa: E402
+from tinypipe.perf.rss import RssSampler  # noqa: E402
+from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
 from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
 
 

@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tinypipe.memory.host_buffers import aligned_empty  # noqa: E402
+from tinypipe.devices.host_buffers import aligned_empty  # noqa: E402
 from tinypipe.storage import SsdStateStore, StagingPool, StateStager  # noqa: E402
 
 KINDS = ("master", "exp_avg", "exp_avg_sq")

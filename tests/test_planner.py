@@ -27,7 +27,7 @@ from tinypipe.planner import (
     plan_for,
     predict_step_time,
 )
-from tinypipe.planner import cli_plan
+from tinypipe.cli import plan as cli_plan
 from tinypipe.planner.estimate import activation_peaks
 from tinypipe.planner.options import pack_options, stash_options
 from tinypipe.schedule.builder import build_schedule

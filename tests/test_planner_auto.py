@@ -214,7 +214,7 @@ def test_h200_profile_predicts_the_recorded_runs() -> None:
 
     import transformers
 
-    from tinypipe.bench.workloads import WORKLOADS
+    from tinypipe.perf.workloads import WORKLOADS
     from tinypipe.planner.hardware import load_hardware
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.sizes import model_sizes
@@ -248,7 +248,7 @@ def test_h200_profile_predicts_clipped_steps(run: str, device_optimizer: str, fi
 
     import transformers
 
-    from tinypipe.bench.workloads import WORKLOADS
+    from tinypipe.perf.workloads import WORKLOADS
     from tinypipe.planner.hardware import load_hardware
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.sizes import model_sizes

@@ -18,7 +18,7 @@ import torch
 
 from tinypipe.devices.backend import HostPinner
 from tinypipe.errors import StorageError
-from tinypipe.memory.host_buffers import aligned_empty
+from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.storage import SsdStateStore, StagingPool, measure_rates
 from tinypipe.storage.direct import ALIGN
 from tinypipe.storage.scratch import PREFIX

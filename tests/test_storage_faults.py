@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from tinypipe.errors import StorageError, TinypipeError
-from tinypipe.memory.host_buffers import aligned_empty
+from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.storage import ScratchDir, SsdStateStore, check_free_space
 from tinypipe.storage.scratch import PREFIX, free_bytes
 

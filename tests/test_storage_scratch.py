@@ -24,7 +24,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 CHILD = textwrap.dedent("""
     import sys, time
-    from tinypipe.memory.host_buffers import aligned_empty
+    from tinypipe.devices.host_buffers import aligned_empty
     from tinypipe.storage import SsdStateStore
     store = SsdStateStore(sys.argv[1], {"x": int(sys.argv[3])})
     store.write("x", aligned_empty(int(sys.argv[3]) // 4))

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from tinypipe.errors import StorageError
-from tinypipe.memory.host_buffers import aligned_empty
+from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.storage import SsdStateStore, StagingPool, StateStager
 from tinypipe.storage.direct import ALIGN
 

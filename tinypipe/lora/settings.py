@@ -48,7 +48,8 @@ class LoraSettings:
             if not isinstance(self.targets, (list, tuple)) or not self.targets or not all(
                 isinstance(t, str) and t.strip() for t in self.targets
             ):
-                raise ConfigError(f"lora_targets must be a non-empty list of module names, got {self.targets!r}")
+                raise ConfigError(
+                    f"lora_targets must be a non-empty list of module names, got {self.targets!r}")
             self.targets = [t.strip() for t in self.targets]
 
 
@@ -91,7 +92,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings | None = None):  # -> pe
         raise ConfigError("the model already has PEFT adapters; pass it to tinypipe.Engine directly")
     linears = block_linears(model)
     if not linears:
-        raise UnsupportedModelError(f"{type(model).__name__}: no linear layers inside the decoder blocks to adapt")
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no linear layers inside the decoder blocks to adapt")
     targets = list(settings.targets) if settings.targets is not None else list(linears)
     unknown = [t for t in targets if t not in linears]
     if unknown:
@@ -117,6 +119,6 @@ def apply_lora(model: nn.Module, settings: LoraSettings | None = None):  # -> pe
     outside = [n for n, m in wrapped.base_model.model.named_modules()
                if isinstance(m, LoraLayer) and n not in inside]
     if outside:
-        raise ConfigError(f"lora_targets also match layers outside the decoder blocks ({', '.join(outside[:3])}); "
-                          "name only block projections")
+        raise ConfigError(f"lora_targets also match layers outside the decoder blocks "
+                          f"({', '.join(outside[:3])}); name only block projections")
     return wrapped

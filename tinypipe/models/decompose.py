@@ -195,7 +195,8 @@ class Decomposition:
         sig = inspect.signature(trunk.forward)
         if "input_ids" not in sig.parameters or "attention_mask" not in sig.parameters:
             raise UnsupportedModelError(
-                f"{type(trunk).__name__}.forward takes no input_ids/attention_mask; cannot build the embedding stage"
+                f"{type(trunk).__name__}.forward takes no input_ids/attention_mask; "
+                "cannot build the embedding stage"
             )
         head = model.get_output_embeddings()
         self.head_path = next(n for n, m in model.named_modules() if m is head)
@@ -209,7 +210,8 @@ class Decomposition:
 
     # -- construction helpers -------------------------------------------------------------
 
-    def _probe_order(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList) -> tuple[list[str], list[str]]:
+    def _probe_order(self, model: nn.Module, trunk: nn.Module,
+                     blocks: nn.ModuleList) -> tuple[list[str], list[str]]:
         """Run the trunk once on two tokens with identity blocks, recording which children run
         before the blocks (embedding side) and after them (head side)."""
         recorder = _Recorder(len(blocks), stop=False)
@@ -243,11 +245,13 @@ class Decomposition:
         post = [n for n in order[last + 1 :] if not n.startswith("block")]
         if set(pre) & set(post):
             raise UnsupportedModelError(
-                f"{type(model).__name__}: modules {sorted(set(pre) & set(post))} run both before and after the blocks"
+                f"{type(model).__name__}: modules {sorted(set(pre) & set(post))} run both before and "
+                "after the blocks"
             )
         return list(dict.fromkeys(pre)), list(dict.fromkeys(post))
 
-    def _assign_params(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList, head: nn.Module) -> list[LayerSpec]:
+    def _assign_params(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList,
+                       head: nn.Module) -> list[LayerSpec]:
         prefix = f"{self.trunk_path}." if self.trunk_path else ""
         canonical = {id(p): n for n, p in model.named_parameters()}
         owner: dict[int, int] = {}
@@ -291,7 +295,8 @@ class Decomposition:
                 f"{type(model).__name__}: parameters outside embedding/blocks/head: {', '.join(missing[:4])}"
             )
         if not layers[0].params:
-            raise UnsupportedModelError(f"{type(model).__name__}: no embedding parameters found before the blocks")
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: no embedding parameters found before the blocks")
         return layers
 
     @staticmethod
@@ -396,7 +401,8 @@ class Shell:
 
     # -- the three stages -------------------------------------------------------------------
 
-    def embed_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+    def embed_forward(self, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
         """Hidden states entering block 0 and the arguments the trunk passes to every block."""
         rec = self.recorder
         rec.hidden, rec.calls, rec.order = None, [None] * rec.count, []

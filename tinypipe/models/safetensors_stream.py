@@ -56,13 +56,15 @@ class SafetensorsError(ValueError):
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a model directory: the index's shards, ``model.safetensors`` or all ``*.safetensors``."""
+    """The weight files of a model directory: the index's shards, ``model.safetensors`` or all
+    ``*.safetensors``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SafetensorsError(f"{index}: cannot read the shard index ({type(exc).__name__}: {exc})") from None
+            raise SafetensorsError(
+                f"{index}: cannot read the shard index ({type(exc).__name__}: {exc})") from None
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
@@ -86,7 +88,8 @@ def read_header(file: Path) -> list[TensorEntry]:
         try:
             header = json.loads(fh.read(length))
         except (ValueError, RecursionError) as exc:
-            raise SafetensorsError(f"{file}: corrupt safetensors header ({' '.join(str(exc).split())[:120]})") from None
+            why = " ".join(str(exc).split())[:120]
+            raise SafetensorsError(f"{file}: corrupt safetensors header ({why})") from None
     if not isinstance(header, dict):
         raise SafetensorsError(f"{file}: corrupt safetensors header (not a JSON object)")
     size = file.stat().st_size
@@ -137,7 +140,8 @@ def _readinto(fh, out: torch.Tensor, entry: TensorEntry) -> None:  # noqa: ANN00
         done += n
 
 
-def read_tensor(fh, entry: TensorEntry, target: torch.Tensor | None = None) -> torch.Tensor | None:  # noqa: ANN001
+def read_tensor(fh, entry: TensorEntry,  # noqa: ANN001
+                target: torch.Tensor | None = None) -> torch.Tensor | None:
     """Read ``entry`` from open file ``fh``.
 
     With a contiguous CPU ``target`` of the same dtype and size, the bytes are read straight into

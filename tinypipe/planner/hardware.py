@@ -86,7 +86,8 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
         saved = [p.get("act_saved_bytes_per_token") for p in d.get("points", []) if isinstance(p, dict)]
         saved = [float(x) for x in saved if x]
         d = {k: v for k, v in d.items() if k in known}
-        if saved and isinstance(d.get("layer_profile"), dict) and not d["layer_profile"].get("act_bytes_per_token"):
+        if (saved and isinstance(d.get("layer_profile"), dict)
+                and not d["layer_profile"].get("act_bytes_per_token")):
             d["layer_profile"] = dict(d["layer_profile"], act_bytes_per_token=max(saved))
     prof = d.pop("layer_profile", None)
     if prof is not None:
@@ -98,7 +99,8 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
         d["gpu_memory_bytes"] = d.pop("gpu_memory")
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ConfigError(f"hardware file: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"hardware file: unknown field(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}")
     d.setdefault("name", default_name)
     missing = [f.name for f in fields(HardwareSpec)
                if f.name not in d and f.name not in ("fp32_tflops", "description", "layer_profile")]

@@ -16,14 +16,16 @@ from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.memory.budget import check_host_memory
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
-from tinypipe.memory.host_store import IN_PLACE_MARK, HostStore
+from tinypipe.memory.host_store import HostStore
 from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
+from tinypipe.models.placement import IN_PLACE_MARK
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.device_state import DeviceOptimizerState
 from tinypipe.runtime.optim.path import OptimizerPath, retains_gradients
 from tinypipe.runtime.resources import EngineResources
+from tinypipe.runtime.signals import POLL_S
 from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.plan import Plan
@@ -108,7 +110,7 @@ class EngineBuilder:
         # retained gradients (clipping, non-finite skip) are downloaded straight into their
         # page-locked host buffers: the staging pool would be an extra 4 B/param copy per step
         pool_buffers = 0 if self.retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
-        gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner)
+        gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner, POLL_S)
         shell = Shell(self.model, dec, backend.device)
         if compile_backend is not None:
             shell.compile_blocks(compile_backend)

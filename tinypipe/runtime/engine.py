@@ -305,7 +305,7 @@ class Engine:
         :func:`tinypipe.lora.save_merged`."""
         self.synchronize()
         if self.peft_model is not None:
-            return save_adapter(self, out_dir)
+            return save_adapter(self.peft_model, out_dir)
 
         def tensors():
             for s in self.store.layers:

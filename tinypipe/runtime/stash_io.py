@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from tinypipe.devices.backend import HostPinner
-from tinypipe.memory.host_buffers import aligned_empty, registrable
+from tinypipe.devices.host_buffers import aligned_empty, registrable
 from tinypipe.runtime.buffers import RowBuffer
 from tinypipe.runtime.context import StepContext
 from tinypipe.runtime.device import DeviceRuntime

@@ -10,7 +10,7 @@
 - :func:`measure_rates` -- read/write GB/s of a directory, for ``tinypipe profile``.
 
 Layering: this package sits at the ``memory`` level (it imports torch, ``tinypipe.errors`` and
-``tinypipe.memory.host_buffers`` only).
+``tinypipe.devices.host_buffers`` only).
 """
 
 from tinypipe.storage.io_stats import IoRecord, IoStats, IoTotals

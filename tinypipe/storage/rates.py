@@ -12,7 +12,7 @@ import time
 import torch
 
 from tinypipe.errors import StorageError
-from tinypipe.memory.host_buffers import aligned_empty
+from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.storage.store import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS, SsdStateStore
 
 #: Size of each measured request (one layer's state is tens to hundreds of MiB).

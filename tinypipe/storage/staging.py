@@ -25,7 +25,7 @@ from typing import Protocol
 import torch
 
 from tinypipe.errors import StorageError
-from tinypipe.memory.host_buffers import PAGE, aligned_empty, registrable
+from tinypipe.devices.host_buffers import PAGE, aligned_empty, registrable
 
 #: How often a blocked ``acquire`` runs its ``check`` callback (seconds).
 POLL_S = 0.05

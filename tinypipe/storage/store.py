@@ -59,7 +59,7 @@ from pathlib import Path
 import torch
 
 from tinypipe.errors import StorageError
-from tinypipe.memory.host_buffers import aligned_empty
+from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.storage.direct import ALIGN, ScratchFile, align_up, open_scratch_file, read_into, write_from
 from tinypipe.storage.io_stats import IoRecord, IoStats
 from tinypipe.storage.scratch import ScratchDir, check_free_space, format_bytes, free_bytes

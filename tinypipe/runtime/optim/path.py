@@ -16,7 +16,7 @@ from typing import Callable
 
 import torch
 
-from tinypipe.memory.host_buffers import aligned_empty, registrable
+from tinypipe.devices.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.background import BackgroundUpdates
