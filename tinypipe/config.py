@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from typing import Literal, Sequence, get_args
 
@@ -101,6 +102,11 @@ class Config:
       per-process cap, or free memory if less; on CPU the available RAM).
     * ``cpu_memory_bytes`` -- host memory for training (default: available RAM plus what this
       process already holds).
+    * ``offload_dir`` -- a directory on a fast local SSD for the training state that does not fit
+      in host memory (``Plan.offload`` says which layers' masters, moments, retained gradients or
+      frozen LoRA weights live there). The engine keeps one scratch file in it for the run
+      (removed at exit; leftovers of killed runs are swept and reported); checkpoints stay the
+      source of truth. None: everything stays in DRAM, and a plan with ``offload`` is refused.
     * ``hardware`` -- rates for the time model: a preset (``tinypipe plan --hardware list``) or a
       JSON file, e.g. one written by ``tinypipe profile`` (default: guessed from the GPU's name).
     """
@@ -133,6 +139,7 @@ class Config:
     global_batch: int | None = None
     gpu_memory_bytes: int | None = None
     cpu_memory_bytes: int | None = None
+    offload_dir: str | None = None
     hardware: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -160,6 +167,10 @@ class Config:
         for name in ("gpu_memory_bytes", "cpu_memory_bytes"):  # "24GiB" as well as bytes
             if isinstance(getattr(self, name), str):
                 setattr(self, name, parse_bytes(getattr(self, name)))
+        if self.offload_dir is not None:
+            if not isinstance(self.offload_dir, (str, os.PathLike)) or not str(self.offload_dir).strip():
+                raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
+            self.offload_dir = os.fspath(self.offload_dir)
         if self.hardware is not None and not isinstance(self.hardware, str):
             raise ConfigError(f"hardware must be a preset name or a file path, got {self.hardware!r}")
         self.validate()

@@ -96,7 +96,7 @@ def merged_tensors(peft_model: nn.Module, store: HostStore) -> Iterator[tuple[st
     adapter = pm.active_adapter
     modules = _lora_modules(pm.base_model.model)
     prefixes = sorted(modules, key=len, reverse=True)
-    for state in store.layers:
+    for state in store.iter_layers():  # frozen weights on the SSD: read one layer at a time
         for p in state.spec.params:
             t = state.param_view(p)
             owner = next((m for m in prefixes if p.name.startswith(m + ".")), None)

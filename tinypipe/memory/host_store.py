@@ -8,17 +8,26 @@ object and the engine share one copy, and ``model.state_dict()`` always shows th
 Frozen parameters (``requires_grad=False``, e.g. the base weights under LoRA adapters) have no
 master copy and no moments: they live in one flat buffer per layer at the compute precision
 (2 bytes/parameter in bf16), uploaded as they are after the trainable prefix.
+
+State a plan offloads to the SSD (:class:`~tinypipe.memory.offload.OffloadedState`) is never
+allocated here: its :class:`LayerState` field is a placeholder on the ``meta`` device (right
+shape and dtype, no memory; any use fails loudly), the master weights and frozen weights are
+written to the scratch file at construction (one layer buffer at a time), and the model's
+parameters of those layers become meta tensors -- read them with :meth:`HostStore.state_dict`
+or :meth:`HostStore.iter_layers`, which read the SSD.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from tinypipe.devices.backend import HostPinner
 from tinypipe.devices.host_buffers import PAGE, aligned_empty, registrable
+from tinypipe.memory.offload import REGIONS_OF, OffloadedState
 from tinypipe.models.decompose import Decomposition, LayerSpec, ParamSlice
 from tinypipe.models.placement import IN_PLACE_MARK, zero_gaps
 
@@ -87,58 +96,130 @@ class HostStore:
     """
 
     def __init__(self, model: nn.Module, decomposition: Decomposition, pinner: HostPinner,
-                 frozen_dtype: torch.dtype = torch.float32) -> None:
+                 frozen_dtype: torch.dtype = torch.float32, *,
+                 offload: Mapping[int, frozenset[str]] | None = None,
+                 offload_dir: str | None = None, retain_grad: bool = False) -> None:
         self.decomposition = decomposition
         self.pinner = pinner
         named = dict(model.named_parameters())
         # set by tinypipe's streaming loader (tinypipe.load_model): the parameters already are views
         # of per-layer master buffers in this store's layout; adopt them instead of copying (once)
         in_place = bool(model.__dict__.pop(IN_PLACE_MARK, False))
+        # the SSD regions first: a bad directory or too little free space fails before any allocation
+        self.offload: OffloadedState | None = None
+        if offload:
+            if offload_dir is None:
+                raise ValueError("offloaded state needs an offload directory")
+            regions = offload_regions(decomposition, offload, frozen_dtype, retain_grad)
+            self.offload = OffloadedState(offload_dir, regions)
+        spill = _SpillBuffers()
         self.layers: list[LayerState] = []
-        for spec in decomposition.layers:
+        for i, spec in enumerate(decomposition.layers):
+            off = self.offload
+            off_master = off is not None and off.has(i, "master")
+            off_frozen = off is not None and off.has(i, "frozen")
             # adopt a loader's buffers only for fully trainable layers (LoRA splits frozen weights out)
             master = _in_place_master(spec, named) if in_place and not spec.frozen_numel else None
             frozen = None
             if master is None:
-                master = aligned_empty(spec.train_numel, torch.float32)
-                frozen = aligned_empty(spec.frozen_numel, frozen_dtype) if spec.frozen_numel else None
+                master = spill.get("master", spec.train_numel, torch.float32) if off_master else (
+                    aligned_empty(spec.train_numel, torch.float32))
+                if spec.frozen_numel:
+                    frozen = spill.get("frozen", spec.frozen_numel, frozen_dtype) if off_frozen else (
+                        aligned_empty(spec.frozen_numel, frozen_dtype))
                 with torch.no_grad():
                     _fill(master, frozen, spec, named)
-            if spec.train_numel:
+            if off is not None and off_master:  # to the SSD, then no DRAM copy at all
+                off.write((i, "master"), master)
+                _params_to_meta(spec, named, trainable=True)
+                master = _placeholder(spec.train_numel, torch.float32)
+            if off is not None and off_frozen and frozen is not None:
+                off.write((i, "frozen"), frozen)
+                _params_to_meta(spec, named, trainable=False)
+                frozen = _placeholder(spec.frozen_numel, frozen_dtype)
+            if spec.train_numel and master.device.type == "cpu":
                 pinner.pin(registrable(master))
-            if frozen is not None:
+            if frozen is not None and frozen.device.type == "cpu":
                 pinner.pin(registrable(frozen))
+            moments_off = off is not None and off.has(i, "exp_avg")
             state = LayerState(
                 spec=spec,
                 master=master,
                 # uninitialised until the first step zeroes them chunk by chunk, overlapped with
                 # backward (first-touching tens of GB here would stall start-up)
-                exp_avg=torch.empty(spec.train_numel, dtype=torch.float32),
-                exp_avg_sq=torch.empty(spec.train_numel, dtype=torch.float32),
+                exp_avg=_placeholder(spec.train_numel, torch.float32) if moments_off else (
+                    torch.empty(spec.train_numel, dtype=torch.float32)),
+                exp_avg_sq=_placeholder(spec.train_numel, torch.float32) if moments_off else (
+                    torch.empty(spec.train_numel, dtype=torch.float32)),
                 frozen=frozen,
             )
             self.layers.append(state)
 
     @property
     def master_bytes(self) -> int:
-        return sum(s.master.numel() * 4 for s in self.layers)
+        """DRAM bytes of the master weights (offloaded ones not counted: :meth:`ssd_bytes`)."""
+        return sum(_dram_bytes(s.master) for s in self.layers)
 
     @property
     def frozen_bytes(self) -> int:
-        return sum(s.frozen.numel() * s.frozen.element_size() for s in self.layers if s.frozen is not None)
+        return sum(_dram_bytes(s.frozen) for s in self.layers if s.frozen is not None)
 
     @property
     def optimizer_bytes(self) -> int:
-        return sum((s.exp_avg.numel() + s.exp_avg_sq.numel()) * 4 for s in self.layers)
+        return sum(_dram_bytes(s.exp_avg) + _dram_bytes(s.exp_avg_sq) for s in self.layers)
+
+    def ssd_bytes(self) -> dict[str, int]:
+        """Bytes on the SSD per plan kind (empty without offload)."""
+        return {} if self.offload is None else self.offload.bytes_by_kind()
+
+    def offloaded(self, layer: int, name: str) -> bool:
+        """Whether ``layer``'s ``name`` (a LayerState field or "grad") lives on the SSD."""
+        return self.offload is not None and self.offload.has(layer, name)
+
+    def dram_layer(self, layer: int) -> LayerState:
+        """``layer``'s state with every tensor in DRAM: the live LayerState when none of it is
+        offloaded, else a copy whose offloaded tensors were read from the SSD (moments never
+        written are uninitialised, as they are in DRAM before a layer's first step)."""
+        s = self.layers[layer]
+        off = self.offload
+        names = [] if off is None else [n for n in off.names(layer) if n != "grad"]
+        if not names:
+            return s
+        fields = {n: off.read_new((layer, n)) for n in names}  # type: ignore[union-attr]
+        return replace(s, **fields)
+
+    def iter_layers(self) -> Iterator[LayerState]:
+        """Every layer's :meth:`dram_layer`, one at a time (an offloaded layer's copies are dropped
+        when the next is read, so a streaming reader holds one layer in DRAM)."""
+        for i in range(len(self.layers)):
+            yield self.dram_layer(i)
+
+    def restore_layer(self, layer: int, master: torch.Tensor, exp_avg: torch.Tensor,
+                      exp_avg_sq: torch.Tensor) -> None:
+        """Set ``layer``'s master weights and moments (a checkpoint being loaded): copied into DRAM,
+        or written to the SSD where they live there."""
+        s = self.layers[layer]
+        with torch.no_grad():
+            for name, src in (("master", master), ("exp_avg", exp_avg), ("exp_avg_sq", exp_avg_sq)):
+                if self.offloaded(layer, name):
+                    self.offload.write_copy((layer, name), src)  # type: ignore[union-attr]
+                else:
+                    getattr(s, name).copy_(src)
+
+    def close(self) -> None:
+        """Remove the SSD tier's scratch files (idempotent; nothing without offload)."""
+        if self.offload is not None:
+            self.offload.close()
 
     @property
     def param_count(self) -> int:
         return sum(s.spec.param_count for s in self.layers)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under the model's own keys (tied aliases included; live views)."""
+        """fp32 master weights under the model's own keys (tied aliases included; live views, or
+        copies for layers whose state lives on the SSD)."""
         out: dict[str, torch.Tensor] = {}
-        for s in self.layers:
+        for s in self.iter_layers():  # offloaded layers: copies read from the SSD
             for p in s.spec.params:
                 view = s.param_view(p)
                 for alias in self.decomposition.aliases[p.name]:
@@ -164,3 +245,57 @@ def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec,
         view = buf[p.offset - shift : p.offset - shift + p.numel].view(p.shape)  # type: ignore[index]
         view.copy_(param.detach())
         param.data = view  # the model now reads the host copy; its old storage is freed
+
+
+def offload_regions(dec: Decomposition, offload: Mapping[int, frozenset[str]], frozen_dtype: torch.dtype,
+             retain_grad: bool) -> dict[tuple[int, str], tuple[int, torch.dtype]]:
+    """The SSD regions (numel, dtype) of ``offload``'s kinds; kinds a layer does not have (a
+    gradient that is not retained, frozen weights of a fully trainable layer) take none."""
+    out: dict[tuple[int, str], tuple[int, torch.dtype]] = {}
+    for layer in sorted(offload):
+        spec = dec.layers[layer]
+        for kind in sorted(offload[layer]):
+            if kind == "grad" and not retain_grad:
+                continue
+            for name in REGIONS_OF[kind]:
+                numel, dtype = (spec.frozen_numel, frozen_dtype) if name == "frozen" else (spec.train_numel,
+                                                                                            torch.float32)
+                if numel:
+                    out[(layer, name)] = (numel, dtype)
+    return out
+
+
+def _placeholder(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """Stands in for a tensor that lives on the SSD: right shape and dtype, no memory, loud on use."""
+    return torch.empty(numel, dtype=dtype, device="meta")
+
+
+def _dram_bytes(t: torch.Tensor) -> int:
+    return 0 if t.device.type == "meta" else t.numel() * t.element_size()
+
+
+def _params_to_meta(spec: LayerSpec, named: dict[str, nn.Parameter], trainable: bool) -> None:
+    """Turn the model's parameters of ``spec`` (trainable or frozen ones) into meta tensors in
+    place (every alias sees it), freeing their DRAM: their values live on the SSD now."""
+    for p in spec.params:
+        if p.trainable != trainable:
+            continue
+        param = named[p.name]
+        stand_in = nn.Parameter(torch.empty(param.shape, dtype=param.dtype, device="meta"),
+                                requires_grad=param.requires_grad)
+        torch.utils.swap_tensors(param, stand_in)
+
+
+class _SpillBuffers:
+    """One reusable page-aligned buffer per kind for layers written to the SSD at start-up (the
+    largest layer so far; a layer's buffer is free again once it is written)."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+
+    def get(self, kind: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        buf = self._bufs.get(kind)
+        if buf is None or buf.numel() < numel or buf.dtype != dtype:
+            buf = aligned_empty(max(numel, 1), dtype)
+            self._bufs[kind] = buf
+        return buf[:numel]

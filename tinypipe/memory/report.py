@@ -16,6 +16,7 @@ class MemoryReport:
     device_peaks: dict[str, dict[str, int]] = field(default_factory=dict)
     host_rss: int | None = None
     host_rss_peak: int | None = None
+    ssd: dict[str, int] = field(default_factory=dict)  # bytes on the SSD tier per kind of state
 
     @property
     def host_total(self) -> int:
@@ -32,6 +33,7 @@ class MemoryReport:
             "device_peaks": self.device_peaks,
             "host_rss": self.host_rss,
             "host_rss_peak": self.host_rss_peak,
+            **({"ssd": dict(self.ssd, total=sum(self.ssd.values()))} if self.ssd else {}),
         }
 
     def to_text(self) -> str:
@@ -43,6 +45,11 @@ class MemoryReport:
             lines.append(f"  {'process RSS (now)':<24} {fmt_bytes(self.host_rss):>12}")
         if self.host_rss_peak is not None:
             lines.append(f"  {'process RSS (peak)':<24} {fmt_bytes(self.host_rss_peak):>12}")
+        if self.ssd:
+            lines.append("on SSD (offload directory):")
+            for k, v in self.ssd.items():
+                lines.append(f"  {k:<24} {fmt_bytes(v):>12}")
+            lines.append(f"  {'total':<24} {fmt_bytes(sum(self.ssd.values())):>12}")
         for name, cats in self.devices.items():
             lines.append(f"device {name}:")
             for k, v in cats.items():

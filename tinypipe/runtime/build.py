@@ -16,7 +16,7 @@ from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.memory.budget import check_host_memory
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
-from tinypipe.memory.host_store import HostStore
+from tinypipe.memory.host_store import HostStore, offload_regions
 from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
 from tinypipe.models.placement import IN_PLACE_MARK
@@ -24,11 +24,13 @@ from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.device_state import DeviceOptimizerState
 from tinypipe.runtime.optim.path import OptimizerPath, retains_gradients
+from tinypipe.runtime.optim.ssd_tier import SsdTier
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.signals import POLL_S
 from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.staging import DEFAULT_READ_AHEAD, staging_pools
 
 STAGING_MAX = 32 * 1024 * 1024  # elements: the fp32 upload staging buffer (128 MiB) -- chunks larger layers
 
@@ -49,7 +51,8 @@ class EngineBuilder:
         self.retain = retains_gradients(config.max_grad_norm, config.nonfinite)
 
     def host_store(self) -> HostStore:
-        """The one host copy of the training state, after checking that it fits in host memory."""
+        """The one host copy of the training state, after checking that it fits in host memory
+        (state the plan offloads to the SSD is written to the offload directory instead)."""
         model = self.model
         n_params = sum(p.numel() for p in model.parameters())
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
@@ -57,14 +60,43 @@ class EngineBuilder:
         # placed it (tinypipe.load_model), the retained gradient, frozen weights at compute precision
         per = 8 + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (4 if self.retain else 0)
         need = per * trainable + (n_params - trainable) * self.dtype.itemsize
+        offload = self._offload()
+        if offload:
+            regions = offload_regions(self.dec, offload, self.dtype, self.retain)
+            need -= sum(n * dt.itemsize for (_, name), (n, dt) in regions.items()
+                        if name != "master" or not model.__dict__.get(IN_PLACE_MARK))
+            sizes = {k: n * dt.itemsize for k, (n, dt) in regions.items()}
+            need += staging_pools(self.plan, self.dec.tied, sizes, self._read_ahead()).nbytes
         check_host_memory(need, f"the training state of {n_params / 1e6:.1f} M parameters")
         try:
-            return HostStore(model, self.dec, self.pinner, frozen_dtype=self.dtype)
+            return HostStore(model, self.dec, self.pinner, frozen_dtype=self.dtype, offload=offload,
+                             offload_dir=self.config.offload_dir, retain_grad=self.retain)
         except (MemoryError, RuntimeError) as exc:
             if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
                 raise
             raise PlanDoesNotFitError(f"host memory: cannot allocate the training state of "
                                       f"{n_params / 1e6:.1f} M parameters ({_one_line(exc, 200)})") from exc
+
+    def _offload(self) -> dict[int, frozenset[str]]:
+        """The plan's offload set, checked against the config and the model (one-line errors)."""
+        offload = self.plan.offloaded()
+        if not offload:
+            return offload
+        if self.config.offload_dir is None:
+            raise ConfigError("the plan offloads training state to the SSD but no offload directory is "
+                              "set: give Config(offload_dir=...) / --offload-dir DIR")
+        lora = [layer for layer, kinds in offload.items()
+                if "master" in kinds and self.dec.layers[layer].frozen_numel]
+        if lora:
+            raise ConfigError(f"plan: layer {lora[0]} has frozen (LoRA) weights and offloads its master "
+                              "weights; the adapters' masters stay in DRAM (PEFT saves them from the model): "
+                              "offload its 'frozen' weights or moments instead")
+        return offload
+
+    def _read_ahead(self) -> int:
+        """Layers of optimizer state read ahead (``Config.extra["ssd_read_ahead"]``; see
+        :data:`~tinypipe.schedule.staging.DEFAULT_READ_AHEAD` for why the default)."""
+        return int(self.config.extra.get("ssd_read_ahead", DEFAULT_READ_AHEAD))
 
     def compile_backend(self) -> str | None:
         """The torch.compile backend for the decoder blocks (None: eager)."""
@@ -150,9 +182,12 @@ class EngineBuilder:
         # leave cores for the lanes that feed the GPUs; an OpenMP team sharing a core with a busy
         # lane runs at the straggler's pace
         threads = cfg.optimizer_threads or (max(1, cores - 1 - len(self.backends)) if self.any_cuda else None)
+        tier = None
+        if store.offload is not None:
+            tier = SsdTier(store, self.plan, self.dec.tied, self.pinner, read_ahead=self._read_ahead())
         return OptimizerPath(store, ChunkedAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay),
                              max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
-                             device_states=device_states, pin=self.pinner.pin, threads=threads)
+                             device_states=device_states, pin=self.pinner.pin, threads=threads, tier=tier)
 
     def resources(self, store: HostStore, devices: list[DeviceRuntime], optimizer: OptimizerPath,
                   hidden_size: int, head_chunk_tokens: int) -> EngineResources:

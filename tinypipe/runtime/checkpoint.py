@@ -89,7 +89,7 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
         shutil.rmtree(tmp)
     tmp.mkdir()
     layers = []
-    for i, s in enumerate(store.layers):
+    for i, s in enumerate(store.iter_layers()):  # state on the SSD: read one layer at a time
         fresh = s.step == 0  # moments are uninitialised until a layer's first step
         tensors = {
             "master": s.master,
@@ -161,15 +161,13 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
                               f"(layer {s.spec.name}: {trained} trained elements), this run is "
                               f"{kind[s.spec.frozen_numel > 0]} ({s.spec.train_numel}): same --lora settings "
                               "needed")
-    for s, entry in zip(store.layers, state["layers"]):
+    for i, (s, entry) in enumerate(zip(store.layers, state["layers"])):
         try:
             tensors = load_file(str(found / entry["file"]))
         except Exception as exc:  # noqa: BLE001 - a damaged file: one line, not a traceback
             detail = " ".join(str(exc).split())
             raise ConfigError(f"{found}/{entry['file']}: unreadable checkpoint file ({detail})") from exc
-        with torch.no_grad():
-            s.master.copy_(tensors["master"])
-            s.exp_avg.copy_(tensors["exp_avg"])
-            s.exp_avg_sq.copy_(tensors["exp_avg_sq"])
+        # into DRAM, or written to the SSD where the state lives there (scratch is never a checkpoint)
+        store.restore_layer(i, tensors["master"], tensors["exp_avg"], tensors["exp_avg_sq"])
         s.step = int(entry["step"])
     return int(state["step_count"]), dict(state.get("extra", {}))

@@ -20,8 +20,9 @@ from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.devices.backend import make_backend
-from tinypipe.errors import ConfigError, NonFiniteError, WorkerError, WriteError
+from tinypipe.errors import ConfigError, NonFiniteError, StorageError, WorkerError, WriteError
 from tinypipe.lora.hooks import save_adapter, split_peft
+from tinypipe.memory.host_store import HostStore
 from tinypipe.memory.report import MemoryReport
 from tinypipe.models.decompose import Decomposition
 from tinypipe.models.export import save_hf_directory
@@ -31,7 +32,7 @@ from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
 from tinypipe.runtime.context import TaskTiming
 from tinypipe.runtime.inputs import StepInputs, prepare_inputs
-from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report, timeline_events
+from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report, ssd_timings, timeline_events
 from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepOutcome
 from tinypipe.runtime.optim.path import retains_gradients
@@ -44,6 +45,7 @@ from tinypipe.schedule.plan import Plan
 from tinypipe.schedule.render import chrome_trace, to_text
 from tinypipe.schedule.tasks import Schedule, Task
 from tinypipe.schedule.validate import validate
+from tinypipe.storage import IoTotals
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ENGINE_KEY = "_tinypipe_engine"  # the engine's own state inside a checkpoint's extra
@@ -66,6 +68,12 @@ class StepResult:
     d2h_bytes: int = 0  # device -> host (gradients, stashed activations)
     device_peak_allocated: int = 0  # the fullest device's allocator peaks during the step (0 on CPU)
     device_peak_reserved: int = 0
+    # the SSD tier's traffic during the step (Config.offload_dir; 0 without it): bytes moved, and
+    # GB/s over the time requests were in flight (several at once count once)
+    ssd_read_bytes: int = 0
+    ssd_write_bytes: int = 0
+    ssd_read_gbps: float = 0.0
+    ssd_write_gbps: float = 0.0
 
 
 def _prefer_expandable_segments() -> None:
@@ -82,10 +90,12 @@ def _prefer_expandable_segments() -> None:
         pass
 
 
-def _stop(background: BackgroundUpdates, workers: LaneWorkers) -> None:
-    """Finish background optimizer work, then stop the lane threads (engine finalizer)."""
+def _stop(background: BackgroundUpdates, workers: LaneWorkers, store: HostStore) -> None:
+    """Finish background optimizer work, stop the lane threads, remove the SSD tier's scratch
+    files (engine finalizer)."""
     background.wait_quietly()
     workers.shutdown(0.0)
+    store.close()
 
 
 class Engine:
@@ -127,7 +137,7 @@ class Engine:
         # an engine dropped (or alive at interpreter exit) with a background update still running:
         # finish it first -- torch kernels running in a thread while the interpreter tears down
         # abort the process ("terminate called without an active exception")
-        weakref.finalize(self, _stop, self.optimizer.background, self.resources.workers)
+        weakref.finalize(self, _stop, self.optimizer.background, self.resources.workers, self.store)
         self._runner = StepRunner(self.resources)
         self._schedules: dict[int, Schedule] = {}
         self._traffic_cache: dict[tuple[int, int], Traffic] = {}
@@ -169,22 +179,32 @@ class Engine:
             d.grad_pool.reset()
         ctx = self._runner.new_context(sched, inputs, self.fault)
         try:
+            self.optimizer.start_staging(sched, ctx.abort, self.resources.workers)
             self._runner.run(ctx)
-        except WorkerError as exc:
+        except (WorkerError, StorageError) as exc:
             # no lane thread outlives a failed step (a stuck one is abandoned)
             self.resources.workers.shutdown()
+            self.optimizer.abandon_step(self._sync_devices)
             if ctx.stuck:
                 self._broken = f"a worker is still stuck in {ctx.stuck}"
             if self.optimizer.failed:  # the last step's update failed under this one
                 self._broken = "the last step's optimizer update failed"
+            if isinstance(exc, StorageError) or isinstance(exc.__cause__, StorageError):
+                self._broken = "the SSD tier failed"  # an unreadable region: the state is lost
             if isinstance(exc.__cause__, NonFiniteError):  # check_finite located a NaN/inf
                 raise NonFiniteError(str(exc.__cause__)) from exc
             raise
-        outcome = self.optimizer.finish_step(self.resources.workers)
+        try:
+            outcome = self.optimizer.finish_step(self.resources.workers)
+        except StorageError:
+            self._broken = "the SSD tier failed"
+            raise
         # the last step's leftover updates ran during this one: in this step's timeline
         lane = str(BACKGROUND_LANE)
         ctx.timings[:0] = [TaskTiming(lane, f"{update_id(layer)} (last step's, clipped)", start, end)
                            for layer, start, end in outcome.background_timings]
+        if self.optimizer.tier is not None:  # the SSD lanes: what the disk did during the step
+            ctx.timings += ssd_timings(self.optimizer.tier.records, t0)
         self._last = StepTimeline(ctx.timings, t0)
         self._rss.sample()
         loss = ctx.loss_value if ctx.loss_value is not None else float("nan")
@@ -197,6 +217,13 @@ class Engine:
                 + (" and earlier ones were rolled back" if rolled_back else "")
             )
         return result
+
+    def _sync_devices(self) -> None:
+        for d in self.devices:
+            try:
+                d.backend.synchronize()
+            except Exception:  # noqa: BLE001 - a broken device: nothing copies out of a slot then
+                pass
 
     def _check_usable(self) -> None:
         if self._broken is not None:
@@ -215,6 +242,8 @@ class Engine:
                 t0: float, timings: list[TaskTiming]) -> StepResult:
         traffic = self._traffic(sched, inputs.seq)
         stats = [d.backend.memory_stats() for d in self.devices]
+        tier = self.optimizer.tier
+        io = tier.last_io if tier is not None else IoTotals()
         return StepResult(
             loss=loss, grad_norm=outcome.grad_norm, clipped=outcome.clipped, skipped=outcome.skipped,
             tokens=int(inputs.batch * inputs.seq), seconds=time.perf_counter() - t0,
@@ -222,6 +251,8 @@ class Engine:
             h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
             device_peak_allocated=max((st.get("peak_allocated", 0) for st in stats), default=0),
             device_peak_reserved=max((st.get("peak_reserved", 0) for st in stats), default=0),
+            ssd_read_bytes=io.read_bytes, ssd_write_bytes=io.write_bytes, ssd_read_gbps=io.read_gbps,
+            ssd_write_gbps=io.write_gbps,
         )
 
     def _traffic(self, sched: Schedule, seq: int) -> Traffic:
@@ -267,17 +298,19 @@ class Engine:
         self.optimizer.synchronize()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        """fp32 master weights under the keys of ``model.state_dict()`` (live views); frozen
-        parameters (LoRA base weights) at the compute precision."""
+        """fp32 master weights under the keys of ``model.state_dict()`` (live views; copies read
+        from the SSD for layers whose weights live there); frozen parameters (LoRA base weights)
+        at the compute precision."""
         self.synchronize()
         return self.store.state_dict()
 
     def optimizer_state(self) -> dict[str, object]:
-        """AdamW moments and step counts per layer (live views), for checkpoints."""
+        """AdamW moments and step counts per layer (live views; copies read from the SSD where
+        they live there), for checkpoints."""
         self.synchronize()
         return {
             s.spec.name: {"exp_avg": s.exp_avg, "exp_avg_sq": s.exp_avg_sq, "step": s.step}
-            for s in self.store.layers
+            for s in self.store.iter_layers()
         }
 
     def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
@@ -308,7 +341,7 @@ class Engine:
             return save_adapter(self.peft_model, out_dir)
 
         def tensors():
-            for s in self.store.layers:
+            for s in self.store.iter_layers():  # one layer in DRAM at a time where it lives on the SSD
                 for p in s.spec.params:
                     yield p.name, s.param_view(p)
 
@@ -324,12 +357,16 @@ class Engine:
             raise WriteError(f"cannot save the model to {out_dir}: {describe_os_error(exc)}") from exc
 
     def close(self) -> None:
-        """Stop the lane threads and unpin host memory; the engine is unusable afterwards."""
+        """Stop the lane threads, remove the SSD tier's scratch files and unpin host memory; the
+        engine is unusable afterwards."""
         try:
             self.synchronize()  # the model's parameters (views of the host copy) stay usable
-        except WorkerError:
+        except (WorkerError, StorageError):
             pass  # the failure was raised by step() already, or is the background work's
         self.resources.workers.shutdown()
+        if self.optimizer.tier is not None:
+            self.optimizer.tier.close()
+        self.store.close()  # the SSD tier's scratch files
         self.pinner.release()
 
     def __enter__(self) -> "Engine":

@@ -116,7 +116,21 @@ class TaskHandlers:
     def _upload(self, task: Task, dev: DeviceRuntime) -> None:
         layer = task.layers[0]
         self.optim.wait_layer(layer, self.ctx.abort)  # the last step's clipped update of this layer
-        src = self.store.layers[layer].master
+        src, frozen = self.store.layers[layer].master, self.store.layers[layer].frozen
+        tier = self.optim.tier
+        if tier is None:
+            self._copy_layer(task, dev, layer, src, frozen)
+            return
+        # state on the SSD: copy out of its staging slots, which go back once the copy is done
+        src, frozen, staged = tier.upload_sources(task.id, layer, src, frozen)
+        self._copy_layer(task, dev, layer, src, frozen)
+        if staged is not None:
+            dev.backend.sync_event(dev.backend.record_event(dev.streams["h2d"]))
+            tier.uploaded(task.id, staged)
+
+    def _copy_layer(self, task: Task, dev: DeviceRuntime, layer: int, src: torch.Tensor,
+                    frozen: torch.Tensor | None) -> None:
+        """Upload ``layer`` (master ``src``, frozen weights ``frozen``) into its device buffer."""
         dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
         # stepped on the device: loaded (master and moments) once, resident from then on
         on_device = self.optim.on_device(layer)
@@ -124,7 +138,6 @@ class TaskHandlers:
             return
         staging = dev.pool.staging
         n = src.numel()
-        frozen = self.store.layers[layer].frozen
         if frozen is not None:  # already at the compute precision: one plain copy after the prefix
             dst[n : n + frozen.numel()].copy_(frozen, non_blocking=True)
         if on_device:

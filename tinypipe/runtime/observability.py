@@ -11,6 +11,7 @@ from tinypipe.memory.report import MemoryReport
 from tinypipe.runtime.context import TaskTiming
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.schedule.ids import Lane
+from tinypipe.storage import IoRecord
 
 
 class RssPeak:
@@ -44,6 +45,9 @@ def memory_report(res: EngineResources, rss: RssPeak) -> MemoryReport:
         "gradient_buffers": res.optimizer.retained_bytes,
         "stashed_activations": res.host_stash.nbytes,
     }
+    tier = res.optimizer.tier
+    if tier is not None:  # the SSD tier's DRAM: its staging pools (the state itself is on the SSD)
+        host["ssd_staging_pool"] = tier.nbytes
     devices, peaks = {}, {}
     for d in res.devices:
         name = f"{d.index}:{d.name}"
@@ -58,7 +62,31 @@ def memory_report(res: EngineResources, rss: RssPeak) -> MemoryReport:
             peaks[name] = {"peak_allocated": stats["peak_allocated"], "peak_reserved": stats["peak_reserved"]}
     now = rss.sample()
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return MemoryReport(host, devices, peaks, host_rss=now, host_rss_peak=max(rss.peak, peak_kb * 1024))
+    return MemoryReport(host, devices, peaks, host_rss=now, host_rss_peak=max(rss.peak, peak_kb * 1024),
+                        ssd=store.ssd_bytes())
+
+
+def ssd_timings(records: list[IoRecord], origin: float) -> list[TaskTiming]:
+    """The SSD tier's requests as lanes ``ssd:read`` / ``ssd:write``: requests that overlap (several
+    are in flight at once) merged into one busy span, named by the layers it moved and its bytes
+    -- spans on one lane never overlap, as trace viewers need."""
+    out: list[TaskTiming] = []
+    for op in ("read", "write"):
+        spans: list[list] = []  # [start, end, bytes, layers]
+        for r in sorted((r for r in records if r.op == op and r.error is None), key=lambda r: r.started):
+            start = max(r.started, origin)  # in flight when the step began: drawn from its start
+            if spans and start <= spans[-1][1]:
+                spans[-1][1] = max(spans[-1][1], r.finished)
+                spans[-1][2] += r.nbytes
+            else:
+                spans.append([start, r.finished, r.nbytes, []])
+            layer = r.key[0] if isinstance(r.key, tuple) else r.key
+            if layer not in spans[-1][3]:
+                spans[-1][3].append(layer)
+        for start, end, nbytes, layers in spans:
+            names = ",".join(f"L{x}" for x in layers[:6]) + ("..." if len(layers) > 6 else "")
+            out.append(TaskTiming(f"ssd:{op}", f"{op} {names} ({nbytes / 1e6:.1f} MB)", start, end))
+    return out
 
 
 def host_times(timings: list[TaskTiming], origin: float) -> list[dict]:

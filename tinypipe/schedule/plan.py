@@ -15,6 +15,11 @@ DEVICE_OPTIMIZER_CHOICES: tuple[DeviceOptimizer, ...] = get_args(DeviceOptimizer
 #: Where a pack's input waits between its forward and its backward.
 StashPlace = Literal["device", "host"]
 STASH_PLACES: tuple[StashPlace, ...] = get_args(StashPlace)
+#: Kinds of per-layer training state that can live on the SSD (``Plan.offload``): the fp32 master
+#: weights, the two AdamW moments together, the retained fp32 gradient (only with clipping or
+#: ``nonfinite="skip"``) and a LoRA layer's frozen base weights.
+OffloadKind = Literal["master", "moments", "grad", "frozen"]
+OFFLOAD_KINDS: tuple[OffloadKind, ...] = get_args(OffloadKind)
 #: The settings :func:`make_plan` takes besides the model's shape and the device count: the same
 #: names as the :class:`tinypipe.Config` fields that set them (:meth:`Plan.settings` gives them back).
 PLAN_SETTINGS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash",
@@ -46,6 +51,9 @@ class Plan:
     grad_slots: int | None = None
     device_optimizer: DeviceOptimizer = "off"  # resident layers stepped on their device
     resident_packs: int = 0  # the first packs stay on their device, stepped there (never swapped)
+    # (layer id, kind) pairs whose state lives on the SSD (sorted; layer 0 = embedding, b + 1 = block
+    # b, num_blocks + 1 = head); needs Config.offload_dir
+    offload: tuple[tuple[int, str], ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -60,6 +68,36 @@ class Plan:
                 raise ConfigError(f"plan: resident pack {q} runs its forward on device {self.fwd_device[q]} "
                                   f"and its backward on device {self.bwd_device[q]}; a resident pack needs "
                                   "one device")
+        object.__setattr__(self, "offload", self._checked_offload())
+
+    def _checked_offload(self) -> tuple[tuple[int, str], ...]:
+        """``offload`` sorted and without duplicates; ConfigError for an unknown kind or layer, or a
+        layer stepped on its device (its state lives there, never on the host or the SSD)."""
+        pairs = set()
+        for item in self.offload:
+            if not isinstance(item, (list, tuple)) or len(item) != 2:
+                raise ConfigError(f"plan: offload entries are (layer, kind) pairs, got {item!r}")
+            layer, kind = item
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.num_blocks + 1:
+                raise ConfigError(f"plan: offload layer must be in 0..{self.num_blocks + 1}, got {layer!r}")
+            if kind not in OFFLOAD_KINDS:
+                raise ConfigError(f"plan: offload kind must be one of {', '.join(OFFLOAD_KINDS)}, "
+                                  f"got {kind!r}")
+            pairs.add((layer, str(kind)))
+        if pairs:
+            stepped = set().union(*(self.device_optimized(d) for d in range(self.num_devices)))
+            bad = sorted(layer for layer, _ in pairs if layer in stepped)
+            if bad:
+                raise ConfigError(f"plan: layer {bad[0]} is stepped on its device (device_optimizer / "
+                                  "resident_packs): its state cannot be offloaded to the SSD")
+        return tuple(sorted(pairs))
+
+    def offloaded(self) -> dict[int, frozenset[str]]:
+        """Layer -> the kinds of its state that live on the SSD (layers with none left out)."""
+        out: dict[int, set[str]] = {}
+        for layer, kind in self.offload:
+            out.setdefault(layer, set()).add(kind)
+        return {layer: frozenset(kinds) for layer, kinds in out.items()}
 
     @property
     def num_packs(self) -> int:
@@ -93,9 +131,10 @@ class Plan:
             del out["grad_slots"]
         return out
 
-    def describe(self) -> str:
-        """One line: packing, micro-batches, window, stash and what stays on the device (every
-        printed plan reads it)."""
+    def describe(self, ssd_bytes: int | None = None) -> str:
+        """One line: packing, micro-batches, window, stash, what stays on the device and what lives
+        on the SSD (layers per kind; ``ssd_bytes``, when the caller knows the sizes, in brackets)
+        -- every printed plan reads it."""
         pack = self.pack_size
         pack_text = str(pack) if isinstance(pack, int) else "[" + ",".join(map(str, pack)) + "]"
         stash = self.stash
@@ -107,7 +146,18 @@ class Plan:
         return (f"pack {pack_text}, micro-batch {self.micro_batch_size}/{self.backward_micro_batch_size} "
                 f"(fwd/bwd), window {self.prefetch_window}, stash {stash}"
                 + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
-                + ("" if not resident else f", first {resident} {packs} resident on the GPU"))
+                + ("" if not resident else f", first {resident} {packs} resident on the GPU")
+                + self._describe_offload(ssd_bytes))
+
+    def _describe_offload(self, ssd_bytes: int | None) -> str:
+        if not self.offload:
+            return ""
+        order = ("moments", "grad", "master", "frozen")  # the order the planner spills them in
+        counts = {kind: sum(1 for _, k in self.offload if k == kind) for kind in order}
+        parts = [f"{kind} of {n} layer{'s' * (n != 1)}" if i == 0 else f"{kind} of {n}"
+                 for i, (kind, n) in enumerate((k, n) for k, n in counts.items() if n)]
+        size = "" if ssd_bytes is None else f" ({ssd_bytes / 2**30:.1f} GiB on SSD)"
+        return ", offload: " + ", ".join(parts) + size
 
     @property
     def num_blocks(self) -> int:
@@ -158,6 +208,7 @@ class Plan:
             d[key] = tuple(tuple(p) for p in d[key])
         for key in ("stash_on_host", "fwd_device", "bwd_device"):
             d[key] = tuple(d.get(key, ()))
+        d["offload"] = tuple(tuple(p) for p in d.get("offload", ()))  # older files: nothing offloaded
         return Plan(**d)
 
     @staticmethod
@@ -208,6 +259,7 @@ def make_plan(
     grad_slots: int | None = None,
     device_optimizer: DeviceOptimizer = "off",
     resident_packs: int = 0,
+    offload: Sequence[tuple[int, str]] = (),
 ) -> Plan:
     """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes)."""
     packs = split_packs(num_blocks, pack_size)
@@ -240,4 +292,5 @@ def make_plan(
         grad_slots=grad_slots,
         device_optimizer=device_optimizer,
         resident_packs=resident_packs,
+        offload=tuple(tuple(p) for p in offload),  # type: ignore[misc]
     )

@@ -81,6 +81,12 @@ class BackgroundUpdates:
                     abort.check()
         self._raise()
 
+    def wait_done(self, abort: Abort) -> None:
+        """Block until all leftover work has stopped (polling ``abort``); raise if it failed."""
+        while not self._done.wait(POLL_S):
+            abort.check()
+        self._raise()
+
     def wait_all(self) -> None:
         """Block until all leftover work is applied; raise if any of it failed."""
         self._done.wait()

@@ -27,7 +27,7 @@ from typing import Callable, Literal
 
 import torch
 
-from tinypipe.memory.host_store import HostStore
+from tinypipe.memory.host_store import HostStore, LayerState
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 
 REDO_CHUNK = 1 << 22  # 16 MiB of fp32 gradient: scaled, then stepped while in cache
@@ -71,6 +71,8 @@ class StepDecisions:
     # (layer, step number) for the devices, set by finalize()
     device_steps: list[tuple[int, int]] = field(default_factory=list)
     _on_device: list[int] = field(default_factory=list)
+    #: layer -> (state, gradient) staged from the SSD around its leftover work (see SsdTier.background)
+    staged: dict[int, tuple[LayerState, torch.Tensor | None]] = field(default_factory=dict)
 
     def decide(self, layer: int, norm_sq: float, loss_finite: bool = True) -> Decision:
         """'step', 'defer' or 'skip' for ``layer`` given its squared gradient norm."""
@@ -140,11 +142,18 @@ class StepDecisions:
         n = self.store.layers[layer].spec.train_numel
         return [(lo, min(n, lo + REDO_CHUNK)) for lo in range(0, n, REDO_CHUNK)]
 
+    def _views(self, layer: int) -> tuple[LayerState, torch.Tensor]:
+        """``layer``'s state and retained gradient: staged from the SSD where they live there."""
+        state, grad = self.staged.get(layer, (self.store.layers[layer], None))
+        if grad is None:
+            grad = self.retained[layer]  # type: ignore[index]
+        return state, grad
+
     def _undo(self, layer: int, step: int) -> None:
         """Roll back speculative step ``step`` of ``layer`` (a skipped, non-finite step)."""
-        state = self.store.layers[layer]
+        state, grad = self._views(layer)
         for lo, hi in self._chunks(layer):
-            self.adamw.undo(state, lo, hi, self.retained[layer][lo:hi], step, self.lr)  # type: ignore[index]
+            self.adamw.undo(state, lo, hi, grad[lo:hi], step, self.lr)
 
     def _redo(self, layer: int, coef: float, step: int, undo: bool) -> None:
         """Step ``layer`` with its gradient scaled by ``coef`` (after undoing the speculative step).
@@ -152,9 +161,9 @@ class StepDecisions:
         Chunk by chunk, so the gradient chunk is still in cache for the step; the retained
         gradient is scaled in place (it is rewritten by the next step anyway) -- a temporary per
         chunk cost a page-faulting allocation each time."""
-        state = self.store.layers[layer]
+        state, grad = self._views(layer)
         for lo, hi in self._chunks(layer):
-            g = self.retained[layer][lo:hi]  # type: ignore[index]
+            g = grad[lo:hi]
             if undo:
                 self.adamw.undo(state, lo, hi, g, step, self.lr)
             if coef != 1.0:

@@ -17,14 +17,16 @@ from typing import Callable
 import torch
 
 from tinypipe.devices.host_buffers import aligned_empty, registrable
-from tinypipe.memory.host_store import HostStore
+from tinypipe.memory.host_store import HostStore, LayerState
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepDecisions, StepOutcome
 from tinypipe.runtime.optim.device_state import DeviceOptimizerState
 from tinypipe.runtime.optim.messages import GradEnd, GradNorm, GradStream
 from tinypipe.runtime.signals import Abort
+from tinypipe.runtime.optim.ssd_tier import SsdTier
 from tinypipe.runtime.workers import LaneWorkers
+from tinypipe.schedule.tasks import Schedule
 
 
 def retains_gradients(max_grad_norm: float | None, nonfinite: str) -> bool:
@@ -38,7 +40,7 @@ class OptimizerPath:
 
     def __init__(self, store: HostStore, adamw: ChunkedAdamW, *, max_grad_norm: float | None, nonfinite: str,
                  device_states: dict[int, DeviceOptimizerState], pin: Callable[[torch.Tensor], None] | None,
-                 threads: int | None) -> None:
+                 threads: int | None, tier: SsdTier | None = None) -> None:
         self.store = store
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
@@ -54,6 +56,7 @@ class OptimizerPath:
         self.step_count = 0  # optimizer steps taken (a skipped step does not count)
         self.last_clipped = False  # a clipped step predicts another: the next one does not speculate
         self._step: StepDecisions | None = None
+        self.tier = tier  # state on the SSD, staged around its uses (None: everything in DRAM)
 
     # ------------------------------------------------------------------ one step
 
@@ -67,11 +70,24 @@ class OptimizerPath:
                                    speculate=speculate, device_layers=self.device_layers,
                                    upload_order=upload_order)
 
+    def start_staging(self, schedule: Schedule, abort: Abort, workers: LaneWorkers) -> None:
+        """Start the step's reads of SSD-resident state (with a tier; after :meth:`begin_step`)."""
+        if self.tier is not None:
+            self.tier.begin_step(schedule, abort, workers, self.wait_layer, self.background.wait_done)
+
+    def abandon_step(self, synchronize: Callable[[], None]) -> None:
+        """A step failed: give back the SSD staging it held (``synchronize``: the devices)."""
+        if self.tier is not None:
+            self.tier.abandon_step(synchronize)
+
     def retain_buffer(self, layer: int) -> torch.Tensor | None:
-        """The page-locked fp32 host copy of ``layer``'s gradient (None: not retaining, or frozen)."""
+        """The page-locked fp32 host copy of ``layer``'s gradient (None: not retaining, or frozen):
+        a staging slot when the gradient lives on the SSD (waits for the slot)."""
         n = self.store.layers[layer].spec.train_numel
         if self._retained is None or n == 0:  # nothing to retain for a frozen layer (LoRA)
             return None
+        if self.tier is not None and self.store.offloaded(layer, "grad"):
+            return self.tier.grad_buffer(layer)
         if layer not in self._retained:
             buf = aligned_empty(n, torch.float32)
             if self._pin is not None:
@@ -92,8 +108,21 @@ class OptimizerPath:
         norm_sq = float(first.norm.item()) ** 2
         decision = dec.decide(layer, norm_sq, True if loss_finite is None else loss_finite())
         state = self.store.layers[layer]
-        keep = self.retain_buffer(layer) if decision != "device" else None  # holds the chunks already
         step_no = state.step + 1
+        staged = self.tier.for_update(layer) if self.tier is not None else None
+        if staged is not None:  # state on the SSD: step the staging buffers instead
+            self._consume_chunks(layer, stream, abort, decision, staged.state, step_no, dec.lr,
+                                 staged.grad if staged.grad is not None else self.retain_buffer(layer))
+            self.tier.finish_update(layer, staged, decision)  # type: ignore[union-attr]
+        else:
+            keep = self.retain_buffer(layer) if decision != "device" else None  # holds the chunks already
+            self._consume_chunks(layer, stream, abort, decision, state, step_no, dec.lr, keep)
+        if decision == "step":
+            state.step = step_no
+
+    def _consume_chunks(self, layer: int, stream: GradStream, abort: Abort, decision: str, state: LayerState,
+                        step_no: int, lr: float, keep: torch.Tensor | None) -> None:
+        """Step (or just take) each gradient chunk of ``layer`` as it lands."""
         while True:
             chunk = stream.get(abort)
             if isinstance(chunk, GradEnd):
@@ -102,23 +131,24 @@ class OptimizerPath:
             chunk.backend.sync_event(chunk.event)
             grad = keep[chunk.lo : chunk.hi] if chunk.buffer is None else chunk.buffer[: chunk.hi - chunk.lo]
             if decision == "step":
-                self.adamw.step(state, chunk.lo, chunk.hi, grad, step_no, dec.lr)
+                self.adamw.step(state, chunk.lo, chunk.hi, grad, step_no, lr)
             if chunk.buffer is not None:
                 chunk.pool.release(chunk.buffer)
-        if decision == "step":
-            state.step = step_no
 
     def finish_step(self, workers: LaneWorkers) -> StepOutcome:
         """Close the step once every update has run: clip or roll back, start the leftover host
         work in the background, queue the device steps, count the step."""
         dec = self._current()
         self.background.wait_all()  # every layer was uploaded, so the last step's leftovers are done
+        if self.tier is not None:
+            self.tier.end_step()
         ran = list(self.background.timings)
         outcome = dec.finalize()
         outcome.background_timings = ran
+        work = dec.work if self.tier is None else self.tier.background(dec.work, dec.staged)
         # what still has to wait for the global norm runs while the next step starts (its uploads
         # wait per layer); synchronize() waits for all of it
-        self.background.start(dec.work, workers, self.threads)
+        self.background.start(work, workers, self.threads)
         for state in self.device_states.values():  # device order, then the decisions' order
             for layer, step in dec.device_steps:
                 if state.owns(layer):
@@ -166,6 +196,8 @@ class OptimizerPath:
         for state in self.device_states.values():
             state.store()
             state.invalidate()
+        if self.tier is not None:
+            self.tier.flush()  # every write-back landed (or its failure is raised)
 
     # ------------------------------------------------------------------ memory
 
