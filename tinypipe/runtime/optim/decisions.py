@@ -30,6 +30,7 @@ import torch
 from tinypipe.memory.host_store import HostStore, LayerState
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 
+_NO_GRAD = torch.empty(0)
 REDO_CHUNK = 1 << 22  # 16 MiB of fp32 gradient: scaled, then stepped while in cache
 
 #: What happens to a layer's gradient as it arrives: stepped at once (speculating that clipping
@@ -143,10 +144,11 @@ class StepDecisions:
         return [(lo, min(n, lo + REDO_CHUNK)) for lo in range(0, n, REDO_CHUNK)]
 
     def _views(self, layer: int) -> tuple[LayerState, torch.Tensor]:
-        """``layer``'s state and retained gradient: staged from the SSD where they live there."""
+        """``layer``'s state and retained gradient: staged from the SSD where they live there (a
+        frozen layer retains none: its chunk list is empty)."""
         state, grad = self.staged.get(layer, (self.store.layers[layer], None))
         if grad is None:
-            grad = self.retained[layer]  # type: ignore[index]
+            grad = self.retained.get(layer, _NO_GRAD)  # type: ignore[union-attr]
         return state, grad
 
     def _undo(self, layer: int, step: int) -> None:
