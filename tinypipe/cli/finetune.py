@@ -98,6 +98,7 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         resident_packs=s["resident_packs"],
         gpu_memory_bytes=s["gpu_memory_bytes"],
         cpu_memory_bytes=s["cpu_memory_bytes"],
+        offload_dir=str(Path(s["offload_dir"]).expanduser()) if s["offload_dir"] else None,
     )
     _check_devices(config.devices)
     return config, auto

@@ -148,6 +148,9 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "process is capped to it (default: the GPU's)", "SIZE", field="gpu_memory_bytes"),
     Option("cpu-memory", _size, None, "host memory budget, e.g. 100GiB: the plan must fit it (default: the "
            "available RAM)", "SIZE", field="cpu_memory_bytes"),
+    Option("offload-dir", _str, None, "a directory on a fast local SSD for training state that does not fit "
+           "in host memory (the plan says what goes there; scratch files removed at exit; default: "
+           "everything in DRAM)", "DIR", field="offload_dir"),
     Option("steps", _int, None, "optimizer steps (default: as many as --epochs takes)", "N"),
     Option("epochs", _float, None, "passes over the data when --steps is not given (default: 1)", "X"),
     Option("lr", _float, 1e-5, "peak learning rate (default: 1e-5)", "LR"),

@@ -158,7 +158,9 @@ def train(
     ``tokens``, ``seconds``, ``tokens_per_s``, ``rss_bytes`` (host resident memory after the
     step), ``h2d_gbs`` / ``d2h_gbs`` (host<->device traffic over the step's time; 0 on CPU),
     ``gpu_peak_allocated`` / ``gpu_peak_reserved`` (the fullest device's peaks in the step; 0 on
-    CPU), ``clipped`` and ``skipped``. ``log_path`` is truncated first unless ``append``.
+    CPU), ``clipped`` and ``skipped``, and with the SSD tier ``ssd_read_bytes`` / ``ssd_write_bytes``
+    and ``ssd_read_gbs`` / ``ssd_write_gbs`` (GB/s while requests were in flight). ``log_path`` is
+    truncated first unless ``append``.
 
     Resuming: ``start_step`` continues a run at that global step (data position and learning rate
     follow from it); with ``checkpoint_dir`` and ``checkpoint_every`` K, an atomic checkpoint is
@@ -234,7 +236,16 @@ def _run_step(engine: Engine, batch: dict[str, torch.Tensor], step_lr: float, i:
         "gpu_peak_reserved": int(result.device_peak_reserved),
         "clipped": bool(result.clipped),
         "skipped": bool(result.skipped),
+        **_ssd_fields(result),
     }
+
+
+def _ssd_fields(result: Any) -> dict:
+    """The SSD tier's bytes and GB/s of the step (only when it moved any: Config.offload_dir)."""
+    if not (result.ssd_read_bytes or result.ssd_write_bytes):
+        return {}
+    return {"ssd_read_bytes": int(result.ssd_read_bytes), "ssd_write_bytes": int(result.ssd_write_bytes),
+            "ssd_read_gbs": float(result.ssd_read_gbps), "ssd_write_gbs": float(result.ssd_write_gbps)}
 
 
 def _write_record(log: IO[str], record: dict, i: int) -> None:
@@ -249,6 +260,8 @@ def _write_record(log: IO[str], record: dict, i: int) -> None:
 def _show_progress(bar: Any, record: dict) -> None:
     link = (f" up={record['h2d_gbs']:.1f}GB/s down={record['d2h_gbs']:.1f}GB/s"
             f" gpu={_fmt_bytes(record['gpu_peak_reserved'])}") if record["gpu_peak_reserved"] else ""
+    if "ssd_read_bytes" in record:
+        link += f" ssd r={record['ssd_read_gbs']:.1f} w={record['ssd_write_gbs']:.1f}GB/s"
     bar.set_postfix_str(
         f"loss={record['loss']:.4f} lr={record['lr']:.2e} "
         f"tok/s={record['tokens_per_s']:.0f}{link} host={_fmt_bytes(record['rss_bytes'])}",

@@ -12,7 +12,7 @@ from pathlib import Path
 GIB = 1024**3
 #: Lane kinds in the order they are drawn, with their colours.
 LANE_COLOURS = (("compute", "tab:blue"), ("h2d", "tab:green"), ("d2h", "tab:orange"),
-                ("optimizer", "tab:red"))
+                ("optimizer", "tab:red"), ("ssd:read", "tab:purple"), ("ssd:write", "tab:brown"))
 
 
 def _figure(width: float, height: float):  # noqa: ANN202 - matplotlib types
@@ -55,8 +55,9 @@ def _lane_colour(lane: str) -> str:
 
 def plot_timeline(records: list[dict], events: list[dict], out_png: str | os.PathLike[str]) -> Path:
     """Memory and transfer timeline into ``out_png``: host RSS and GPU peaks per step, host<->device
-    GB/s per step, and the last step's lanes (compute, uploads, downloads, CPU optimizer) as bars
-    over time -- where overlap happens and where a lane waits."""
+    GB/s per step (and the SSD tier's), and the last step's lanes (compute, uploads, downloads, CPU
+    optimizer, SSD reads and writes) as bars over time -- where overlap happens and where a lane
+    waits."""
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in records]
@@ -79,11 +80,18 @@ def plot_timeline(records: list[dict], events: list[dict], out_png: str | os.Pat
     ax_mem.grid(True, alpha=0.3)
     ax_mem.legend(fontsize=8)
 
-    if any(r.get("h2d_gbs") for r in records):
+    link, ssd = any(r.get("h2d_gbs") for r in records), any("ssd_read_gbs" in r for r in records)
+    if link:
         ax_link.plot(steps, [r.get("h2d_gbs", 0.0) for r in records], marker="o", markersize=3,
                      color="tab:green", label="host -> device")
         ax_link.plot(steps, [r.get("d2h_gbs", 0.0) for r in records], marker="o", markersize=3,
                      color="tab:orange", label="device -> host")
+    if ssd:  # the SSD tier: GB/s while its requests were in flight
+        ax_link.plot(steps, [r.get("ssd_read_gbs", 0.0) for r in records], marker="s", markersize=3,
+                     color="tab:purple", label="SSD read")
+        ax_link.plot(steps, [r.get("ssd_write_gbs", 0.0) for r in records], marker="s", markersize=3,
+                     color="tab:brown", label="SSD write")
+    if link or ssd:
         ax_link.legend(fontsize=8)
         ax_link.set_ylim(bottom=0)
     else:
