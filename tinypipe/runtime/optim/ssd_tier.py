@@ -138,14 +138,16 @@ class SsdTier:
 
         if order.uploads:
             st.stagers.append(workers.submit(UPLOAD_STAGER, lambda: self._stage_all(
-                st, order.uploads, st.uploads, st.upload_ready, self.upload_pool, before_upload)))
+                st, order.uploads, st.uploads, st.upload_ready, self.upload_pool, before_upload,
+                UPLOAD_STAGER)))
         if order.updates:
             st.stagers.append(workers.submit(UPDATE_STAGER, lambda: self._stage_all(
-                st, order.updates, st.updates, st.update_ready, self.update_pool, before_update)))
+                st, order.updates, st.updates, st.update_ready, self.update_pool, before_update,
+                UPDATE_STAGER)))
 
     def _stage_all(self, st: _Step, sets: tuple[StageSet, ...], staged: list[StagedLayer | None],
-                   ready: list[threading.Event], pool: StagingPool | None,
-                   before: Callable[[StageSet], None]) -> None:
+                   ready: list[threading.Event], pool: StagingPool | None, before: Callable[[StageSet], None],
+                   lane: str) -> None:
         """A stager: issue ``sets`` in order (blocking while the pool is full)."""
         assert pool is not None
         try:
@@ -159,11 +161,12 @@ class SsdTier:
         except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - surfaced as the step's failure
-            st.abort.fail("ssd stager", exc)
+            st.abort.fail(lane, exc)
 
     def _stage(self, pool: StagingPool, keys: list[Key], reads: list[Key],
                check: Callable[[], None]) -> StagedLayer:
         """Take a slot per key (all at once) and start reading ``reads`` into theirs."""
+        self.check()  # a failed write-back first, in its own words (a read of its region fails later)
         slots = dict(zip(keys, pool.acquire(len(keys), check)))
         handles: list[IoHandle] = []
         try:
