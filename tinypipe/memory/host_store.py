@@ -154,6 +154,8 @@ class HostStore:
                 frozen=frozen,
             )
             self.layers.append(state)
+        if self.offload is not None:
+            release_freed_memory()  # the model's own copies of what now lives on the SSD
 
     @property
     def master_bytes(self) -> int:
@@ -299,3 +301,21 @@ class _SpillBuffers:
             buf = aligned_empty(max(numel, 1), dtype)
             self._bufs[kind] = buf
         return buf[:numel]
+
+
+def release_freed_memory() -> None:
+    """Give memory freed back to the OS now (glibc's ``malloc_trim``; nothing elsewhere).
+
+    The model's parameters are many mid-sized allocations: glibc serves most of them from its heap
+    (its mmap threshold rises as the first large blocks are freed), and freed heap memory stays
+    resident until trimmed. Measured on a 19 M-parameter model whose state moved to the SSD: RSS
+    stayed 77 MB (all of the model's fp32 weights) above where it belonged until this call."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None)
+        trim = getattr(libc, "malloc_trim", None)
+    except OSError:
+        return
+    if trim is not None:
+        trim(0)
