@@ -51,7 +51,7 @@ from tinypipe.perf.machine import measure  # noqa: E402
 from tinypipe.perf.rss import RssSampler  # noqa: E402
 from tinypipe.perf.workloads import WORKLOADS, Workload, build_model, make_batch  # noqa: E402
 from tinypipe.schedule.plan import OFFLOAD_KINDS, Plan, make_plan  # noqa: E402
-from tinypipe.schedule.staging import staging_pools  # noqa: E402
+from tinypipe.schedule.staging import DEFAULT_READ_AHEAD, staging_pools  # noqa: E402
 
 GIB = 1024**3
 
@@ -72,6 +72,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--window", type=int, default=1)
     ap.add_argument("--stash", default="host", choices=("host", "device"))
     ap.add_argument("--max-grad-norm", type=float, default=None, help="clipping (retains gradients)")
+    ap.add_argument("--read-ahead", type=int, default=None,
+                    help="layers of optimizer state read ahead (default: the runtime's, 2); spare DRAM "
+                         "lets the disk read during the forward too")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--ssd-read-gbps", type=float, default=None)
@@ -138,7 +141,9 @@ def choose_offload(a: argparse.Namespace, plan: Plan, host_need: int, dec: Decom
             by_layer.setdefault(layer, set()).add(k)
         regions = offload_regions(dec, {k: frozenset(v) for k, v in by_layer.items()}, dtype, retain)
         sizes = {key: n * dt.itemsize for key, (n, dt) in regions.items()}
-        pools = staging_pools(dataclasses.replace(plan, offload=tuple(sorted(pairs))), dec.tied, sizes).nbytes
+        ahead = DEFAULT_READ_AHEAD if a.read_ahead is None else a.read_ahead
+        pools = staging_pools(dataclasses.replace(plan, offload=tuple(sorted(pairs))), dec.tied, sizes,
+                              ahead).nbytes
         return host_need - sum(sizes.values()) + pools
 
     for layer in reversed([x for x in host_layers if 1 <= x <= plan.num_blocks]):
@@ -188,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = tinypipe.Config(devices=devices, precision="bf16" if cuda else "fp32", lr=1e-5,
                               max_grad_norm=a.max_grad_norm, offload_dir=a.offload_dir,
                               cpu_memory_bytes=int(a.host_budget_gib * GIB), compile_blocks=a.compile_blocks,
-                              trace=cuda)
+                              trace=cuda,
+                              extra={} if a.read_ahead is None else {"ssd_read_ahead": a.read_ahead})
         engine = tinypipe.Engine(model, cfg, plan=plan)
         del model
         phase("engine ready")

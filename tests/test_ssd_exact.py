@@ -101,6 +101,13 @@ def test_some_layers_and_kinds_only(tmp_path: Path) -> None:
           offload)
 
 
+def test_with_layers_stepped_on_the_device(tmp_path: Path) -> None:
+    """Embedding, head and the first pack stay on their device (never offloaded); the rest does."""
+    offload = [(layer, k) for layer in (3, 4) for k in ALL]
+    _pair(tmp_path, "llama", dict(pack_size=2, micro_batch_size=2, device_optimizer="both", resident_packs=1,
+                                  max_grad_norm=1.6), offload)
+
+
 def _inf_in_embedding_grad(at_step: int):
     def make(engine: tinypipe.Engine, i: int):
         if i != at_step:

@@ -107,10 +107,10 @@ class HostStore:
         in_place = bool(model.__dict__.pop(IN_PLACE_MARK, False))
         # the SSD regions first: a bad directory or too little free space fails before any allocation
         self.offload: OffloadedState | None = None
-        if offload:
+        regions = offload_regions(decomposition, offload, frozen_dtype, retain_grad) if offload else {}
+        if regions:  # (kinds a layer does not have -- a gradient not retained -- take no region)
             if offload_dir is None:
                 raise ValueError("offloaded state needs an offload directory")
-            regions = offload_regions(decomposition, offload, frozen_dtype, retain_grad)
             self.offload = OffloadedState(offload_dir, regions)
         spill = _SpillBuffers()
         self.layers: list[LayerState] = []
