@@ -1,9 +1,11 @@
 """The Engine: a Hugging Face causal LM trained through Tiny-Pipe swapping on 1..N devices.
 
-Construction builds, in order: the host store (one copy of the training state), each device's
-runtime (slots, resident layers, host gradient pool, model shell), the optimizer path and the lane
-workers -- bundled as :class:`~tinypipe.runtime.resources.EngineResources`. A step runs the
-schedule through :class:`~tinypipe.runtime.step.StepRunner` and closes with the optimizer path.
+Construction builds, in order: the host store (one copy of the training state; with
+``Plan.offload`` part of it in a scratch file under ``Config.offload_dir``), each device's runtime
+(slots, resident layers, host gradient pool, model shell), the optimizer path (with its SSD tier,
+:mod:`~tinypipe.runtime.optim.ssd_tier`) and the lane workers -- bundled as
+:class:`~tinypipe.runtime.resources.EngineResources`. A step runs the schedule through
+:class:`~tinypipe.runtime.step.StepRunner` and closes with the optimizer path.
 """
 
 from __future__ import annotations
