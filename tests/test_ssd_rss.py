@@ -1,6 +1,6 @@
 """Host memory honest: a model whose training state is more than 3x its DRAM budget trains with the
 state on the SSD, the process's resident memory never grows past the budget plus a stated fixed
-overhead (peak RSS, the kernel's own high-water mark, against RSS before the model was built), and
+overhead (peak RSS, the kernel's own high-water mark VmHWM, against RSS before the model was built), and
 the result equals the DRAM-only engine's bit for bit. Fresh interpreter, so nothing earlier hides
 or adds memory."""
 
@@ -27,7 +27,7 @@ OVERHEAD = 60 * MB
 
 _WORKER = textwrap.dedent(
     """
-    import dataclasses, json, resource, sys
+    import dataclasses, json, sys
     import psutil, torch, transformers
     import tinypipe
     from tinypipe.planner.auto import manual_plan
@@ -59,7 +59,10 @@ _WORKER = textwrap.dedent(
     engine = tinypipe.Engine(model, config, plan=dataclasses.replace(plan, offload=everything))
     del model
     ssd_losses = [engine.step(b).loss for b in batches]
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    # the kernel's high-water mark of this image's memory (VmHWM; getrusage's ru_maxrss would also
+    # count the parent it was spawned from: Linux keeps that across execve)
+    status = open("/proc/self/status").read().split("VmHWM:")[1]
+    peak = int(status.split()[0]) * 1024
     report = engine.memory_report()
     ssd_state = engine.state_dict()
     engine.close()
