@@ -296,7 +296,10 @@ class Engine:
         With clipping, part of a step's optimizer work finishes in the background while the next
         step starts (see :mod:`tinypipe.runtime.optim.background`). The engine's own readers
         (state_dict, checkpoints, saving, :func:`tinypipe.train.train`'s return) call this; call it
-        yourself before reading ``engine.model``'s parameters directly after :meth:`step`."""
+        yourself before reading ``engine.model``'s parameters directly after :meth:`step`. State on
+        the SSD tier (``Plan.offload``) is final once its write-backs landed, which this waits for
+        too (raising a failed one); the model's parameters of layers whose master weights live
+        there are meta tensors: read them through :meth:`state_dict`."""
         self.optimizer.synchronize()
 
     def state_dict(self) -> dict[str, torch.Tensor]:
