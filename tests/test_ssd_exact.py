@@ -94,6 +94,15 @@ def test_two_devices_uneven_packs_host_stash(tmp_path: Path, family: str) -> Non
     _pair(tmp_path, family, cfg, _every(4, ALL))
 
 
+def test_three_devices_the_last_pack_uploaded_again_for_its_backward(tmp_path: Path) -> None:
+    """Three devices: the last pack's forward and backward run on different devices, so its
+    masters are read for a backward upload too (no slots carried over)."""
+    cfg = dict(devices=["cpu"] * 3, pack_size=2, micro_batch_size=2, max_grad_norm=1.6)
+    plan = manual_plan(tinypipe.Config(**cfg), num_blocks=4, tied=False)
+    assert plan.fwd_device[-1] != plan.bwd_device[-1]
+    _pair(tmp_path, "llama", cfg, _every(4, ALL))
+
+
 def test_some_layers_and_kinds_only(tmp_path: Path) -> None:
     offload = [(0, "moments"), (1, "master"), (2, "grad"), (2, "moments"), (4, "master"), (5, "master"),
                (5, "moments")]
