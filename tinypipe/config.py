@@ -103,6 +103,9 @@ class Config:
       process already holds).
     * ``hardware`` -- rates for the time model: a preset (``tinypipe plan --hardware list``) or a
       JSON file, e.g. one written by ``tinypipe profile`` (default: guessed from the GPU's name).
+    * ``offload_dir`` -- a directory on an SSD for the training state that does not fit in
+      ``cpu_memory_bytes`` (the planner chooses per layer and kind what goes there; ``Plan.offload``).
+      None: everything stays in DRAM.
     """
 
     devices: Sequence[str] = ("cpu",)
@@ -134,6 +137,7 @@ class Config:
     gpu_memory_bytes: int | None = None
     cpu_memory_bytes: int | None = None
     hardware: str | None = None
+    offload_dir: str | None = None
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:

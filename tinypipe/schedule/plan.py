@@ -15,6 +15,9 @@ DEVICE_OPTIMIZER_CHOICES: tuple[DeviceOptimizer, ...] = get_args(DeviceOptimizer
 #: Where a pack's input waits between its forward and its backward.
 StashPlace = Literal["device", "host"]
 STASH_PLACES: tuple[StashPlace, ...] = get_args(StashPlace)
+#: Kinds of per-layer training state the SSD tier can hold (moments = exp_avg + exp_avg_sq together).
+OffloadKind = Literal["master", "moments", "grad", "frozen"]
+OFFLOAD_KINDS: tuple[OffloadKind, ...] = get_args(OffloadKind)
 #: The settings :func:`make_plan` takes besides the model's shape and the device count: the same
 #: names as the :class:`tinypipe.Config` fields that set them (:meth:`Plan.settings` gives them back).
 PLAN_SETTINGS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash",
@@ -46,6 +49,7 @@ class Plan:
     grad_slots: int | None = None
     device_optimizer: DeviceOptimizer = "off"  # resident layers stepped on their device
     resident_packs: int = 0  # the first packs stay on their device, stepped there (never swapped)
+    offload: tuple[tuple[int, str], ...] = ()  # (layer id, kind) pairs whose state lives on the SSD, sorted
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -107,7 +111,16 @@ class Plan:
         return (f"pack {pack_text}, micro-batch {self.micro_batch_size}/{self.backward_micro_batch_size} "
                 f"(fwd/bwd), window {self.prefetch_window}, stash {stash}"
                 + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
-                + ("" if not resident else f", first {resident} {packs} resident on the GPU"))
+                + ("" if not resident else f", first {resident} {packs} resident on the GPU")
+                + ("" if not self.offload else f", offload: {self._offload_text()}"))
+
+    def _offload_text(self) -> str:
+        """``moments of 30 layers, master of 12``: layers per offloaded kind (no model needed)."""
+        counts = {kind: sum(1 for _, k in self.offload if k == kind) for kind in OFFLOAD_KINDS}
+        order = ("moments", "grad", "master", "frozen")
+        parts = [f"{kind} of {counts[kind]}" for kind in order if counts[kind]]
+        parts[0] += " layers"
+        return ", ".join(parts)
 
     @property
     def num_blocks(self) -> int:
@@ -158,6 +171,7 @@ class Plan:
             d[key] = tuple(tuple(p) for p in d[key])
         for key in ("stash_on_host", "fwd_device", "bwd_device"):
             d[key] = tuple(d.get(key, ()))
+        d["offload"] = tuple((int(layer), str(kind)) for layer, kind in d.get("offload", ()))
         return Plan(**d)
 
     @staticmethod
