@@ -2,7 +2,8 @@
 and a machine, offline (no GPU, no weights), in seconds.
 
     tinypipe plan --model llama-3.1-8b --gpus 2 --gpu-memory 24GiB --cpu-memory 128GiB \\
-                  --seq-len 4096 --global-batch 16 [--hardware rtx4090-pcie4|FILE] [--json]
+                  --seq-len 4096 --global-batch 16 [--hardware rtx4090-pcie4|FILE] [--json] \\
+                  [--offload-dir DIR] [--ssd-read-gbps X --ssd-write-gbps Y]
 
 Exit status: 0 with the plan printed; 1 when no plan fits (one line saying what the smallest plan
 needs); 2 for bad input (one line).
@@ -64,6 +65,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep these resident layers' AdamW state on the GPU (default: searched)")
     p.add_argument("--resident-packs", default=None, metavar="N",
                    help="keep the first N packs resident on the GPU, stepped there (default: searched)")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="plan with an SSD tier in DIR: state that does not fit --cpu-memory goes there "
+                        "(rates: the hardware file's, else measured on DIR, else the preset's)")
+    p.add_argument("--ssd-read-gbps", default=None, metavar="X",
+                   help="the SSD's read rate in GB/s (implies the SSD tier; overrides measured rates)")
+    p.add_argument("--ssd-write-gbps", default=None, metavar="Y",
+                   help="the SSD's write rate in GB/s (implies the SSD tier; overrides measured rates)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--save-plan", default=None, metavar="FILE",
                    help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
@@ -122,7 +130,7 @@ def run(args: argparse.Namespace) -> int:
         if str(args.hardware).strip().lower() == "list":
             print(_listing("hardware"))
             return EXIT_OK
-        from tinypipe.planner.hardware import parse_bytes
+        from tinypipe.planner.hardware import load_hardware, parse_bytes
         from tinypipe.planner.format import format_plan
         from tinypipe.planner.search import plan_for
 
@@ -140,6 +148,13 @@ def run(args: argparse.Namespace) -> int:
                 from tinypipe.errors import ConfigError
 
                 raise ConfigError(f"--max-grad-norm must be a number, got {args.max_grad_norm!r}") from None
+        hardware = load_hardware(args.hardware)
+        ssd = None
+        if args.offload_dir is not None or args.ssd_read_gbps is not None or args.ssd_write_gbps is not None:
+            from tinypipe.planner.ssd import ssd_spec
+
+            ssd = ssd_spec(hardware, directory=args.offload_dir, read_gbps=args.ssd_read_gbps,
+                           write_gbps=args.ssd_write_gbps, measure=True)
         lora = None
         if args.lora:
             from tinypipe.lora.settings import LoraSettings
@@ -153,11 +168,11 @@ def run(args: argparse.Namespace) -> int:
             from tinypipe.errors import ConfigError
 
             raise ConfigError("--lora-rank / --lora-targets need --lora")
-        result = plan_for(args.model, args.hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
+        result = plan_for(args.model, hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
                           cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
-                              "--resident-packs", args.resident_packs))
+                              "--resident-packs", args.resident_packs), ssd=ssd)
         if args.save_plan:
             try:
                 result.best.plan.save(args.save_plan)
