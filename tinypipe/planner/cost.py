@@ -357,6 +357,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     if ssd.on:  # state on the SSD: read/write lanes beside every phase (see _SsdLanes)
         fill += ssd.t.fill_read / ssd.read
         f_terms["ssd read"] = ssd.t.forward_read / ssd.read
+        f_terms["ssd write"] = ssd.t.carry_write / ssd.write  # the previous step's tail, still landing
         forward = max(f_terms.values())
         b_terms["ssd read"] = ssd.t.backward_read / ssd.read
         b_terms["ssd write"] = ssd.t.backward_write / ssd.write
@@ -388,9 +389,11 @@ class _SsdLanes:
     flight). Each phase of the step is as slow as its slowest lane, the SSD's included: the first
     reads of the embedding, head and first pack lengthen the fill; the other packs' first reads
     run beside the forward; second reads, moment reads and the write-backs of layers stepped
-    during the backward beside the backward; the write-backs of the tail's layers beside the tail's
-    AdamW. A clipped step's backward moves only upload reads and gradients; the moment, gradient
-    and master traffic of its redo pass runs beside the next forward, with that forward's reads."""
+    during the backward beside the backward; the master write-backs of the tail's layers beside
+    the tail's AdamW, their moment and gradient write-backs beside the next step's forward (steady
+    state: the previous step's land beside this one's). A clipped step's backward moves only
+    upload reads and gradients; the moment, gradient and master traffic of its redo pass runs
+    beside the next forward, with that forward's reads."""
 
     def __init__(self, traffic: SsdTraffic, hw: HardwareSpec) -> None:
         self.t = traffic

@@ -70,7 +70,8 @@ def ssd_lines(result: PlanResult) -> list[str]:
     b, ssd, t = result.best, result.ssd, result.best.time
     assert ssd is not None
     where = f"{ssd.directory}; " if ssd.directory else ""
-    head = f"SSD tier ({where}read {ssd.read_gbps:.2f} GB/s, write {ssd.write_gbps:.2f} GB/s: {ssd.source}):"
+    source = f": {ssd.source}" if ssd.source else ""
+    head = f"SSD tier ({where}read {ssd.read_gbps:.2f} GB/s, write {ssd.write_gbps:.2f} GB/s{source}):"
     if not b.plan.offload:
         return [head, "  nothing on the SSD: the training state fits in host memory"]
     lines = [head, f"  {'state':<9} {'layers on SSD':>14} {'on SSD':>12} {'in DRAM':>12}"]

@@ -36,12 +36,15 @@ never appear in the offload set.
 are read ahead of its optimizer step and written back after it; offloaded master weights / frozen
 weights are read ahead of each upload (forward and backward), the master written back after the
 step; an offloaded gradient is written when downloaded. The embedding's, the head's (on the
-embedding's device) and the first pack's first reads precede the first compute (the fill).
+embedding's device) and the first pack's first reads precede the first compute (the fill). The
+layers stepped after the backward (the first host-stepped pack, the embedding) write their masters
+before the next step reads them again, but their moments and gradients while it runs: nothing
+reads those before that layer's next optimizer step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from tinypipe.devices.host_buffers import PAGE
@@ -256,7 +259,8 @@ class SsdTraffic:
     forward_read: int = 0  # first reads of the other packs, ahead of their forward uploads
     backward_read: int = 0  # second master/frozen reads (backward uploads, steps) and moment reads
     backward_write: int = 0  # write-backs of the layers stepped during the backward (and their grads)
-    tail_write: int = 0  # write-backs of the layers stepped after the backward
+    tail_write: int = 0  # master write-backs of the layers stepped after the backward (read by the next fill)
+    carry_write: int = 0  # their moment / gradient write-backs: they land during the next step's forward
     # the part of the above that is optimizer-step traffic: what a clipped step redoes after the backward
     step_read: int = 0  # moment reads
     step_write: int = 0  # moment and master write-backs
@@ -269,7 +273,7 @@ class SsdTraffic:
 
     @property
     def write_bytes(self) -> int:
-        return self.backward_write + self.tail_write
+        return self.backward_write + self.tail_write + self.carry_write
 
 
 def ssd_traffic(sizes: ModelSizes, plan: Plan, precision: str) -> SsdTraffic:
@@ -285,11 +289,12 @@ def ssd_traffic(sizes: ModelSizes, plan: Plan, precision: str) -> SsdTraffic:
         first.update(b + 1 for b in plan.packs[0])
     tail = _tail_pack(plan)
     tail_layers = ({b + 1 for b in plan.packs[tail]} if tail is not None else set()) | {0}
-    f = dict(fill_read=0, forward_read=0, backward_read=0, backward_write=0, tail_write=0, step_read=0,
-             step_write=0, grad_bytes=0, master_bytes=0)
+    f = dict(fill_read=0, forward_read=0, backward_read=0, backward_write=0, tail_write=0, carry_write=0,
+             step_read=0, step_write=0, grad_bytes=0, master_bytes=0)
     for layer, kind in plan.offload:
         nbytes = kind_bytes(sizes, layer, kind, precision)
-        write_to = "tail_write" if layer in tail_layers else "backward_write"
+        write_to = "backward_write" if layer not in tail_layers else ("tail_write" if kind == "master"
+                                                                      else "carry_write")
         if kind in ("master", "frozen"):
             f["fill_read" if layer in first else "forward_read"] += nbytes
             if kind == "master" or 0 < layer <= L:  # a resident embedding/head uploads its frozen part once
@@ -308,16 +313,3 @@ def ssd_traffic(sizes: ModelSizes, plan: Plan, precision: str) -> SsdTraffic:
             f["grad_bytes"] += nbytes
     return SsdTraffic(**f)
 
-
-def check_offload(plan: Plan, sizes: ModelSizes, retain_grads: bool) -> None:
-    """ConfigError (one line) for an offload set the plan cannot have: an unknown kind, a layer
-    stepped on a device, state the layer does not have, or an unsorted / repeated list."""
-    allowed = set(offload_order(sizes, plan, retain_grads=retain_grads))
-    items: Sequence[tuple[int, str]] = plan.offload
-    if list(items) != sorted(set(items)):
-        raise ConfigError("plan: offload must be sorted (layer, kind) pairs without repeats")
-    for item in items:
-        if item not in allowed:
-            raise ConfigError(f"plan: cannot offload {item[1]!r} of layer {item[0]} (kinds: "
-                              f"{', '.join(OFFLOAD_KINDS)}; not layers stepped on a device, nor state the "
-                              "layer does not have)")

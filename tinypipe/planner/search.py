@@ -321,7 +321,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                 cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=batch,
                                 precision=precision, max_grad_norm=max_grad_norm,
                                 host_grad_buffers=host_grad_buffers, lora=lora,
-                                device_optimizer=best.plan.device_optimizer,
+                                device_optimizer=device_optimizer,
                                 resident_packs=resident_packs, ssd=ssd, hiding_search=False).best
 
             hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision)
