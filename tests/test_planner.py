@@ -63,7 +63,7 @@ def test_sizes_of_a_model_directory(tmp_path) -> None:
 
 # public parameter counts (billions) of the presets' architectures
 PUBLIC_PARAMS = {
-    "llama-2-7b": 6.738, "llama-2-13b": 13.016, "llama-2-70b": 68.977, "llama-3.1-8b": 8.030,
+    "llama-2-7b": 6.738, "llama-2-13b": 13.016, "llama-2-70b": 68.977, "llama-30b": 32.529, "llama-3.1-8b": 8.030,
     "llama-3.1-70b": 70.554, "llama-3.2-1b": 1.236, "llama-3.2-3b": 3.213, "qwen2.5-7b": 7.616,
     "qwen2.5-14b": 14.770, "qwen2.5-32b": 32.764, "qwen2.5-72b": 72.706, "qwen3-8b": 8.191,
     "qwen3-32b": 32.762, "mistral-7b": 7.242, "gpt2-xl": 1.558, "opt-13b": 12.853, "opt-30b": 29.975,

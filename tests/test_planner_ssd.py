@@ -5,7 +5,7 @@ per layer and kind (the engine with the SSD tier lands on another branch; the le
 engine cross-check after the merge), a real StagingPool of the stated shape, and a real
 SsdStateStore's file size. Formula (tinypipe.planner.offload): every DRAM category loses its
 offloaded regions (master 4t, moments 2 x 4t, grad 4t, frozen a*f per layer) and ``ssd_staging``
-is ``(plan.param_slots() + 1) x (most regions of one layer)`` slots of the largest region.
+is ``(plan.param_slots() x devices + 1) x (most regions of one layer)`` slots of the largest region.
 """
 
 from __future__ import annotations
@@ -118,7 +118,8 @@ def test_host_need_with_offload_equals_the_store_per_kind(family: str, case: str
     if expect.get("frozen_weights") == 0:
         del expect["frozen_weights"]
     per_layer = max(sum(REGIONS[k] for y, k in chosen if y == x) for x, _ in chosen)
-    pool = StagingPool((engine.plan.param_slots() + 1) * per_layer, max(regions.values()))
+    depth = engine.plan.param_slots() * engine.plan.num_devices  # layers in flight on every device
+    pool = StagingPool((depth + 1) * per_layer, max(regions.values()))
     expect["ssd_staging"] = pool.nbytes
     assert est == expect
     assert staging_pool(sizes, plan, precision=cfg.precision) == (len(pool.slots), pool.slot_bytes)
@@ -347,7 +348,7 @@ def test_cli_says_what_goes_where(capsys: pytest.CaptureFixture[str]) -> None:
     assert "SSD tier (read 1.60 GB/s, write 2.40 GB/s: stated)" in out
     assert "offload: moments of" in out and "ssd_staging" in out
     assert " moments " in out and " master " in out and "per step: read" in out
-    assert "the step is bound by" in out and "I/O hidden (< 1% of the step) from a global batch of" in out
+    assert "the step is bound by" in out and "I/O hidden (adds < 5% to the step) from a global batch of" in out
     assert cli_main(PLAN_13B + ["--ssd-read-gbps", "1.6", "--ssd-write-gbps", "2.4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     off = d["offload"]

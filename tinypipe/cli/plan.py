@@ -103,7 +103,7 @@ def _listing(what: str) -> str:
         return "\n".join(f"{name:<16} {d['model_type']}" for name, d in PRESETS.items())
     return "\n".join(f"{h.name:<16} {h.gpu_memory_bytes / GiB:5.0f} GiB  H2D {h.h2d_gbs:g} GB/s  "
                      f"{h.bf16_tflops:g} TFLOP/s (achieved bf16)  AdamW {h.cpu_adamw_gparams_s:g} G/s  "
-                     f"{h.description}"
+                     f"SSD {h.ssd_read_gbps:g}/{h.ssd_write_gbps:g} GB/s  {h.description}"
                      for h in HARDWARE.values())
 
 

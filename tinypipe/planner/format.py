@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from tinypipe.planner.offload import disk_bytes, staging_pool, summary
 from tinypipe.planner.search import HOST_BASELINE_BYTES, PlanResult
+from tinypipe.planner.spill import HIDDEN_SHARE
 from tinypipe.units import fmt_bytes, gib_text
 
 
@@ -88,9 +89,9 @@ def ssd_lines(result: PlanResult) -> list[str]:
     h = result.hiding
     if h is not None and h.batch is not None:
         fits = "" if h.fits_gpu else f" (but this plan needs {gib_text(h.gpu_need or 0)} GPU memory there)"
-        lines.append(f"  I/O hidden (< 1% of the step) from a global batch of {h.batch} x {result.seq} "
-                     f"tokens: {h.step_s:.2f} s/step, {h.tokens_per_s:,.0f} tokens/s, "
-                     f"{gib_text(h.ssd_bytes)} on the SSD{fits}")
+        lines.append(f"  I/O hidden (adds < {HIDDEN_SHARE:.0%} to the step) from a global batch of {h.batch} "
+                     f"x {result.seq} tokens: {h.step_s:.2f} s/step, {h.tokens_per_s:,.0f} tokens/s, "
+                     f"{gib_text(h.ssd_bytes)} on the SSD{fits}" + (f"; {h.note}" if h.note else ""))
     elif h is not None:
-        lines.append(f"  I/O not hidden at any global batch up to there: {h.note}")
+        lines.append(f"  I/O not hidden at any global batch: {h.note}")
     return lines

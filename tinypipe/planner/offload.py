@@ -14,8 +14,8 @@ loses the bytes of its offloaded regions, and ``ssd_staging`` is added: a unifor
 :class:`~tinypipe.storage.StagingPool` of ``(depth + 1) x k`` slots of ``s`` bytes, where ``k`` is
 the most regions one layer has on the SSD, ``s`` the largest offloaded region rounded up to a page,
 and ``depth`` = :func:`staging_depth` = the plan's layer slots per device (largest pack + prefetch
-window): the layers whose uploads and optimizer steps are in flight at once; the ``+ 1`` is the
-layer whose write-back is landing (see ``tinypipe.storage.stager``).
+window) times the devices: the layers whose uploads and optimizer steps can be in flight at once;
+the ``+ 1`` is the layer whose write-back is landing (see ``tinypipe.storage.stager``).
 
 **The order** (:func:`offload_order`): kinds in :data:`OFFLOAD_ORDER` -- moments first (read and
 written once per step, needed only by the host AdamW, which runs during the backward), then
@@ -127,8 +127,8 @@ def offload_order(sizes: ModelSizes, plan: Plan, *, retain_grads: bool) -> list[
 
 def staging_depth(plan: Plan) -> int:
     """Layers whose staged state is in use at once: the plan's layer slots per device (largest
-    pack + prefetch window); the pool holds one layer more (the write-back landing)."""
-    return plan.param_slots()
+    pack + prefetch window) on every device; the pool holds one layer more (the write-back landing)."""
+    return plan.param_slots() * plan.num_devices
 
 
 def staging_pool(sizes: ModelSizes, plan: Plan, offload: Iterable[tuple[int, str]] | None = None,
