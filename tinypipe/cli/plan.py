@@ -173,6 +173,9 @@ def run(args: argparse.Namespace) -> int:
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
                               "--resident-packs", args.resident_packs), ssd=ssd)
+        if ssd is not None and ssd.directory is not None and ssd.free_bytes is None:
+            result.notes.append(f"offload directory {ssd.directory} does not exist (yet): its free space was "
+                                "not checked")
         if args.save_plan:
             try:
                 result.best.plan.save(args.save_plan)
