@@ -145,6 +145,22 @@ class _Capture(nn.Module):
         return hidden
 
 
+def _has_mask(call: Any, expected: torch.Tensor) -> bool:
+    """Whether ``call`` holds an attention mask over ``expected``'s tokens, and every such mask
+    allows exactly ``expected`` (bool masks: True = attend; additive ones: 0 = attend)."""
+    n = expected.shape[0]
+    found: list[torch.Tensor] = []
+    map_tensors(call, lambda t: found.append(t) if t.ndim >= 2 and tuple(t.shape[-2:]) == (n, n) else None)
+    if not found:
+        return False
+    for t in found:
+        m = t.reshape(-1, n, n).cpu()
+        allowed = m if m.dtype == torch.bool else m.float() > -1.0
+        if not all(torch.equal(a, expected) for a in allowed):
+            return False
+    return True
+
+
 def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
     n_layers = getattr(model.config, "num_hidden_layers", None)
     best: tuple[int, str, nn.ModuleList] | None = None
@@ -202,6 +218,8 @@ class Decomposition:
         self.head_path = next(n for n, m in model.named_modules() if m is head)
         self.num_blocks = len(blocks)
         self.pre_names, self.post_names = self._probe_order(model, trunk, blocks)
+        #: whether the trunk turns position ids restarting inside a row into per-document masks
+        self.document_masks: bool = self._probe_document_masks(model, trunk, blocks)
         self.layers = self._assign_params(model, trunk, blocks, head)
         self.aliases = self._aliases(model)
         canonical = {id(p): n for n, p in model.named_parameters()}
@@ -249,6 +267,31 @@ class Decomposition:
                 "after the blocks"
             )
         return list(dict.fromkeys(pre)), list(dict.fromkeys(post))
+
+    def _probe_document_masks(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList) -> bool:
+        """Run the trunk on two packed documents of three and two tokens (position ids 0, 1, 2, 0, 1,
+        no padding mask) and check that every block receives a mask letting each token see only the earlier
+        tokens of its own document. transformers 5 builds such masks from position ids for most
+        families (``masking_utils.find_packed_sequence_indices``), not for all (OPT)."""
+        if "position_ids" not in inspect.signature(trunk.forward).parameters:
+            return False
+        recorder = _Recorder(len(blocks), stop=True)
+        captures = nn.ModuleList(_Capture(recorder, i, b) for i, b in enumerate(blocks))
+        device = next(iter(model.parameters())).device
+        pos = torch.tensor([[0, 1, 2, 0, 1]], device=device)
+        try:
+            setattr(trunk, self.blocks_attr, captures)
+            with torch.no_grad():
+                trunk(input_ids=pos.clone(), attention_mask=None, position_ids=pos, use_cache=False)
+        except _Stop:
+            pass
+        except Exception:  # noqa: BLE001 - a trunk that cannot take these inputs builds no such masks
+            return False
+        finally:
+            setattr(trunk, self.blocks_attr, blocks)
+        doc = torch.tensor([0, 0, 0, 1, 1])
+        expected = torch.ones(5, 5, dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
+        return all(call is not None and _has_mask(call, expected) for call in recorder.calls)
 
     def _assign_params(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList,
                        head: nn.Module) -> list[LayerSpec]:
@@ -346,7 +389,8 @@ class Shell:
     used by one thread, so binding never races.
     """
 
-    def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device,
+                 dropout: bool = False) -> None:
         memo: dict[int, Any] = {}
         for p in model.parameters():
             memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
@@ -355,7 +399,8 @@ class Shell:
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
-        shell.eval()  # dropout off: recomputation must reproduce the forward exactly
+        # training mode applies the model's dropout; the engine replays its draws in the recompute
+        shell.train(dropout)
         self.model = shell
         self.device = device
         self.decomposition = decomposition
@@ -388,11 +433,22 @@ class Shell:
             return block.get_submodule(sub) if sub else block
         return shell.get_submodule(path)
 
-    def compile_blocks(self, backend: str) -> None:
-        """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py)."""
+    @property
+    def dropout(self) -> bool:
+        """Whether the shell runs in training mode (the model's dropout applied)."""
+        return self.model.training
+
+    def set_dropout(self, enabled: bool) -> None:
+        """Training mode (``True``) or eval mode for every module, e.g. eval for a forward-only
+        evaluation; compiled blocks compile one more graph per mode."""
+        self.model.train(enabled)
+
+    def compile_blocks(self, backend: str, replay_random: bool = False) -> None:
+        """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py);
+        ``replay_random``: their random ops must draw what eager ones draw."""
         from tinypipe.models.compiled import CompiledBlock
 
-        self.runners = [CompiledBlock(b, backend) for b in self.blocks]
+        self.runners = [CompiledBlock(b, backend, replay_random) for b in self.blocks]
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         """Point every alias of canonical parameter ``name`` at ``tensor``."""
@@ -401,13 +457,15 @@ class Shell:
 
     # -- the three stages -------------------------------------------------------------------
 
-    def embed_forward(self, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
-        """Hidden states entering block 0 and the arguments the trunk passes to every block."""
+    def embed_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        """Hidden states entering block 0 and the arguments the trunk passes to every block
+        (``position_ids``: given to the trunk, which derives positions and masks from them)."""
         rec = self.recorder
         rec.hidden, rec.calls, rec.order = None, [None] * rec.count, []
+        extra = {} if position_ids is None else {"position_ids": position_ids}
         try:
-            self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         except _Stop:
             pass
         if rec.hidden is None or any(c is None for c in rec.calls):

@@ -25,6 +25,7 @@ from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.device_state import DeviceOptimizerState
 from tinypipe.runtime.optim.path import OptimizerPath, retains_gradients
 from tinypipe.runtime.resources import EngineResources
+from tinypipe.runtime.rng import DropoutRng
 from tinypipe.runtime.signals import POLL_S
 from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
@@ -111,9 +112,9 @@ class EngineBuilder:
         # page-locked host buffers: the staging pool would be an extra 4 B/param copy per step
         pool_buffers = 0 if self.retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
         gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner, POLL_S)
-        shell = Shell(self.model, dec, backend.device)
+        shell = Shell(self.model, dec, backend.device, dropout=cfg.dropout)
         if compile_backend is not None:
-            shell.compile_blocks(compile_backend)
+            shell.compile_blocks(compile_backend, replay_random=cfg.dropout)
         runtime = DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool)
         owned = plan.device_optimized(i)
         if not owned:
@@ -164,4 +165,5 @@ class EngineBuilder:
             hidden_size=hidden_size, head_chunk_tokens=head_chunk_tokens,
             optimizer_threads=optimizer.threads, trace=cfg.trace, check_finite=cfg.check_finite,
             stall_timeout_s=cfg.stall_timeout_s,
+            rng=DropoutRng.from_seed(cfg.dropout_seed) if cfg.dropout else None,
         )
