@@ -96,6 +96,8 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         max_grad_norm=s["max_grad_norm"],
         device_optimizer=s["device_optimizer"],
         resident_packs=s["resident_packs"],
+        dropout=not s["no_dropout"],
+        dropout_seed=s["seed"],
         gpu_memory_bytes=s["gpu_memory_bytes"],
         cpu_memory_bytes=s["cpu_memory_bytes"],
     )
@@ -146,9 +148,6 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     cfg = model.peft_config[model.active_adapter]
     _say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
          f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)")
-    if lora.dropout > 0:
-        _say(f"LoRA: dropout {lora.dropout:g} is recorded in adapter_config.json but not applied while "
-             "training (tinypipe runs modules in eval mode so the backward recomputation is exact)")
     return model, tokenizer
 
 
@@ -160,7 +159,9 @@ def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -
     seq_len = s["seq_len"] or min(1024, int(max_pos or 1024))
     if max_pos is not None and seq_len > int(max_pos):
         raise ConfigError(f"seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}")
-    dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"])
+    packing = s["packing"] == "on" and _document_masks(model)
+    dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"],
+                                  packing=packing)
     per_epoch = dataset.num_batches(s["global_batch"])
     if per_epoch == 0:
         raise ConfigError(
@@ -169,9 +170,25 @@ def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -
         )
     steps = s["steps"] or max(1, math.ceil((s["epochs"] or 1.0) * per_epoch))
     _say(f"data: {data_path} ({stats.format}, {stats.records} records, {stats.tokens} tokens -> "
-         f"{stats.rows} rows of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
+         f"{stats.describe()} of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
          + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
     return dataset, seq_len, steps
+
+
+def _document_masks(model: Any) -> bool:
+    """Whether packed rows get per-document attention with this model; if not, say so (the data
+    is then padded, one example per row)."""
+    import transformers
+
+    from tinypipe.lora.hooks import split_peft
+    from tinypipe.models.decompose import Decomposition
+
+    inner = split_peft(model)[1]
+    if Decomposition(inner).document_masks:
+        return True
+    _say(f"packing: {type(inner).__name__} builds no per-document attention masks from position ids "
+         f"(transformers {transformers.__version__}); padding each example to its own row instead")
+    return False
 
 
 def _train(engine: Any, dataset: Any, steps: int, s: dict[str, Any], out: Path,

@@ -17,8 +17,9 @@ class LoraSettings:
 
     * ``rank`` -- the adapters' inner dimension r (trainable parameters grow linearly with it).
     * ``alpha`` -- the scale numerator: updates are scaled by ``alpha / rank``.
-    * ``dropout`` -- recorded in ``adapter_config.json``; tinypipe runs modules in eval mode so the
-      backward recomputation is exact, so dropout is not applied while training here.
+    * ``dropout`` -- PEFT's ``lora_dropout`` on each adapter's input, applied while training (the
+      backward recompute replays its masks; ``Config(dropout=False)`` turns it off with the
+      model's own dropout) and recorded in ``adapter_config.json``.
     * ``targets`` -- names of the linear layers inside the decoder blocks to adapt (e.g.
       ``["q_proj", "v_proj"]``); None: every linear projection of attention and MLP.
     """
