@@ -65,8 +65,9 @@ def test_text_labels_equal_inputs_and_eos_between_docs(tmp_path, tok):
     assert ids == [bos, *enc(tok, "Hello world"), eos, bos, *enc(tok, "the lazy dog"), eos]
     assert labels == ids  # aligned, not pre-shifted: the model shifts internally
     # seq_len=1: both examples are longer than a row, so they are split (and counted)
-    assert stats == DataStats(records=2, bad_lines_skipped=0, tokens=len(ids), rows=len(ids), dropped_tokens=0,
-                              format="text", padding_tokens=0, split_examples=2, packing=True)
+    assert stats == DataStats(records=2, bad_lines_skipped=0, tokens=len(ids), rows=len(ids),
+                              dropped_tokens=0, format="text", padding_tokens=0, split_examples=2,
+                              packing=True)
     assert ds.input_ids.dtype == ds.labels.dtype == torch.int64
 
 
@@ -213,17 +214,20 @@ def test_json_extension_read_as_jsonl_and_blank_lines_and_bom_ignored(tmp_path, 
 
 
 def test_packing_keeps_examples_whole_and_drops_nothing(tmp_path, tok):
-    records = [{"text": t} for t in ["Hello world", "The quick brown fox jumps", "Paris is the capital", "Berlin"]]
+    texts = ["Hello world", "The quick brown fox jumps", "Paris is the capital", "Berlin"]
+    records = [{"text": t} for t in texts]
     path = write_jsonl(tmp_path / "d.jsonl", records)
     docs = [[tok.bos_token_id, *enc(tok, r["text"]), tok.eos_token_id] for r in records]
     seq_len = max(len(d) for d in docs) + 1
     ds, stats = load_dataset(path, tok, seq_len)
     assert ds.input_ids.shape == ds.labels.shape == ds.position_ids.shape == (stats.rows, ds.seq_len)
-    assert stats.tokens == sum(len(d) for d in docs) and stats.dropped_tokens == 0 and stats.split_examples == 0
+    assert stats.tokens == sum(len(d) for d in docs)
+    assert stats.dropped_tokens == 0 and stats.split_examples == 0
     assert stats.padding_tokens == stats.rows * seq_len - stats.tokens
     rows = [r.tolist() for r in ds.input_ids]
     for d in docs:  # every example whole, inside one row, its positions 0..n-1
-        where = [(r, i) for r, row in enumerate(rows) for i in range(seq_len - len(d) + 1) if row[i : i + len(d)] == d]
+        where = [(r, i) for r, row in enumerate(rows) for i in range(seq_len - len(d) + 1)
+                 if row[i : i + len(d)] == d]
         assert where, d
         r, i = where[0]
         assert ds.position_ids[r, i : i + len(d)].tolist() == list(range(len(d)))

@@ -247,11 +247,13 @@ def _block_outputs(engine: tinypipe.Engine, batch: dict) -> dict[int, list[tuple
 
 @pytest.mark.parametrize("bwd", [2, 3, 1])
 def test_recompute_equals_the_forward_bit_for_bit(bwd: int) -> None:
-    cfg = dict(devices=["cpu"], pack_size=2, micro_batch_size=2, backward_micro_batch_size=bwd, dropout_seed=3)
+    cfg = dict(devices=["cpu"], pack_size=2, micro_batch_size=2, backward_micro_batch_size=bwd,
+               dropout_seed=3)
     batch = make_batch(BATCH, SEQ, seed=0)
     engine = tinypipe.Engine(gpt2_with_dropout(0.3), tinypipe.Config(**cfg))
     seen = _block_outputs(engine, batch)
-    plain = _block_outputs(tinypipe.Engine(gpt2_with_dropout(0.3), tinypipe.Config(**cfg, dropout=False)), batch)
+    off = tinypipe.Engine(gpt2_with_dropout(0.3), tinypipe.Config(**cfg, dropout=False))
+    plain = _block_outputs(off, batch)
     frows = [(lo, min(BATCH, lo + 2)) for lo in range(0, BATCH, 2)]
     brows = [(lo, min(BATCH, lo + bwd)) for lo in range(0, BATCH, bwd)]
     replayed = [m for lo, hi in brows for m, _, _ in replay_pieces(frows, lo, hi)]
@@ -272,8 +274,8 @@ def test_one_and_two_devices_draw_the_same_masks() -> None:
     batches = [make_batch(BATCH, SEQ, seed=i) for i in range(2)]
     runs = []
     for devices in (["cpu"], ["cpu", "cpu"]):
-        engine = tinypipe.Engine(gpt2_with_dropout(), tinypipe.Config(devices=devices, pack_size=2, micro_batch_size=2,
-                                                                      dropout_seed=9, lr=LR))
+        cfg = tinypipe.Config(devices=devices, pack_size=2, micro_batch_size=2, dropout_seed=9, lr=LR)
+        engine = tinypipe.Engine(gpt2_with_dropout(), cfg)
         runs.append(([engine.step(b).loss for b in batches], engine.state_dict()))
         engine.close()
     assert runs[0][0] == runs[1][0]
@@ -287,8 +289,8 @@ def test_no_dropout_is_eval_mode_and_leaves_the_users_rng_alone() -> None:
     init = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [make_batch(BATCH, SEQ, seed=i) for i in range(STEPS)]
     ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
-    engine = tinypipe.Engine(model, tinypipe.Config(pack_size=2, micro_batch_size=2, lr=LR, eps=EPS, weight_decay=WD,
-                                                    head_chunk_tokens=7, dropout=False))
+    engine = tinypipe.Engine(model, tinypipe.Config(pack_size=2, micro_batch_size=2, lr=LR, eps=EPS,
+                                                    weight_decay=WD, head_chunk_tokens=7, dropout=False))
     assert_steps_match([engine.step(b) for b in batches], ref, None)
     worst, _ = compare(engine.state_dict(), ref.model, init)
     assert worst <= 1e-5

@@ -121,8 +121,8 @@ def test_packed_row_loss_equals_the_documents_losses(family: str) -> None:
             if p.ndim == 2:
                 p.mul_(5.0)
     expected = _per_document_loss(model, docs)
-    cfg = tinypipe.Config(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2, backward_micro_batch_size=3,
-                          lr=0.0, head_chunk_tokens=7)
+    cfg = tinypipe.Config(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2,
+                          backward_micro_batch_size=3, lr=0.0, head_chunk_tokens=7)
     with tinypipe.Engine(model, cfg) as engine:
         packed = engine.step(batch).loss
         # the same rows as one sequence each (documents attending to each other) do differ
@@ -206,8 +206,8 @@ def test_position_ids_are_validated() -> None:
         engine.step({"input_ids": ids, "position_ids": packed, "attention_mask": torch.ones_like(ids)})
 
 
-def test_finetune_reports_packing_and_pads_with_packing_off(capsys: pytest.CaptureFixture[str], tmp_path: Path,
-                                                             tiny_model_dir: Path) -> None:
+def test_finetune_reports_packing_and_pads_with_packing_off(capsys: pytest.CaptureFixture[str],
+                                                             tmp_path: Path, tiny_model_dir: Path) -> None:
     from _data_helpers import CORPUS, write_jsonl
     from test_cli import run_cli
 

@@ -84,7 +84,8 @@ class CompiledBlock:
         self.block = block
         self.backend = backend
         self.replay_random = replay_random
-        with compile_settings(backend, replay_random):  # resolving the backend may start Inductor's worker pool
+        # resolving the backend may start Inductor's worker pool
+        with compile_settings(backend, replay_random):
             self.compiled: Callable[..., Any] = torch.compile(block, backend=backend, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -458,7 +458,8 @@ class Shell:
     # -- the three stages -------------------------------------------------------------------
 
     def embed_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+                      position_ids: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
         """Hidden states entering block 0 and the arguments the trunk passes to every block
         (``position_ids``: given to the trunk, which derives positions and masks from them)."""
         rec = self.recorder

@@ -42,7 +42,8 @@ def _positions(batch: Mapping[str, torch.Tensor], shape: tuple[int, int],
     pos = batch.get("position_ids")
     if pos is None:
         return None
-    if not isinstance(pos, torch.Tensor) or tuple(pos.shape) != shape or pos.dtype not in (torch.int64, torch.int32):
+    integer = isinstance(pos, torch.Tensor) and pos.dtype in (torch.int64, torch.int32)
+    if not integer or tuple(pos.shape) != shape:
         raise BatchError(f"position_ids must be an integer tensor of shape {shape}")
     pos = pos.long().cpu()
     if int(pos.min()) < 0 or (max_positions is not None and int(pos.max()) >= max_positions):

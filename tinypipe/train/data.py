@@ -501,14 +501,16 @@ class PackedDataset:
     padding. With neither, every row is one sequence.
     """
 
-    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+    def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor,
+                 position_ids: torch.Tensor | None = None,
                  attention_mask: torch.Tensor | None = None) -> None:
         if input_ids.dim() != 2 or input_ids.shape != labels.shape:
             raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must be "
                              "equal 2-D shapes")
         for name, t in (("position_ids", position_ids), ("attention_mask", attention_mask)):
             if t is not None and t.shape != input_ids.shape:
-                raise ValueError(f"{name} {tuple(t.shape)} must have input_ids' shape {tuple(input_ids.shape)}")
+                raise ValueError(f"{name} {tuple(t.shape)} must have input_ids' shape "
+                                 f"{tuple(input_ids.shape)}")
         self.input_ids = input_ids.to(torch.int64)
         self.labels = labels.to(torch.int64)
         self.position_ids = position_ids.to(torch.int64) if position_ids is not None else None
