@@ -329,3 +329,22 @@ def test_gpu_compiled_dropout_matches_pytorch() -> None:
         assert abs(r.loss - loss) <= 1e-4 * abs(loss), (r.loss, loss)
         assert abs(r.grad_norm - norm) <= 1e-3 * norm, (r.grad_norm, norm)
     engine.close()
+
+
+def test_resume_draws_the_uninterrupted_runs_masks(tmp_path) -> None:  # noqa: ANN001
+    """The masks follow from (dropout_seed, step count): a checkpoint restores the step count, so
+    a resumed run equals the uninterrupted one."""
+    batches = [make_batch(BATCH, SEQ, seed=i) for i in range(3)]
+    cfg = tinypipe.Config(pack_size=2, micro_batch_size=2, dropout_seed=11, lr=LR)
+    with tinypipe.Engine(gpt2_with_dropout(), cfg) as engine:
+        straight = [engine.step(b).loss for b in batches]
+        final = engine.state_dict()
+    with tinypipe.Engine(gpt2_with_dropout(), cfg) as engine:
+        first = engine.step(batches[0]).loss
+        engine.save_checkpoint(tmp_path / "ckpt")
+    with tinypipe.Engine(gpt2_with_dropout(), cfg) as engine:
+        engine.load_checkpoint(tmp_path / "ckpt")
+        resumed = [first] + [engine.step(b).loss for b in batches[1:]]
+        assert resumed == straight
+        state = engine.state_dict()
+        assert all(torch.equal(state[k], final[k]) for k in final)
