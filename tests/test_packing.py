@@ -91,8 +91,8 @@ def random_docs(n: int, seed: int, longest: int) -> list[tuple[list[int], list[i
 def test_pack_invariants(packing: bool) -> None:
     pairs = random_docs(40, seed=0, longest=24) + [(list(range(2, 40)), list(range(2, 40)))]  # one split
     # prompt/completion-like examples: the prompt half unlabelled; none may be cut or attend across
-    pairs = [(ids, [IGNORE_INDEX] * (len(ids) // 2) + labels[len(ids) // 2 :]) if i % 3 == 0 else (ids, labels)
-             for i, (ids, labels) in enumerate(pairs)]
+    pairs = [(ids, [IGNORE_INDEX] * (len(ids) // 2) + labels[len(ids) // 2 :]) if i % 3 == 0
+             else (ids, labels) for i, (ids, labels) in enumerate(pairs)]
     ds, stats = pack(pairs, 16, packing=packing, pad_id=1)
     check_rows(ds, stats, pairs, 16, packing, 1)
     assert stats.split_examples >= 1
