@@ -50,6 +50,9 @@ class ParamSlice:
     offset: int
     numel: int
     trainable: bool = True  # False: frozen (requires_grad=False, e.g. a LoRA base weight)
+    #: a bitsandbytes-quantized frozen weight: its payload layout (tinypipe.quant.layout), stored
+    #: as ``numel`` elements of the compute dtype and rebuilt by :meth:`Shell.bind`; else None
+    packed: Any = None
 
 
 @dataclass
@@ -87,9 +90,11 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Parameter]]) -> LayerSpec:
+def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Parameter]],
+            packed: dict[str, Any] | None = None) -> LayerSpec:
     """Flat layout: trainable parameters first (in module order), then frozen ones, so a layer's
-    trainable state (master weights, gradients, moments) is one contiguous prefix."""
+    trainable state (master weights, gradients, moments) is one contiguous prefix. A quantized
+    weight (``packed``: name -> payload layout) takes its payload's size, as a flat 1-D slice."""
     params, offset = [], 0
     trainable = [(n, p) for n, p in named if p.requires_grad]
     frozen = [(n, p) for n, p in named if not p.requires_grad]
@@ -98,9 +103,21 @@ def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Pa
         offset += _aligned(p.numel())
     train_numel = offset
     for pname, p in frozen:
-        params.append(ParamSlice(pname, tuple(p.shape), offset, p.numel(), False))
-        offset += _aligned(p.numel())
+        lay = (packed or {}).get(pname)
+        n = p.numel() if lay is None else lay.numel
+        params.append(ParamSlice(pname, tuple(p.shape) if lay is None else (n,), offset, n, False, lay))
+        offset += _aligned(n)
     return LayerSpec(index, kind, name, params, offset, train_numel=train_numel)
+
+
+def _packed_layouts(model: nn.Module) -> dict[str, Any]:
+    """Payload layouts of the model's bitsandbytes-quantized weights ({} without any: then
+    tinypipe.quant is not even imported)."""
+    if not any(type(p).__module__.startswith("bitsandbytes") for p in model.parameters()):
+        return {}
+    from tinypipe.quant.model import packed_layouts
+
+    return packed_layouts(model)
 
 
 class _Stop(Exception):
@@ -251,6 +268,7 @@ class Decomposition:
         prefix = f"{self.trunk_path}." if self.trunk_path else ""
         canonical = {id(p): n for n, p in model.named_parameters()}
         owner: dict[int, int] = {}
+        packed = _packed_layouts(model)
 
         def named(module: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
             out = []
@@ -263,12 +281,12 @@ class Decomposition:
         embed_named: list[tuple[str, nn.Parameter]] = []
         for name in self.pre_names:
             embed_named += named(trunk.get_submodule(name), prefix + name)
-        layers = [_layout(0, LayerKind.EMBED, "embed", embed_named)]
+        layers = [_layout(0, LayerKind.EMBED, "embed", embed_named, packed)]
         for _, p in embed_named:
             owner[id(p)] = 0
         for i, block in enumerate(blocks):
             bn = named(block, f"{prefix}{self.blocks_attr}.{i}")
-            layers.append(_layout(i + 1, LayerKind.BLOCK, f"block.{i}", bn))
+            layers.append(_layout(i + 1, LayerKind.BLOCK, f"block.{i}", bn, packed))
             for _, p in bn:
                 owner[id(p)] = i + 1
         head_named: list[tuple[str, nn.Parameter]] = []
@@ -280,7 +298,7 @@ class Decomposition:
         head_named += head_own
         for _, p in head_own:
             owner[id(p)] = self.num_blocks + 1
-        head_layer = _layout(self.num_blocks + 1, LayerKind.HEAD, "head", head_named)
+        head_layer = _layout(self.num_blocks + 1, LayerKind.HEAD, "head", head_named, packed)
         for local, p in head.named_parameters():
             if owner.get(id(p)) not in (None, self.num_blocks + 1):
                 head_layer.borrowed.append((canonical[id(p)], owner[id(p)]))
@@ -343,6 +361,12 @@ class Shell:
 
     def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device) -> None:
         memo: dict[int, Any] = {}
+        # quantized weights (tinypipe.quant): rebuilt from the slot's payload bytes at every bind
+        self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params if p.packed is not None}
+        if self._packed:
+            from tinypipe.quant.shell import shell_memo
+
+            memo.update(shell_memo(model))
         for p in model.parameters():
             memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
         shell = copy.deepcopy(model, memo)
@@ -351,6 +375,10 @@ class Shell:
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
         shell.eval()  # dropout off: recomputation must reproduce the forward exactly
+        if self._packed:
+            from tinypipe.quant.shell import prepare_shell
+
+            prepare_shell(shell, device, {lay.scheme for lay in self._packed.values()})
         self.model = shell
         self.device = device
         self.decomposition = decomposition
@@ -387,12 +415,21 @@ class Shell:
         """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py)."""
         from tinypipe.models.compiled import CompiledBlock
 
+        if self._packed:
+            from tinypipe.quant.shell import prepare_compile
+
+            prepare_compile(self.blocks)
         self.runners = [CompiledBlock(b, backend) for b in self.blocks]
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
-        """Point every alias of canonical parameter ``name`` at ``tensor``."""
+        """Point every alias of canonical parameter ``name`` at ``tensor`` (a quantized weight's
+        payload: at bitsandbytes' parameter rebuilt as views of it)."""
+        packed = self._packed.get(name)
         for module, attr in self._slots[name]:  # type: ignore[union-attr]
-            module._parameters[attr] = tensor  # type: ignore[assignment]
+            if packed is not None:
+                packed.bind(module, attr, tensor)
+            else:
+                module._parameters[attr] = tensor  # type: ignore[assignment]
 
     # -- the three stages -------------------------------------------------------------------
 
