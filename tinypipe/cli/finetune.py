@@ -30,12 +30,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         choices = _OPTIONS_BY_DEST[key].choices
         if s[key] is not None and choices and s[key] not in choices:
             raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {s[key]!r}")
-    lora = _lora_settings(s)
-
     from tinypipe.config import Config
 
     devices = s["devices"] or [_default_device()]
     precision = s["precision"] or ("bf16" if any(d.startswith("cuda") for d in devices) else "fp32")
+    lora = _lora_settings(s, precision)
     cuda = any(d.startswith("cuda") for d in devices)
     # on CUDA with no packing flags (and no --plan) the engine plans for itself; on cpu the defaults
     auto = cuda and s["micro_batch"] is None and s["pack_size"] is None and not s["plan"]
@@ -83,8 +82,13 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     torch.manual_seed(s["seed"])
     t0 = time.perf_counter()
-    model, tokenizer = load_model(s["model"])
+    quant = lora.quant_spec if lora is not None else None
+    model, tokenizer = load_model(s["model"], quantize=quant)
     n_params = sum(p.numel() for p in model.parameters())
+    if quant is not None:  # QLoRA: count the quantized weights' dense elements, not their bytes
+        from tinypipe.quant.model import dense_param_count
+
+        n_params = dense_param_count(model)
     _say(f"model: {s['model']} ({type(model).__name__}, {_count(n_params)} parameters) "
          f"loaded in {time.perf_counter() - t0:.1f} s")
     if lora is not None:
@@ -94,7 +98,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
         cfg = model.peft_config[model.active_adapter]
         _say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
-             f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)")
+             f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
+             + (f" over a {quant.label} base" if quant is not None else ""))
         if lora.dropout > 0:
             _say(f"LoRA: dropout {lora.dropout:g} is recorded in adapter_config.json but not applied while "
                  "training (tinypipe runs modules in eval mode so the backward recomputation is exact)")
@@ -160,7 +165,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         if s["merge"]:
             from tinypipe.lora import save_merged
 
-            save_merged(engine, out / "merged")
+            # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
+            save_merged(engine, out / "merged", dtype=torch.bfloat16 if quant is not None else torch.float32)
             tokenizer.save_pretrained(str(out / "merged"))
     finally:
         engine.close()
@@ -171,10 +177,11 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_settings(s: dict[str, Any]) -> Any:
+def _lora_settings(s: dict[str, Any], precision: str = "fp32") -> Any:
     """LoRA settings from the resolved options (None without --lora); bad values fail here,
     before the model loads."""
-    given = [k for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "merge") if s[k] not in (None, False)]
+    given = [k for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "merge", "quantize")
+             if s[k] not in (None, False)]
     if not s["lora"]:
         if given:
             raise ConfigError(f"{given[0]} needs --lora (LoRA fine-tuning)")
@@ -187,6 +194,8 @@ def _lora_settings(s: dict[str, Any]) -> Any:
         alpha=defaults.alpha if s["lora_alpha"] is None else s["lora_alpha"],
         dropout=defaults.dropout if s["lora_dropout"] is None else s["lora_dropout"],
         targets=s["lora_targets"],
+        quantize=s["quantize"],
+        compute_dtype=precision,
     )
 
 

@@ -76,7 +76,7 @@ def _lora_modules(model: nn.Module) -> dict[str, nn.Module]:
 def merged_tensors(engine: "Engine") -> Iterator[tuple[str, torch.Tensor]]:
     """The merged model's parameters under the base model's own names: ``W + scaling * B @ A``
     (PEFT's ``get_delta_weight``, the math of ``merge_and_unload``) in fp32; adapter tensors
-    dropped, everything else as the engine holds it."""
+    dropped, everything else as the engine holds it (a quantized base weight dequantized)."""
     pm = engine.peft_model
     if pm is None:
         raise UnsupportedModelError("this engine trains no LoRA adapter")
@@ -86,6 +86,8 @@ def merged_tensors(engine: "Engine") -> Iterator[tuple[str, torch.Tensor]]:
     for state in engine.store.layers:
         for p in state.spec.params:
             t = state.param_view(p)
+            if p.packed is not None:  # QLoRA: the quantized base weight, dequantized (tinypipe.quant)
+                t = p.packed.dequantize(t)
             owner = next((m for m in prefixes if p.name.startswith(m + ".")), None)
             if owner is None:
                 yield p.name, t

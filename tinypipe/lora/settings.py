@@ -100,6 +100,9 @@ def default_targets(model: nn.Module) -> list[str]:
 def apply_lora(model: nn.Module, settings: LoraSettings | None = None):  # -> peft.PeftModel
     """Wrap ``model`` with PEFT LoRA adapters (base weights frozen); ``tinypipe.Engine`` trains
     the returned PeftModel's adapters. Targets must name linear layers of the decoder blocks."""
+    from tinypipe.quant.spec import import_quietly
+
+    import_quietly()  # before peft imports bitsandbytes itself (and logs a CPU-kernel warning)
     import peft
 
     from tinypipe.lora.hooks import is_peft_model

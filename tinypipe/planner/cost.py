@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from tinypipe.planner.hardware import HardwareSpec
+from tinypipe.quant.cost import dequant_seconds, passes_per_step
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.schedule.plan import Plan
 
@@ -178,12 +179,16 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     R = plan.resident_packs  # packs that never move: no uploads, downloads or host AdamW
     f_comp, b_comp = [0.0] * n, [0.0] * n
     f_up, b_up, down = [0.0] * n, [0.0] * n, [0.0] * n
+    dq_f, dq_b = passes_per_step(batch, plan.fwd_micro_batch, plan.bwd_micro_batch)  # QLoRA dequantizations
+    qparams = [sum(sizes.quant_block_params[b] for b in p) if sizes.quant_block_params else 0 for p in plan.packs]
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
         res = q < R
-        f_comp[df] += fwd_flops[q] / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 and not res else 0.0)
+        f_comp[df] += fwd_flops[q] / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 and not res else 0.0) \
+            + dequant_seconds(qparams[q], dq_f, hw.bf16_tflops)
         b_comp[db] += fwd_flops[q] / rrc + bwd_mult * fwd_flops[q] / rbw + PACK_OVERHEAD_S + (
-            exposed(q) if (q < P - 1 or not carry) and not res else 0.0)
+            exposed(q) if (q < P - 1 or not carry) and not res else 0.0) + dequant_seconds(qparams[q], dq_b,
+                                                                                         hw.bf16_tflops)
         if res:
             continue
         f_up[df] += up_bytes(q)

@@ -201,3 +201,13 @@ def _quiet_int8_cast_warning() -> None:
     logger = logging.getLogger("bitsandbytes.autograd._functions")
     if not any(isinstance(f, _DropCastWarning) for f in logger.filters):
         logger.addFilter(_DropCastWarning())
+
+
+def dense_param_count(model: nn.Module) -> int:
+    """Parameters of ``model`` counting a 4-bit weight as its dense (out x in) elements (its
+    ``numel`` is the packed bytes)."""
+    total = 0
+    for p in model.parameters():
+        qs = getattr(p, "quant_state", None) if type(p).__name__ == "Params4bit" else None
+        total += qs.shape.numel() if qs is not None else p.numel()
+    return total

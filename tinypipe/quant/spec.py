@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import importlib.util
 import logging
 from dataclasses import dataclass
 from types import ModuleType
@@ -106,6 +107,16 @@ def require_bitsandbytes() -> ModuleType:
             return importlib.import_module("bitsandbytes")
     except ImportError as exc:
         raise MissingBitsandbytesError(f"a quantized base needs bitsandbytes ({exc}); run: {INSTALL}") from None
+
+
+def import_quietly() -> None:
+    """Import bitsandbytes (if installed) with its CPU-backend warning silenced: PEFT imports it
+    for every LoRA model once it is installed, and the warning is about a kernel nothing here uses."""
+    if importlib.util.find_spec("bitsandbytes") is not None:
+        try:
+            require_bitsandbytes()
+        except MissingBitsandbytesError:  # installed but broken: PEFT will say so itself
+            pass
 
 
 def check_device(spec: QuantSpec | str, device: torch.device) -> None:
