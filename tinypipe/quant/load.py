@@ -15,6 +15,7 @@ A checkpoint that transformers saved quantized with bitsandbytes (``config.json`
 
 from __future__ import annotations
 
+import ctypes
 import re
 from pathlib import Path
 from typing import Any
@@ -97,6 +98,19 @@ class _Targets:
         if canon is not None:
             return self.model.get_parameter(canon)
         return self._buffers[model_key]
+
+
+def _release_freed() -> None:
+    """Hand the quantizer's freed scratch back to the OS (glibc ``malloc_trim``; elsewhere a no-op).
+
+    bitsandbytes' CPU quantizer allocates megabytes of short-lived temporaries per call, between
+    the small long-lived outputs: glibc keeps the freed heap pages resident, and over a model's
+    few hundred weights RSS grew by ~2x the quantized model (measured on a 62 M-parameter Llama:
+    +160 MB for 50 MB kept; +37 MB with this after every weight)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _materialise(model: nn.Module, dtype: torch.dtype, skip: set[str]) -> None:
@@ -191,6 +205,9 @@ def load_quantized(config: Any, files: list[Path], where: str, spec: QuantSpec, 
                     module = owner_of[canon]
                     if not prequantized:
                         install(model.get_submodule(module), quantize_weight(tensor, spec, device))
+                        del tensor
+                        _release_freed()
+                        continue
                     else:
                         parts = pending.setdefault(module, {})
                         parts[canon] = tensor

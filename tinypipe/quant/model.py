@@ -41,6 +41,13 @@ def _conv1d_names(model: nn.Module) -> list[str]:
             if type(m).__name__ == "Conv1D"]
 
 
+#: Elements per quantization kernel call on the CPU. bitsandbytes' CPU 4-bit quantizer is torch
+#: code with ~20 bytes/element of temporaries (a 235 M-element 70B MLP weight: 4.7 GB); in chunks
+#: they stay ~80 MB. Blocks are independent, so chunks aligned to the block size (and to whole
+#: rows for int8) give the same bytes as one call (tests/test_qlora.py checks it).
+CPU_CHUNK = 1 << 20
+
+
 def quantize_weight(weight: torch.Tensor, spec: QuantSpec, device: torch.device | str | None = None) -> nn.Parameter:
     """bitsandbytes' frozen parameter for the dense (out, in) ``weight``: cast to the compute dtype
     (as transformers loads a checkpoint in its ``dtype`` before quantizing), quantized on ``device``
@@ -49,10 +56,7 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, device: torch.device 
     bnb = require_bitsandbytes()
     w = weight.detach().to(device or weight.device).to(spec.compute_dtype).contiguous()
     if spec.four_bit:
-        from bitsandbytes.functional import quantize_4bit
-
-        packed, qs = quantize_4bit(w, blocksize=spec.blocksize, compress_statistics=spec.double_quant,
-                                   quant_type=spec.scheme, quant_storage=torch.uint8)
+        packed, qs = _quantize_4bit(w, spec)
         del w
         packed = packed.cpu()
         qs.to("cpu")
@@ -61,10 +65,40 @@ def quantize_weight(weight: torch.Tensor, spec: QuantSpec, device: torch.device 
                                  quant_storage=torch.uint8, bnb_quantized=True)
     from bitsandbytes.functional import int8_vectorwise_quant
 
-    cb, scb, _ = int8_vectorwise_quant(w.to(torch.float16))  # as Int8Params._quantize does
+    rows = w.shape[0] if w.device.type != "cpu" else max(1, CPU_CHUNK // max(1, w.shape[1]))
+    parts = [int8_vectorwise_quant(w[i : i + rows].to(torch.float16))[:2]  # as Int8Params._quantize does
+             for i in range(0, w.shape[0], rows)]
     del w
-    cb, scb = cb.cpu(), scb.cpu()
+    cb = torch.cat([p[0].cpu() for p in parts]) if len(parts) > 1 else parts[0][0].cpu()
+    scb = torch.cat([p[1].cpu() for p in parts]) if len(parts) > 1 else parts[0][1].cpu()
     return bnb.nn.Int8Params(cb, requires_grad=False, has_fp16_weights=False, CB=cb, SCB=scb)
+
+
+def _quantize_4bit(w: torch.Tensor, spec: QuantSpec):  # -> (packed, QuantState)
+    """``bitsandbytes.functional.quantize_4bit(w, ...)``; on the CPU its kernel op runs on
+    :data:`CPU_CHUNK`-element slices and the (double-quantized) state is assembled as
+    ``quantize_4bit`` assembles it."""
+    from bitsandbytes.functional import QuantState, get_4bit_type, quantize_4bit, quantize_blockwise
+
+    n = w.numel()
+    if w.device.type != "cpu" or n <= CPU_CHUNK:
+        return quantize_4bit(w, blocksize=spec.blocksize, compress_statistics=spec.double_quant,
+                             quant_type=spec.scheme, quant_storage=torch.uint8)
+    flat = w.reshape(-1)
+    packed = torch.empty(((n + 1) // 2, 1), dtype=torch.uint8)
+    absmax = torch.empty(-(-n // spec.blocksize), dtype=torch.float32)
+    op = torch.ops.bitsandbytes.quantize_4bit.default
+    for lo in range(0, n, CPU_CHUNK):  # CPU_CHUNK: a multiple of every block size, and even
+        p, a = op(flat[lo : lo + CPU_CHUNK], spec.blocksize, spec.scheme, torch.uint8)
+        packed[lo // 2 : lo // 2 + p.shape[0]] = p
+        absmax[lo // spec.blocksize : lo // spec.blocksize + a.numel()] = a
+    code = get_4bit_type(spec.scheme, device=w.device)
+    common = dict(shape=w.shape, dtype=w.dtype, blocksize=spec.blocksize, code=code, quant_type=spec.scheme)
+    if not spec.double_quant:
+        return packed, QuantState(absmax=absmax, **common)
+    offset = absmax.mean()
+    qabsmax, state2 = quantize_blockwise(absmax - offset, blocksize=256)
+    return packed, QuantState(absmax=qabsmax, offset=offset, state2=state2, **common)
 
 
 def empty_module(linear: nn.Module, spec: QuantSpec) -> nn.Module:
