@@ -53,7 +53,7 @@ def qlora_model(family: str, spec: QuantSpec, layers: int = 4, rank: int = 4,
                 targets: list[str] | None = None) -> peft.PeftModel:
     """A zoo model quantized with ``spec`` and wrapped with PEFT LoRA (random B: see test_lora)."""
     settings = LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets, quantize=spec.scheme,
-                            double_quant=spec.double_quant, compute_dtype="fp32" if spec.unit == 4 else "bf16")
+                            double_quant=spec.double_quant, compute_dtype=_precision(spec))
     pm = apply_lora(make_model(family, layers=layers), settings)
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
@@ -63,13 +63,18 @@ def qlora_model(family: str, spec: QuantSpec, layers: int = 4, rank: int = 4,
     return pm
 
 
+def _precision(spec: QuantSpec) -> str:
+    return "fp32" if spec.unit == 4 else "bf16"
+
+
 def payloads(model: torch.nn.Module) -> dict[str, bytes]:
     """Every quantized weight's tensors as bytes (codes, scales, nested scales)."""
     out = {}
     for name, p in model.named_parameters():
         if type(p).__name__ == "Params4bit":
             qs = p.quant_state
-            parts = [p.data, qs.absmax, qs.code] + ([qs.offset.reshape(1), qs.state2.absmax] if qs.nested else [])
+            parts = [p.data, qs.absmax, qs.code]
+            parts += [qs.offset.reshape(1), qs.state2.absmax] if qs.nested else []
             out[name] = b"".join(t.detach().contiguous().view(torch.uint8).numpy().tobytes() for t in parts)
         elif type(p).__name__ == "Int8Params":
             out[name] = p.CB.numpy().tobytes() + p.SCB.numpy().tobytes()
@@ -102,13 +107,16 @@ INT8 = QuantSpec("int8", compute_dtype=FP32)
 
 CONFIGS = {
     "1dev_layerwise_mb2": dict(devices=["cpu"], pack_size=1, micro_batch_size=2),
-    "1dev_packs2_mb2_bwd3_clip": dict(devices=["cpu"], pack_size=2, micro_batch_size=2, backward_micro_batch_size=3,
-                                      prefetch_window=2, max_grad_norm=0.05),
+    "1dev_packs2_mb2_bwd3_clip": dict(devices=["cpu"], pack_size=2, micro_batch_size=2,
+                                      backward_micro_batch_size=3, prefetch_window=2, max_grad_norm=0.05),
     "2dev_packs2_host_stash": dict(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2, stash="host"),
     "2dev_uneven_mb1_clip": dict(devices=["cpu", "cpu"], pack_size=[1, 3], micro_batch_size=1,
                                  backward_micro_batch_size=2, max_grad_norm=100.0),
-    "resident_packs_device_optimizer": dict(devices=["cpu"], pack_size=1, micro_batch_size=2, resident_packs=2,
-                                            device_optimizer="both", max_grad_norm=0.05),
+    "resident_packs_device_optimizer": dict(devices=["cpu"], pack_size=1, micro_batch_size=2,
+                                            resident_packs=2, device_optimizer="both", max_grad_norm=0.05),
+    # compiled blocks (Dynamo; aot_eager needs no C compiler): bitsandbytes modules run eagerly inside
+    "1dev_packs2_compiled": dict(devices=["cpu"], pack_size=2, micro_batch_size=2,
+                                 compile_blocks="aot_eager"),
 }
 
 
@@ -171,11 +179,12 @@ def test_cpu_chunked_quantization_equals_one_call(monkeypatch: pytest.MonkeyPatc
 
     monkeypatch.setattr(qm, "CPU_CHUNK", 4096)
     w = torch.randn(130, 100, generator=torch.Generator().manual_seed(2))
-    for spec in (QuantSpec("nf4", compute_dtype=FP32), QuantSpec("fp4", double_quant=False), QuantSpec("int8")):
+    for spec in (QuantSpec("nf4", compute_dtype=FP32), QuantSpec("fp4", double_quant=False),
+                 QuantSpec("int8")):
         p = qm.quantize_weight(w, spec)
         if spec.four_bit:
             ref, qs = bnb.functional.quantize_4bit(w.to(spec.compute_dtype), blocksize=64,
-                                                   compress_statistics=spec.double_quant, quant_type=spec.scheme)
+                                                   quant_type=spec.scheme, compress_statistics=spec.double_quant)
             assert torch.equal(p.data, ref) and torch.equal(p.quant_state.absmax, qs.absmax)
             if spec.double_quant:
                 assert torch.equal(p.quant_state.state2.absmax, qs.state2.absmax)
@@ -188,7 +197,8 @@ def test_cpu_chunked_quantization_equals_one_call(monkeypatch: pytest.MonkeyPatc
 def test_host_keeps_one_packed_copy_and_slots_hold_the_payload() -> None:
     pm = qlora_model("llama", QuantSpec("nf4"), layers=3)  # bf16 compute
     inner = pm.base_model.model
-    engine = tinypipe.Engine(pm, tinypipe.Config(devices=["cpu"], precision="bf16", pack_size=2, micro_batch_size=2))
+    config = tinypipe.Config(devices=["cpu"], precision="bf16", pack_size=2, micro_batch_size=2)
+    engine = tinypipe.Engine(pm, config)
     store, layers = engine.store, engine.decomposition.layers
     host = engine.memory_report().host
     assert host["frozen_weights"] == store.frozen_bytes == 2 * sum(s.frozen_numel for s in layers)
@@ -196,7 +206,8 @@ def test_host_keeps_one_packed_copy_and_slots_hold_the_payload() -> None:
     assert host["master_weights"] == 4 * sum(s.train_numel for s in layers)  # adapters only
     dense = sum(p.packed.dense_numel for s in layers for p in s.params if p.packed is not None)
     packed = sum(2 * p.numel for s in layers for p in s.params if p.packed is not None)
-    assert 0.5 * dense < packed < 0.5 * dense * 1.05 + 3 * 1024 * len(layers) * 7  # 4 bits + dq scales + parts
+    # 4 bits per element + 8-bit scales per 64 (+ their fp32 scales per 256) + ~1 KiB of parts each
+    assert 0.5 * dense < packed < 0.5 * dense * 1.05 + 3 * 1024 * len(layers) * 7
     for name, p in inner.named_parameters():  # the host model's quantized weights are views of the store
         if type(p).__name__ == "Params4bit":
             layer, sl = engine.decomposition.locate(name)
@@ -219,23 +230,25 @@ def test_planner_sizes_equal_the_engine_layout(family: str, spec: QuantSpec) -> 
     from tinypipe.planner.sizes import lora_sizes
 
     settings = LoraSettings(rank=4, alpha=8, quantize=spec.scheme, double_quant=spec.double_quant,
-                            compute_dtype="fp32" if spec.unit == 4 else "bf16")
+                            compute_dtype=_precision(spec))
     sizes = lora_sizes(make_config(family, layers=3), settings)
     pm = apply_lora(make_model(family, layers=3), settings)
-    dec = tinypipe.Engine(pm, tinypipe.Config(devices=["cpu"], precision=settings.compute_dtype)).decomposition
+    engine = tinypipe.Engine(pm, tinypipe.Config(devices=["cpu"], precision=settings.compute_dtype))
+    dec = engine.decomposition
     assert sizes.layer_numels == [s.numel for s in dec.layers]
     assert sizes.layer_train_numels == [s.train_numel for s in dec.layers]
     assert sizes.quantize == spec.label and sizes.frozen_label == f"frozen_weights ({spec.label})"
-    assert list(sizes.quant_block_params) == [sum(p.packed.dense_numel for p in s.params if p.packed is not None)
-                                              for s in dec.blocks]
+    quantized = [sum(p.packed.dense_numel for p in s.params if p.packed is not None) for s in dec.blocks]
+    assert list(sizes.quant_block_params) == quantized
+    engine.close()
 
 
 def test_plan_70b_nf4_fits_one_24gib_gpu_and_64gib_host(capsys: pytest.CaptureFixture[str]) -> None:
     from tinypipe import cli
 
     code = cli.main(["plan", "--model", "llama-3.1-70b", "--lora", "--quantize", "nf4", "--gpus", "1",
-                     "--gpu-memory", "24GiB", "--cpu-memory", "64GiB", "--seq-len", "2048", "--global-batch", "16",
-                     "--lora-rank", "16", "--hardware", "h200-pcie5", "--json"])
+                     "--gpu-memory", "24GiB", "--cpu-memory", "64GiB", "--seq-len", "2048",
+                     "--global-batch", "16", "--lora-rank", "16", "--hardware", "h200-pcie5", "--json"])
     out = capsys.readouterr().out
     assert code == 0, out
     result = json.loads(out)
@@ -260,7 +273,8 @@ def _walk(obj, key=None):
 # --------------------------------------------------------------------------- loading
 
 
-def _save_dense(path: Path, family: str = "llama", dtype: torch.dtype = torch.bfloat16, layers: int = 3) -> Path:
+def _save_dense(path: Path, family: str = "llama", dtype: torch.dtype = torch.bfloat16,
+                layers: int = 3) -> Path:
     make_model(family, layers=layers).to(dtype).save_pretrained(path)
     return path
 
@@ -285,10 +299,9 @@ def test_streaming_load_quantizes_like_transformers(tmp_path: Path, dtype: torch
             bnb_4bit_compute_dtype=dtype))
     got = payloads(model)
     assert got == payloads(mem) == payloads(hf) and len(got) == 3 * 7
-    dense = {k: v for k, v in model.state_dict().items() if k.count(".") and "weight." not in k and k not in got}
     hf_sd = hf.state_dict()
-    for k, v in dense.items():
-        if v.dtype.is_floating_point:
+    for k, v in model.state_dict().items():  # embeddings, norms, biases: the checkpoint's values as is
+        if k not in got and v.dtype.is_floating_point and "weight." not in k:
             assert torch.equal(v, hf_sd[k].to(v.dtype)), k
     hf.save_pretrained(tmp_path / "saved_4bit")
     again, _ = tinypipe.load_model(tmp_path / "saved_4bit", tokenizer=False)
@@ -299,16 +312,17 @@ def test_streaming_load_int8_and_fp4(tmp_path: Path) -> None:
     path = _save_dense(tmp_path / "dense")
     for spec in (QuantSpec("int8"), QuantSpec("fp4", double_quant=False)):
         model, _ = tinypipe.load_model(path, tokenizer=False, quantize=spec)
-        assert payloads(model) == payloads(quantize_model(make_model("llama", layers=3).to(torch.bfloat16), spec))
+        want = quantize_model(make_model("llama", layers=3).to(torch.bfloat16), spec)
+        assert payloads(model) == payloads(want)
 
 
 @pytest.fixture(scope="module")
 def model_80m(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """An 80 M-parameter Llama, bf16, 3 shards: 77 M of it in the blocks (154 MB dense), vocab 1000."""
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=6,
-                                   num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=256,
-                                   tie_word_embeddings=False)
+    cfg = transformers.LlamaConfig(vocab_size=1000, hidden_size=1024, intermediate_size=2816,
+                                   num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=8,
+                                   max_position_embeddings=256, tie_word_embeddings=False)
     path = tmp_path_factory.mktemp("llama80m")
     transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(path, max_shard_size="60MB")
     return path
@@ -319,7 +333,8 @@ def test_load_peak_is_quantized_model_plus_one_tensor(model_80m: Path) -> None:
     within the quantized model it keeps + the largest tensor twice + one chunk of quantizer scratch
     + 32 MB, far below the dense bf16 model (which a load-then-quantize would hold)."""
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "qlora_load_peak.py"), str(model_80m), "--json"],
+    script = REPO / "bench" / "qlora_load_peak.py"
+    proc = subprocess.run([sys.executable, str(script), str(model_80m), "--json"],
                           capture_output=True, text=True, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -414,13 +429,15 @@ def test_finetune_cli_qlora_merge(capsys: pytest.CaptureFixture[str], tmp_path: 
         code, _, err = run(*base, *extra)
         lines = [x for x in err.splitlines() if x.startswith("tinypipe: error:")]
         assert code == 2 and len(lines) == 1 and needle in lines[0] and "Traceback" not in err, err
-    code, stdout, err = run(*base, "--lora", "--lora-rank", "4", "--quantize", "nf4", "--steps", "3", "--merge")
+    code, stdout, err = run(*base, "--lora", "--lora-rank", "4", "--quantize", "nf4", "--steps", "3",
+                            "--merge")
     assert code == 0, err
     assert "over a nf4+dq base" in stdout and "frozen_weights" in stdout
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
     merged = transformers.AutoModelForCausalLM.from_pretrained(out / "merged")
     assert merged.dtype == torch.bfloat16
-    code, _, err = run("plan", "--model", model_dir, "--quantize", "nf4", "--seq-len", "16", "--global-batch", "4")
+    code, _, err = run("plan", "--model", model_dir, "--quantize", "nf4", "--seq-len", "16",
+                       "--global-batch", "4")
     assert code == 2 and "need --lora" in err and "Traceback" not in err
 
 
@@ -441,7 +458,7 @@ def test_errors_are_one_line() -> None:
         quantize_model(m, QuantSpec("int8"))
     # quantized for fp32 compute, engine in bf16: refused at construction
     pm = apply_lora(make_model("llama", layers=1), LoraSettings(quantize="nf4", compute_dtype="fp32"))
-    with pytest.raises(tinypipe.ConfigError, match="32-bit compute dtype, the engine computes in torch.bfloat16"):
+    with pytest.raises(tinypipe.ConfigError, match="32-bit compute dtype, the engine computes in torch.bf"):
         tinypipe.Engine(pm, tinypipe.Config(devices=["cpu"], precision="bf16"))
     from tinypipe.quant.spec import check_device
 
@@ -472,8 +489,9 @@ def test_missing_bitsandbytes(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -
 def test_qlora_bench_runs_tiny_on_cpu(tmp_path: Path) -> None:
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error", PYTHONPATH=str(REPO))
     out = tmp_path / "bench.json"
-    proc = subprocess.run([sys.executable, str(REPO / "bench" / "qlora_bench.py"), "--tiny", "--device", "cpu",
-                           "--steps", "2", "--json", str(out)], capture_output=True, text=True, timeout=600, env=env)
+    cmd = [sys.executable, str(REPO / "bench" / "qlora_bench.py"), "--tiny", "--device", "cpu",
+           "--steps", "2", "--json", str(out)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:] + proc.stdout[-2000:]
     runs = json.loads(out.read_text())["runs"]
     assert {r["name"] for r in runs} >= {"70b-shape-nf4", "8b-shape-nf4", "8b-shape-bf16-lora"}

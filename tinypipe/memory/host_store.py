@@ -186,8 +186,8 @@ def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec, na
         view = buf[p.offset - shift : p.offset - shift + p.numel].view(p.shape)  # type: ignore[index]
         if p.packed is not None:  # a quantized weight: its payload bytes, the parameter re-pointed
             if p.packed.unit != view.element_size():
-                raise ConfigError(f"{p.name}: quantized for a {8 * p.packed.unit}-bit compute dtype, the engine "
-                                  f"computes in {view.dtype}; quantize for the engine's precision")
+                raise ConfigError(f"{p.name}: quantized for a {8 * p.packed.unit}-bit compute dtype, the "
+                                  f"engine computes in {view.dtype}; quantize for the engine's precision")
             p.packed.adopt(view, param)
             continue
         view.copy_(param.detach())

@@ -362,7 +362,8 @@ class Shell:
     def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device) -> None:
         memo: dict[int, Any] = {}
         # quantized weights (tinypipe.quant): rebuilt from the slot's payload bytes at every bind
-        self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params if p.packed is not None}
+        self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params
+                        if p.packed is not None}
         if self._packed:
             from tinypipe.quant.shell import shell_memo
 

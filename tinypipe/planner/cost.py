@@ -180,7 +180,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     f_comp, b_comp = [0.0] * n, [0.0] * n
     f_up, b_up, down = [0.0] * n, [0.0] * n, [0.0] * n
     dq_f, dq_b = passes_per_step(batch, plan.fwd_micro_batch, plan.bwd_micro_batch)  # QLoRA dequantizations
-    qparams = [sum(sizes.quant_block_params[b] for b in p) if sizes.quant_block_params else 0 for p in plan.packs]
+    qparams = [sum(sizes.quant_block_params[b] for b in p) if sizes.quant_block_params else 0
+               for p in plan.packs]
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
         res = q < R

@@ -107,8 +107,8 @@ class PackedLayout:
         for p in self.parts:
             src = tensors[p.name]
             if src.numel() * src.element_size() != p.nbytes:
-                raise QuantizeError(f"{self.scheme} part {p.name}: {src.numel()} x {src.element_size()} bytes, "
-                                    f"the layout expects {p.nbytes} (a weight quantized with other settings?)")
+                raise QuantizeError(f"{self.scheme} part {p.name}: {src.numel()} x {src.element_size()} "
+                                    f"bytes, the layout expects {p.nbytes} (quantized with other settings?)")
             views[p.name].copy_(src.reshape(-1).view(p.dtype).view(p.shape))
         raw = flat.reshape(-1).view(torch.uint8)
         end = 0
@@ -125,16 +125,17 @@ class PackedLayout:
         bnb = require_bitsandbytes()
         v = self.views(flat)
         if self.scheme == "int8":
-            return bnb.nn.Int8Params(v["CB"], requires_grad=False, has_fp16_weights=False, CB=v["CB"], SCB=v["SCB"])
+            return bnb.nn.Int8Params(v["CB"], requires_grad=False, has_fp16_weights=False, CB=v["CB"],
+                                     SCB=v["SCB"])
         from bitsandbytes.functional import QuantState
 
         state2 = None
         if self.nested:
             state2 = QuantState(absmax=v["nested_absmax"], code=v["nested_code"], blocksize=NESTED_BLOCKSIZE,
                                 dtype=torch.float32)
-        qs = QuantState(absmax=v["absmax"], shape=torch.Size(self.shape), code=v["code"], blocksize=self.blocksize,
-                        quant_type=self.scheme, dtype=self.dtype, offset=v["offset"] if self.nested else None,
-                        state2=state2)
+        qs = QuantState(absmax=v["absmax"], shape=torch.Size(self.shape), code=v["code"],
+                        blocksize=self.blocksize, quant_type=self.scheme, dtype=self.dtype,
+                        offset=v["offset"] if self.nested else None, state2=state2)
         return bnb.nn.Params4bit(v["packed"], requires_grad=False, quant_state=qs, blocksize=self.blocksize,
                                  compress_statistics=self.nested, quant_type=self.scheme,
                                  quant_storage=torch.uint8, bnb_quantized=True)
@@ -196,7 +197,8 @@ def layout_4bit(shape: tuple[int, int], quant_type: str, blocksize: int, nested:
         ("code", torch.float32, (CODE_4BIT,)),
     ]
     if nested:
-        specs += [("offset", torch.float32, ()), ("nested_absmax", torch.float32, (-(-blocks // NESTED_BLOCKSIZE),)),
+        specs += [("offset", torch.float32, ()),
+                  ("nested_absmax", torch.float32, (-(-blocks // NESTED_BLOCKSIZE),)),
                   ("nested_code", torch.float32, (CODE_8BIT,))]
     return PackedLayout(quant_type, (int(shape[0]), int(shape[1])), dtype, unit, _parts(specs),
                         blocksize=blocksize, nested=nested)
@@ -205,13 +207,15 @@ def layout_4bit(shape: tuple[int, int], quant_type: str, blocksize: int, nested:
 def layout_int8(shape: tuple[int, int], dtype: torch.dtype, unit: int, threshold: float) -> PackedLayout:
     """The payload of a ``Linear8bitLt`` weight: int8 rows and one fp32 scale per row."""
     specs = [("CB", torch.int8, (int(shape[0]), int(shape[1]))), ("SCB", torch.float32, (int(shape[0]),))]
-    return PackedLayout("int8", (int(shape[0]), int(shape[1])), dtype, unit, _parts(specs), threshold=threshold)
+    dense = (int(shape[0]), int(shape[1]))
+    return PackedLayout("int8", dense, dtype, unit, _parts(specs), threshold=threshold)
 
 
 def layout_for(shape: tuple[int, int], spec: QuantSpec) -> PackedLayout:
     """The payload a weight of dense ``shape`` gets under ``spec`` (no bitsandbytes needed)."""
     if spec.four_bit:
-        return layout_4bit(shape, spec.scheme, spec.blocksize, spec.double_quant, spec.compute_dtype, spec.unit)
+        return layout_4bit(shape, spec.scheme, spec.blocksize, spec.double_quant, spec.compute_dtype,
+                           spec.unit)
     return layout_int8(shape, spec.compute_dtype, spec.unit, spec.int8_threshold)
 
 
@@ -229,8 +233,8 @@ def layout_of(param: nn.Parameter, module: nn.Module | None) -> PackedLayout:
     """The layout of a live bitsandbytes parameter (its unit: the module's compute dtype)."""
     if type(param).__name__ == "Int8Params":
         if param.dtype != torch.int8:
-            raise QuantizeError("an Int8Params weight that is not quantized yet (move the model to its device "
-                                "first, or let tinypipe quantize it)")
+            raise QuantizeError("an Int8Params weight that is not quantized yet (move the model to its "
+                                "device first, or let tinypipe quantize it)")
         dtype = _unit_dtype(module, torch.bfloat16)
         threshold = float(getattr(getattr(module, "state", None), "threshold", 0.0) or 0.0)
         return layout_int8(tuple(param.shape), dtype, torch.empty((), dtype=dtype).element_size(), threshold)
@@ -257,5 +261,6 @@ def parts_of(param: nn.Parameter, module: nn.Module | None = None) -> dict[str, 
     qs = getattr(param, "quant_state", None) or getattr(module, "quant_state", None)
     out = {"packed": param.data.detach().contiguous().view(torch.uint8), "absmax": qs.absmax, "code": qs.code}
     if qs.nested:
-        out.update(offset=qs.offset.reshape(()).float(), nested_absmax=qs.state2.absmax, nested_code=qs.state2.code)
+        out.update(offset=qs.offset.reshape(()).float(), nested_absmax=qs.state2.absmax,
+                   nested_code=qs.state2.code)
     return out

@@ -48,7 +48,8 @@ def prequantized_spec(config: Any, compute: str) -> QuantSpec | None:
     if d.get("load_in_8bit"):
         return QuantSpec("int8", compute_dtype=COMPUTE_DTYPES[compute],
                          int8_threshold=float(d.get("llm_int8_threshold", 6.0)))
-    return QuantSpec(str(d.get("bnb_4bit_quant_type", "fp4")), double_quant=bool(d.get("bnb_4bit_use_double_quant")),
+    return QuantSpec(str(d.get("bnb_4bit_quant_type", "fp4")),
+                     double_quant=bool(d.get("bnb_4bit_use_double_quant")),
                      compute_dtype=COMPUTE_DTYPES[compute])
 
 
@@ -80,7 +81,8 @@ class _Targets:
                 self._alternatives.setdefault(key[len(prefix) + 1 :], key)
             else:
                 self._alternatives.setdefault(f"{prefix}.{key}", key)
-        self._ignored = [re.compile(p) for p in getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []]
+        patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or []
+        self._ignored = [re.compile(p) for p in patterns]
 
     def resolve(self, key: str) -> str | None:
         if key in self._param_keys or key in self._buffers or key in self.extra:
@@ -122,7 +124,8 @@ def _materialise(model: nn.Module, dtype: torch.dtype, skip: set[str]) -> None:
             if p is None or id(p) in skip_ids:
                 continue
             if id(p) not in new_for:
-                new_for[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype), requires_grad=p.requires_grad)
+                new_for[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=dtype),
+                                              requires_grad=p.requires_grad)
             module._parameters[key] = new_for[id(p)]
 
 
@@ -155,9 +158,9 @@ def _prequantized_param(module: str, parts: dict[str, torch.Tensor], spec: Quant
                                if k.startswith(f"{module}.weight.")}, device=torch.device("cpu"))
     if qs.quant_type != spec.scheme:
         raise QuantizeError(f"{module}: stored as {qs.quant_type}, not {spec.scheme}")
-    return bnb.nn.Params4bit(weight.view(torch.uint8), requires_grad=False, quant_state=qs, blocksize=qs.blocksize,
-                             compress_statistics=qs.nested, quant_type=qs.quant_type, quant_storage=torch.uint8,
-                             bnb_quantized=True)
+    return bnb.nn.Params4bit(weight.view(torch.uint8), requires_grad=False, quant_state=qs,
+                             blocksize=qs.blocksize, compress_statistics=qs.nested, quant_type=qs.quant_type,
+                             quant_storage=torch.uint8, bnb_quantized=True)
 
 
 def load_quantized(config: Any, files: list[Path], where: str, spec: QuantSpec, *,
@@ -183,7 +186,8 @@ def load_quantized(config: Any, files: list[Path], where: str, spec: QuantSpec, 
     _materialise(model, spec.compute_dtype, weights)
     per_file = [read_header(f) for f in files]
     stored = {e.name for entries in per_file for e in entries}
-    extra = _extra_keys(linears, stored, getattr(model, "base_model_prefix", "") or "") if prequantized else set()
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    extra = _extra_keys(linears, stored, prefix) if prequantized else set()
     targets = _Targets(model, weights, extra)
     wanted = plan_checkpoint_keys(targets, sorted(stored), where)
     owner_of = {f"{m}.weight": m for m in linears}  # quantized weight (or its stored state) -> module
@@ -212,7 +216,8 @@ def load_quantized(config: Any, files: list[Path], where: str, spec: QuantSpec, 
                         parts = pending.setdefault(module, {})
                         parts[canon] = tensor
                         if len(parts) == need[module]:
-                            install(model.get_submodule(module), _prequantized_param(module, pending.pop(module), spec))
+                            param = _prequantized_param(module, pending.pop(module), spec)
+                            install(model.get_submodule(module), param)
                     del tensor
                     continue
                 target = targets.target(model_key)

@@ -48,7 +48,8 @@ def _conv1d_names(model: nn.Module) -> list[str]:
 CPU_CHUNK = 1 << 20
 
 
-def quantize_weight(weight: torch.Tensor, spec: QuantSpec, device: torch.device | str | None = None) -> nn.Parameter:
+def quantize_weight(weight: torch.Tensor, spec: QuantSpec,
+                    device: torch.device | str | None = None) -> nn.Parameter:
     """bitsandbytes' frozen parameter for the dense (out, in) ``weight``: cast to the compute dtype
     (as transformers loads a checkpoint in its ``dtype`` before quantizing), quantized on ``device``
     (default: where ``weight`` is; a GPU quantizes a 70B model in minutes, bitsandbytes' CPU
@@ -107,9 +108,9 @@ def empty_module(linear: nn.Module, spec: QuantSpec) -> nn.Module:
     bnb = require_bitsandbytes()
     bias = getattr(linear, "bias", None) is not None
     if spec.four_bit:
-        new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias, compute_dtype=spec.compute_dtype,
-                                compress_statistics=spec.double_quant, quant_type=spec.scheme,
-                                quant_storage=torch.uint8, device="meta")
+        new = bnb.nn.Linear4bit(linear.in_features, linear.out_features, bias=bias,
+                                compute_dtype=spec.compute_dtype, compress_statistics=spec.double_quant,
+                                quant_type=spec.scheme, quant_storage=torch.uint8, device="meta")
         # on AVX512-BF16 CPUs bitsandbytes repacks the weight for a fused bf16 kernel in eval-mode
         # no-grad forwards: other numerics than the training path, and weight.data replaced
         new.support_avx512bf16_for_cpu = False
@@ -139,7 +140,9 @@ def quantize_model(model: nn.Module, spec: QuantSpec, device: torch.device | str
     """
     have = spec_of(model)
     if have is not None:
-        if (have.scheme, have.double_quant, have.compute_dtype) != (spec.scheme, spec.double_quant, spec.compute_dtype):
+        same = (have.scheme, have.double_quant, have.compute_dtype) == (spec.scheme, spec.double_quant,
+                                                                         spec.compute_dtype)
+        if not same:
             raise QuantizeError(f"the model is quantized as {have.label} ({have.compute_dtype}) already, "
                                 f"not {spec.label} ({spec.compute_dtype})")
         return model
@@ -151,7 +154,8 @@ def quantize_model(model: nn.Module, spec: QuantSpec, device: torch.device | str
                                     "bases need nn.Linear projections (Llama, Mistral, Qwen, OPT)")
     names = quantizable_linears(model)
     if not names:
-        raise UnsupportedModelError(f"{type(model).__name__}: no linear layers in the decoder blocks to quantize")
+        raise UnsupportedModelError(f"{type(model).__name__}: no linear layers in the decoder blocks to "
+                                    "quantize")
     for full in names:
         parent_name, _, attr = full.rpartition(".")
         parent = model.get_submodule(parent_name)
@@ -195,8 +199,8 @@ def spec_of(model: nn.Module) -> QuantSpec | None:
         found.add(QuantSpec(getattr(w, "quant_type", "fp4"), double_quant=nested, blocksize=blocksize,
                             compute_dtype=dtype))
     if len(found) > 1:
-        raise QuantizeError(f"the model mixes quantization settings ({', '.join(sorted(s.label for s in found))}); "
-                            "tinypipe trains one")
+        labels = ", ".join(sorted(s.label for s in found))
+        raise QuantizeError(f"the model mixes quantization settings ({labels}); tinypipe trains one")
     return next(iter(found), None)
 
 

@@ -106,7 +106,8 @@ def require_bitsandbytes() -> ModuleType:
         with _quiet("bitsandbytes.backends.cpu.ops"):
             return importlib.import_module("bitsandbytes")
     except ImportError as exc:
-        raise MissingBitsandbytesError(f"a quantized base needs bitsandbytes ({exc}); run: {INSTALL}") from None
+        raise MissingBitsandbytesError(f"a quantized base needs bitsandbytes ({exc}); run: {INSTALL}") \
+            from None
 
 
 def import_quietly() -> None:

@@ -134,7 +134,7 @@ class Engine(EngineObservability):
         # what the store still allocates: AdamW moments, the fp32 master unless a loader already
         # placed it (tinypipe.load_model), the retained gradient, frozen weights at compute precision
         per = 8 + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (4 if retain else 0)
-        need = per * trainable + (n_params - trainable) * self.dtype.itemsize
+        need = per * trainable + sum(s.frozen_numel for s in dec.layers) * self.dtype.itemsize  # QLoRA: exact
         check_host_memory(need, f"the training state of {n_params / 1e6:.1f} M parameters")
         try:
             self.store = HostStore(model, dec, self.pinner, frozen_dtype=self.dtype)

@@ -242,8 +242,8 @@ def _load_hf_dir(folder: Path, want_tokenizer: bool = True, quantize: QuantSpec 
         raise ModelFilesError(_one_line(exc)) from None
     if quantize is not None or _bnb_checkpoint(config):
         if not files:
-            raise ModelFilesError(f"{folder}: a quantized base streams from safetensors files (this checkpoint "
-                                  "is pytorch_model.bin)")
+            raise ModelFilesError(f"{folder}: a quantized base streams from safetensors files (this "
+                                  "checkpoint is pytorch_model.bin)")
         return _load_quantized(config, files, folder, quantize, quantize_device), tokenizer
     if not files:  # pytorch_model.bin checkpoints: transformers' loader (the whole model at once)
         return _load_hf_dir_whole(folder), tokenizer
@@ -266,7 +266,8 @@ def _load_quantized(config, files: list[Path], folder: Path, spec: QuantSpec | N
     from tinypipe.quant.load import load_quantized, prequantized_spec
     from tinypipe.quant.spec import QuantizeError
 
-    stored = prequantized_spec(config, "fp32" if spec is not None and spec.compute_dtype == torch.float32 else "bf16")
+    compute = "fp32" if spec is not None and spec.compute_dtype == torch.float32 else "bf16"
+    stored = prequantized_spec(config, compute)
     if stored is not None and spec is not None and (stored.scheme, stored.double_quant) != (spec.scheme,
                                                                                           spec.double_quant):
         raise QuantizeError(f"{folder}: the checkpoint is stored {stored.label}, not {spec.label}")
