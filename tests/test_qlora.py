@@ -184,7 +184,8 @@ def test_cpu_chunked_quantization_equals_one_call(monkeypatch: pytest.MonkeyPatc
         p = qm.quantize_weight(w, spec)
         if spec.four_bit:
             ref, qs = bnb.functional.quantize_4bit(w.to(spec.compute_dtype), blocksize=64,
-                                                   quant_type=spec.scheme, compress_statistics=spec.double_quant)
+                                                   quant_type=spec.scheme,
+                                                   compress_statistics=spec.double_quant)
             assert torch.equal(p.data, ref) and torch.equal(p.quant_state.absmax, qs.absmax)
             if spec.double_quant:
                 assert torch.equal(p.quant_state.state2.absmax, qs.state2.absmax)
@@ -497,4 +498,4 @@ def test_qlora_bench_runs_tiny_on_cpu(tmp_path: Path) -> None:
     assert {r["name"] for r in runs} >= {"70b-shape-nf4", "8b-shape-nf4", "8b-shape-bf16-lora"}
     for r in runs:
         assert r["tokens_per_s"] > 0 and r["predicted"]["tokens_per_s"] > 0 and r["host_peak_bytes"] > 0
-    assert "tokens/s" in proc.stdout.strip().splitlines()[-len(runs) - 2]
+    assert "tok/s" in proc.stdout.strip().splitlines()[-len(runs) - 2]
