@@ -364,6 +364,7 @@ class Shell:
         # quantized weights (tinypipe.quant): rebuilt from the slot's payload bytes at every bind
         self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params
                         if p.packed is not None}
+        self._rebuilt: dict[tuple[str, int], Any] = {}  # (name, slot address) -> rebuilt parameter
         if self._packed:
             from tinypipe.quant.shell import shell_memo
 
@@ -426,11 +427,16 @@ class Shell:
         """Point every alias of canonical parameter ``name`` at ``tensor`` (a quantized weight's
         payload: at bitsandbytes' parameter rebuilt as views of it)."""
         packed = self._packed.get(name)
+        if packed is not None:  # rebuilt once per slot it lands in (~0.1 ms each), then reused
+            key = (name, tensor.data_ptr())
+            rebuilt = self._rebuilt.get(key)
+            if rebuilt is None:
+                rebuilt = self._rebuilt[key] = packed.rebuild(tensor)
+            for module, attr in self._slots[name]:  # type: ignore[union-attr]
+                packed.attach(module, attr, rebuilt)
+            return
         for module, attr in self._slots[name]:  # type: ignore[union-attr]
-            if packed is not None:
-                packed.bind(module, attr, tensor)
-            else:
-                module._parameters[attr] = tensor  # type: ignore[assignment]
+            module._parameters[attr] = tensor  # type: ignore[assignment]
 
     # -- the three stages -------------------------------------------------------------------
 

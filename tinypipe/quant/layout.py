@@ -140,14 +140,25 @@ class PackedLayout:
                                  compress_statistics=self.nested, quant_type=self.scheme,
                                  quant_storage=torch.uint8, bnb_quantized=True)
 
-    def bind(self, module: nn.Module, attr: str, flat: torch.Tensor) -> None:
-        """Point ``module.<attr>`` (a bitsandbytes linear's weight) at the payload in ``flat``."""
-        param = self.param(flat)
+    def rebuild(self, flat: torch.Tensor) -> tuple[nn.Parameter, dict[str, torch.Tensor]]:
+        """(bitsandbytes' parameter, the part views) for the payload in ``flat``: what
+        :meth:`attach` binds. Reusable for the same ``flat`` (the views read its current bytes)."""
+        return self.param(flat), self.views(flat)
+
+    def attach(self, module: nn.Module, attr: str,
+               rebuilt: tuple[nn.Parameter, dict[str, torch.Tensor]]) -> None:
+        """Point ``module.<attr>`` (a bitsandbytes linear's weight) at a :meth:`rebuild` result."""
+        param, views = rebuilt
         module._parameters[attr] = param
-        if self.scheme == "int8":
-            module.state.CB = module.state.SCB = None  # forward moves the new CB/SCB into its state
+        if self.scheme == "int8":  # the state a forward's init_8bit_state would leave
+            param.CB = param.SCB = None
+            module.state.CB, module.state.SCB = views["CB"], views["SCB"]
         elif getattr(module, "quant_state", None) is not None:
             module.quant_state = param.quant_state
+
+    def bind(self, module: nn.Module, attr: str, flat: torch.Tensor) -> None:
+        """Point ``module.<attr>`` at the payload in ``flat`` (:meth:`rebuild` + :meth:`attach`)."""
+        self.attach(module, attr, self.rebuild(flat))
 
     def adopt(self, flat: torch.Tensor, param: nn.Parameter, module: nn.Module | None = None) -> None:
         """Write ``param``'s parts into ``flat`` and re-point ``param`` (and its module's state) at
