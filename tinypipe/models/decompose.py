@@ -417,10 +417,6 @@ class Shell:
         """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py)."""
         from tinypipe.models.compiled import CompiledBlock
 
-        if self._packed:
-            from tinypipe.quant.shell import prepare_compile
-
-            prepare_compile(self.blocks)
         self.runners = [CompiledBlock(b, backend) for b in self.blocks]
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:

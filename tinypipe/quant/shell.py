@@ -43,13 +43,3 @@ def prepare_shell(shell_model: nn.Module, device: torch.device, schemes: set[str
     for _, m in quantized_modules(shell_model):
         if hasattr(m, "support_avx512bf16_for_cpu"):
             m.support_avx512bf16_for_cpu = False
-
-
-def prepare_compile(blocks: nn.Module) -> None:
-    """Run the bitsandbytes modules eagerly inside compiled blocks: their weights are rebuilt per
-    bind as new Python objects (guards would recompile per layer); the norms, rotary embeddings
-    and activations around them still compile."""
-    for _, m in quantized_modules(blocks):
-        if not getattr(m, "_tinypipe_eager", False):
-            m.forward = torch.compiler.disable(m.forward)
-            m._tinypipe_eager = True
