@@ -1,9 +1,14 @@
 #!/usr/bin/env python3
 """QLoRA on one GPU: a Llama-3.1-70B shape over an NF4 base, and an 8B shape NF4 vs bf16 LoRA.
 
-    python bench/qlora_bench.py --device cuda:0 --gpu-memory 24GiB --json results/qlora.json
+    python bench/qlora_bench.py --runs 70b-shape-nf4 --dequant --json results/qlora_70b.json
+    python bench/qlora_bench.py --runs 8b-shape-nf4,8b-shape-bf16-lora --json results/qlora_8b.json
     python bench/qlora_bench.py --runs 70b-shape-nf4 --layers 4 --steps 1     # a small dry run
     python bench/qlora_bench.py --tiny --device cpu --steps 2                 # the CPU smoke test
+
+(Defaults: cuda:0 capped at 24 GiB, 64 GiB host budget. Expected on an H200 box: the 70B run
+~5-7 minutes -- building its random NF4 base on the GPU ~1, the engine ~1, the first step
+compiles --, the two 8B runs ~2-3 minutes each: run the 70B shape in a call of its own.)
 
 Runs (each in a fresh child process, so host and GPU peaks are its own):
 
@@ -232,6 +237,8 @@ def child(args: argparse.Namespace) -> dict:
     model = build(cfg, scheme, args.device, dtype)
     build_s = time.perf_counter() - t0
     after_build = _hwm()
+    if cuda:
+        torch.cuda.empty_cache()  # the generator's scratch: not the engine's budget
     settings = LoraSettings(rank=args.rank, alpha=2.0 * args.rank, quantize=scheme, compute_dtype=precision)
     pm = apply_lora(model, settings)
     config = tinypipe.Config(devices=[args.device], precision=precision, lr=1e-4, seq_len=args.seq,
