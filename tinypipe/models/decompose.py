@@ -361,7 +361,7 @@ class Shell:
 
     def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device) -> None:
         memo: dict[int, Any] = {}
-        # quantized weights (tinypipe.quant): rebuilt from the slot's payload bytes at every bind
+        # quantized weights (tinypipe.quant): rebuilt from a slot's payload bytes (once per slot)
         self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params
                         if p.packed is not None}
         self._rebuilt: dict[tuple[str, int], Any] = {}  # (name, slot address) -> rebuilt parameter
