@@ -30,7 +30,8 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
-from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.config import DEVICE_OPTIMIZER_CHOICES  # noqa: E402
 
 MiB = 2**20
 
@@ -49,7 +50,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--stash", default="host")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--max-grad-norm", type=float, default=1.0, help="<= 0: off")
-    ap.add_argument("--device-optimizer", default="off", choices=("off", "embed", "head", "both"))
+    ap.add_argument("--device-optimizer", default="off", choices=DEVICE_OPTIMIZER_CHOICES)
     ap.add_argument("--cap-gib", type=float, default=24.0, help="per-process GPU memory cap (GiB); 0 = none")
     ap.add_argument("--batches", type=int, default=4, help="distinct batches cycled through")
     ap.add_argument("--max-rss-slope-mib", type=float, default=1.0, help="host RSS bound, MiB per step")

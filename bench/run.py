@@ -24,11 +24,11 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
-from tinypipe.bench.analysis import overlap_table, step_bound  # noqa: E402
-from tinypipe.bench.machine import measure  # noqa: E402
-from tinypipe.bench.rss import RssSampler  # noqa: E402
-from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
-from tinypipe.runtime.step import host_times  # noqa: E402
+from tinypipe.perf.analysis import overlap_table, step_bound  # noqa: E402
+from tinypipe.perf.machine import measure  # noqa: E402
+from tinypipe.perf.rss import RssSampler  # noqa: E402
+from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -41,17 +41,18 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--bwd-micro-batch", type=int, default=None)
     ap.add_argument("--window", type=int, default=1)
     ap.add_argument("--stash", default="device", help="device | host | comma list per boundary")
-    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--precision", default="bf16", choices=PRECISIONS)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--max-grad-norm", type=float, default=None, help="global-norm clipping (default: off)")
-    ap.add_argument("--pin", default="register")
-    ap.add_argument("--device-optimizer", default="off", choices=("off", "embed", "head", "both"),
+    ap.add_argument("--pin", default="register", choices=PIN_MODES)
+    ap.add_argument("--device-optimizer", default="off", choices=DEVICE_OPTIMIZER_CHOICES,
                     help="resident layers stepped on the GPU (default: off)")
     ap.add_argument("--resident-packs", type=int, default=0, help="first N packs resident on the GPU")
     ap.add_argument("--auto", action="store_true",
-                    help="let the engine plan (packing knobs, device optimizer) for the workload and --cap-gib")
+                    help="let the engine plan (packing, micro-batches, device optimizer...) for the workload "
+                         "and --cap-gib")
     ap.add_argument("--hardware", default=None, help="hardware preset or profile JSON for --auto")
     ap.add_argument("--compile-blocks", default="auto", help="auto | off | a torch.compile backend")
     ap.add_argument("--trace", default=None)
@@ -79,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     if cuda and a.cap_gib > 0:
         for dev in sorted(set(devices)):
             total = torch.cuda.get_device_properties(dev).total_memory
-            torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 1024**3 / total), torch.device(dev))
+            torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * 1024**3 / total),
+                                                       torch.device(dev))
     pack = [int(x) for x in a.pack_size.split(",")]
     stash = a.stash.split(",") if "," in a.stash else a.stash
     results = []
@@ -105,9 +107,9 @@ def main(argv: list[str] | None = None) -> int:
         engine = tinypipe.Engine(model, cfg)
         t_engine = time.perf_counter() - t0
         phase(f"engine ready ({t_engine:.1f} s)")
-        if engine.plan_result is not None:
-            print(f"planner's choice: {engine.plan_result.best.describe()} "
-                  f"(predicted {engine.plan_result.best.time.step_s:.3f} s/step)", flush=True)
+        planned = engine.plan_result.best if engine.plan_result is not None else None
+        print(f"plan{' (the planner chose it)' if planned else ''}: {engine.plan.describe()}"
+              + (f" (predicted {planned.time.step_s:.3f} s/step)" if planned else ""), flush=True)
         batch = make_batch(w)
         for i in range(a.warmup + a.steps):
             r = engine.step(batch)
@@ -115,10 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"step {i + 1}: loss {r.loss:.4f}  {r.seconds:.2f} s  {r.tokens / r.seconds:,.0f} tok/s"
                   f"{'  clipped' if r.clipped else ''}{'  (warm-up)' if i < a.warmup else ''}", flush=True)
         report = engine.memory_report()
-        events = host_times(engine._last_state.timings, engine._last_origin) if engine._last_state else []
+        events = engine.step_timeline()  # device times when traced
         if a.trace:
             engine.export_trace(a.trace)
-            events = engine._device_events(events)
     timed = results[a.warmup:]
     sec = sum(r.seconds for r in timed) / len(timed)
     tps = w.tokens / sec
@@ -134,11 +135,12 @@ def main(argv: list[str] | None = None) -> int:
         "workload": w.name, "devices": devices, "config": {k: str(v) for k, v in vars(a).items()},
         "tokens_per_s": tps, "seconds_per_step": sec, "losses": [r.loss for r in results],
         "steps_s": [r.seconds for r in results], "peak_rss": rss.peak, "rss_before": rss_before,
-        "peak_rss_self": rss.peak_self, "peak_rss_children": rss.peak_children, "max_children": rss.max_children,
+        "peak_rss_self": rss.peak_self, "peak_rss_children": rss.peak_children,
+        "max_children": rss.max_children,
         "build_s": t_build, "engine_init_s": t_engine, "params": params, **peaks,
         "memory_report": report.as_dict(), "torch": torch.__version__,
-        "plan": engine.plan_result.best.knobs if engine.plan_result is not None else None,
-        "predicted_s": engine.plan_result.best.time.step_s if engine.plan_result is not None else None,
+        "plan": engine.plan.as_dict(), "plan_text": engine.plan.describe(), "planned": planned is not None,
+        "predicted_s": planned.time.step_s if planned is not None else None,
     }
     print(report.to_text())
     bound = None

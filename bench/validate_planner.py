@@ -32,13 +32,16 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import tinypipe  # noqa: E402
-from tinypipe.bench.rss import RssSampler  # noqa: E402
-from tinypipe.bench.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.perf.rss import RssSampler  # noqa: E402
+from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.config import STASH_PLACES  # noqa: E402
 from tinypipe.errors import TinypipeError  # noqa: E402
 from tinypipe.planner.auto import CPU_HARDWARE  # noqa: E402
-from tinypipe.planner.hardware import load_hardware, parse_bytes  # noqa: E402
+from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.search import Candidate, evaluate, plan_for  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from tinypipe.schedule.plan import make_plan  # noqa: E402
+from tinypipe.units import parse_bytes  # noqa: E402
 
 GIB = 1024**3
 
@@ -51,9 +54,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-memory", default=None, help="host budget, e.g. 100GiB (default: available RAM)")
     ap.add_argument("--hardware", default=None, help="preset or profile JSON (default: h200-pcie5 on CUDA)")
     ap.add_argument("--compare-hardware", default=None,
-                    help="second hardware (e.g. a 'tinypipe profile' JSON): its predictions for the same plans too")
+                    help="second hardware (e.g. a 'tinypipe profile' JSON): its predictions for the same "
+                         "plans too")
     ap.add_argument("--precision", default=None, help="bf16 (CUDA default) or fp32 (CPU default)")
-    ap.add_argument("--plans", type=int, default=3, help="plans to validate (the planner's choice + Pareto points)")
+    ap.add_argument("--plans", type=int, default=3,
+                    help="plans to validate (the planner's choice + Pareto points)")
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--no-comparison", action="store_true", help="skip uniform-1 / Mobius-like runs")
@@ -68,7 +73,7 @@ def _stage(num_blocks: int) -> int:
 
 
 def _key(c: Candidate) -> str:
-    return json.dumps(c.knobs, sort_keys=True)
+    return json.dumps(c.plan.settings(), sort_keys=True)
 
 
 def grid(sizes, hw, *, seq: int, batch: int, precision: str, gpu: int, host: int) -> list[Candidate]:
@@ -80,14 +85,15 @@ def grid(sizes, hw, *, seq: int, batch: int, precision: str, gpu: int, host: int
     out = []
     for pack in packs:
         for mb in mbs:
-            for stash in ("device", "host"):
+            for stash in STASH_PLACES:
                 if stash == "host" and -(-L // pack) < 2:
                     continue
                 for w in (1, 2):
                     if w > pack and w > 1:
                         continue
-                    c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=mb, bwd_micro_batch=mb, prefetch_window=w,
-                                 stash=stash, gpus=1, seq=seq, global_batch=batch, precision=precision)
+                    plan = make_plan(L, pack_size=pack, micro_batch_size=mb, backward_micro_batch_size=mb,
+                                     num_devices=1, prefetch_window=w, stash=stash, tied=sizes.tied)
+                    c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision)
                     if c.gpu_need <= gpu and c.host_need <= host:
                         out.append(c)
     return out
@@ -95,7 +101,7 @@ def grid(sizes, hw, *, seq: int, batch: int, precision: str, gpu: int, host: int
 
 def choose(result, extra: list[Candidate], n: int) -> list[tuple[str, Candidate]]:
     """The planner's choice plus n-1 others from the Pareto front (spread from fast to lean), then
-    from the grid, each with knobs different from those already taken."""
+    from the grid, each with settings different from those already taken."""
     picked = [("planner", result.best)]
     seen = {_key(result.best)}
     front = [c for c in result.pareto if _key(c) not in seen]
@@ -113,19 +119,15 @@ def choose(result, extra: list[Candidate], n: int) -> list[tuple[str, Candidate]
     return picked
 
 
-def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, steps: int, cuda: bool, rss: RssSampler):
-    """Build an engine for ``cand``'s knobs, run warm-up + timed steps, return measurements."""
-    k = cand.knobs
-    cfg = tinypipe.Config(devices=devices, precision=precision, lr=1e-5, max_grad_norm=None,
-                          pack_size=k["pack_size"], micro_batch_size=k["micro_batch_size"],
-                          backward_micro_batch_size=k["backward_micro_batch_size"],
-                          prefetch_window=k["prefetch_window"], stash=k["stash"],
-                          device_optimizer=k.get("device_optimizer", "off"), resident_packs=k.get("resident_packs", 0))
-    out: dict = {"knobs": k, "describe": cand.describe()}
+def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, steps: int, cuda: bool,
+             rss: RssSampler):
+    """Build an engine that runs ``cand``'s plan, run warm-up + timed steps, return measurements."""
+    cfg = tinypipe.Config(devices=devices, precision=precision, lr=1e-5, max_grad_norm=None)
+    out: dict = {"settings": cand.plan.settings(), "describe": cand.describe()}
     engine = None
     try:
         t0 = time.perf_counter()
-        engine = tinypipe.Engine(model, cfg)
+        engine = tinypipe.Engine(model, cfg, plan=cand.plan)
         out["engine_init_s"] = time.perf_counter() - t0
         secs, losses = [], []
         for i in range(warmup + steps):
@@ -135,8 +137,8 @@ def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, ste
             losses.append(r.loss)
             if i >= warmup:
                 secs.append(r.seconds)
-            print(f"    step {i + 1}: {r.seconds:.3f} s  loss {r.loss:.4f}{'  (warm-up)' if i < warmup else ''}",
-                  flush=True)
+            note = "  (warm-up)" if i < warmup else ""
+            print(f"    step {i + 1}: {r.seconds:.3f} s  loss {r.loss:.4f}{note}", flush=True)
         out["steps_s"] = secs
         out["step_s"] = sum(secs) / len(secs)
         out["tokens_per_s"] = batch["input_ids"].numel() / out["step_s"]
@@ -149,7 +151,8 @@ def run_plan(model, batch, devices, precision, cand: Candidate, warmup: int, ste
             out["peak_allocated"] = torch.cuda.max_memory_allocated(devices[0])
             out["peak_reserved"] = torch.cuda.max_memory_reserved(devices[0])
         out["host_rss_peak"] = rss.peak
-    except (TinypipeError, RuntimeError, torch.OutOfMemoryError) as exc:  # record and go on with the next plan
+    except (TinypipeError, RuntimeError,
+            torch.OutOfMemoryError) as exc:  # record and go on with the next plan
         out["error"] = " ".join(str(exc).split())[:400]
         print(f"    FAILED: {out['error']}", flush=True)
         traceback.print_exc()
@@ -202,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
         host_budget = int(psutil.virtual_memory().available)
     cfg = transformers.LlamaConfig(**w.config)
     print(f"[{time.perf_counter() - t_start:6.1f} s] planning {w.name} ({w.batch} x {w.seq}, {precision}) on "
-          f"{device} ({hw.name}), GPU budget {gpu_budget / GIB:.1f} GiB, host {host_budget / GIB:.1f} GiB", flush=True)
+          f"{device} ({hw.name}), GPU budget {gpu_budget / GIB:.1f} GiB, host {host_budget / GIB:.1f} GiB",
+          flush=True)
     result = plan_for(cfg, hw, gpus=1, gpu_memory_bytes=gpu_budget, cpu_memory_bytes=host_budget, seq=w.seq,
                       global_batch=w.batch, precision=precision)
     sizes = model_sizes(cfg)
@@ -211,8 +215,8 @@ def main(argv: list[str] | None = None) -> int:
     if not a.no_comparison:
         L = sizes.num_blocks
         stage = _stage(L)
-        uniform = [c for c in fits if c.knobs["pack_size"] == 1]
-        mobius = [c for c in fits if c.knobs["pack_size"] == stage and c.knobs["prefetch_window"] == 1]
+        uniform = [c for c in fits if c.plan.pack_size == 1]
+        mobius = [c for c in fits if c.plan.pack_size == stage and c.plan.prefetch_window == 1]
         for label, pool in (("uniform-1", uniform), (f"mobius-{-(-L // stage)}x{stage}", mobius)):
             if pool:
                 runs.append((label, min(pool, key=lambda c: c.time.step_s)))
@@ -227,10 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     def predict2(c: Candidate) -> float | None:
         if hw2 is None:
             return None
-        k = c.knobs
-        return evaluate(sizes, hw2, pack_size=k["pack_size"], fwd_micro_batch=k["micro_batch_size"],
-                        bwd_micro_batch=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
-                        stash=k["stash"], gpus=1, seq=w.seq, global_batch=w.batch, precision=precision).time.step_s
+        return evaluate(sizes, hw2, c.plan, seq=w.seq, global_batch=w.batch, precision=precision).time.step_s
 
     devices = [device]
     batch = make_batch(w)
@@ -239,7 +240,8 @@ def main(argv: list[str] | None = None) -> int:
     with RssSampler() as rss:
         t0 = time.perf_counter()
         model = build_model(w)
-        print(f"[{time.perf_counter() - t_start:6.1f} s] model built ({time.perf_counter() - t0:.1f} s)", flush=True)
+        print(f"[{time.perf_counter() - t_start:6.1f} s] model built ({time.perf_counter() - t0:.1f} s)",
+              flush=True)
         for label, c in runs:
             key = _key(c)
             print(f"[{time.perf_counter() - t_start:6.1f} s] {label}: {c.describe()}", flush=True)
@@ -253,19 +255,23 @@ def main(argv: list[str] | None = None) -> int:
                          "predicted_compare_step_s": predict2(c)})
 
     # ------------------------------------------------------------------ report
-    out = {"workload": w.name, "device": device, "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
+    out = {"workload": w.name, "device": device,
+           "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
            "precision": precision, "hardware": hw.as_dict(), "gpu_budget_bytes": gpu_budget,
            "host_budget_bytes": host_budget, "warmup": a.warmup, "steps": a.steps, "torch": torch.__version__,
-           "compare_hardware": hw2.as_dict() if hw2 is not None else None, "planner_best": result.best.describe(), "rows": rows, "seconds": time.perf_counter() - t_start}
-    path = a.json or (os.path.join(os.environ["OUT"], "validate_planner.json") if os.environ.get("OUT") else None)
+           "compare_hardware": hw2.as_dict() if hw2 is not None else None,
+           "planner_best": result.best.describe(), "rows": rows, "seconds": time.perf_counter() - t_start}
+    path = a.json or (os.path.join(os.environ["OUT"],
+                                   "validate_planner.json") if os.environ.get("OUT") else None)
     if path:
         with open(path, "w") as f:
             json.dump(out, f, indent=1, default=str)
         print(f"wrote {path}")
     print(f"\n=== planner validation: {w.name} ({w.batch} x {w.seq}, {precision}) on {out['device_name']}, "
           f"budget {gpu_budget / GIB:.0f} GiB ===")
-    print("| plan | knobs | pred s/step | meas s/step | err | pred tok/s | meas tok/s | pred peak alloc | "
-          "meas peak alloc | err | pred need (w/ headroom) | meas peak reserved | err | pred act | meas act |")
+    print("| plan | settings | pred s/step | meas s/step | err | pred tok/s | meas tok/s | pred peak alloc "
+          "| meas peak alloc | err | pred need (w/ headroom) | meas peak reserved | err | pred act "
+          "| meas act |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         p, m = r["predicted"], r["measured"]

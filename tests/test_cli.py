@@ -13,6 +13,7 @@ import transformers
 from _data_helpers import CORPUS, make_tokenizer, write_jsonl
 from tinypipe import cli
 from tinypipe.errors import TinypipeError
+from tinypipe.schedule.plan import Plan, make_plan
 from tinypipe.train import model_io
 from tinypipe.train.corpus import demo_corpus_path
 from tinypipe.train.loop import lr_at, plot_metrics, read_metrics
@@ -44,6 +45,21 @@ def data_file(tmp_path: Path) -> Path:
     return write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
 
 
+def captured_engines(monkeypatch: pytest.MonkeyPatch) -> list:
+    """The engines the commands build from now on (the list fills as they are made)."""
+    import tinypipe.runtime.engine as engine_module
+
+    engines: list = []
+
+    class CapturingEngine(engine_module.Engine):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            engines.append(self)
+
+    monkeypatch.setattr(engine_module, "Engine", CapturingEngine)
+    return engines
+
+
 def run_cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
     code = cli.main([str(a) for a in argv])
     captured = capsys.readouterr()
@@ -67,7 +83,8 @@ def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(capsys, "finetune", "--help")[0] == 0
     code, _, err = run_cli(capsys)  # no subcommand
     assert code == 2 and "usage:" in err
-    code, _, err = run_cli(capsys, "finetune", "--model", "m", "--data", "d", "--output", "o", "--schedule", "bogus")
+    code, _, err = run_cli(capsys, "finetune", "--model", "m", "--data", "d", "--output", "o", "--schedule",
+                           "bogus")
     assert code == 2 and "invalid choice" in err
     code, _, err = run_cli(capsys, "finetune", "--steps", "many")
     assert code == 2 and "expected an integer" in err
@@ -85,14 +102,16 @@ def test_model_dir_without_config_or_weights(capsys: pytest.CaptureFixture[str],
                                              data_file: Path, tiny_model_dir: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    code, _, err = run_cli(capsys, "finetune", "--model", empty, "--data", data_file, "--output", tmp_path / "o")
+    code, _, err = run_cli(capsys, "finetune", "--model", empty, "--data", data_file, "--output",
+                           tmp_path / "o")
     assert code == 2
     assert_one_line_error(err, "no config.json")
 
     no_weights = tmp_path / "no_weights"
     no_weights.mkdir()
     (no_weights / "config.json").write_text((tiny_model_dir / "config.json").read_text())
-    code, _, err = run_cli(capsys, "finetune", "--model", no_weights, "--data", data_file, "--output", tmp_path / "o")
+    code, _, err = run_cli(capsys, "finetune", "--model", no_weights, "--data", data_file, "--output",
+                           tmp_path / "o")
     assert code == 2
     assert_one_line_error(err, "no weights")
 
@@ -125,7 +144,8 @@ def test_malformed_data_line_names_the_line(capsys: pytest.CaptureFixture[str], 
 
 def test_bad_config_values(capsys: pytest.CaptureFixture[str], tmp_path: Path, tiny_model_dir: Path,
                            data_file: Path) -> None:
-    base = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--output", tmp_path / "out", "--devices", "cpu"]
+    base = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--output", tmp_path / "out",
+            "--devices", "cpu"]
     toml = tmp_path / "bad.toml"
     toml.write_text('lr = "fast"\n')
     code, _, err = run_cli(capsys, *base, "--config", toml)
@@ -156,9 +176,29 @@ def test_bad_config_values(capsys: pytest.CaptureFixture[str], tmp_path: Path, t
     assert_one_line_error(err, "tpu:0")
 
 
-def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str], tmp_path: Path, data_file: Path) -> None:
-    code, _, err = run_cli(capsys, "finetune", "--debug", "--model", tmp_path / "missing", "--data", data_file,
-                           "--output", tmp_path / "out")
+def test_flags_map_to_the_setting_names(tmp_path: Path) -> None:
+    """Friendly flags and config-file keys (micro_batch, gpu_memory) land on the settings' own
+    names (the Config fields), in the option table only."""
+    import dataclasses
+
+    import tinypipe
+
+    renamed = {o.key: o.dest for o in cli.FINETUNE_OPTIONS if o.key != o.dest}
+    assert renamed == {"micro_batch": "micro_batch_size", "gpu_memory": "gpu_memory_bytes",
+                       "cpu_memory": "cpu_memory_bytes"}
+    assert set(renamed.values()) <= {f.name for f in dataclasses.fields(tinypipe.Config)}
+    toml = tmp_path / "run.toml"
+    toml.write_text('micro_batch = 3\ngpu_memory = "2GiB"\npack_size = "2,1"\n')
+    assert cli._load_config_file(str(toml)) == {"micro_batch_size": 3, "gpu_memory_bytes": 2 * 1024**3,
+                                                "pack_size": [2, 1]}
+    args = cli.build_parser().parse_args(["finetune", "--micro-batch", "4", "--cpu-memory", "1GiB"])
+    assert args.micro_batch_size == 4 and args.cpu_memory_bytes == 1024**3
+
+
+def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str], tmp_path: Path,
+                                   data_file: Path) -> None:
+    code, _, err = run_cli(capsys, "finetune", "--debug", "--model", tmp_path / "missing", "--data",
+                           data_file, "--output", tmp_path / "out")
     assert code == 2
     assert "Traceback" in err and err.rstrip().splitlines()[-1].startswith("tinypipe: error:")
 
@@ -168,16 +208,7 @@ def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str], tmp_path:
 
 def test_finetune_end_to_end(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
                              tmp_path: Path, tiny_model_dir: Path, data_file: Path) -> None:
-    import tinypipe.runtime.engine as engine_module
-
-    engines: list = []
-
-    class CapturingEngine(engine_module.Engine):
-        def __init__(self, *args, **kwargs) -> None:
-            super().__init__(*args, **kwargs)
-            engines.append(self)
-
-    monkeypatch.setattr(engine_module, "Engine", CapturingEngine)
+    engines = captured_engines(monkeypatch)
     config = tmp_path / "run.toml"
     config.write_text(
         f'model = "{tiny_model_dir}"\nseq_len = 16\nglobal_batch = 4\nmicro_batch = 2\n'
@@ -259,11 +290,13 @@ def test_smollm2_missing_package_message(monkeypatch: pytest.MonkeyPatch) -> Non
 
 
 @pytest.mark.slow
-def test_demo_runs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_demo_runs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+                   tmp_path: Path) -> None:
     """The real demo (SmolLM2-135M from GGUF) for 3 steps: finite loss, outputs that load back."""
     monkeypatch.setattr(cli, "DEMO_NEW_TOKENS", 8)
     out = tmp_path / "demo"
-    code, stdout, err = run_cli(capsys, "demo", "--steps", "3", "--device", "cpu", "--output", out, "--no-progress")
+    code, stdout, err = run_cli(capsys, "demo", "--steps", "3", "--device", "cpu", "--output", out,
+                                "--no-progress")
     assert code == 0, err
     assert "sample BEFORE training" in stdout and "sample AFTER training" in stdout
     assert "host memory" in stdout
@@ -279,15 +312,16 @@ def test_demo_runs(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.Monke
     assert tok.decode(tok("The Python language")["input_ids"]) == "The Python language"
 
 
-def test_kill_then_resume_equals_uninterrupted(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch,
+def test_kill_then_resume_equals_uninterrupted(capsys: pytest.CaptureFixture[str],
+                                               monkeypatch: pytest.MonkeyPatch,
                                                tmp_path: Path, tiny_model_dir: Path, data_file: Path) -> None:
     """A run killed after its step-2 checkpoint and resumed with --resume ends with the same
     losses and the same saved weights as a run that was never interrupted."""
     import tinypipe.runtime.engine as engine_module
 
-    common = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch", "4",
-              "--micro-batch", "2", "--steps", "5", "--lr", "1e-3", "--warmup-steps", "1", "--devices", "cpu",
-              "--checkpoint-every", "2", "--max-grad-norm", "1.0", "--no-progress"]
+    common = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch",
+              "4", "--micro-batch", "2", "--steps", "5", "--lr", "1e-3", "--warmup-steps", "1", "--devices",
+              "cpu", "--checkpoint-every", "2", "--max-grad-norm", "1.0", "--no-progress"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
     code, _, err = run_cli(capsys, *common, "--output", straight)
     assert code == 0, err
@@ -328,8 +362,8 @@ def test_sigterm_writes_a_final_checkpoint_and_resume_matches(capsys: pytest.Cap
 
     import tinypipe.runtime.engine as engine_module
 
-    common = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch", "4",
-              "--micro-batch", "2", "--steps", "5", "--lr", "1e-3", "--devices", "cpu", "--no-progress"]
+    common = ["finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch",
+              "4", "--micro-batch", "2", "--steps", "5", "--lr", "1e-3", "--devices", "cpu", "--no-progress"]
     straight, stopped = tmp_path / "straight", tmp_path / "stopped"
     assert run_cli(capsys, *common, "--output", straight)[0] == 0
     real_step = engine_module.Engine.step
@@ -356,12 +390,14 @@ def test_finetune_with_a_saved_plan(capsys: pytest.CaptureFixture[str], tmp_path
     """`tinypipe plan --save-plan` output drives `finetune --plan` end to end."""
     plan_file = tmp_path / "plan.json"
     code, _, err = run_cli(capsys, "plan", "--model", tiny_model_dir, "--gpus", "1", "--gpu-memory", "1GiB",
-                           "--cpu-memory", "8GiB", "--seq-len", "16", "--global-batch", "4", "--save-plan", plan_file)
+                           "--cpu-memory", "8GiB", "--seq-len", "16", "--global-batch", "4", "--save-plan",
+                           plan_file)
     assert code == 0, err
-    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file, "--output",
-                                tmp_path / "out", "--seq-len", "16", "--global-batch", "4", "--steps", "2",
-                                "--devices", "cpu", "--plan", plan_file, "--no-progress")
+    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file,
+                                "--output", tmp_path / "out", "--seq-len", "16", "--global-batch", "4",
+                                "--steps", "2", "--devices", "cpu", "--plan", plan_file, "--no-progress")
     assert code == 0, err
+    assert f"plan: {Plan.load(plan_file).describe()}" in stdout.splitlines()
     bad = tmp_path / "bad.json"
     bad.write_text("{}")
     code, _, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file, "--output",
@@ -369,12 +405,37 @@ def test_finetune_with_a_saved_plan(capsys: pytest.CaptureFixture[str], tmp_path
     assert code == 2 and "not a tinypipe plan" in err
 
 
+def test_finetune_prints_and_runs_the_plan_file(capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch,
+                                                tmp_path: Path, tiny_model_dir: Path,
+                                                data_file: Path) -> None:
+    """`finetune --plan` with a pack of 2 blocks and unequal micro-batches: the printed plan is the
+    file's (it used to say "pack size 1"), the engine runs exactly that plan, and the plan flags
+    the file overrides leave the printed plan alone."""
+    engines = captured_engines(monkeypatch)
+    plan = make_plan(2, pack_size=2, micro_batch_size=2, backward_micro_batch_size=1, num_devices=1,
+                     prefetch_window=2, stash="device", tied=False, device_optimizer="head")
+    plan_file = tmp_path / "plan.json"
+    plan.save(plan_file)
+    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data_file,
+                                "--output", tmp_path / "out", "--seq-len", "16", "--global-batch", "4",
+                                "--steps", "1", "--devices", "cpu", "--plan", plan_file, "--micro-batch", "3",
+                                "--no-progress")
+    assert code == 0, err
+    printed = [line for line in stdout.splitlines() if line.startswith("plan: ")]
+    assert printed == ["plan: pack 2, micro-batch 2/1 (fwd/bwd), window 2, stash device, "
+                       "head stepped on the GPU"]
+    assert printed == [f"plan: {Plan.load(plan_file).describe()}"]
+    (engine,) = engines
+    assert engine.plan == plan and engine.plan_result is None
+
+
 def test_memory_budgets_are_checked_before_training(capsys: pytest.CaptureFixture[str], tmp_path: Path,
                                                     tiny_model_dir: Path, data_file: Path) -> None:
     """--cpu-memory / --gpu-memory: a plan that cannot fit stops with one line saying what it needs;
     a budget that is not a size is a usage error."""
-    base = ("finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch", "4",
-            "--steps", "1", "--no-progress", "--output")
+    base = ("finetune", "--model", tiny_model_dir, "--data", data_file, "--seq-len", "16", "--global-batch",
+            "4", "--steps", "1", "--no-progress", "--output")
     code, _, err = run_cli(capsys, *base, tmp_path / "a", "--cpu-memory", "1MiB")
     assert code == 2, err
     line = assert_one_line_error(err, "needs", "host memory", "have")
@@ -389,17 +450,19 @@ def test_finetune_with_layers_stepped_on_the_device(capsys: pytest.CaptureFixtur
                                                      tiny_model_dir: Path, data_file: Path) -> None:
     """--device-optimizer / --resident-packs reach the engine and train the same weights (CPU "device":
     the same fused AdamW, elementwise, on the same gradients -- bit-identical)."""
-    common = ["--data", str(data_file), "--model", str(tiny_model_dir), "--seq-len", "16", "--global-batch", "4",
-              "--micro-batch", "2", "--steps", "3", "--lr", "1e-3", "--devices", "cpu", "--max-grad-norm", "0.5",
-              "--no-progress"]
+    common = ["--data", str(data_file), "--model", str(tiny_model_dir), "--seq-len", "16", "--global-batch",
+              "4", "--micro-batch", "2", "--steps", "3", "--lr", "1e-3", "--devices", "cpu",
+              "--max-grad-norm", "0.5", "--no-progress"]
     code, _, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "host"))
     assert code == 0, err
     code, stdout, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "dev"),
                                 "--device-optimizer", "both", "--resident-packs", "1")
     assert code == 0, err
-    assert "both stepped on the GPU, 1 packs resident" in stdout
+    assert ("plan: pack 1, micro-batch 2/2 (fwd/bwd), window 1, stash device, both stepped on the GPU, "
+            "first 1 pack resident on the GPU") in stdout.splitlines()
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "host", dtype=torch.float32).state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dev", dtype=torch.float32).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-    code, _, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "bad"), "--device-optimizer", "gpu")
+    code, _, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "bad"),
+                           "--device-optimizer", "gpu")
     assert code == 2 and "--device-optimizer: invalid choice: 'gpu'" in err

@@ -15,9 +15,10 @@ values = st.one_of(
     st.none(), st.booleans(), st.integers(-5, 10**6), st.floats(allow_nan=True, allow_infinity=True),
     st.text(max_size=12), st.lists(st.integers(-2, 9), max_size=5), st.lists(st.text(max_size=6), max_size=3),
 )
-FIELDS = ["devices", "micro_batch_size", "backward_micro_batch_size", "pack_size", "prefetch_window", "precision",
-          "lr", "eps", "weight_decay", "max_grad_norm", "stash", "pin_memory", "head_chunk_tokens", "grad_slots",
-          "nonfinite", "host_grad_buffers", "stall_timeout_s", "optimizer_threads"]
+FIELDS = ["devices", "micro_batch_size", "backward_micro_batch_size", "pack_size", "prefetch_window",
+          "precision", "lr", "eps", "weight_decay", "max_grad_norm", "stash", "pin_memory",
+          "head_chunk_tokens", "grad_slots", "nonfinite", "host_grad_buffers", "stall_timeout_s",
+          "optimizer_threads"]
 
 
 @settings(max_examples=300, deadline=None)

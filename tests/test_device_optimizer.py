@@ -18,7 +18,8 @@ from reference import compare, randomize_biases, train_both
 LR, EPS, WD = 1e-3, 1e-6, 0.1
 
 
-def _run(family: str, cfg: dict, layers: int = 4, steps: int = 3, tied: bool | None = None) -> tinypipe.Engine:
+def _run(family: str, cfg: dict, layers: int = 4, steps: int = 3,
+         tied: bool | None = None) -> tinypipe.Engine:
     model = make_model(family, layers=layers, tied=tied)
     randomize_biases(model)
     init = {k: v.clone() for k, v in model.state_dict().items()}
@@ -51,11 +52,13 @@ def test_device_optimizer_on_several_devices(cfg: dict) -> None:
 
 
 def test_no_clipping_and_clipping_on_some_steps() -> None:
-    _run("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=3, device_optimizer="both"), steps=4).close()
+    cfg = dict(devices=["cpu"], pack_size=1, micro_batch_size=3, device_optimizer="both")
+    _run("llama", cfg, steps=4).close()
 
 
 @pytest.mark.parametrize("placement", [dict(pack_size=2, device_optimizer="both"),
-                                       dict(pack_size=1, resident_packs=2)], ids=["embed_head", "resident_packs"])
+                                       dict(pack_size=1, resident_packs=2)],
+                         ids=["embed_head", "resident_packs"])
 def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, placement: dict) -> None:
     cfg = tinypipe.Config(devices=["cpu"], micro_batch_size=2, lr=LR, max_grad_norm=0.5, **placement)
     batches = [make_batch(4, 10, seed=i) for i in range(4)]
@@ -73,7 +76,8 @@ def test_resume_from_checkpoint_equals_uninterrupted(tmp_path, placement: dict) 
     sa, sb = a.state_dict(), b_eng.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     oa, ob = a.optimizer_state(), b_eng.optimizer_state()
-    assert all(torch.equal(oa[k]["exp_avg_sq"], ob[k]["exp_avg_sq"]) and oa[k]["step"] == ob[k]["step"] for k in oa)
+    assert all(torch.equal(oa[k]["exp_avg_sq"], ob[k]["exp_avg_sq"]) and oa[k]["step"] == ob[k]["step"]
+               for k in oa)
 
 
 def test_host_edits_after_state_dict_reach_the_device() -> None:
@@ -85,7 +89,8 @@ def test_host_edits_after_state_dict_reach_the_device() -> None:
     with torch.no_grad():
         eng.state_dict()[key].zero_()
     r = eng.step(make_batch(4, 8, seed=1))
-    ref = tinypipe.Engine(make_model("llama"), tinypipe.Config(devices=["cpu"], pack_size=2, micro_batch_size=2, lr=LR))
+    ref = tinypipe.Engine(make_model("llama"),
+                          tinypipe.Config(devices=["cpu"], pack_size=2, micro_batch_size=2, lr=LR))
     ref.step(make_batch(4, 8))
     with torch.no_grad():
         ref.state_dict()[key].zero_()
@@ -111,7 +116,7 @@ def test_nonfinite_skip_leaves_device_layers_unchanged() -> None:
             assert torch.equal(moments[k][0], v["exp_avg"]) and moments[k][1] == v["step"], k
 
 
-# ------------------------------------------------------------------ resident packs (blocks kept on the device)
+# ------------------------------------------------------------ resident packs (blocks kept on the device)
 
 @pytest.mark.parametrize("family,tied", [("llama", False), ("gpt2", True), ("qwen2", True)])
 @pytest.mark.parametrize("cfg", [
@@ -139,7 +144,7 @@ def test_resident_packs_on_several_devices() -> None:
     from tinypipe.schedule.plan import make_plan
 
     with pytest.raises(tinypipe.ConfigError, match="resident pack 0"):
-        make_plan(4, pack_size=1, fwd_micro_batch=1, bwd_micro_batch=1, num_devices=3, prefetch_window=1,
+        make_plan(4, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1, num_devices=3, prefetch_window=1,
                   stash="device", tied=False, resident_packs=1)
     _run("llama", dict(devices=["cpu"] * 3, pack_size=[1, 2, 1], micro_batch_size=2, resident_packs=1),
          layers=4, tied=False).close()

@@ -46,13 +46,16 @@ BAD_BATCHES = {
     "negative_id": ({"input_ids": torch.where(IDS == IDS[0, 0], -1, IDS)}, "vocabulary"),
     "id_equal_vocab": ({"input_ids": torch.where(IDS == IDS[0, 0], VOCAB, IDS)}, "vocabulary"),
     "too_long": ({"input_ids": torch.randint(0, VOCAB, (1, 129))}, "max_position_embeddings"),
-    "mask_wrong_shape": ({"input_ids": IDS, "attention_mask": torch.ones(2, 7, dtype=torch.long)}, "attention_mask"),
-    "mask_transposed": ({"input_ids": IDS, "attention_mask": torch.ones(8, 2, dtype=torch.long)}, "attention_mask"),
+    "mask_wrong_shape": ({"input_ids": IDS, "attention_mask": torch.ones(2, 7, dtype=torch.long)},
+                         "attention_mask"),
+    "mask_transposed": ({"input_ids": IDS, "attention_mask": torch.ones(8, 2, dtype=torch.long)},
+                        "attention_mask"),
     "labels_wrong_shape": ({"input_ids": IDS, "labels": IDS[:, :4]}, "labels"),
     "labels_1d": ({"input_ids": IDS, "labels": IDS.flatten()}, "labels"),
     "labels_out_of_vocab": ({"input_ids": IDS, "labels": IDS + VOCAB}, "vocabulary"),
     "all_labels_ignored": ({"input_ids": IDS, "labels": torch.full_like(IDS, -100)}, "labelled"),
-    "only_first_label": ({"input_ids": IDS, "labels": torch.cat([IDS[:, :1], torch.full_like(IDS[:, 1:], -100)], 1)},
+    "only_first_label": ({"input_ids": IDS,
+                          "labels": torch.cat([IDS[:, :1], torch.full_like(IDS[:, 1:], -100)], 1)},
                          "labelled"),  # the first token predicts nothing: no labelled targets remain
     "fully_masked": ({"input_ids": IDS, "attention_mask": torch.zeros_like(IDS)}, "labelled"),
     "single_token": ({"input_ids": IDS[:, :1]}, "too small"),
@@ -195,8 +198,9 @@ def test_writes_through_state_dict_reach_the_model() -> None:
 # ---------------------------------------------------------------------------------- unsupported
 
 def _bert_config(**kw: object) -> transformers.BertConfig:
-    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                                   intermediate_size=64, max_position_embeddings=64, **kw)
+    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                   num_attention_heads=4, intermediate_size=64, max_position_embeddings=64,
+                                   **kw)
 
 
 UNSUPPORTED = {
@@ -210,7 +214,8 @@ UNSUPPORTED = {
     "bert_masked_lm": (lambda: transformers.BertForMaskedLM(_bert_config()), ["input_ids"]),
     # encoder-decoder
     "t5": (lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
-        vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)), ["T5", "encoder-decoder"]),
+        vocab_size=VOCAB, d_model=32, d_ff=64, num_layers=2, num_heads=4, d_kv=8)),
+        ["T5", "encoder-decoder"]),
     # a head transform the fused head does not implement
     "gemma2_softcap": (lambda: transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
@@ -287,7 +292,8 @@ def test_fault_in_any_task_raises_worker_error(kind: Kind, devices: int) -> None
     assert "boom" in msg and target in msg and task.lane in msg, msg
     assert isinstance(info.value.__cause__, RuntimeError)
     assert eng.step_count == 0
-    assert not [t for t in threading.enumerate() if t.name.startswith("tinypipe-")], "lane threads left running"
+    lanes = [t for t in threading.enumerate() if t.name.startswith("tinypipe-")]
+    assert not lanes, "lane threads left running"
 
     # the engine stays usable: a clean step completes and is sane
     eng.fault = None
@@ -442,12 +448,14 @@ POISON = "model.layers.1.mlp.down_proj.weight"
 
 
 def _poisoned(policy: str, **kw: object) -> tuple[tinypipe.Engine, dict, dict]:
-    eng = tinypipe.Engine(make_model("llama"), tinypipe.Config(nonfinite=policy, lr=1e-3, micro_batch_size=2, **kw))
+    eng = tinypipe.Engine(make_model("llama"),
+                          tinypipe.Config(nonfinite=policy, lr=1e-3, micro_batch_size=2, **kw))
     eng.step(make_batch(4, 8, seed=0))  # moments exist: the rollback has something to preserve
     with torch.no_grad():
         eng.state_dict()[POISON][0, 0] = float("inf")
     weights = {k: v.clone() for k, v in eng.state_dict().items()}
-    moments = {k: (v["exp_avg"].clone(), v["exp_avg_sq"].clone(), v["step"]) for k, v in eng.optimizer_state().items()}
+    moments = {k: (v["exp_avg"].clone(), v["exp_avg_sq"].clone(), v["step"])
+               for k, v in eng.optimizer_state().items()}
     return eng, weights, moments
 
 
@@ -496,7 +504,8 @@ def _grad_inf_engine() -> tuple[tinypipe.Engine, dict, dict]:
     eng = tinypipe.Engine(make_model("llama"), tinypipe.Config(nonfinite="skip", lr=1e-3, micro_batch_size=2))
     eng.step(make_batch(4, 8, seed=0))
     weights = {k: v.clone() for k, v in eng.state_dict().items()}
-    moments = {k: (v["exp_avg"].clone(), v["exp_avg_sq"].clone(), v["step"]) for k, v in eng.optimizer_state().items()}
+    moments = {k: (v["exp_avg"].clone(), v["exp_avg_sq"].clone(), v["step"])
+               for k, v in eng.optimizer_state().items()}
     eng.fault = _inject_grad_inf(eng)
     return eng, weights, moments
 
@@ -504,7 +513,8 @@ def _grad_inf_engine() -> tuple[tinypipe.Engine, dict, dict]:
 def test_nonfinite_gradient_skip_rolls_back_closely() -> None:
     eng, weights, moments = _grad_inf_engine()
     r = eng.step(make_batch(4, 8, seed=1))
-    assert r.skipped and torch.isfinite(torch.tensor(r.loss)) and not torch.isfinite(torch.tensor(r.grad_norm))
+    assert r.skipped and torch.isfinite(torch.tensor(r.loss))
+    assert not torch.isfinite(torch.tensor(r.grad_norm))
     assert [s.step for s in eng.store.layers] == [1] * len(eng.store.layers)
     for k, v in eng.state_dict().items():
         torch.testing.assert_close(v, weights[k], rtol=0, atol=1e-7)
@@ -609,7 +619,8 @@ def test_step_traffic_counts_each_gradient_once_and_the_host_stash() -> None:
     from tinypipe.runtime.traffic import step_traffic
 
     model = make_model("llama", layers=4)
-    engine = tinypipe.Engine(model, tinypipe.Config(devices=["cpu"], pack_size=1, micro_batch_size=2, stash="host"))
+    engine = tinypipe.Engine(model,
+                             tinypipe.Config(devices=["cpu"], pack_size=1, micro_batch_size=2, stash="host"))
     B, S, H = 4, 8, int(model.config.hidden_size)
     sched = engine.schedule_for(B)
     t = step_traffic(sched, engine.store, S, H, 4, 4)

@@ -55,12 +55,12 @@ def test_tied_and_untied_embeddings(family: str, tied: bool) -> None:
 
 MULTI = {
     "n2_layerwise": dict(devices=["cpu"] * 2, pack_size=1, micro_batch_size=2, backward_micro_batch_size=3),
-    "n3_uneven": dict(devices=["cpu"] * 3, pack_size=[1, 3, 2], micro_batch_size=1, backward_micro_batch_size=2,
-                      max_grad_norm=0.5),
+    "n3_uneven": dict(devices=["cpu"] * 3, pack_size=[1, 3, 2], micro_batch_size=1,
+                      backward_micro_batch_size=2, max_grad_norm=0.5),
     "n4_packs2_host_stash": dict(devices=["cpu"] * 4, pack_size=2, micro_batch_size=3, prefetch_window=2,
                                  stash="host"),
-    "n2_packs3_clip_idle": dict(devices=["cpu"] * 2, pack_size=3, micro_batch_size=2, backward_micro_batch_size=1,
-                                max_grad_norm=100.0),
+    "n2_packs3_clip_idle": dict(devices=["cpu"] * 2, pack_size=3, micro_batch_size=2,
+                                backward_micro_batch_size=1, max_grad_norm=100.0),
     "n3_layerwise_window0": dict(devices=["cpu"] * 3, pack_size=1, micro_batch_size=2, prefetch_window=0),
     "n4_packs4": dict(devices=["cpu"] * 4, pack_size=[2, 4], micro_batch_size=5, backward_micro_batch_size=2),
 }
@@ -79,7 +79,8 @@ def test_clipping_triggers_on_some_steps_only() -> None:
     ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
     norms = sorted(ref.grad_norms)
     threshold = (norms[0] + norms[-1]) / 2
-    run_both("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=threshold), pad=False)
+    run_both("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=threshold),
+             pad=False)
 
 
 def test_late_clip_rolls_back_speculative_steps_exactly() -> None:
@@ -89,18 +90,18 @@ def test_late_clip_rolls_back_speculative_steps_exactly() -> None:
     model = make_model("llama")
     batches = [make_batch(BATCH, SEQ, seed=i) for i in range(STEPS)]
     ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
-    run_both("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=0.99 * ref.grad_norms[0]),
-             pad=False)
+    late = 0.99 * ref.grad_norms[0]
+    run_both("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=late), pad=False)
 
 
 def test_adamw_undo_inverts_the_step() -> None:
-    from tinypipe.runtime.optimizer import CpuAdamW
+    from tinypipe.runtime.optim.adamw import ChunkedAdamW
 
     class S:  # the LayerState fields the optimizer touches
         pass
 
     g = torch.Generator().manual_seed(0)
-    opt = CpuAdamW(1e-3, (0.9, 0.999), 1e-8, 0.1)
+    opt = ChunkedAdamW(1e-3, (0.9, 0.999), 1e-8, 0.1)
     s = S()
     s.master, s.exp_avg, s.exp_avg_sq = torch.randn(1000, generator=g), torch.empty(1000), torch.empty(1000)
     for step in range(1, 6):

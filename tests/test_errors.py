@@ -17,8 +17,8 @@ import transformers
 from _data_helpers import CORPUS, make_tokenizer, write_jsonl
 from test_cli import assert_one_line_error, data_file, run_cli, tiny_model_dir  # noqa: F401 - fixtures
 from tinypipe.memory import budget
+from tinypipe.runtime import build as build_module
 from tinypipe.runtime import checkpoint as ckpt_module
-from tinypipe.runtime import engine as engine_module
 from tinypipe.train.loop import read_metrics
 
 
@@ -112,7 +112,7 @@ def test_device_memory_budget_nothing_fits(capsys, monkeypatch, tmp_path: Path, 
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB. GPU 0 has a total capacity "
                                      "of 23.6 GiB of which 1.2 GiB is free.\nOf the allocated memory ...")
 
-    monkeypatch.setattr(engine_module, "DevicePool", no_room)
+    monkeypatch.setattr(build_module, "DevicePool", no_room)
     _fails(capsys, _base(tiny_model_dir, data_file, tmp_path / "o"), "device cpu: out of memory", "tinypipe plan")
 
 

@@ -30,7 +30,8 @@ def test_cuda_fp32_matches_pytorch(family: str, cfg: dict) -> None:
     randomize_biases(model)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [make_batch(5, 12, seed=i, pad=i == 1) for i in range(3)]
-    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=cfg.get("max_grad_norm"))
+    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD,
+                          max_grad_norm=cfg.get("max_grad_norm"))
     with tinypipe.Engine(model, tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, **cfg)) as engine:
         results = [engine.step(b) for b in batches]
         for r, loss in zip(results, ref.losses):
@@ -56,8 +57,9 @@ def test_compiling_blocks_starts_no_worker_processes() -> None:
 def test_cuda_bf16_loss_falls() -> None:
     model = make_model("llama", layers=4)
     batch = make_batch(8, 32, seed=0)
-    with tinypipe.Engine(model, tinypipe.Config(devices=["cuda:0"], precision="bf16", lr=3e-3, micro_batch_size=2,
-                                                pack_size=2, stash="host")) as engine:
+    cfg = tinypipe.Config(devices=["cuda:0"], precision="bf16", lr=3e-3, micro_batch_size=2, pack_size=2,
+                          stash="host")
+    with tinypipe.Engine(model, cfg) as engine:
         losses = [engine.step(batch).loss for _ in range(8)]
         report = engine.memory_report()
     assert all(torch.isfinite(torch.tensor(losses)))

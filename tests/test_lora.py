@@ -22,7 +22,7 @@ import transformers
 import tinypipe
 from model_zoo import make_batch, make_model
 from reference import compare, train_both
-from tinypipe.lora import LoraSettings, apply_lora, default_targets, save_merged
+from tinypipe.lora import LoraSettings, apply_lora, default_targets, merged_tensors, save_merged
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
 BATCH, SEQ, STEPS = 5, 12, 3
@@ -184,6 +184,23 @@ def test_adapter_and_merged_round_trip(family: str, tmp_path: Path) -> None:
     want = reference.state_dict()
     for k, v in merged.state_dict().items():
         torch.testing.assert_close(v, want[k], rtol=1e-6, atol=1e-7, msg=k)
+    engine.close()
+
+
+def test_save_merged_right_after_a_step_writes_the_final_weights(tmp_path: Path) -> None:
+    """Resident packs are stepped on their device and clipping defers work past the step: the host
+    copy is final only after synchronize(), which save_merged must do itself."""
+    pm = lora_model("llama", layers=4)
+    engine = tinypipe.Engine(pm, tinypipe.Config(**CONFIGS["resident_packs_clip"], lr=1e-2))
+    for i in range(2):
+        engine.step(make_batch(BATCH, SEQ, seed=i))
+    merged_dir = save_merged(engine, tmp_path / "merged")  # nothing read the engine before
+    engine.synchronize()
+    want = dict(merged_tensors(pm, engine.store))
+    got = transformers.AutoModelForCausalLM.from_pretrained(merged_dir, dtype=torch.float32).state_dict()
+    assert "model.layers.0.self_attn.q_proj.weight" in got
+    for k, v in got.items():
+        torch.testing.assert_close(v, want[k], rtol=0, atol=0, msg=k)
     engine.close()
 
 

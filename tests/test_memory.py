@@ -45,7 +45,8 @@ def test_memory_report_is_byte_exact(family: str, name: str) -> None:
     eng = tinypipe.Engine(model, cfg)
     dec, plan = eng.decomposition, eng.plan
     flat = sum(layer.numel for layer in dec.layers)
-    assert n_params <= flat <= n_params + 64 * sum(len(layer.params) for layer in dec.layers)  # alignment only
+    # alignment only
+    assert n_params <= flat <= n_params + 64 * sum(len(layer.params) for layer in dec.layers)
     B, S = 5, 9
     eng.step(make_batch(B, S, seed=1))
     rep = eng.memory_report()
@@ -56,7 +57,9 @@ def test_memory_report_is_byte_exact(family: str, name: str) -> None:
     assert host["master_weights"] == sum(s.master.numel() * s.master.element_size() for s in eng.store.layers)
     slot_numel = max(layer.numel for layer in dec.blocks)
     chunk = min(max(slot_numel, 1 << 16), 1 << 25)
-    buffers = cfg.host_grad_buffers if cfg.host_grad_buffers is not None else max(3, -(-2 * slot_numel // chunk) + 1)
+    buffers = max(3, -(-2 * slot_numel // chunk) + 1)
+    if cfg.host_grad_buffers is not None:
+        buffers = cfg.host_grad_buffers
     retains = cfg.max_grad_norm is not None or cfg.nonfinite == "skip"
     # retained gradients are downloaded straight into their own page-locked buffers: no pool then
     assert host["pinned_grad_pool"] == (0 if retains else len(cfg.devices) * buffers * chunk * 4)
@@ -73,11 +76,13 @@ def test_memory_report_is_byte_exact(family: str, name: str) -> None:
     for i, d in enumerate(eng.devices):
         cats = rep.devices[f"{i}:cpu"]
         has_packs = i in plan.fwd_device or i in plan.bwd_device
-        resident = (dec.embed.numel if i == plan.embed_device else 0) + (dec.head.numel if i == plan.head_device else 0)
+        resident = ((dec.embed.numel if i == plan.embed_device else 0)
+                    + (dec.head.numel if i == plan.head_device else 0))
         expect = {
             "resident_layers": resident * es,
             "layer_slots": (plan.param_slots() * slot_numel * es) if has_packs else 0,
-            "gradient_accumulators": ((plan.grad_slot_count() * slot_numel if has_packs else 0) + resident) * 4,
+            "gradient_accumulators": ((plan.grad_slot_count() * slot_numel if has_packs else 0)
+                                      + resident) * 4,
             "staging": 0,  # only CUDA devices in bf16 stage fp32 uploads
         }
         assert cats == expect, (i, cats, expect)
@@ -115,9 +120,9 @@ _RSS_WORKER = textwrap.dedent(
     import tinypipe
 
     torch.manual_seed(0)
-    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=768, intermediate_size=2048, num_hidden_layers=7,
-                                   num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=256,
-                                   tie_word_embeddings=True)
+    cfg = transformers.LlamaConfig(vocab_size=8000, hidden_size=768, intermediate_size=2048,
+                                   num_hidden_layers=7, num_attention_heads=12, num_key_value_heads=12,
+                                   max_position_embeddings=256, tie_word_embeddings=True)
     cfg._attn_implementation = "sdpa"
     model = transformers.LlamaForCausalLM(cfg).eval()
     n = sum(p.numel() for p in model.parameters())
@@ -125,7 +130,8 @@ _RSS_WORKER = textwrap.dedent(
     proc = psutil.Process()
     gc.collect()
     before = proc.memory_info().rss
-    engine = tinypipe.Engine(model, tinypipe.Config(devices=["cpu"], precision="fp32", max_grad_norm=None, lr=1e-4))
+    engine = tinypipe.Engine(model, tinypipe.Config(devices=["cpu"], precision="fp32", max_grad_norm=None,
+                                                    lr=1e-4))
     gc.collect()
     built = proc.memory_info().rss
     t0 = time.perf_counter()
@@ -146,7 +152,8 @@ def test_host_rss_budget_56m_params() -> None:
     Runs in a fresh interpreter so memory freed by earlier tests cannot hide growth.
     """
     env = dict(os.environ, HF_HUB_OFFLINE="1", TRANSFORMERS_VERBOSITY="error")
-    proc = subprocess.run([sys.executable, "-c", _RSS_WORKER], capture_output=True, text=True, timeout=150, env=env)
+    proc = subprocess.run([sys.executable, "-c", _RSS_WORKER], capture_output=True, text=True, timeout=150,
+                          env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     n = out["params"]

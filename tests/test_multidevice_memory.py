@@ -56,5 +56,8 @@ def test_host_store_is_shared_across_devices() -> None:
         pools = host["pinned_grad_pool"] + row["device"]
         assert row["grown"] <= store + pools + 192 * 2**20, (n, row)  # + activations, allocator slack
     # going from 1 to 4 devices adds the extra pools, never another copy of the store
-    extra = (rows[4]["host"]["pinned_grad_pool"] + rows[4]["device"]) - (one["host"]["pinned_grad_pool"] + one["device"])
+    def pools_of(row: dict) -> int:
+        return row["host"]["pinned_grad_pool"] + row["device"]
+
+    extra = pools_of(rows[4]) - pools_of(one)
     assert rows[4]["grown"] - one["grown"] <= extra + store // 4

@@ -27,7 +27,7 @@ from tinypipe.planner import (
     plan_for,
     predict_step_time,
 )
-from tinypipe.planner import cli_plan
+from tinypipe.cli import plan as cli_plan
 from tinypipe.planner.estimate import activation_peaks
 from tinypipe.planner.options import pack_options, stash_options
 from tinypipe.schedule.builder import build_schedule
@@ -65,8 +65,8 @@ def test_sizes_of_a_model_directory(tmp_path) -> None:
 PUBLIC_PARAMS = {
     "llama-2-7b": 6.738, "llama-2-13b": 13.016, "llama-2-70b": 68.977, "llama-3.1-8b": 8.030,
     "llama-3.1-70b": 70.554, "llama-3.2-1b": 1.236, "llama-3.2-3b": 3.213, "qwen2.5-7b": 7.616,
-    "qwen2.5-14b": 14.770, "qwen2.5-32b": 32.764, "qwen2.5-72b": 72.706, "qwen3-8b": 8.191, "qwen3-32b": 32.762,
-    "mistral-7b": 7.242, "gpt2-xl": 1.558, "opt-13b": 12.853, "opt-30b": 29.975,
+    "qwen2.5-14b": 14.770, "qwen2.5-32b": 32.764, "qwen2.5-72b": 72.706, "qwen3-8b": 8.191,
+    "qwen3-32b": 32.762, "mistral-7b": 7.242, "gpt2-xl": 1.558, "opt-13b": 12.853, "opt-30b": 29.975,
 }
 
 
@@ -106,15 +106,17 @@ def test_preset_details() -> None:
 
 ENGINE_CASES = {
     "fp32_pack1_device": dict(devices=["cpu"], pack_size=1, precision="fp32", stash="device"),
-    "bf16_pack2_host_w2": dict(devices=["cpu"], pack_size=2, precision="bf16", stash="host", prefetch_window=2),
+    "bf16_pack2_host_w2": dict(devices=["cpu"], pack_size=2, precision="bf16", stash="host",
+                               prefetch_window=2),
     "n2_pack1_host_clip": dict(devices=["cpu", "cpu"], pack_size=1, stash="host", max_grad_norm=1.0),
-    "n2_uneven_mixed_stash": dict(devices=["cpu", "cpu"], pack_size=[1, 3], stash=["device", "host", "device"],
+    "n2_uneven_mixed_stash": dict(devices=["cpu", "cpu"], pack_size=[1, 3], stash=["device", "host",
+                                                                                   "device"],
                                   precision="bf16", host_grad_buffers=2),
     "embed_on_device_clip": dict(devices=["cpu"], pack_size=2, device_optimizer="embed", max_grad_norm=1.0),
     "n2_both_on_device_clip": dict(devices=["cpu", "cpu"], pack_size=1, stash="host", device_optimizer="both",
                                    max_grad_norm=1.0),
-    "resident_packs_clip": dict(devices=["cpu"], pack_size=[1, 2, 1], resident_packs=2, device_optimizer="embed",
-                                stash="host", precision="bf16", max_grad_norm=1.0),
+    "resident_packs_clip": dict(devices=["cpu"], pack_size=[1, 2, 1], resident_packs=2,
+                                device_optimizer="embed", stash="host", precision="bf16", max_grad_norm=1.0),
 }
 
 
@@ -129,7 +131,8 @@ def test_static_memory_equals_engine(family: str, case: str) -> None:
     B, S = 5, 9
     engine.step(make_batch(B, S, seed=1))
     real = engine.memory_report()
-    est = estimate_memory(sizes, engine.plan, batch=B, seq=S, precision=cfg.precision, devices=list(cfg.devices),
+    est = estimate_memory(sizes, engine.plan, batch=B, seq=S, precision=cfg.precision,
+                          devices=list(cfg.devices),
                           host_grad_buffers=cfg.host_grad_buffers, max_grad_norm=cfg.max_grad_norm)
     assert est.host == real.host
     assert set(est.devices) == set(real.devices)
@@ -142,8 +145,8 @@ def test_static_memory_equals_engine(family: str, case: str) -> None:
 
 def test_cuda_staging_counted_in_bf16_only() -> None:
     sizes = model_sizes(load_model_config("llama-3.2-1b"))
-    plan = make_plan(sizes.num_blocks, pack_size=2, fwd_micro_batch=1, bwd_micro_batch=1, num_devices=1,
-                     prefetch_window=1, stash="host", tied=sizes.tied)
+    plan = make_plan(sizes.num_blocks, pack_size=2, micro_batch_size=1, backward_micro_batch_size=1,
+                     num_devices=1, prefetch_window=1, stash="host", tied=sizes.tied)
     bf16 = estimate_memory(sizes, plan, batch=2, seq=64, precision="bf16", devices=["cuda:0"])
     fp32 = estimate_memory(sizes, plan, batch=2, seq=64, precision="fp32", devices=["cuda:0"])
     assert bf16.devices["0:cuda:0"]["staging"] == min(sizes.slot_numel, 32 * 2**20) * 4
@@ -182,8 +185,8 @@ def runtime_of_the_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_calibration_points(row: tuple) -> None:
     workload, pack, mb, stash, peak_gib, act_gb, static_gb, step_s = row
     sizes = model_sizes(transformers.LlamaConfig(**(W1 if workload == "W1" else W3)))
-    plan = make_plan(sizes.num_blocks, pack_size=pack, fwd_micro_batch=mb, bwd_micro_batch=mb, num_devices=1,
-                     prefetch_window=2, stash=stash, tied=sizes.tied)
+    plan = make_plan(sizes.num_blocks, pack_size=pack, micro_batch_size=mb, backward_micro_batch_size=mb,
+                     num_devices=1, prefetch_window=2, stash=stash, tied=sizes.tied)
     rep = estimate_memory(sizes, plan, batch=16, seq=2048, precision="bf16", devices=["cuda:0"])
     static = rep.device_total("0:cuda:0")
     act = rep.devices["0:cuda:0"]["activations_peak"]
@@ -202,8 +205,8 @@ def test_calibration_points(row: tuple) -> None:
 def test_two_device_calibration() -> None:
     """W1 on two H200s (pack 2, mb 4, host stash): 3.56 / 3.09 GB activations, 1.94 s/step."""
     sizes = model_sizes(transformers.LlamaConfig(**W1))
-    plan = make_plan(sizes.num_blocks, pack_size=2, fwd_micro_batch=4, bwd_micro_batch=4, num_devices=2,
-                     prefetch_window=2, stash="host", tied=sizes.tied)
+    plan = make_plan(sizes.num_blocks, pack_size=2, micro_batch_size=4, backward_micro_batch_size=4,
+                     num_devices=2, prefetch_window=2, stash="host", tied=sizes.tied)
     peaks = activation_peaks(sizes, plan, batch=16, seq=2048, precision="bf16", devices=["cuda:0", "cuda:1"])
     assert peaks[0] / 1e9 == pytest.approx(3.56, rel=0.15)
     assert peaks[1] / 1e9 == pytest.approx(3.09, rel=0.15)
@@ -232,19 +235,20 @@ def test_search_choices_build_valid_schedules() -> None:
     assert times == sorted(times) and needs == sorted(needs, reverse=True)
     for c in result.pareto[:4]:
         validate(build_schedule(c.plan, 16, result.sizes.tied))
-    cfg = tinypipe.Config(**result.config_kwargs())  # the knobs are Config fields; no GPU is touched
-    again = make_plan(result.sizes.num_blocks, pack_size=cfg.pack_size, fwd_micro_batch=cfg.micro_batch_size,
-                      bwd_micro_batch=cfg.bwd_micro_batch_size, num_devices=len(cfg.devices),
-                      prefetch_window=cfg.prefetch_window, stash=cfg.stash, tied=result.sizes.tied,
-                      device_optimizer=cfg.device_optimizer)
+    cfg = tinypipe.Config(**result.config_kwargs())  # the plan's settings are Config fields; no GPU touched
+    again = make_plan(result.sizes.num_blocks, num_devices=len(cfg.devices), tied=result.sizes.tied,
+                      **cfg.plan_settings())
     assert again == result.best.plan
+    for c in result.pareto:  # every plan's settings rebuild it
+        assert make_plan(result.sizes.num_blocks, num_devices=2, tied=result.sizes.tied,
+                         **c.plan.settings()) == c.plan
 
 
 def test_best_plan_runs_in_the_engine() -> None:
     """A plan chosen for a tiny model is accepted by the engine and its static bytes are exact."""
     model = make_model("llama", layers=4)
-    result = plan_for(model.config, "rtx4090-pcie4", gpus=1, gpu_memory_bytes=1 * GIB, cpu_memory_bytes=8 * GIB,
-                      seq=16, global_batch=4)
+    result = plan_for(model.config, "rtx4090-pcie4", gpus=1, gpu_memory_bytes=1 * GIB,
+                      cpu_memory_bytes=8 * GIB, seq=16, global_batch=4)
     kw = result.config_kwargs()
     kw.update(devices=["cpu"], precision="fp32")
     engine = tinypipe.Engine(model, tinypipe.Config(**kw))
@@ -258,8 +262,8 @@ def test_enumeration_covers_uneven_packs_and_stash_prefixes() -> None:
     assert 1 in opts and 8 in opts and (1, 3, 3, 3) in opts and (2, 4, 4) in opts
     assert all(sum(o) == 10 for o in opts if isinstance(o, tuple))
     st = stash_options(8)
-    assert "device" in st and "host" in st and ("device", "host", "host", "device", "device", "device", "device",
-                                                "device", "device") in st
+    assert "device" in st and "host" in st and ("device", "host", "host", "device", "device", "device",
+                                                "device", "device", "device") in st
 
 
 def test_too_little_host_memory_names_the_need() -> None:
@@ -269,8 +273,8 @@ def test_too_little_host_memory_names_the_need() -> None:
 
 def test_too_little_gpu_memory_names_the_need() -> None:
     with pytest.raises(PlanDoesNotFitError, match=r"needs \d+\.\d GiB GPU memory per device.*have 4\.0 GiB"):
-        plan_for("llama-3.1-8b", "rtx4090-pcie4", gpus=1, gpu_memory_bytes=4 * GIB, cpu_memory_bytes=512 * GIB,
-                 seq=2048, global_batch=8)
+        plan_for("llama-3.1-8b", "rtx4090-pcie4", gpus=1, gpu_memory_bytes=4 * GIB,
+                 cpu_memory_bytes=512 * GIB, seq=2048, global_batch=8)
 
 
 def test_spare_gpu_memory_goes_to_resident_packs() -> None:
@@ -278,10 +282,10 @@ def test_spare_gpu_memory_goes_to_resident_packs() -> None:
     planner keeps packs resident (and stepped) on the GPU; with a tight GPU it cannot."""
     kw = dict(gpus=1, cpu_memory_bytes=64 * GIB, seq=512, global_batch=4)
     roomy = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, **kw)
-    assert roomy.best.knobs["resident_packs"] == roomy.best.plan.num_packs  # the whole model stays
+    assert roomy.best.plan.resident_packs == roomy.best.plan.num_packs  # the whole model stays
     assert roomy.best.memory.host["gradient_buffers"] == 0
     tight = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=6 * GIB, **kw)
-    assert tight.best.knobs["resident_packs"] < tight.best.plan.num_packs
+    assert tight.best.plan.resident_packs < tight.best.plan.num_packs
     off = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, resident_packs=0, **kw)
     assert off.best.time.step_s > roomy.best.time.step_s
 
@@ -308,7 +312,8 @@ def test_sizes_and_hardware_files(tmp_path) -> None:
     for bad in ("24 furlongs", "-3GiB", "", "GiB"):
         with pytest.raises(ConfigError):
             parse_bytes(bad)
-    assert {"h200-pcie5", "rtx4090-pcie4", "rtx3090-pcie4", "a5000", "l40s", "a100-40g-pcie4"} <= set(HARDWARE)
+    assert {"h200-pcie5", "rtx4090-pcie4", "rtx3090-pcie4", "a5000", "l40s",
+            "a100-40g-pcie4"} <= set(HARDWARE)
     assert load_hardware("H200-PCIe5").h2d_gbs == 55.5
     f = tmp_path / "box.json"
     f.write_text(json.dumps(dict(gpu_memory="48GiB", h2d_gbs=25, d2h_gbs=25, bidir_gbs=45, bf16_tflops=150,
@@ -320,6 +325,35 @@ def test_sizes_and_hardware_files(tmp_path) -> None:
         load_hardware(str(f))
     with pytest.raises(ConfigError, match="presets: h200-pcie5"):
         load_hardware("tpu-v9")
+
+
+def test_plan_settings_description_and_old_files() -> None:
+    """A plan gives back the settings that rebuild it, describes itself in one line, and loads
+    from the JSON that older versions wrote (fwd_micro_batch / bwd_micro_batch keys)."""
+    uneven = make_plan(6, pack_size=[1, 3, 2], micro_batch_size=2, backward_micro_batch_size=1, num_devices=2,
+                       prefetch_window=2, stash=["device", "host", "device", "device"], tied=False,
+                       device_optimizer="embed", resident_packs=1, grad_slots=5)
+    uniform = make_plan(5, pack_size=2, micro_batch_size=4, backward_micro_batch_size=4, num_devices=1,
+                        prefetch_window=1, stash="host", tied=True)
+    assert uneven.settings() == dict(pack_size=(1, 3, 2), micro_batch_size=2, backward_micro_batch_size=1,
+                                     prefetch_window=2, stash=("device", "host", "device", "device"),
+                                     grad_slots=5, device_optimizer="embed", resident_packs=1)
+    assert uniform.settings() == dict(pack_size=2, micro_batch_size=4, backward_micro_batch_size=4,
+                                      prefetch_window=1, stash="host", device_optimizer="off",
+                                      resident_packs=0)
+    assert make_plan(6, num_devices=2, tied=False, **uneven.settings()) == uneven
+    assert make_plan(5, num_devices=1, tied=True, **uniform.settings()) == uniform
+    assert uneven.describe() == ("pack [1,3,2], micro-batch 2/1 (fwd/bwd), window 2, stash host x1, "
+                                 "device x3, embed stepped on the GPU, first 1 pack resident on the GPU")
+    assert uniform.describe() == "pack 2, micro-batch 4/4 (fwd/bwd), window 1, stash host"
+    for plan in (uneven, uniform):
+        assert tinypipe.schedule.plan.Plan.from_json(plan.to_json()) == plan
+        old = plan.as_dict()
+        old["fwd_micro_batch"] = old.pop("micro_batch_size")
+        old["bwd_micro_batch"] = old.pop("backward_micro_batch_size")
+        assert tinypipe.schedule.plan.Plan.from_json(json.dumps(old)) == plan
+    with pytest.raises(ConfigError, match="stash"):
+        make_plan(5, num_devices=1, tied=True, **dict(uniform.settings(), stash="disk"))
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -334,8 +368,8 @@ def _args(**kw) -> argparse.Namespace:
 
 
 def test_cli_exit_codes(capsys, tmp_path) -> None:
-    ok = _args(model="llama-3.2-1b", gpus=1, gpu_memory="24GiB", cpu_memory="64GiB", seq_len=1024, global_batch=8,
-               hardware="rtx4090-pcie4", save_plan=tmp_path / "plan.json")
+    ok = _args(model="llama-3.2-1b", gpus=1, gpu_memory="24GiB", cpu_memory="64GiB", seq_len=1024,
+               global_batch=8, hardware="rtx4090-pcie4", save_plan=tmp_path / "plan.json")
     assert ok.func is cli_plan.run
     assert cli_plan.run(ok) == 0
     out = capsys.readouterr().out
@@ -394,8 +428,8 @@ def test_lora_static_memory_equals_engine(family: str, case: str) -> None:
     B, S = 5, 9
     engine.step(make_batch(B, S, seed=1))
     real = engine.memory_report()
-    est = estimate_memory(sizes, engine.plan, batch=B, seq=S, precision=cfg.precision, devices=list(cfg.devices),
-                          max_grad_norm=cfg.max_grad_norm)
+    est = estimate_memory(sizes, engine.plan, batch=B, seq=S, precision=cfg.precision,
+                          devices=list(cfg.devices), max_grad_norm=cfg.max_grad_norm)
     assert est.host == real.host
     for name, cats in real.devices.items():
         assert {k: v for k, v in est.devices[name].items() if not k.endswith("_peak")} == cats, name
@@ -421,7 +455,8 @@ def test_engine_plans_a_peft_model_with_its_adapters() -> None:
 
     model = apply_lora(make_model("llama", layers=4), LoraSettings(rank=4, targets=["q_proj", "v_proj"]))
     engine = tinypipe.Engine(model, tinypipe.Config(devices=["cpu"], seq_len=16, global_batch=4))
-    assert engine.plan_result is not None and engine.plan_result.sizes.lora.startswith("LoRA rank 4 on q_proj,v_proj")
+    assert engine.plan_result is not None
+    assert engine.plan_result.sizes.lora.startswith("LoRA rank 4 on q_proj,v_proj")
     assert engine.plan_result.sizes.train_total == sum(s.spec.train_numel for s in engine.store.layers)
     engine.step(make_batch(4, 16, seed=0))
     engine.close()

@@ -15,11 +15,12 @@ import tinypipe
 from model_zoo import make_batch, make_model
 from tinypipe import cli
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.planner.auto import configure
+from tinypipe.planner.auto import resolve_plan
 from tinypipe.planner.hardware import HARDWARE, load_hardware
 from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
 from tinypipe.planner.search import evaluate, plan_for
 from tinypipe.planner.sizes import model_sizes
+from tinypipe.schedule.plan import make_plan
 
 GIB = 1024**3
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,25 +55,32 @@ def test_layer_profile_reproduces_and_interpolates() -> None:
 
 
 def test_cost_model_uses_measured_times() -> None:
-    sizes = model_sizes(transformers.LlamaConfig(hidden_size=3072, num_hidden_layers=28, intermediate_size=8192,
-                                                 num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+    sizes = model_sizes(transformers.LlamaConfig(hidden_size=3072, num_hidden_layers=28,
+                                                 intermediate_size=8192,
+                                                 num_attention_heads=24, num_key_value_heads=8,
+                                                 vocab_size=128256,
                                                  tie_word_embeddings=True, max_position_embeddings=8192))
     base = HARDWARE["h200-pcie5"]
-    kw = dict(pack_size=2, fwd_micro_batch=4, bwd_micro_batch=4, prefetch_window=2, stash="host", gpus=1, seq=2048,
-              global_batch=16, precision="bf16")
+    plan = make_plan(sizes.num_blocks, pack_size=2, micro_batch_size=4, backward_micro_batch_size=4,
+                     num_devices=1, prefetch_window=2, stash="host", tied=sizes.tied)
+    kw = dict(seq=2048, global_batch=16, precision="bf16")
     from dataclasses import replace
 
-    fast = evaluate(sizes, replace(base, layer_profile=_synthetic(1.0)), **kw).time
-    slow = evaluate(sizes, replace(base, layer_profile=_synthetic(4.0)), **kw).time
+    fast = evaluate(sizes, replace(base, layer_profile=_synthetic(1.0)), plan, **kw).time
+    slow = evaluate(sizes, replace(base, layer_profile=_synthetic(4.0)), plan, **kw).time
     assert slow.compute_s == pytest.approx(4 * fast.compute_s, rel=0.05)  # 4x slower blocks and head
-    other = evaluate(sizes, replace(base, layer_profile=replace(_synthetic(4.0), precision="fp32")), **kw).time
-    assert other.compute_s == pytest.approx(evaluate(sizes, base, **kw).time.compute_s)  # other precision: FLOPs
+    other = evaluate(sizes, replace(base, layer_profile=replace(_synthetic(4.0), precision="fp32")), plan,
+                     **kw).time
+    assert other.compute_s == pytest.approx(evaluate(sizes, base, plan,
+                                                     **kw).time.compute_s)  # other precision: FLOPs
 
 
 def test_profile_command_on_cpu_feeds_plan(tmp_path: Path, capsys) -> None:
     model_dir = tmp_path / "tiny"
-    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4, num_attention_heads=4,
-                             num_key_value_heads=2, vocab_size=512, max_position_embeddings=128).save_pretrained(model_dir)
+    transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                             num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=512,
+                             max_position_embeddings=128).save_pretrained(model_dir)
     out = tmp_path / "profile.json"
     rc = cli.main(["profile", "--device", "cpu", "--model", str(model_dir), "--seq-lens", "16,32",
                    "--micro-batches", "1,2", "--reps", "1", "--output", str(out)])
@@ -83,25 +91,28 @@ def test_profile_command_on_cpu_feeds_plan(tmp_path: Path, capsys) -> None:
     assert d["h2d_gbs"] > 0 and d["cpu_adamw_gparams_s"] > 0 and d["model"]["block_param_bytes"] > 0
     hw = load_hardware(str(out))
     assert hw.layer_profile is not None and hw.layer_profile.precision == "fp32"
-    result = plan_for(str(model_dir), str(out), gpus=1, gpu_memory_bytes=GIB, cpu_memory_bytes=8 * GIB, seq=32,
-                      global_batch=4, precision="fp32")
+    result = plan_for(str(model_dir), str(out), gpus=1, gpu_memory_bytes=GIB, cpu_memory_bytes=8 * GIB,
+                      seq=32, global_batch=4, precision="fp32")
     assert any("measured per-layer" in n for n in result.notes)
     # the predicted compute of a one-block-per-pack plan is built from the measured block times
     p = hw.layer_profile
-    c = evaluate(result.sizes, hw, pack_size=1, fwd_micro_batch=2, bwd_micro_batch=2, prefetch_window=1,
-                 stash="device", gpus=1, seq=32, global_batch=4, precision="fp32")
+    plan = make_plan(result.sizes.num_blocks, pack_size=1, micro_batch_size=2, backward_micro_batch_size=2,
+                     num_devices=1, prefetch_window=1, stash="device", tied=result.sizes.tied)
+    c = evaluate(result.sizes, hw, plan, seq=32, global_batch=4, precision="fp32")
     pt = next(x for x in p.points if x.seq == 32 and x.micro_batch == 2)
     blocks = 4 * 2 * (pt.forward_s + pt.recompute_s + pt.backward_s)  # 4 blocks x 2 micro-batches
     assert c.time.compute_s > blocks
     assert c.time.compute_s < blocks + 1.0
     # plan --hardware FILE
-    assert cli.main(["plan", "--model", str(model_dir), "--hardware", str(out), "--seq-len", "32", "--global-batch",
-                     "4", "--cpu-memory", "8GiB", "--gpu-memory", "1GiB", "--precision", "fp32"]) == 0
+    assert cli.main(["plan", "--model", str(model_dir), "--hardware", str(out), "--seq-len", "32",
+                     "--global-batch", "4", "--cpu-memory", "8GiB", "--gpu-memory", "1GiB",
+                     "--precision", "fp32"]) == 0
     assert "measured per-layer" in capsys.readouterr().out
 
 
 def test_profile_bad_input_is_one_line(tmp_path: Path, capsys) -> None:
-    assert cli.main(["profile", "--device", "cpu", "--seq-lens", "0", "--output", str(tmp_path / "p.json")]) == 2
+    assert cli.main(["profile", "--device", "cpu", "--seq-lens", "0", "--output",
+                     str(tmp_path / "p.json")]) == 2
     assert "seq-lens" in capsys.readouterr().err
 
 
@@ -111,8 +122,9 @@ def test_profile_bad_input_is_one_line(tmp_path: Path, capsys) -> None:
 def test_unset_knobs_mean_automatic_plan() -> None:
     assert tinypipe.Config().auto_plan
     assert not tinypipe.Config(micro_batch_size=2).auto_plan
-    filled = tinypipe.Config(micro_batch_size=2).with_default_knobs()
-    assert (filled.pack_size, filled.micro_batch_size, filled.prefetch_window, filled.stash) == (1, 2, 1, "device")
+    filled = tinypipe.Config(micro_batch_size=2).plan_settings()
+    assert filled == dict(pack_size=1, micro_batch_size=2, backward_micro_batch_size=2, prefetch_window=1,
+                          stash="device", grad_slots=None, device_optimizer="off", resident_packs=0)
     assert tinypipe.Config(gpu_memory_bytes="2GiB").gpu_memory_bytes == 2 * GIB
     with pytest.raises(ConfigError):
         tinypipe.Config(seq_len=1)
@@ -124,9 +136,8 @@ def test_engine_plans_when_no_knob_is_set() -> None:
                           cpu_memory_bytes="16GiB", lr=1e-3)
     eng = tinypipe.Engine(model, cfg)
     assert eng.plan_result is not None
-    best = eng.plan_result.best.knobs
-    assert eng.config.micro_batch_size == best["micro_batch_size"] and not eng.config.auto_plan
-    assert eng.plan.fwd_micro_batch == best["micro_batch_size"]
+    assert eng.plan is eng.plan_result.best.plan  # the planner's plan runs as it is
+    assert eng.config is cfg and eng.config.auto_plan  # the config stays as given
     r = eng.step(make_batch(4, 16))
     assert r.loss == r.loss
     eng.close()
@@ -139,25 +150,35 @@ def test_engine_refuses_when_nothing_fits() -> None:
         tinypipe.Engine(make_model("llama", layers=4), cfg)
     assert "\n" not in str(e.value) and "GPU memory" in str(e.value)
     with pytest.raises(PlanDoesNotFitError, match="host memory"):
-        tinypipe.Engine(make_model("llama", layers=4), cfg.replace(gpu_memory_bytes=2 * GIB, cpu_memory_bytes=1024**2))
+        tinypipe.Engine(make_model("llama", layers=4), cfg.replace(gpu_memory_bytes=2 * GIB,
+                                                                   cpu_memory_bytes=1024**2))
 
 
 def test_hand_set_plan_kept_and_checked_only_with_a_workload() -> None:
     model = make_model("llama", layers=4)
+    shape = dict(num_blocks=4, tied=False)
     cfg = tinypipe.Config(devices=["cpu"], pack_size=2, micro_batch_size=2, gpu_memory_bytes=1024**2)
-    out, result = configure(model, cfg)
-    assert result is None and out.pack_size == 2 and out.micro_batch_size == 2 and out.stash == "device"
+    plan, result = resolve_plan(model, cfg, **shape)
+    assert result is None and plan.pack_size == 2 and plan.micro_batch_size == 2 and plan.stash == "device"
+    assert plan.backward_micro_batch_size == 2 and plan.packs == ((0, 1), (2, 3))
     with pytest.raises(PlanDoesNotFitError, match="this plan"):
-        configure(model, cfg.replace(seq_len=16, global_batch=4))
+        resolve_plan(model, cfg.replace(seq_len=16, global_batch=4), **shape)
+    # a plan passed in runs as it is (not checked against the budgets), if it suits the model and devices
+    assert resolve_plan(model, cfg.replace(seq_len=16, global_batch=4), plan=plan, **shape) == (plan, None)
+    with pytest.raises(ConfigError, match="plan covers 4 blocks, the model has 6"):
+        resolve_plan(model, cfg, num_blocks=6, tied=False, plan=plan)
+    with pytest.raises(ConfigError, match="plan is for 1 devices, config lists 2"):
+        resolve_plan(model, cfg.replace(devices=["cpu", "cpu"]), plan=plan, **shape)
     # no workload, CPU devices: the hand-set defaults, no planning
-    out, result = configure(model, tinypipe.Config(devices=["cpu"]))
-    assert result is None and (out.pack_size, out.micro_batch_size, out.prefetch_window) == (1, 1, 1)
+    plan, result = resolve_plan(model, tinypipe.Config(devices=["cpu"]), **shape)
+    assert result is None and (plan.pack_size, plan.micro_batch_size, plan.prefetch_window) == (1, 1, 1)
 
 
 def test_automatic_plan_on_cuda_needs_the_workload(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     with pytest.raises(ConfigError, match="seq_len"):
-        configure(make_model("llama", layers=2), tinypipe.Config(devices=["cuda:0"]))
+        resolve_plan(make_model("llama", layers=2), tinypipe.Config(devices=["cuda:0"]), num_blocks=2,
+                     tied=False)
 
 
 # --------------------------------------------------------------------------- validation script
@@ -170,8 +191,8 @@ def test_validate_planner_script_logic_on_cpu(tmp_path: Path, capsys) -> None:
     finally:
         sys.path.pop(0)
     out = tmp_path / "v.json"
-    rc = validate_planner.main(["--workload", "tiny", "--device", "cpu", "--cap-gib", "2", "--cpu-memory", "16GiB",
-                                "--plans", "3", "--warmup", "0", "--steps", "1", "--json", str(out),
+    rc = validate_planner.main(["--workload", "tiny", "--device", "cpu", "--cap-gib", "2", "--cpu-memory",
+                                "16GiB", "--plans", "3", "--warmup", "0", "--steps", "1", "--json", str(out),
                                 "--compare-hardware", "h200-pcie5", "--watchdog", "0"])
     text = capsys.readouterr().out
     assert rc == 0, text
@@ -179,7 +200,7 @@ def test_validate_planner_script_logic_on_cpu(tmp_path: Path, capsys) -> None:
     labels = [r["label"] for r in d["rows"]]
     assert labels[0] == "planner" and len(labels) == 5 and "uniform-1" in labels
     assert any(lb.startswith("mobius-") for lb in labels)
-    assert len({json.dumps(r["measured"]["knobs"], sort_keys=True) for r in d["rows"][:3]}) == 3
+    assert len({json.dumps(r["measured"]["settings"], sort_keys=True) for r in d["rows"][:3]}) == 3
     assert all(r["measured"]["step_s"] > 0 for r in d["rows"])
     assert text.rstrip().splitlines()[-1].startswith("| ")
 
@@ -193,7 +214,7 @@ def test_h200_profile_predicts_the_recorded_runs() -> None:
 
     import transformers
 
-    from tinypipe.bench.workloads import WORKLOADS
+    from tinypipe.perf.workloads import WORKLOADS
     from tinypipe.planner.hardware import load_hardware
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.sizes import model_sizes
@@ -207,10 +228,8 @@ def test_h200_profile_predicts_the_recorded_runs() -> None:
     assert len(rows) == 5
     for r in rows:
         m = r["measured"]
-        k = m["knobs"]
-        c = evaluate(sizes, hw, pack_size=k["pack_size"], fwd_micro_batch=k["micro_batch_size"],
-                     bwd_micro_batch=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
-                     stash=k["stash"], gpus=1, seq=w.seq, global_batch=w.batch)
+        plan = make_plan(sizes.num_blocks, num_devices=1, tied=sizes.tied, **m["knobs"])  # Config field names
+        c = evaluate(sizes, hw, plan, seq=w.seq, global_batch=w.batch)
         alloc = sum(c.memory.devices["0:cuda:0"].values())
         assert abs(c.time.step_s / m["step_s"] - 1) <= 0.15, (r["label"], c.time.step_s, m["step_s"])
         assert abs(alloc / m["peak_allocated"] - 1) <= 0.10, (r["label"], alloc, m["peak_allocated"])
@@ -229,7 +248,7 @@ def test_h200_profile_predicts_clipped_steps(run: str, device_optimizer: str, fi
 
     import transformers
 
-    from tinypipe.bench.workloads import WORKLOADS
+    from tinypipe.perf.workloads import WORKLOADS
     from tinypipe.planner.hardware import load_hardware
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.sizes import model_sizes
@@ -240,10 +259,14 @@ def test_h200_profile_predicts_clipped_steps(run: str, device_optimizer: str, fi
     assert cfg["max_grad_norm"] == "1.0" and cfg["device_optimizer"] == device_optimizer
     assert all(m["steps_s"][i] > 2.0 for i in range(2, len(m["steps_s"])))  # every step clipped: slow
     w = WORKLOADS["W1"]
-    c = evaluate(model_sizes(transformers.LlamaConfig(**w.config)), load_hardware(str(root / "h200_profile_w1.json")),
-                 pack_size=int(cfg["pack_size"]), fwd_micro_batch=int(cfg["micro_batch"]),
-                 bwd_micro_batch=int(cfg["micro_batch"]), prefetch_window=int(cfg["window"]), stash=cfg["stash"],
-                 gpus=1, seq=w.seq, global_batch=w.batch, max_grad_norm=1.0, device_optimizer=device_optimizer)
+    sizes = model_sizes(transformers.LlamaConfig(**w.config))
+    plan = make_plan(sizes.num_blocks, pack_size=int(cfg["pack_size"]),
+                     micro_batch_size=int(cfg["micro_batch"]),
+                     backward_micro_batch_size=int(cfg["micro_batch"]), num_devices=1,
+                     prefetch_window=int(cfg["window"]), stash=cfg["stash"], tied=sizes.tied,
+                     device_optimizer=device_optimizer)
+    c = evaluate(sizes, load_hardware(str(root / "h200_profile_w1.json")), plan, seq=w.seq,
+                 global_batch=w.batch, max_grad_norm=1.0)
     err = c.time.clipped_step_s / m["seconds_per_step"] - 1
     assert abs(err) <= (0.01 if fitted else 0.05), (run, c.time.clipped_step_s, m["seconds_per_step"])
     assert c.time.clipped_step_s > 1.3 * c.time.step_s  # clipping is the slow path

@@ -12,9 +12,10 @@ import pytest
 
 import tinypipe
 from tinypipe.schedule.builder import build_schedule
+from tinypipe.schedule.ids import HEAD, Kind, Lane, TaskId
 from tinypipe.schedule.plan import Plan, make_plan, round_robin_devices, split_packs
 from tinypipe.schedule.render import to_text
-from tinypipe.schedule.tasks import Kind, Schedule, Task
+from tinypipe.schedule.tasks import Schedule, Task
 from tinypipe.schedule.validate import validate
 
 BLOCKS = 6
@@ -23,8 +24,9 @@ MICRO = [(1, 1), (2, 2), (2, 3), (3, 1), (5, 2), (7, 7)]  # (fwd, bwd); 7 > batc
 BATCH = 5
 
 
-def plan_for(devices: int, packing, fwd: int, bwd: int, window: int, tied: bool, stash: str = "device") -> Plan:
-    return make_plan(BLOCKS, pack_size=packing, fwd_micro_batch=fwd, bwd_micro_batch=bwd, num_devices=devices,
+def plan_for(devices: int, packing, fwd: int, bwd: int, window: int, tied: bool,
+             stash: str = "device") -> Plan:
+    return make_plan(BLOCKS, pack_size=packing, micro_batch_size=fwd, backward_micro_batch_size=bwd, num_devices=devices,
                      prefetch_window=window, stash=stash, tied=tied)
 
 
@@ -49,6 +51,19 @@ def check_structure(sched: Schedule, tied: bool) -> None:
     # lanes hold only their own tasks; the global order lists every task once
     for lane, ids in sched.lanes.items():
         assert all(sched.tasks[t].lane == lane for t in ids)
+        assert str(Lane.parse(lane)) == lane
+        assert all(Lane.parse(lane).device == (None if t.kind is Kind.UPDATE else t.device)
+                   for t in map(sched.tasks.__getitem__, ids))
+    # every id is its task as data: built by schedule.ids, parsed back to the task's own fields
+    for t in sched.tasks.values():
+        ref = TaskId.parse(t.id)
+        assert str(ref) == t.id and ref.kind is t.kind, t.id
+        if ref.pack is not None:
+            assert ref.pack == t.pack, t.id
+        if ref.mb is not None:
+            assert ref.mb == t.mb, t.id
+        if ref.layer is not None:
+            assert (L + 1 if ref.layer == HEAD else ref.layer) == t.layers[0], t.id
     assert sorted(sched.order) == sorted(sched.tasks) and len(set(sched.order)) == len(sched.order)
     # slots within the configured counts; packs on their planned devices
     for t in sched.tasks.values():
@@ -63,7 +78,8 @@ def check_structure(sched: Schedule, tied: bool) -> None:
     for t in sched.tasks.values():
         if t.kind in (Kind.FWD, Kind.BWD) and t.first:
             ups = {sched.tasks[d].layers[0] for d in t.deps if sched.tasks[d].kind is Kind.UPLOAD}
-            carried = t.kind is Kind.BWD and t.pack == P - 1 and plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
+            same_device = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
+            carried = t.kind is Kind.BWD and t.pack == P - 1 and same_device
             assert carried or ups == set(t.layers), (t.id, ups)
     if tied:
         assert plan.head_device == plan.embed_device
@@ -87,7 +103,7 @@ def test_explicit_plans_validate(stash: str) -> None:
     packs = split_packs(BLOCKS, [2, 1, 3])
     for fwd_dev, bwd_dev in [((0, 0, 0), (0, 0, 0)), ((1, 0, 1), (0, 1, 0)), ((0, 1, 2), (2, 1, 0))]:
         for grad_slots in (None, 3, 5):
-            plan = Plan(packs=packs, fwd_micro_batch=2, bwd_micro_batch=3, num_devices=3, prefetch_window=1,
+            plan = Plan(packs=packs, micro_batch_size=2, backward_micro_batch_size=3, num_devices=3, prefetch_window=1,
                         stash_on_host=(False, stash == "host", stash == "host", False), fwd_device=fwd_dev,
                         bwd_device=bwd_dev, embed_device=0, head_device=2, grad_slots=grad_slots)
             sched = build_schedule(plan, BATCH, tied=False)
@@ -101,8 +117,9 @@ def test_builder_rejects_impossible_plans() -> None:
         build_schedule(dataclasses.replace(plan, head_device=1, embed_device=0), BATCH, tied=True)
     with pytest.raises(tinypipe.ConfigError, match="at least one"):
         build_schedule(plan, 0, tied=False)
+    few_grad_slots = dataclasses.replace(plan_for(1, 3, 2, 2, 1, tied=False), grad_slots=2)
     with pytest.raises(tinypipe.ConfigError, match="slots"):  # fewer gradient slots than a pack's layers
-        build_schedule(dataclasses.replace(plan_for(1, 3, 2, 2, 1, tied=False), grad_slots=2), BATCH, tied=False)
+        build_schedule(few_grad_slots, BATCH, tied=False)
 
 
 # ---------------------------------------------------------------------------------- corruption
@@ -152,7 +169,8 @@ def test_validator_rejects_two_task_cycle() -> None:
 
 
 def reusing_upload(sched: Schedule) -> Task:
-    return next(sched.tasks[t] for t in sched.order if sched.tasks[t].kind is Kind.UPLOAD and sched.tasks[t].deps)
+    tasks = (sched.tasks[t] for t in sched.order)
+    return next(t for t in tasks if t.kind is Kind.UPLOAD and t.deps)
 
 
 def test_validator_rejects_upload_without_release_dependency() -> None:
@@ -246,7 +264,7 @@ def test_single_device_plan_places_everything_on_device_zero() -> None:
 
 @pytest.mark.parametrize("stash", ["device", "host", ["device", "host", "host", "device"]])
 def test_plan_json_round_trip(stash, tmp_path) -> None:
-    plan = make_plan(BLOCKS, pack_size=[1, 3, 2], fwd_micro_batch=2, bwd_micro_batch=3, num_devices=3,
+    plan = make_plan(BLOCKS, pack_size=[1, 3, 2], micro_batch_size=2, backward_micro_batch_size=3, num_devices=3,
                      prefetch_window=2, stash=stash, tied=False, grad_slots=4)
     text = plan.to_json()
     back = Plan.from_json(text)
@@ -262,7 +280,7 @@ def test_plan_json_round_trip(stash, tmp_path) -> None:
 
 
 def test_plan_json_defaults_round_trip() -> None:
-    plan = Plan(packs=((0, 1), (2,)), fwd_micro_batch=1, bwd_micro_batch=1)
+    plan = Plan(packs=((0, 1), (2,)), micro_batch_size=1, backward_micro_batch_size=1)
     assert Plan.from_json(plan.to_json()) == plan
 
 
@@ -271,3 +289,14 @@ def test_split_packs() -> None:
     assert split_packs(6, [1, 3, 2]) == ((0,), (1, 2, 3), (4, 5))
     with pytest.raises(tinypipe.ConfigError, match="sum to 5"):
         split_packs(6, [2, 3])
+
+
+def test_ids_and_lanes_reject_what_no_builder_makes() -> None:
+    for bad in ("fwd/1", "fwd/a/0", "up/x1/L2", "ru/L", "head/0/1", "dl/5", ""):
+        with pytest.raises(ValueError, match="not a task id"):
+            TaskId.parse(bad)
+    for bad in ("dev:compute", "devX:h2d", "host:", "gpu0:compute", "compute"):
+        with pytest.raises(ValueError, match="not a lane name"):
+            Lane.parse(bad)
+    assert Lane.parse("dev12:d2h") == Lane(12, "d2h") and str(Lane(None, "optimizer")) == "host:optimizer"
+    assert str(TaskId(Kind.UPLOAD, pack=3, layer=7, phase="b")) == "up/b3/L7"

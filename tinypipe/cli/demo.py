@@ -137,6 +137,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     engine = Engine(model, config)  # the model's parameters now view the engine's fp32 master weights
     try:
+        _say(f"plan: {engine.plan.describe()}")
         _say(f"training: {args.steps} steps x {demo_global_batch} rows x {demo_seq_len} tokens, "
              f"AdamW lr {demo_lr:g} (cosine, {min(demo_warmup, args.steps - 1)} warm-up steps)")
         metrics = out / "metrics.jsonl"

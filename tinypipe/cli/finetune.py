@@ -10,15 +10,65 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from tinypipe.cli.options import _OPTIONS_BY_DEST, _check_devices, _default_device, _positive, _resolve_settings
+from tinypipe.cli.options import (
+    _OPTIONS_BY_DEST,
+    FINETUNE_OPTIONS,
+    _check_devices,
+    _default_device,
+    _positive,
+    _resolve_settings,
+)
 from tinypipe.cli.output import PROG, _count, _loss_summary, _prepare_output, _save_outputs, _say
 from tinypipe.errors import ConfigError
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
+    """Check everything that can fail early, load the model and data, train, save."""
     s = _resolve_settings(args)
-    for name in ("global_batch", "micro_batch"):
-        _positive(name, s[name])
+    _check_settings(s)
+    config, auto = _engine_config(s)
+    lora = _lora_settings(s, config.precision)
+    plan = _plan_file(s["plan"], len(config.devices)) if s["plan"] else None
+    data_path, out = _check_inputs(s)
+
+    import torch
+
+    from tinypipe.runtime.engine import Engine
+
+    torch.manual_seed(s["seed"])
+    model, tokenizer = _load_model(s["model"], lora)
+    dataset, seq_len, steps = _load_data(s, data_path, tokenizer, model)
+    if any(d.startswith("cuda") for d in config.devices) and s["gpu_memory_bytes"]:
+        _cap_gpu_memory(config.devices, s["gpu_memory_bytes"])
+    if auto or s["gpu_memory_bytes"] or s["cpu_memory_bytes"]:  # plan for (or check the plan against) it
+        config = config.replace(seq_len=seq_len, global_batch=s["global_batch"])
+    engine = Engine(model, config, plan=plan)
+    try:
+        _say(_plan_line(engine))
+        _say(f"training: {steps} steps on {', '.join(config.devices)} ({config.precision}), lr {s['lr']:g} "
+             f"({s['schedule']}, {s['warmup_steps']} warm-up steps)")
+        records = _train(engine, dataset, steps, s, out, progress=not args.no_progress)
+        if records is None:
+            return 130
+        # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
+        quantized = lora is not None and lora.quant_spec is not None
+        metrics, png = _save(engine, tokenizer, records, out, merge=s["merge"],
+                             merged_dtype=torch.bfloat16 if quantized else torch.float32)
+    finally:
+        engine.close()
+    what = "LoRA adapter (PeftModel.from_pretrained loads it)" if lora is not None else "model"
+    _say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; plots -> {png} , "
+         f"{out / 'timeline.png'}")
+    if s["merge"]:
+        _say(f"saved: merged model + tokenizer -> {out / 'merged'}/ "
+             "(AutoModelForCausalLM.from_pretrained loads it)")
+    return 0
+
+
+def _check_settings(s: dict[str, Any]) -> None:
+    """Values the option parsers accept but the run cannot use (one-line ConfigError)."""
+    for name in ("global_batch", "micro_batch_size"):
+        _positive(_OPTIONS_BY_DEST[name].key, s[name])
     _positive("seq_len", s["seq_len"], 2)
     _positive("steps", s["steps"])
     _positive("warmup_steps", s["warmup_steps"], 0)
@@ -26,83 +76,95 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         raise ConfigError(f"epochs must be > 0, got {s['epochs']}")
     if not 0.0 <= s["min_lr_ratio"] <= 1.0:
         raise ConfigError(f"min_lr_ratio must be in [0, 1], got {s['min_lr_ratio']}")
-    for key in ("schedule", "precision", "device_optimizer"):
-        choices = _OPTIONS_BY_DEST[key].choices
-        if s[key] is not None and choices and s[key] not in choices:
-            raise ConfigError(f"{key} must be one of {', '.join(choices)}, got {s[key]!r}")
+    for o in FINETUNE_OPTIONS:
+        if o.choices and s[o.dest] is not None and s[o.dest] not in o.choices:
+            raise ConfigError(f"{o.key} must be one of {', '.join(o.choices)}, got {s[o.dest]!r}")
+
+
+def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
+    """The engine's Config from the settings, and whether the engine plans for itself (CUDA, no
+    packing flag, no --plan; on cpu unset packing flags take the hand-set defaults)."""
     from tinypipe.config import Config
 
     devices = s["devices"] or [_default_device()]
-    precision = s["precision"] or ("bf16" if any(d.startswith("cuda") for d in devices) else "fp32")
-    lora = _lora_settings(s, precision)
     cuda = any(d.startswith("cuda") for d in devices)
-    # on CUDA with no packing flags (and no --plan) the engine plans for itself; on cpu the defaults
-    auto = cuda and s["micro_batch"] is None and s["pack_size"] is None and not s["plan"]
+    auto = cuda and s["micro_batch_size"] is None and s["pack_size"] is None and not s["plan"]
     config = Config(
         devices=devices,
-        micro_batch_size=None if auto else (s["micro_batch"] or 1),
+        micro_batch_size=None if auto else (s["micro_batch_size"] or 1),
         pack_size=None if auto else (s["pack_size"] or 1),
-        precision=precision,
+        precision=s["precision"] or ("bf16" if cuda else "fp32"),
         lr=s["lr"],
         weight_decay=s["weight_decay"],
         max_grad_norm=s["max_grad_norm"],
         device_optimizer=s["device_optimizer"],
         resident_packs=s["resident_packs"],
-        gpu_memory_bytes=s["gpu_memory"],
-        cpu_memory_bytes=s["cpu_memory"],
+        gpu_memory_bytes=s["gpu_memory_bytes"],
+        cpu_memory_bytes=s["cpu_memory_bytes"],
     )
     _check_devices(config.devices)
-    plan = None
-    if s["plan"]:
-        from tinypipe.schedule.plan import Plan
+    return config, auto
 
-        try:
-            plan = Plan.load(Path(s["plan"]).expanduser())
-        except (OSError, ValueError, TypeError, KeyError) as exc:
-            raise ConfigError(f"{s['plan']}: not a tinypipe plan ({exc})") from None
-        if plan.num_devices != len(config.devices):
-            raise ConfigError(f"{s['plan']}: plan is for {plan.num_devices} device(s), --devices lists {len(config.devices)}")
-        config = config.replace(micro_batch_size=plan.fwd_micro_batch, backward_micro_batch_size=plan.bwd_micro_batch,
-                                prefetch_window=plan.prefetch_window)
+
+def _plan_file(path: str, num_devices: int) -> Any:
+    """The plan saved by ``tinypipe plan --save-plan`` (it overrides the packing flags)."""
+    from tinypipe.schedule.plan import Plan
+
+    try:
+        plan = Plan.load(Path(path).expanduser())
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{path}: not a tinypipe plan ({exc})") from None
+    if plan.num_devices != num_devices:
+        raise ConfigError(f"{path}: plan is for {plan.num_devices} device(s), --devices lists {num_devices}")
+    return plan
+
+
+def _check_inputs(s: dict[str, Any]) -> tuple[Path, Path]:
+    """A wrong model path, malformed data or an unwritable output fails now, before the model
+    loads. Returns the data path and the output directory."""
     from tinypipe.train.data import read_records
     from tinypipe.train.model_io import resolve_model_path
 
-    resolve_model_path(s["model"])  # a wrong path fails now, not after other work
+    resolve_model_path(s["model"])
     data_path = Path(s["data"]).expanduser()
+    read_records(data_path, skip_bad_lines=s["skip_bad_lines"])
+    return data_path, _prepare_output(s["output"])
 
-    read_records(data_path, skip_bad_lines=s["skip_bad_lines"])  # malformed data fails before the model loads
-    out = _prepare_output(s["output"])
 
-    import torch
-
-    from tinypipe.runtime.engine import Engine
-    from tinypipe.train.data import load_dataset
-    from tinypipe.train.loop import TrainingInterrupted, read_metrics, train
+def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
+    """The model (with LoRA adapters when ``lora`` is given) and its tokenizer, reported."""
     from tinypipe.train.model_io import load_model
 
-    torch.manual_seed(s["seed"])
     t0 = time.perf_counter()
     quant = lora.quant_spec if lora is not None else None
-    model, tokenizer = load_model(s["model"], quantize=quant)
+    model, tokenizer = load_model(path, quantize=quant)
     n_params = sum(p.numel() for p in model.parameters())
     if quant is not None:  # QLoRA: count the quantized weights' dense elements, not their bytes
         from tinypipe.quant.model import dense_param_count
 
         n_params = dense_param_count(model)
-    _say(f"model: {s['model']} ({type(model).__name__}, {_count(n_params)} parameters) "
+    _say(f"model: {path} ({type(model).__name__}, {_count(n_params)} parameters) "
          f"loaded in {time.perf_counter() - t0:.1f} s")
-    if lora is not None:
-        from tinypipe.lora import apply_lora
+    if lora is None:
+        return model, tokenizer
+    from tinypipe.lora import apply_lora
 
-        model = apply_lora(model, lora)
-        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        cfg = model.peft_config[model.active_adapter]
-        _say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
-             f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
-             + (f" over a {quant.label} base" if quant is not None else ""))
-        if lora.dropout > 0:
-            _say(f"LoRA: dropout {lora.dropout:g} is recorded in adapter_config.json but not applied while "
-                 "training (tinypipe runs modules in eval mode so the backward recomputation is exact)")
+    model = apply_lora(model, lora)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    cfg = model.peft_config[model.active_adapter]
+    _say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
+         f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
+         + (f" over a {quant.label} base" if quant is not None else ""))
+    if lora.dropout > 0:
+        _say(f"LoRA: dropout {lora.dropout:g} is recorded in adapter_config.json but not applied while "
+             "training (tinypipe runs modules in eval mode so the backward recomputation is exact)")
+    return model, tokenizer
+
+
+def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -> tuple[Any, int, int]:
+    """The tokenized dataset, the sequence length and the number of optimizer steps, reported."""
+    from tinypipe.train.data import load_dataset
+
     max_pos = getattr(model.config, "max_position_embeddings", None)
     seq_len = s["seq_len"] or min(1024, int(max_pos or 1024))
     if max_pos is not None and seq_len > int(max_pos):
@@ -118,63 +180,70 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     _say(f"data: {data_path} ({stats.format}, {stats.records} records, {stats.tokens} tokens -> "
          f"{stats.rows} rows of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
          + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
+    return dataset, seq_len, steps
 
-    if cuda and s["gpu_memory"]:
-        _cap_gpu_memory(config.devices, s["gpu_memory"])
-    if auto or s["gpu_memory"] or s["cpu_memory"]:  # plan for (or check the plan against) the workload
-        config = config.replace(seq_len=seq_len, global_batch=s["global_batch"])
-    engine = Engine(model, config, plan=plan)
-    config = engine.config  # with the planner's knobs
+
+def _train(engine: Any, dataset: Any, steps: int, s: dict[str, Any], out: Path,
+           progress: bool) -> list | None:
+    """Train (from the checkpoint with --resume) and return the whole run's metrics records; None
+    when a signal stopped it (a final checkpoint was written)."""
+    from tinypipe.train.loop import TrainingInterrupted, read_metrics, train
+
+    metrics = out / "metrics.jsonl"
+    ckpt_dir = out / "checkpoint"
+    start = _resume(engine, s, ckpt_dir, metrics) if s["resume"] else 0
     try:
-        if engine.plan_result is not None:
-            best = engine.plan_result.best
-            _say(f"plan: {best.describe()}; predicted {best.time.tokens_per_s:,.0f} tokens/s, "
-                 f"{best.gpu_need / 2**30:.1f} GiB per GPU (tinypipe plan shows the alternatives)")
-        _say(f"training: {steps} steps on {', '.join(config.devices)} ({precision}), lr {s['lr']:g} "
-             f"({s['schedule']}, {s['warmup_steps']} warm-up steps), pack size {config.pack_size}, "
-             f"micro-batch {config.micro_batch_size}"
-             + (f", {config.device_optimizer} stepped on the GPU" if config.device_optimizer not in (None, "off") else "")
-             + (f", {config.resident_packs} packs resident" if config.resident_packs else ""))
-        metrics = out / "metrics.jsonl"
-        ckpt_dir = out / "checkpoint"
-        start = 0
-        if s["resume"]:
-            extra = engine.load_checkpoint(ckpt_dir)
-            if extra.get("seed") != s["seed"] or extra.get("global_batch") != s["global_batch"]:
-                raise ConfigError(f"{ckpt_dir}: checkpoint was made with another --seed/--global-batch")
-            start = int(extra["step"])
-            _say(f"resuming at step {start} from {ckpt_dir}")
-            if metrics.exists():  # drop lines of steps after the checkpoint (they will be redone)
-                kept = [r for r in read_metrics(metrics) if r["step"] <= start]
-                metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        try:
-            records = train(
-                engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
-                warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
-                seed=s["seed"], log_path=metrics, progress=not args.no_progress, append=bool(s["resume"]),
-                start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"],
-            )
-        except TrainingInterrupted as stop:
-            print(f"{PROG}: {stop}; continue with the same command plus --resume", file=sys.stderr, flush=True)
-            return 130
-        if s["resume"]:
-            records = read_metrics(metrics)  # the whole run's curve, not just the resumed part
-        _say(_loss_summary(records))
-        _say(engine.memory_report().to_text())
-        metrics, png = _save_outputs(engine, tokenizer, records, out)
-        if s["merge"]:
-            from tinypipe.lora import save_merged
+        records = train(
+            engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
+            warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
+            seed=s["seed"], log_path=metrics, progress=progress, append=bool(s["resume"]),
+            start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"],
+        )
+    except TrainingInterrupted as stop:
+        print(f"{PROG}: {stop}; continue with the same command plus --resume", file=sys.stderr, flush=True)
+        return None
+    return read_metrics(metrics) if s["resume"] else records  # resumed: the whole run's curve
 
-            # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
-            save_merged(engine, out / "merged", dtype=torch.bfloat16 if quant is not None else torch.float32)
-            tokenizer.save_pretrained(str(out / "merged"))
-    finally:
-        engine.close()
-    what = "LoRA adapter (PeftModel.from_pretrained loads it)" if lora is not None else "model"
-    _say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; plots -> {png} , {out / 'timeline.png'}")
-    if s["merge"]:
-        _say(f"saved: merged model + tokenizer -> {out / 'merged'}/ (AutoModelForCausalLM.from_pretrained loads it)")
-    return 0
+
+def _resume(engine: Any, s: dict[str, Any], ckpt_dir: Path, metrics: Path) -> int:
+    """Load the checkpoint (made with the same seed and global batch) and drop the metrics lines
+    of steps after it (they will be redone); returns the step to continue from."""
+    from tinypipe.train.loop import read_metrics
+
+    extra = engine.load_checkpoint(ckpt_dir)
+    if extra.get("seed") != s["seed"] or extra.get("global_batch") != s["global_batch"]:
+        raise ConfigError(f"{ckpt_dir}: checkpoint was made with another --seed/--global-batch")
+    start = int(extra["step"])
+    _say(f"resuming at step {start} from {ckpt_dir}")
+    if metrics.exists():
+        kept = [r for r in read_metrics(metrics) if r["step"] <= start]
+        metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
+    return start
+
+
+def _save(engine: Any, tokenizer: Any, records: list, out: Path, merge: bool,
+          merged_dtype: Any = None) -> tuple[Path, Path]:
+    """Report the run, save the model (or adapter), tokenizer and plots, and with ``merge`` the
+    merged model (in ``merged_dtype``, default fp32); returns the metrics and loss-plot paths."""
+    _say(_loss_summary(records))
+    _say(engine.memory_report().to_text())
+    metrics, png = _save_outputs(engine, tokenizer, records, out)
+    if merge:
+        from tinypipe.lora import save_merged
+
+        save_merged(engine, out / "merged", dtype=merged_dtype)
+        tokenizer.save_pretrained(str(out / "merged"))
+    return metrics, png
+
+
+def _plan_line(engine: Any) -> str:
+    """``plan: ...``: what the engine runs (``engine.plan``), and what the planner predicted for it."""
+    line = f"plan: {engine.plan.describe()}"
+    if engine.plan_result is not None:
+        best = engine.plan_result.best
+        line += (f"; predicted {best.time.tokens_per_s:,.0f} tokens/s, {best.gpu_need / 2**30:.1f} GiB "
+                 "per GPU (tinypipe plan shows the alternatives)")
+    return line
 
 
 def _lora_settings(s: dict[str, Any], precision: str = "fp32") -> Any:

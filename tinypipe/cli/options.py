@@ -14,7 +14,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PRECISIONS
 from tinypipe.errors import ConfigError
+from tinypipe.train.loop import SCHEDULES
+from tinypipe.units import parse_bytes
+
 
 def _int(text: Any) -> int:
     if isinstance(text, bool):
@@ -81,8 +85,6 @@ def _names(value: Any) -> list[str]:
 
 
 def _size(value: Any) -> int:
-    from tinypipe.planner.hardware import parse_bytes
-
     try:
         return parse_bytes(value if isinstance(value, (int, float)) else _str(value))
     except ConfigError as exc:
@@ -102,7 +104,11 @@ def _bool(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class Option:
-    """One ``finetune`` setting: a ``--flag`` and the same key (underscores) in a config file."""
+    """One ``finetune`` setting: a ``--flag`` and the same key (underscores) in a config file.
+
+    ``field`` is the setting's own name (the :class:`tinypipe.Config` / :class:`~tinypipe.schedule.plan.Plan`
+    field) where the friendlier flag differs from it: this table is the one place flags map to
+    names. The resolved settings and argparse use that name (:attr:`dest`)."""
 
     name: str
     parse: Callable[[Any], Any]
@@ -111,53 +117,82 @@ class Option:
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
     flag: bool = False  # a store_true switch
+    field: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The config-file key: the flag's name with underscores."""
+        return self.name.replace("-", "_")
 
     @property
     def dest(self) -> str:
-        return self.name.replace("-", "_")
+        """The setting's name: its Config / Plan field, else :attr:`key`."""
+        return self.field or self.key
 
 
 FINETUNE_OPTIONS: tuple[Option, ...] = (
-    Option("model", _str, None, "Hugging Face model directory (config.json + safetensors) or a .gguf file", "PATH"),
-    Option("data", _str, None, "training data: .jsonl (text, prompt/completion or chat messages) or .txt", "FILE"),
-    Option("output", _str, None, "directory for the fine-tuned model, tokenizer, metrics.jsonl, loss.png and timeline.png", "DIR"),
-    Option("seq-len", _int, None, "tokens per training row (default: min(1024, the model's max positions))", "N"),
+    Option("model", _str, None, "Hugging Face model directory (config.json + safetensors) or a .gguf file",
+           "PATH"),
+    Option("data", _str, None, "training data: .jsonl (text, prompt/completion or chat messages) or .txt",
+           "FILE"),
+    Option("output", _str, None, "directory for the fine-tuned model, tokenizer, metrics.jsonl, loss.png "
+           "and timeline.png", "DIR"),
+    Option("seq-len", _int, None, "tokens per training row (default: min(1024, the model's max positions))",
+           "N"),
     Option("global-batch", _int, 8, "rows per optimizer step (default: 8)", "N"),
-    Option("micro-batch", _int, None, "rows per micro-batch on a device; bigger is faster and needs more device memory (default: the planner's choice on CUDA, 1 on cpu)", "N"),
-    Option("pack-size", _pack_size, None, "decoder blocks per pack, or a list like 4,4,2 (default: the planner's choice on CUDA, 1 on cpu)", "N"),
-    Option("gpu-memory", _size, None, "memory budget per GPU, e.g. 24GiB: the plan must fit it and the process is capped to it (default: the GPU's)", "SIZE"),
-    Option("cpu-memory", _size, None, "host memory budget, e.g. 100GiB: the plan must fit it (default: the available RAM)", "SIZE"),
+    Option("micro-batch", _int, None, "rows per micro-batch on a device; bigger is faster and needs more "
+           "device memory (default: the planner's choice on CUDA, 1 on cpu)", "N", field="micro_batch_size"),
+    Option("pack-size", _pack_size, None, "decoder blocks per pack, or a list like 4,4,2 (default: the "
+           "planner's choice on CUDA, 1 on cpu)", "N"),
+    Option("gpu-memory", _size, None, "memory budget per GPU, e.g. 24GiB: the plan must fit it and the "
+           "process is capped to it (default: the GPU's)", "SIZE", field="gpu_memory_bytes"),
+    Option("cpu-memory", _size, None, "host memory budget, e.g. 100GiB: the plan must fit it (default: the "
+           "available RAM)", "SIZE", field="cpu_memory_bytes"),
     Option("steps", _int, None, "optimizer steps (default: as many as --epochs takes)", "N"),
     Option("epochs", _float, None, "passes over the data when --steps is not given (default: 1)", "X"),
     Option("lr", _float, 1e-5, "peak learning rate (default: 1e-5)", "LR"),
     Option("warmup-steps", _int, 0, "linear warm-up steps (default: 0)", "N"),
-    Option("schedule", _str, "cosine", "learning-rate decay after warm-up (default: cosine)", None,
-           ("cosine", "linear", "constant")),
+    Option("schedule", _str, "cosine", "learning-rate decay after warm-up (default: cosine)",
+           None, SCHEDULES),
     Option("min-lr-ratio", _float, 0.1, "final learning rate as a fraction of --lr (default: 0.1)", "X"),
     Option("weight-decay", _float, 0.0, "AdamW weight decay (default: 0)", "X"),
-    Option("device-optimizer", _str, None, "keep the embedding's / head's AdamW state on the GPU and step it there: 12 bytes/parameter of GPU memory, less link traffic and no host AdamW tail (default: the planner's choice on CUDA, off on cpu)", None,
-           ("off", "embed", "head", "both")),
-    Option("resident-packs", _int, None, "keep the first N packs on the GPU for the whole run, stepped there: 18 bytes/parameter of GPU memory (bf16), no swapping or host AdamW for them (default: the planner's choice on CUDA, 0 on cpu)", "N"),
-    Option("max-grad-norm", _optional_float, None, "clip the global gradient norm to this (default: off; costs one fp32 gradient copy in host memory)", "X"),
+    Option("device-optimizer", _str, None, "keep the embedding's / head's AdamW state on the GPU and step "
+           "it there: 12 bytes/parameter of GPU memory, less link traffic and no host AdamW tail (default: "
+           "the planner's choice on CUDA, off on cpu)", None, DEVICE_OPTIMIZER_CHOICES),
+    Option("resident-packs", _int, None, "keep the first N packs on the GPU for the whole run, stepped "
+           "there: 18 bytes/parameter of GPU memory (bf16), no swapping or host AdamW for them (default: "
+           "the planner's choice on CUDA, 0 on cpu)", "N"),
+    Option("max-grad-norm", _optional_float, None, "clip the global gradient norm to this (default: off; "
+           "costs one fp32 gradient copy in host memory)", "X"),
     Option("seed", _int, 0, "seed for the data order (default: 0)", "N"),
-    Option("devices", _devices, None, "comma-separated devices, e.g. cuda:0,cuda:1 (default: cuda:0 if available, else cpu)", "LIST"),
-    Option("precision", _str, None, "compute precision; master weights stay fp32 (default: bf16 on CUDA, fp32 on cpu)", None,
-           ("fp32", "bf16")),
-    Option("skip-bad-lines", _bool, False, "skip malformed data lines (logged) instead of stopping", flag=True),
-    Option("plan", _str, None, "a plan from `tinypipe plan --save-plan FILE` (packs, micro-batches, placement; overrides those flags)", "FILE"),
-    Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps (default: off)", "N"),
-    Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result equals an uninterrupted run", flag=True),
-    Option("lora", _bool, False, "train LoRA adapters only (base weights frozen, kept at the compute precision); OUTPUT gets a PEFT adapter", flag=True),
+    Option("devices", _devices, None, "comma-separated devices, e.g. cuda:0,cuda:1 (default: cuda:0 if "
+           "available, else cpu)", "LIST"),
+    Option("precision", _str, None, "compute precision; master weights stay fp32 (default: bf16 on CUDA, "
+           "fp32 on cpu)", None, PRECISIONS),
+    Option("skip-bad-lines", _bool, False, "skip malformed data lines (logged) instead of stopping",
+           flag=True),
+    Option("plan", _str, None, "a plan from `tinypipe plan --save-plan FILE` (packs, micro-batches, "
+           "placement; overrides those flags)", "FILE"),
+    Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps "
+           "(default: off)", "N"),
+    Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result "
+           "equals an uninterrupted run", flag=True),
+    Option("lora", _bool, False, "train LoRA adapters only (base weights frozen, kept at the compute "
+           "precision); OUTPUT gets a PEFT adapter", flag=True),
     Option("lora-rank", _int, None, "LoRA rank r (default: 8)", "R"),
     Option("lora-alpha", _float, None, "LoRA alpha; updates are scaled by alpha/rank (default: 16)", "X"),
-    Option("lora-dropout", _float, None, "LoRA dropout written to adapter_config.json; not applied while tinypipe trains (default: 0)", "P"),
-    Option("lora-targets", _names, None, "comma-separated linear layers in the decoder blocks to adapt, e.g. q_proj,v_proj (default: every attention and MLP projection)", "LIST"),
-    Option("merge", _bool, False, "with --lora: also write the merged full model to OUTPUT/merged", flag=True),
+    Option("lora-dropout", _float, None, "LoRA dropout written to adapter_config.json; not applied while "
+           "tinypipe trains (default: 0)", "P"),
+    Option("lora-targets", _names, None, "comma-separated linear layers in the decoder blocks to adapt, "
+           "e.g. q_proj,v_proj (default: every attention and MLP projection)", "LIST"),
+    Option("merge", _bool, False, "with --lora: also write the merged full model to OUTPUT/merged",
+           flag=True),
     Option("quantize", _str, None, "with --lora: QLoRA -- quantize the frozen base's block linears with "
            "bitsandbytes while loading (nf4/fp4: ~0.53 byte/param with double quantization, int8: ~1)",
            "nf4|fp4|int8"),
 )
 _OPTIONS_BY_DEST = {o.dest: o for o in FINETUNE_OPTIONS}
+_OPTIONS_BY_KEY = {o.key: o for o in FINETUNE_OPTIONS}
 
 
 def _load_config_file(path: str) -> dict[str, Any]:
@@ -177,7 +212,8 @@ def _load_config_file(path: str) -> dict[str, Any]:
             try:
                 import tomli as tomllib  # type: ignore[no-redef]
             except ModuleNotFoundError:
-                raise ConfigError(f"{p}: reading TOML on Python 3.10 needs `pip install tomli` (or use YAML)") from None
+                raise ConfigError(f"{p}: reading TOML on Python 3.10 needs `pip install tomli` "
+                                  "(or use YAML)") from None
         try:
             data = tomllib.loads(raw.decode("utf-8"))
         except (UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
@@ -197,18 +233,18 @@ def _load_config_file(path: str) -> dict[str, Any]:
         raise ConfigError(f"{p}: expected a table of settings (key = value), got {type(data).__name__}")
     out: dict[str, Any] = {}
     for key, value in data.items():
-        dest = str(key).replace("-", "_")
-        option = _OPTIONS_BY_DEST.get(dest)
+        option = _OPTIONS_BY_KEY.get(str(key).replace("-", "_"))
         if option is None:
-            known = ", ".join(sorted(_OPTIONS_BY_DEST))
+            known = ", ".join(sorted(_OPTIONS_BY_KEY))
             raise ConfigError(f"{p}: unknown setting {key!r} (known: {known})")
         try:
             parsed = option.parse(value)
         except (TypeError, ValueError) as exc:
-            raise ConfigError(f"{p}: {dest}: invalid value {value!r} ({exc})") from None
+            raise ConfigError(f"{p}: {option.key}: invalid value {value!r} ({exc})") from None
         if option.choices and parsed not in option.choices:
-            raise ConfigError(f"{p}: {dest}: invalid value {value!r} (choose from {', '.join(option.choices)})")
-        out[dest] = parsed
+            raise ConfigError(f"{p}: {option.key}: invalid value {value!r} "
+                              f"(choose from {', '.join(option.choices)})")
+        out[option.dest] = parsed
     return out
 
 

@@ -12,11 +12,12 @@ the devices with the adapters, and get no gradients and no optimizer state; the 
 master weights and AdamW moments like any trained parameter.
 """
 
-from tinypipe.lora.hooks import merged_tensors, save_adapter, save_merged, split_peft
+from tinypipe.lora.hooks import LoraTrainer, merged_tensors, save_adapter, save_merged, split_peft
 from tinypipe.lora.settings import LoraSettings, apply_lora, block_linears, default_targets
 
 __all__ = [
     "LoraSettings",
+    "LoraTrainer",
     "apply_lora",
     "block_linears",
     "default_targets",

@@ -56,7 +56,8 @@ class LoraSettings:
             if not isinstance(self.targets, (list, tuple)) or not self.targets or not all(
                 isinstance(t, str) and t.strip() for t in self.targets
             ):
-                raise ConfigError(f"lora_targets must be a non-empty list of module names, got {self.targets!r}")
+                raise ConfigError(
+                    f"lora_targets must be a non-empty list of module names, got {self.targets!r}")
             self.targets = [t.strip() for t in self.targets]
         self.quant_spec  # noqa: B018 - validates quantize / double_quant / compute_dtype
 
@@ -80,9 +81,9 @@ def _linear_types() -> tuple[type, ...]:
 
 def block_linears(model: nn.Module) -> dict[str, list[str]]:
     """Leaf name (``q_proj``) -> full module names of the linear layers inside the decoder blocks."""
-    from tinypipe.models.decompose import _find_blocks
+    from tinypipe.models.blocks import find_blocks
 
-    path, blocks = _find_blocks(model)
+    path, blocks = find_blocks(model)
     out: dict[str, list[str]] = {}
     kinds = _linear_types()
     for i, block in enumerate(blocks):
@@ -116,7 +117,8 @@ def apply_lora(model: nn.Module, settings: LoraSettings | None = None):  # -> pe
         quantize_model(model, settings.quant_spec)
     linears = block_linears(model)
     if not linears:
-        raise UnsupportedModelError(f"{type(model).__name__}: no linear layers inside the decoder blocks to adapt")
+        raise UnsupportedModelError(
+            f"{type(model).__name__}: no linear layers inside the decoder blocks to adapt")
     targets = list(settings.targets) if settings.targets is not None else list(linears)
     unknown = [t for t in targets if t not in linears]
     if unknown:
@@ -142,6 +144,6 @@ def apply_lora(model: nn.Module, settings: LoraSettings | None = None):  # -> pe
     outside = [n for n, m in wrapped.base_model.model.named_modules()
                if isinstance(m, LoraLayer) and n not in inside]
     if outside:
-        raise ConfigError(f"lora_targets also match layers outside the decoder blocks ({', '.join(outside[:3])}); "
-                          "name only block projections")
+        raise ConfigError(f"lora_targets also match layers outside the decoder blocks "
+                          f"({', '.join(outside[:3])}); name only block projections")
     return wrapped

@@ -22,7 +22,8 @@ def _cgroup_headroom() -> int | None:
     """Bytes left under this process's cgroup (v2 or v1) memory limit, if it has one."""
     candidates = [
         (Path("/sys/fs/cgroup/memory.max"), Path("/sys/fs/cgroup/memory.current")),
-        (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"), Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
+        (Path("/sys/fs/cgroup/memory/memory.limit_in_bytes"),
+         Path("/sys/fs/cgroup/memory/memory.usage_in_bytes")),
     ]
     for limit_file, usage_file in candidates:
         try:

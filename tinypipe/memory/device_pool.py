@@ -36,9 +36,11 @@ class DevicePool:
         self.slots = [torch.empty(slot_numel, dtype=dtype, device=dev) for _ in range(num_slots)]
         grad_numel = slot_numel if grad_numel is None else grad_numel
         resident_grad = resident if resident_grad is None else resident_grad
-        self.grad_slots = [torch.empty(grad_numel, dtype=torch.float32, device=dev) for _ in range(num_grad_slots)]
+        self.grad_slots = [torch.empty(grad_numel, dtype=torch.float32, device=dev)
+                           for _ in range(num_grad_slots)]
         self.resident = {layer: torch.empty(n, dtype=dtype, device=dev) for layer, n in resident.items()}
-        self.resident_grads = {layer: torch.empty(n, dtype=torch.float32, device=dev) for layer, n in resident_grad.items()}
+        self.resident_grads = {layer: torch.empty(n, dtype=torch.float32, device=dev)
+                               for layer, n in resident_grad.items()}
         need_staging = backend.is_cuda and dtype != torch.float32
         self.staging = torch.empty(staging_numel, dtype=torch.float32, device=dev) if need_staging else None
 

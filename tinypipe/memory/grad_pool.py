@@ -8,12 +8,19 @@ page-aligned and registered (pinned) once for fast device-to-host copies.
 from __future__ import annotations
 
 import queue
+from typing import Protocol
 
 import torch
 
 from tinypipe.devices.backend import HostPinner
-from tinypipe.memory.host_buffers import aligned_empty, registrable
-from tinypipe.runtime.signals import POLL_S, Abort
+from tinypipe.devices.host_buffers import aligned_empty, registrable
+
+
+class Cancellation(Protocol):
+    """What a waiting :meth:`HostGradPool.acquire` polls: ``check()`` raises once the step has
+    failed elsewhere (the runtime's ``Abort`` is one), so a lane never waits on a dead step."""
+
+    def check(self) -> None: ...
 
 
 #: Elements per gradient chunk: at least 64 Ki, at most 32 Mi (128 MiB fp32). Layers larger than a
@@ -38,10 +45,13 @@ def buffer_count(slot_numel: int, requested: int | None) -> int:
 
 
 class HostGradPool:
-    """``count`` fp32 buffers of ``chunk`` elements each, handed out and returned."""
+    """``count`` fp32 buffers of ``chunk`` elements each, handed out and returned. A waiting
+    :meth:`acquire` checks its :class:`Cancellation` every ``poll_s`` seconds (the runtime passes
+    the interval its lanes poll at)."""
 
-    def __init__(self, count: int, chunk: int, pinner: HostPinner) -> None:
+    def __init__(self, count: int, chunk: int, pinner: HostPinner, poll_s: float) -> None:
         self.chunk = chunk
+        self.poll_s = poll_s
         self.buffers = [aligned_empty(chunk, torch.float32) for _ in range(count)]
         for b in self.buffers:
             pinner.pin(registrable(b))
@@ -53,12 +63,12 @@ class HostGradPool:
     def nbytes(self) -> int:
         return sum(b.numel() * 4 for b in self.buffers)
 
-    def acquire(self, abort: Abort) -> torch.Tensor:
+    def acquire(self, cancel: Cancellation) -> torch.Tensor:
         while True:
             try:
-                return self._free.get(timeout=POLL_S)
+                return self._free.get(timeout=self.poll_s)
             except queue.Empty:
-                abort.check()
+                cancel.check()
 
     def release(self, buf: torch.Tensor) -> None:
         self._free.put(buf)

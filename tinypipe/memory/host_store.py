@@ -20,9 +20,10 @@ import torch
 from torch import nn
 
 from tinypipe.devices.backend import HostPinner
+from tinypipe.devices.host_buffers import PAGE, aligned_empty, registrable
 from tinypipe.errors import ConfigError
-from tinypipe.memory.host_buffers import PAGE, aligned_empty, registrable
 from tinypipe.models.decompose import Decomposition, LayerSpec, ParamSlice
+from tinypipe.models.placement import IN_PLACE_MARK, zero_gaps
 
 
 @dataclass
@@ -48,20 +49,6 @@ class LayerState:
             return self.master[p.offset : p.offset + p.numel].view(p.shape)
         lo = p.offset - self.spec.train_numel
         return self.frozen[lo : lo + p.numel].view(p.shape)  # type: ignore[index]
-
-
-#: Attribute a loader sets on a model whose parameters it placed in this store's layout.
-IN_PLACE_MARK = "_tinypipe_masters_in_place"
-
-
-def zero_gaps(spec: LayerSpec, master: torch.Tensor) -> None:
-    """Zero the alignment gaps between (and after) a layer's parameters in its flat buffer."""
-    with torch.no_grad():
-        end = 0
-        for p in spec.params:
-            master[end : p.offset].zero_()
-            end = p.offset + p.numel
-        master[end:].zero_()
 
 
 def _in_place_master(spec: LayerSpec, named: dict[str, nn.Parameter]) -> torch.Tensor | None:
@@ -169,7 +156,8 @@ class HostStore:
         return out
 
 
-def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec, named: dict[str, nn.Parameter]) -> None:
+def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec,
+          named: dict[str, nn.Parameter]) -> None:
     """Copy the model's parameters into the layer's buffers and re-point them at their views."""
     base = {True: (master, 0), False: (frozen, spec.train_numel)}
     end = {True: 0, False: spec.train_numel}

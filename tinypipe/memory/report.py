@@ -4,14 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-GIB = 1024**3
-
-
-def fmt_bytes(n: float) -> str:
-    for unit, size in (("GiB", GIB), ("MiB", 1024**2), ("KiB", 1024)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{int(n)} B"
+from tinypipe.units import GIB, fmt_bytes  # noqa: F401 - re-exported (planner, tests)
 
 
 @dataclass

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tinypipe.errors import UnsupportedModelError
+from tinypipe.models.blocks import find_blocks
 
 #: Element alignment of every parameter inside a layer's flat buffer (keeps device views aligned
 #: for vectorised kernels: 64 elements = 128 bytes in bf16, 256 in fp32).
@@ -162,24 +163,6 @@ class _Capture(nn.Module):
         return hidden
 
 
-def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    n_layers = getattr(model.config, "num_hidden_layers", None)
-    best: tuple[int, str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if n_layers is not None and len(module) != n_layers:
-                continue
-            size = sum(p.numel() for p in module.parameters())
-            if best is None or size > best[0]:
-                best = (size, name, module)
-    if best is None:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: no decoder block list (nn.ModuleList of "
-            f"num_hidden_layers={n_layers} layers) found"
-        )
-    return best[1], best[2]
-
-
 def _check_supported(model: nn.Module) -> None:
     config = getattr(model, "config", None)
     if config is None:
@@ -203,7 +186,7 @@ class Decomposition:
     def __init__(self, model: nn.Module) -> None:
         _check_supported(model)
         self.model_type: str = getattr(model.config, "model_type", type(model).__name__)
-        blocks_path, blocks = _find_blocks(model)
+        blocks_path, blocks = find_blocks(model)
         if "." in blocks_path:
             self.trunk_path, self.blocks_attr = blocks_path.rsplit(".", 1)
         else:
@@ -212,7 +195,8 @@ class Decomposition:
         sig = inspect.signature(trunk.forward)
         if "input_ids" not in sig.parameters or "attention_mask" not in sig.parameters:
             raise UnsupportedModelError(
-                f"{type(trunk).__name__}.forward takes no input_ids/attention_mask; cannot build the embedding stage"
+                f"{type(trunk).__name__}.forward takes no input_ids/attention_mask; "
+                "cannot build the embedding stage"
             )
         head = model.get_output_embeddings()
         self.head_path = next(n for n, m in model.named_modules() if m is head)
@@ -226,7 +210,8 @@ class Decomposition:
 
     # -- construction helpers -------------------------------------------------------------
 
-    def _probe_order(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList) -> tuple[list[str], list[str]]:
+    def _probe_order(self, model: nn.Module, trunk: nn.Module,
+                     blocks: nn.ModuleList) -> tuple[list[str], list[str]]:
         """Run the trunk once on two tokens with identity blocks, recording which children run
         before the blocks (embedding side) and after them (head side)."""
         recorder = _Recorder(len(blocks), stop=False)
@@ -260,11 +245,13 @@ class Decomposition:
         post = [n for n in order[last + 1 :] if not n.startswith("block")]
         if set(pre) & set(post):
             raise UnsupportedModelError(
-                f"{type(model).__name__}: modules {sorted(set(pre) & set(post))} run both before and after the blocks"
+                f"{type(model).__name__}: modules {sorted(set(pre) & set(post))} run both before and "
+                "after the blocks"
             )
         return list(dict.fromkeys(pre)), list(dict.fromkeys(post))
 
-    def _assign_params(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList, head: nn.Module) -> list[LayerSpec]:
+    def _assign_params(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList,
+                       head: nn.Module) -> list[LayerSpec]:
         prefix = f"{self.trunk_path}." if self.trunk_path else ""
         canonical = {id(p): n for n, p in model.named_parameters()}
         owner: dict[int, int] = {}
@@ -309,7 +296,8 @@ class Decomposition:
                 f"{type(model).__name__}: parameters outside embedding/blocks/head: {', '.join(missing[:4])}"
             )
         if not layers[0].params:
-            raise UnsupportedModelError(f"{type(model).__name__}: no embedding parameters found before the blocks")
+            raise UnsupportedModelError(
+                f"{type(model).__name__}: no embedding parameters found before the blocks")
         return layers
 
     @staticmethod
@@ -436,7 +424,8 @@ class Shell:
 
     # -- the three stages -------------------------------------------------------------------
 
-    def embed_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+    def embed_forward(self, input_ids: torch.Tensor,
+                      attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
         """Hidden states entering block 0 and the arguments the trunk passes to every block."""
         rec = self.recorder
         rec.hidden, rec.calls, rec.order = None, [None] * rec.count, []

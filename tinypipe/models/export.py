@@ -80,7 +80,8 @@ def save_hf_directory(
             new = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
             os.replace(out / f, out / new)
             final[f] = new
-        index = {"metadata": {"total_size": total}, "weight_map": {k: final[v] for k, v in weight_map.items()}}
+        index = {"metadata": {"total_size": total},
+                 "weight_map": {k: final[v] for k, v in weight_map.items()}}
         tmp = out / "model.safetensors.index.json.tmp"
         tmp.write_text(json.dumps(index, indent=2))
         os.replace(tmp, out / "model.safetensors.index.json")

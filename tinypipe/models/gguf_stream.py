@@ -49,7 +49,8 @@ def iter_gguf_tensors(file: Path, model: nn.Module) -> Iterator[tuple[str, torch
     side: dict[str, dict] = {"tensors": {}}  # where multi-tensor processors assemble their results
     for tensor in reader.tensors:
         weights = dequantize(tensor.data, tensor.tensor_type)
-        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=mapping, parsed_parameters=side)
+        result = processor.process(weights=weights, name=tensor.name, tensor_key_mapping=mapping,
+                                   parsed_parameters=side)
         del weights
         name = result.name
         if name not in mapping:

@@ -56,13 +56,15 @@ class SafetensorsError(ValueError):
 
 
 def safetensors_files(folder: Path) -> list[Path]:
-    """The weight files of a model directory: the index's shards, ``model.safetensors`` or all ``*.safetensors``."""
+    """The weight files of a model directory: the index's shards, ``model.safetensors`` or all
+    ``*.safetensors``."""
     index = folder / "model.safetensors.index.json"
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise SafetensorsError(f"{index}: cannot read the shard index ({type(exc).__name__}: {exc})") from None
+            raise SafetensorsError(
+                f"{index}: cannot read the shard index ({type(exc).__name__}: {exc})") from None
         files = [folder / name for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
@@ -85,29 +87,45 @@ def read_header(file: Path) -> list[TensorEntry]:
             raise SafetensorsError(f"{file}: not a safetensors file (header length {length})")
         try:
             header = json.loads(fh.read(length))
-        except ValueError as exc:
-            raise SafetensorsError(f"{file}: corrupt safetensors header ({exc})") from None
+        except (ValueError, RecursionError) as exc:
+            why = " ".join(str(exc).split())[:120]
+            raise SafetensorsError(f"{file}: corrupt safetensors header ({why})") from None
+    if not isinstance(header, dict):
+        raise SafetensorsError(f"{file}: corrupt safetensors header (not a JSON object)")
     size = file.stat().st_size
     base = 8 + length
     out = []
     for name, info in header.items():
         if name == "__metadata__":
             continue
-        try:
-            dtype = DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            begin, end = (int(x) for x in info["data_offsets"])
-        except KeyError as exc:
-            raise SafetensorsError(f"{file}: tensor {name!r}: unsupported or missing field {exc}") from None
-        numel = 1
-        for d in shape:
-            numel *= d
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != numel * itemsize or base + end > size:
-            raise SafetensorsError(f"{file}: tensor {name!r}: data range does not match its shape (truncated file?)")
-        out.append(TensorEntry(file, name, dtype, shape, base + begin, end - begin))
+        out.append(_entry(file, name, info, base, size))
     out.sort(key=lambda e: e.start)
     return out
+
+
+def _entry(file: Path, name: str, info: object, base: int, size: int) -> TensorEntry:
+    """One header entry, checked: known dtype, non-negative integer shape, a data range inside the
+    file whose length matches the shape (a malformed entry is a one-line error naming it)."""
+    bad = f"{file}: tensor {name!r}:"
+    if not isinstance(info, dict):
+        raise SafetensorsError(f"{bad} malformed header entry")
+    dtype = DTYPES.get(info.get("dtype")) if isinstance(info.get("dtype"), str) else None
+    if dtype is None:
+        raise SafetensorsError(f"{bad} unsupported or missing dtype {info.get('dtype')!r}")
+    shape, offsets = info.get("shape"), info.get("data_offsets")
+    if not isinstance(shape, list) or not all(type(d) is int and d >= 0 for d in shape):
+        raise SafetensorsError(f"{bad} malformed shape {shape!r}")
+    if (not isinstance(offsets, list) or len(offsets) != 2
+            or not all(type(x) is int and x >= 0 for x in offsets)):
+        raise SafetensorsError(f"{bad} malformed data_offsets {offsets!r}")
+    numel = 1
+    for d in shape:
+        numel *= d
+    begin, end = offsets
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if end - begin != numel * itemsize or base + end > size:
+        raise SafetensorsError(f"{bad} data range does not match its shape (truncated file?)")
+    return TensorEntry(file, name, dtype, tuple(shape), base + begin, end - begin)
 
 
 def _readinto(fh, out: torch.Tensor, entry: TensorEntry) -> None:  # noqa: ANN001
@@ -122,7 +140,8 @@ def _readinto(fh, out: torch.Tensor, entry: TensorEntry) -> None:  # noqa: ANN00
         done += n
 
 
-def read_tensor(fh, entry: TensorEntry, target: torch.Tensor | None = None) -> torch.Tensor | None:  # noqa: ANN001
+def read_tensor(fh, entry: TensorEntry,  # noqa: ANN001
+                target: torch.Tensor | None = None) -> torch.Tensor | None:
     """Read ``entry`` from open file ``fh``.
 
     With a contiguous CPU ``target`` of the same dtype and size, the bytes are read straight into

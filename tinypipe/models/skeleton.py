@@ -29,9 +29,9 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from tinypipe.memory.host_buffers import aligned_empty
-from tinypipe.memory.host_store import IN_PLACE_MARK, zero_gaps
+from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.models.decompose import Decomposition
+from tinypipe.models.placement import IN_PLACE_MARK, zero_gaps
 
 __all__ = ["LayerMaterialiser", "build_skeleton", "decompose_skeleton", "empty_parameters"]
 
@@ -92,7 +92,8 @@ def decompose_skeleton(model: nn.Module) -> Decomposition:
     """:class:`Decomposition` of a model whose parameters are on the meta device."""
 
     def stand_in(p: nn.Parameter) -> nn.Parameter:
-        return nn.Parameter(torch.zeros((), dtype=torch.float32).expand(p.shape), requires_grad=p.requires_grad)
+        return nn.Parameter(torch.zeros((), dtype=torch.float32).expand(p.shape),
+                            requires_grad=p.requires_grad)
 
     old_for = _swap_parameters(model, stand_in)
     try:
@@ -220,7 +221,8 @@ def fill(target: torch.Tensor, source: torch.Tensor, key: str, where: str) -> No
     """Copy (and cast) ``source`` into ``target``, checking the shape."""
     if tuple(source.shape) != tuple(target.shape):
         raise ValueError(
-            f"{where}: weight {key!r} has shape {tuple(source.shape)}, the model expects {tuple(target.shape)}"
+            f"{where}: weight {key!r} has shape {tuple(source.shape)}, "
+            f"the model expects {tuple(target.shape)}"
         )
     with torch.no_grad():
         target.copy_(source)

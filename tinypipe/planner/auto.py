@@ -12,12 +12,19 @@ planner's host need includes the process itself).
 
 from __future__ import annotations
 
+import dataclasses
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.planner.hardware import HARDWARE, HardwareSpec, load_hardware
+from tinypipe.schedule.plan import Plan, make_plan
+
+if TYPE_CHECKING:
+    from tinypipe.planner.search import PlanResult
 
 GiB = 1024**3
 #: Rates for CPU "devices" (only the ranking of plans matters there).
@@ -25,7 +32,8 @@ CPU_HARDWARE = HardwareSpec("cpu", 0, 10.0, 10.0, 10.0, 0.2, 0.5, fp32_tflops=0.
                             description="CPU devices (tests): host memory is device memory")
 #: GPU name fragment -> hardware preset, for the time model when Config.hardware is not given.
 _NAME_TO_PRESET = (("h200", "h200-pcie5"), ("h100", "h200-pcie5"), ("4090", "rtx4090-pcie4"),
-                   ("3090", "rtx3090-pcie4"), ("a5000", "a5000"), ("l40s", "l40s"), ("a100", "a100-40g-pcie4"))
+                   ("3090", "rtx3090-pcie4"), ("a5000", "a5000"), ("l40s", "l40s"),
+                   ("a100", "a100-40g-pcie4"))
 
 
 def _cuda_capacity(device: str) -> int:
@@ -75,58 +83,86 @@ def hardware_for(cfg: Config) -> HardwareSpec:
     return HARDWARE["rtx4090-pcie4"]
 
 
-def configure(model: nn.Module, config: Config, plan_given: bool = False):
-    """The config the engine runs (packing knobs resolved) and the planner's result (None for a
-    hand-set plan). Raises :class:`PlanDoesNotFitError` when no plan -- or the hand-set one, when
-    the workload is given -- fits the budgets."""
-    from tinypipe.planner.search import evaluate, plan_for
-    from tinypipe.planner.sizes import lora_sizes, model_sizes
+def manual_plan(config: Config, *, num_blocks: int, tied: bool) -> Plan:
+    """The plan the hand-set knobs of ``config`` describe (unset ones at their defaults)."""
+    return make_plan(num_blocks, num_devices=len(config.devices), tied=tied, **config.plan_settings())
 
+
+def resolve_plan(model: nn.Module, config: Config, *, num_blocks: int, tied: bool,
+                 plan: Plan | None = None) -> tuple[Plan, PlanResult | None]:
+    """The plan the engine runs and the planner's result (None unless the planner chose the plan).
+
+    ``plan`` given: that plan. No packing knob set in ``config``: the planner's plan for the
+    workload and the budgets. Otherwise the plan of the hand-set knobs, checked against the
+    budgets when the workload is given. Raises :class:`PlanDoesNotFitError` when no plan -- or
+    the hand-set one -- fits, ConfigError when the plan does not suit the model or the devices."""
+    result = None
+    if plan is None:
+        plan, result = _choose(model, config, num_blocks=num_blocks, tied=tied)
+    if plan.num_devices != len(config.devices):
+        raise ConfigError(f"plan is for {plan.num_devices} devices, config lists {len(config.devices)}")
+    if plan.num_blocks != num_blocks:
+        raise ConfigError(f"plan covers {plan.num_blocks} blocks, the model has {num_blocks}")
+    return plan, result
+
+
+def _choose(model: nn.Module, config: Config, *, num_blocks: int,
+            tied: bool) -> tuple[Plan, PlanResult | None]:
+    """The hand-set knobs' plan (checked when the workload is given), or the planner's."""
     have_workload = config.seq_len is not None and config.global_batch is not None
-    if any(d.startswith("cuda") for d in config.devices) and not torch.cuda.is_available():
-        return config.with_default_knobs(), None  # the device backend reports it, in its words
-    if plan_given or not config.auto_plan:
-        cfg = config.with_default_knobs()
-        if plan_given or not have_workload:
-            return cfg, None
-        # a hand-set plan with a known workload: check it against the budgets
-        gpu, host = budgets(cfg)
-        lora = lora_settings_of(model)
-        sizes = lora_sizes(model.config, lora) if lora is not None else model_sizes(model.config)
-        c = evaluate(sizes, hardware_for(cfg), pack_size=cfg.pack_size, fwd_micro_batch=cfg.micro_batch_size,
-                     bwd_micro_batch=cfg.bwd_micro_batch_size, prefetch_window=cfg.prefetch_window, stash=cfg.stash,
-                     gpus=len(cfg.devices), seq=cfg.seq_len, global_batch=cfg.global_batch, precision=cfg.precision,
-                     max_grad_norm=cfg.max_grad_norm, host_grad_buffers=cfg.host_grad_buffers,
-                     device_optimizer=cfg.device_optimizer or "off", resident_packs=cfg.resident_packs or 0)
-        if c.gpu_need > gpu:
-            raise PlanDoesNotFitError(
-                f"this plan ({c.describe()}) needs {c.gpu_need / GiB:.1f} GiB memory per device for "
-                f"{cfg.global_batch} x {cfg.seq_len} tokens, have {gpu / GiB:.1f} GiB; leave the packing knobs "
-                "unset to let the planner choose, or lower micro_batch_size / pack_size")
-        if c.host_need > host:
-            raise PlanDoesNotFitError(
-                f"this plan ({c.describe()}) needs {c.host_need / GiB:.1f} GiB host memory, have {host / GiB:.1f} GiB"
-                "; stash on the device, or add RAM")
-        return cfg, None
+    cuda = any(d.startswith("cuda") for d in config.devices)
+    if cuda and not torch.cuda.is_available():  # the device backend reports it, in its words
+        return manual_plan(config, num_blocks=num_blocks, tied=tied), None
+    if not config.auto_plan:
+        own = manual_plan(config, num_blocks=num_blocks, tied=tied)
+        if have_workload:
+            _check_fits(model, config, own)
+        return own, None
     if not have_workload:
-        if not any(d.startswith("cuda") for d in config.devices):
-            return config.with_default_knobs(), None
+        if not cuda:
+            return manual_plan(config, num_blocks=num_blocks, tied=tied), None
         raise ConfigError("the automatic plan needs the workload: set Config(seq_len=..., global_batch=...) "
                           "(or set the plan yourself: pack_size=..., micro_batch_size=...)")
+    result = _search(model, config)
+    chosen = result.best.plan
+    if config.grad_slots is not None:  # a runtime setting the planner leaves alone
+        chosen = dataclasses.replace(chosen, grad_slots=config.grad_slots)
+    return chosen, result
+
+
+def _search(model: nn.Module, config: Config) -> PlanResult:
+    """The planner's answer for ``model`` on ``config``'s devices, budgets and workload."""
+    from tinypipe.planner.search import plan_for
+
     gpu, host = budgets(config)
-    result = plan_for(model.config, hardware_for(config), gpus=len(config.devices), gpu_memory_bytes=gpu,
-                      cpu_memory_bytes=host, seq=config.seq_len, global_batch=config.global_batch,
-                      precision=config.precision, max_grad_norm=config.max_grad_norm,
-                      host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
-                      device_optimizer=config.device_optimizer, resident_packs=config.resident_packs)
-    k = result.best.knobs
-    pack = k["pack_size"] if isinstance(k["pack_size"], int) else tuple(k["pack_size"])
-    stash = k["stash"] if isinstance(k["stash"], str) else tuple(k["stash"])
-    cfg = config.replace(pack_size=pack, micro_batch_size=k["micro_batch_size"],
-                         backward_micro_batch_size=k["backward_micro_batch_size"],
-                         prefetch_window=k["prefetch_window"], stash=stash,
-                         device_optimizer=k.get("device_optimizer", "off"), resident_packs=k.get("resident_packs", 0))
-    return cfg, result
+    return plan_for(model.config, hardware_for(config), gpus=len(config.devices), gpu_memory_bytes=gpu,
+                    cpu_memory_bytes=host, seq=config.seq_len, global_batch=config.global_batch,
+                    precision=config.precision, max_grad_norm=config.max_grad_norm,
+                    host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
+                    device_optimizer=config.device_optimizer, resident_packs=config.resident_packs)
+
+
+def _check_fits(model: nn.Module, config: Config, plan: Plan) -> None:
+    """Raise :class:`PlanDoesNotFitError` (one line) when the hand-set ``plan`` needs more device
+    or host memory than the budgets hold for the workload."""
+    from tinypipe.planner.search import evaluate
+    from tinypipe.planner.sizes import lora_sizes, model_sizes
+
+    gpu, host = budgets(config)
+    lora = lora_settings_of(model)
+    sizes = lora_sizes(model.config, lora) if lora is not None else model_sizes(model.config)
+    c = evaluate(sizes, hardware_for(config), plan, seq=config.seq_len, global_batch=config.global_batch,
+                 precision=config.precision, max_grad_norm=config.max_grad_norm,
+                 host_grad_buffers=config.host_grad_buffers)
+    if c.gpu_need > gpu:
+        raise PlanDoesNotFitError(
+            f"this plan ({plan.describe()}) needs {c.gpu_need / GiB:.1f} GiB memory per device for "
+            f"{config.global_batch} x {config.seq_len} tokens, have {gpu / GiB:.1f} GiB; leave the packing "
+            "knobs unset to let the planner choose, or lower micro_batch_size / pack_size")
+    if c.host_need > host:
+        raise PlanDoesNotFitError(
+            f"this plan ({plan.describe()}) needs {c.host_need / GiB:.1f} GiB host memory, have "
+            f"{host / GiB:.1f} GiB; stash on the device, or add RAM")
 
 
 def lora_settings_of(model: nn.Module):  # -> LoraSettings | None

@@ -93,7 +93,8 @@ class StepTime:
     tail_s: float
     step_s: float
     tokens_per_s: float
-    compute_s: float  # compute-lane work (matmuls at the achieved rate, pack overheads, exposed uploads), all devices
+    # compute-lane work (matmuls at the achieved rate, pack overheads, exposed uploads), all devices
+    compute_s: float
     upload_s: float  # busiest device's link, both passes
     download_s: float
     optimizer_s: float  # all parameters through the CPU optimizer
@@ -113,7 +114,8 @@ class StepTime:
 def _rate(hw: HardwareSpec, precision: str, tokens: float) -> float:
     """Achieved FLOP/s for a micro-batch of ``tokens``: below the reference size efficiency drops
     as T / (T + T0); above it the rate is held at the hardware's figure (not extrapolated)."""
-    eff = min(1.0, (tokens / (tokens + EFFICIENCY_T0)) / (REFERENCE_TOKENS / (REFERENCE_TOKENS + EFFICIENCY_T0)))
+    reference = REFERENCE_TOKENS / (REFERENCE_TOKENS + EFFICIENCY_T0)
+    eff = min(1.0, (tokens / (tokens + EFFICIENCY_T0)) / reference)
     return hw.tflops(precision) * 1e12 * eff
 
 
@@ -124,14 +126,24 @@ def pack_stats(sizes: ModelSizes, packs: tuple[tuple[int, ...], ...]) -> tuple[t
                   sum(sizes.block_params[b] for b in p)) for p in packs)
 
 
-def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
-                      precision: str = "bf16") -> StepTime:
-    """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens."""
-    n = plan.num_devices
-    P = plan.num_packs
-    tokens = batch * seq
-    tf = min(plan.fwd_micro_batch, batch) * seq
-    tb = min(plan.bwd_micro_batch, batch) * seq
+@dataclass(slots=True)
+class _Rates:
+    """What the plan's work runs at: FLOP/s per kind of compute, bytes/s per link, parameters/s of
+    host AdamW."""
+
+    forward: float
+    recompute: float
+    backward: float
+    head: float
+    h2d: float
+    d2h: float
+    bidir: float
+    adamw: float
+
+
+def _rates(hw: HardwareSpec, precision: str, seq: int, tf: int, tb: int) -> _Rates:
+    """The efficiency curve at the forward (``tf``) and backward (``tb``) micro-batch tokens, or the
+    measured per-layer times where the hardware has a profile at this precision."""
     rf, rb = _rate(hw, precision, tf), _rate(hw, precision, tb)
     rrc = rbw = rb
     rhead = hw.tflops(precision) * 1e12 * HEAD_EFFICIENCY
@@ -141,121 +153,204 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         rrc = prof.rate("recompute", seq, tb) / PROFILE_IN_PIPELINE
         rbw = prof.rate("backward", seq, tb) / PROFILE_IN_PIPELINE
         rhead = prof.rate("head", seq, tf) / PROFILE_IN_PIPELINE or rhead
-    attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim  # causal QK^T + AV, forward
-    h2d, d2h, bidir = hw.h2d_gbs * 1e9, hw.d2h_gbs * 1e9, hw.bidir_gbs * 1e9
-    adamw = hw.cpu_adamw_gparams_s * 1e9
+    return _Rates(forward=rf, recompute=rrc, backward=rbw, head=rhead, h2d=hw.h2d_gbs * 1e9,
+                  d2h=hw.d2h_gbs * 1e9, bidir=hw.bidir_gbs * 1e9, adamw=hw.cpu_adamw_gparams_s * 1e9)
 
-    stats = pack_stats(sizes, plan.packs)
-    fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
-    # LoRA: only the adapters train -- frozen weights upload at compute precision, only adapter
-    # gradients come down and step, and the backward skips the frozen weights' gradient GEMMs
-    a = 2 if precision == "bf16" else 4
-    trains = sizes.layer_train_numels
-    lora = bool(sizes.frozen_total)
 
-    def numel(q: int) -> int:
-        return stats[q][0]
+class _Packs:
+    """The plan's packs as the links see them, per pack ``q``: ``numel[q]``, trainable ``train[q]``
+    and upload bytes ``up[q]``. Under LoRA only the adapters train: frozen weights upload at compute
+    precision (``frozen_bytes`` per element) and only adapter gradients come down. Computed once:
+    the search evaluates thousands of plans."""
 
-    def train(q: int) -> int:
-        return sum(trains[1 + b] for b in plan.packs[q])
+    __slots__ = ("sizes", "plan", "stats", "frozen_bytes", "numel", "train", "up")
 
-    def up_bytes(q: int) -> int:
-        return train(q) * UPLOAD_BYTES + (numel(q) - train(q)) * a
+    def __init__(self, sizes: ModelSizes, plan: Plan, stats: tuple[tuple[int, int, int], ...],
+                 frozen_bytes: int) -> None:
+        trains = sizes.layer_train_numels
+        self.sizes, self.plan, self.stats, self.frozen_bytes = sizes, plan, stats, frozen_bytes
+        self.numel = [st[0] for st in stats]
+        self.train = [sum(trains[1 + b] for b in p) for p in plan.packs]
+        self.up = [t * UPLOAD_BYTES + (n - t) * frozen_bytes for n, t in zip(self.numel, self.train)]
 
-    def layer_up(n: int, t: int) -> int:
-        return t * UPLOAD_BYTES + (n - t) * a
+    def layer_up(self, n: int, t: int) -> int:
+        """Upload bytes of one layer of ``n`` elements of which ``t`` train."""
+        return t * UPLOAD_BYTES + (n - t) * self.frozen_bytes
 
-    bwd_mult = 1.0 if lora else 2.0
-
-    carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
-    W = plan.prefetch_window
-
-    def exposed(q: int) -> float:
+    def exposed(self, q: int, h2d: float) -> float:
         """Uploads of pack q that cannot start before the previous pack on its device releases its
         slots (only W slots are free beforehand); pack q's first micro-batch waits for them."""
-        extra = len(plan.packs[q]) - W
-        return extra * stats[q][1] * (up_bytes(q) / max(1, numel(q))) / h2d if extra > 0 else 0.0
+        extra = len(self.plan.packs[q]) - self.plan.prefetch_window
+        if extra <= 0:
+            return 0.0
+        return extra * self.stats[q][1] * (self.up[q] / max(1, self.numel[q])) / h2d
 
-    R = plan.resident_packs  # packs that never move: no uploads, downloads or host AdamW
-    f_comp, b_comp = [0.0] * n, [0.0] * n
-    f_up, b_up, down = [0.0] * n, [0.0] * n, [0.0] * n
-    dq_f, dq_b = passes_per_step(batch, plan.fwd_micro_batch, plan.bwd_micro_batch)  # QLoRA dequantizations
-    qparams = [sum(sizes.quant_block_params[b] for b in p) if sizes.quant_block_params else 0
-               for p in plan.packs]
+
+@dataclass(slots=True)
+class _Lanes:
+    """Per device: compute-lane seconds and link bytes of the forward and the backward pass."""
+
+    f_comp: list[float]
+    b_comp: list[float]
+    f_up: list[float]
+    b_up: list[float]
+    down: list[float]
+    f_down: list[float]  # host-stashed pack inputs written down in the forward
+
+
+def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
+               dequant: list[tuple[float, float]]) -> _Lanes:
+    """Each pack's compute on its forward and backward device (``dequant``: QLoRA's dequantization
+    seconds per pack, forward and backward), and the uploads and gradient downloads of the packs
+    that move (resident packs never do)."""
+    plan = packs.plan
+    n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
+    bwd_mult = 1.0 if lora else 2.0  # the backward skips the frozen weights' gradient GEMMs
+    carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]  # the last pack stays for the backward
+    lanes = _Lanes(*([0.0] * n for _ in range(6)))
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
         res = q < R
-        f_comp[df] += fwd_flops[q] / rf + PACK_OVERHEAD_S + (exposed(q) if q > 0 and not res else 0.0) \
-            + dequant_seconds(qparams[q], dq_f, hw.bf16_tflops)
-        b_comp[db] += fwd_flops[q] / rrc + bwd_mult * fwd_flops[q] / rbw + PACK_OVERHEAD_S + (
-            exposed(q) if (q < P - 1 or not carry) and not res else 0.0) + dequant_seconds(qparams[q], dq_b,
-                                                                                         hw.bf16_tflops)
+        lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0] + (
+            packs.exposed(q, rates.h2d) if q > 0 and not res else 0.0)
+        lanes.b_comp[db] += fwd_flops[q] / rates.recompute + bwd_mult * fwd_flops[q] / rates.backward \
+            + PACK_OVERHEAD_S + dequant[q][1] + (
+                packs.exposed(q, rates.h2d) if (q < P - 1 or not carry) and not res else 0.0)
         if res:
             continue
-        f_up[df] += up_bytes(q)
+        lanes.f_up[df] += packs.up[q]
         if not (carry and q == P - 1):
-            b_up[db] += up_bytes(q)
-        down[db] += train(q) * DOWNLOAD_BYTES
-    # host-stashed pack inputs: written down and read back up in the forward, read up in the backward
-    f_down = [0.0] * n
-    stash_bytes = tokens * sizes.hidden * (2 if precision == "bf16" else 4)
+            lanes.b_up[db] += packs.up[q]
+        lanes.down[db] += packs.train[q] * DOWNLOAD_BYTES
+    return lanes
+
+
+def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec) -> list[tuple[float, float]]:
+    """QLoRA: seconds each pack spends dequantizing its base weights, in the forward and in the
+    backward (one dequantization per micro-batch pass; zeros without a quantized base)."""
+    if not sizes.quant_block_params:
+        return [(0.0, 0.0)] * plan.num_packs
+    dq_f, dq_b = passes_per_step(batch, plan.micro_batch_size, plan.backward_micro_batch_size)
+    out = []
+    for p in plan.packs:
+        qparams = sum(sizes.quant_block_params[b] for b in p)
+        out.append((dequant_seconds(qparams, dq_f, hw.bf16_tflops),
+                    dequant_seconds(qparams, dq_b, hw.bf16_tflops)))
+    return out
+
+
+def _add_stash_traffic(lanes: _Lanes, plan: Plan, stash_bytes: int) -> None:
+    """Host-stashed pack inputs: written down and read back up in the forward, read up in the backward."""
+    P = plan.num_packs
     for q in range(1, P + 1):
         if q < len(plan.stash_on_host) and plan.stash_on_host[q]:
-            f_down[plan.fwd_device[q - 1]] += stash_bytes
+            lanes.f_down[plan.fwd_device[q - 1]] += stash_bytes
             reader = plan.fwd_device[q] if q < P else plan.head_device
-            f_up[reader] += stash_bytes
+            lanes.f_up[reader] += stash_bytes
             if q < P:
-                b_up[plan.bwd_device[q]] += stash_bytes
-    e, h = plan.embed_device, plan.head_device
-    # resident layers stepped on their device (device_optimizer): no upload, no download, no host AdamW
-    embed_dev = 0 in plan.device_optimized(e)
-    head_dev = plan.num_blocks + 1 in plan.device_optimized(h)
-    resident_train = sum(train(q) for q in range(R))
-    on_device = (trains[0] if embed_dev else 0) + (trains[-1] if head_dev else 0) + resident_train
-    down[e] += 0 if embed_dev else trains[0] * DOWNLOAD_BYTES
-    down[h] += 0 if head_dev else trains[-1] * DOWNLOAD_BYTES
+                lanes.b_up[plan.bwd_device[q]] += stash_bytes
 
-    # fill: resident uploads then the first pack's layers, on the devices that need them first
+
+def _fill_s(packs: _Packs, embed_dev: bool, head_dev: bool, h2d: float) -> float:
+    """Before the first pack computes: the resident embedding/head uploads, then the first pack's
+    layers, on the devices that need them first."""
+    plan, sizes, trains = packs.plan, packs.sizes, packs.sizes.layer_train_numels
+    e, h = plan.embed_device, plan.head_device
     first = plan.fwd_device[0]
-    resident_up = (0 if embed_dev else layer_up(sizes.embed_numel, trains[0])) + (
-        layer_up(sizes.head_numel, trains[-1]) if h == e and not head_dev else 0)
-    fill = (resident_up if first == e else 0) / h2d + (0 if R else up_bytes(0)) / h2d
+    resident_up = (0 if embed_dev else packs.layer_up(sizes.embed_numel, trains[0])) + (
+        packs.layer_up(sizes.head_numel, trains[-1]) if h == e and not head_dev else 0)
+    fill = (resident_up if first == e else 0) / h2d + (0 if plan.resident_packs else packs.up[0]) / h2d
     if first != e:
         fill = max(fill, resident_up / h2d)
+    return fill
+
+
+@dataclass(slots=True)
+class _OnDevice:
+    """Layers stepped on their device (``device_optimizer``, resident packs): no upload, no
+    download, no host AdamW."""
+
+    embed: bool
+    head: bool
+    resident_train: int  # trainable elements of the resident packs
+    train: int  # all trainable elements stepped on a device
+
+
+def _on_device(packs: _Packs) -> _OnDevice:
+    plan, trains = packs.plan, packs.sizes.layer_train_numels
+    embed = 0 in plan.device_optimized(plan.embed_device)
+    head = plan.num_blocks + 1 in plan.device_optimized(plan.head_device)
+    resident_train = sum(packs.train[q] for q in range(plan.resident_packs))
+    train = (trains[0] if embed else 0) + (trains[-1] if head else 0) + resident_train
+    return _OnDevice(embed, head, resident_train, train)
+
+
+def _forward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, float]:
+    """The forward pass's limits: the busiest device's compute, uploads, stash writes, both links."""
+    return {"compute": max(lanes.f_comp) * slowdown, "upload": max(lanes.f_up) / rates.h2d,
+            "stash download": max(lanes.f_down) / rates.d2h,
+            "link (both directions)": max(u + d for u, d in zip(lanes.f_up, lanes.f_down)) / rates.bidir}
+
+
+def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates, overlappable: int) -> dict[str, float]:
+    """The backward pass's limits, the host AdamW that overlaps it (``overlappable`` elements) included."""
+    return {
+        "compute": max(lanes.b_comp) * slowdown,
+        "upload": max(lanes.b_up) / rates.h2d,
+        "download": max(lanes.down) / rates.d2h,
+        "link (both directions)": max(u + d for u, d in zip(lanes.b_up, lanes.down)) / rates.bidir,
+        "cpu optimizer": overlappable / rates.adamw,
+    }
+
+
+def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
+                      precision: str = "bf16") -> StepTime:
+    """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens."""
+    n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
+    tokens = batch * seq
+    rates = _rates(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
+                   tb=min(plan.backward_micro_batch_size, batch) * seq)
+    attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim  # causal QK^T + AV, forward
+    stats = pack_stats(sizes, plan.packs)
+    fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
+    packs = _Packs(sizes, plan, stats, frozen_bytes=2 if precision == "bf16" else 4)
+    trains = sizes.layer_train_numels
+    lora = bool(sizes.frozen_total)
+
+    lanes = _pack_work(packs, fwd_flops, rates, lora, _dequant_work(sizes, plan, batch, hw))
+    _add_stash_traffic(lanes, plan, stash_bytes=tokens * sizes.hidden * (2 if precision == "bf16" else 4))
+    dev = _on_device(packs)
+    lanes.down[plan.embed_device] += 0 if dev.embed else trains[0] * DOWNLOAD_BYTES
+    lanes.down[plan.head_device] += 0 if dev.head else trains[-1] * DOWNLOAD_BYTES
+    fill = _fill_s(packs, dev.embed, dev.head, rates.h2d)
 
     # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
     slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
-    f_terms = {"compute": max(f_comp) * slowdown, "upload": max(f_up) / h2d, "stash download": max(f_down) / d2h,
-               "link (both directions)": max(u + d for u, d in zip(f_up, f_down)) / bidir}
+    f_terms = _forward_terms(lanes, slowdown, rates)
     forward = max(f_terms.values())
-    head = (4.0 if lora else 6.0) * sizes.head_matmul_params * tokens / rhead
+    head = (4.0 if lora else 6.0) * sizes.head_matmul_params * tokens / rates.head
 
     # the host AdamW steps of the lowest host-stepped pack (and a host embedding) trail the backward
-    pack0 = train(R) if R < P else 0
-    host_embed = 0 if embed_dev else trains[0]
-    overlappable = sizes.train_total - pack0 - trains[0] - (trains[-1] if head_dev else 0) - resident_train
-    b_terms = {
-        "compute": max(b_comp) * slowdown,
-        "upload": max(b_up) / h2d,
-        "download": max(down) / d2h,
-        "link (both directions)": max(u + d for u, d in zip(b_up, down)) / bidir,
-        "cpu optimizer": overlappable / adamw,
-    }
+    pack0 = packs.train[R] if R < P else 0
+    host_embed = 0 if dev.embed else trains[0]
+    overlappable = (sizes.train_total - pack0 - trains[0] - (trains[-1] if dev.head else 0)
+                    - dev.resident_train)
+    b_terms = _backward_terms(lanes, slowdown, rates, overlappable)
     backward = max(b_terms.values())
-    tail = (pack0 + host_embed) / adamw + sizes.grad_slot_numel * DOWNLOAD_BYTES / d2h \
-        + on_device * DEVICE_ADAMW_S_PER_PARAM
+    last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / rates.d2h
+    tail = (pack0 + host_embed) / rates.adamw + last_chunk + dev.train * DEVICE_ADAMW_S_PER_PARAM
 
     step = fill + forward + head + backward + tail
     # clipping triggers: the host AdamW of every host-stepped layer waits for the global norm and
     # runs in the background ahead of the next forward, which follows it layer by layer
-    host_pass = (sizes.train_total - on_device) / (adamw * CLIPPED_ADAMW_EFFICIENCY)
+    host_pass = (sizes.train_total - dev.train) / (rates.adamw * CLIPPED_ADAMW_EFFICIENCY)
     no_opt = max(v for k, v in b_terms.items() if k != "cpu optimizer")
-    clipped = fill + max(forward, host_pass) + head + no_opt + sizes.grad_slot_numel * DOWNLOAD_BYTES / d2h
-    compute_total = sum(f_comp) + sum(b_comp) + head
+    clipped = fill + max(forward, host_pass) + head + no_opt + last_chunk
     return StepTime(
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
-        tokens_per_s=tokens / step, compute_s=compute_total,
-        upload_s=max(fu + bu for fu, bu in zip(f_up, b_up)) / h2d, download_s=max(down) / d2h,
-        optimizer_s=(sizes.train_total - on_device) / adamw, clipped_step_s=clipped,
-        forward_limit=max(f_terms, key=f_terms.get), backward_limit=max(b_terms, key=b_terms.get),
+        tokens_per_s=tokens / step, compute_s=sum(lanes.f_comp) + sum(lanes.b_comp) + head,
+        upload_s=max(fu + bu for fu, bu in zip(lanes.f_up, lanes.b_up)) / rates.h2d,
+        download_s=max(lanes.down) / rates.d2h, optimizer_s=(sizes.train_total - dev.train) / rates.adamw,
+        clipped_step_s=clipped, forward_limit=max(f_terms, key=f_terms.get),
+        backward_limit=max(b_terms, key=b_terms.get),
     )

@@ -84,7 +84,8 @@ def head_chunk_tokens(vocab: int, budget_bytes: int = 512 * 1024**2) -> int:
 
 
 def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str, num_devices: int,
-               host_grad_buffers: int | None = None, retain_grads: bool = False, hidden: int | None = None) -> dict[str, int]:
+               host_grad_buffers: int | None = None, retain_grads: bool = False,
+               hidden: int | None = None) -> dict[str, int]:
     """Host memory by category (``Engine.memory_report().host`` after a step)."""
     hidden = hidden or sizes.hidden
     train = sizes.train_total  # every element, except under LoRA (the adapters only)
@@ -95,7 +96,8 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
         "master_weights": 4 * train,
         "optimizer_state": 8 * train,
         # retained gradients are downloaded straight into their (pinned) buffers: no pool then
-        "pinned_grad_pool": 0 if retain_grads else num_devices * buffer_count(grad, host_grad_buffers) * chunk * 4,
+        "pinned_grad_pool": 0 if retain_grads else (
+            num_devices * buffer_count(grad, host_grad_buffers) * chunk * 4),
         # gradients retained for exact clipping: every layer stepped on the host
         "gradient_buffers": 4 * (train - device_stepped_numel(sizes, plan)) if retain_grads else 0,
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
@@ -112,7 +114,8 @@ def device_stepped_numel(sizes: ModelSizes, plan: Plan, index: int | None = None
     return sum(trains[layer] for d in devices for layer in plan.device_optimized(d))
 
 
-def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str, precision: str) -> dict[str, int]:
+def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
+                        precision: str) -> dict[str, int]:
     """Preallocated bytes of device entry ``index`` (``DevicePool.bytes_by_category``)."""
     a = dtype_bytes(precision)
     slot = sizes.slot_numel
@@ -155,8 +158,8 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     P = plan.num_packs
     n = len(devices)
     B, S = batch, seq
-    tf = min(plan.fwd_micro_batch, B) * S  # tokens per forward / backward micro-batch
-    tb = min(plan.bwd_micro_batch, B) * S
+    tf = min(plan.micro_batch_size, B) * S  # tokens per forward / backward micro-batch
+    tb = min(plan.backward_micro_batch_size, B) * S
     bsh = B * S * H * a
     chunk = head_chunk or head_chunk_tokens(V)
     act_tok = act_per_token or sizes.block_act_bytes(precision)
@@ -241,7 +244,7 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         if cuda[d]:
             reads_host = any(plan.stash_on_host[q] and (plan.fwd_device[q] == d or plan.bwd_device[q] == d)
                              for q in range(1, P))
-            if reads_host and (B > plan.fwd_micro_batch or B > plan.bwd_micro_batch):
+            if reads_host and (B > plan.micro_batch_size or B > plan.backward_micro_batch_size):
                 const += 2 * max(tf, tb) * H * a
             const += CUDA_WORKSPACE_BYTES
         peaks.append(int(totals[k] + const))
@@ -283,7 +286,8 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
                       host_grad_buffers=host_grad_buffers, retain_grads=retain, hidden=hidden)
     if peaks is None:
         peaks = activation_peaks(sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices,
-                                 hidden=hidden, vocab=vocab, head_chunk=head_chunk, act_per_token=act_per_token)
+                                 hidden=hidden, vocab=vocab, head_chunk=head_chunk,
+                                 act_per_token=act_per_token)
     devs = {}
     for i, d in enumerate(devices):
         cats = device_static_bytes(sizes, plan, i, d, precision)

@@ -3,9 +3,8 @@ category, the Config that realises it and the time-memory trade-offs."""
 
 from __future__ import annotations
 
-from tinypipe.memory.report import fmt_bytes
 from tinypipe.planner.search import HOST_BASELINE_BYTES, PlanResult
-from tinypipe.planner.search import gib_text as _gib
+from tinypipe.units import fmt_bytes, gib_text
 
 
 def format_plan(result: PlanResult) -> str:
@@ -16,8 +15,9 @@ def format_plan(result: PlanResult) -> str:
     lines = [
         f"model: {result.model_name or s.model_type} ({s.model_type}, {s.param_count / 1e9:.2f} B params, "
         f"{s.num_blocks} blocks, hidden {s.hidden}, vocab {s.vocab}{', tied embeddings' if s.tied else ''})",
-        f"hardware: {result.gpus} x {result.hardware.name} ({_gib(result.gpu_memory_bytes)} each), "
-        f"host {_gib(result.cpu_memory_bytes)}; {result.precision}, {result.global_batch} x {result.seq} tokens/step"
+        f"hardware: {result.gpus} x {result.hardware.name} ({gib_text(result.gpu_memory_bytes)} each), "
+        f"host {gib_text(result.cpu_memory_bytes)}; {result.precision}, "
+        f"{result.global_batch} x {result.seq} tokens/step"
         + (f", clip {result.max_grad_norm}" if result.max_grad_norm is not None else ""),
         f"plan: {b.describe()}",
         f"predicted: {t.step_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s "
@@ -26,8 +26,8 @@ def format_plan(result: PlanResult) -> str:
         f"bound: compute {t.compute_s:.2f} s, upload {t.upload_s:.2f} s, download {t.download_s:.2f} s, "
         f"cpu optimizer {t.optimizer_s:.2f} s",
         *([f"in a step where clipping triggers: {t.clipped_step_s:.2f} s/step, "
-           f"{result.global_batch * result.seq / t.clipped_step_s:,.0f} tokens/s (the host AdamW waits for the "
-           "global norm)"] if result.max_grad_norm is not None else []),
+           f"{result.global_batch * result.seq / t.clipped_step_s:,.0f} tokens/s (the host AdamW waits for "
+           "the global norm)"] if result.max_grad_norm is not None else []),
         "",
         "GPU memory per device (static pools exact, activations estimated):",
     ]
@@ -51,8 +51,8 @@ def format_plan(result: PlanResult) -> str:
         lines.append("")
         lines.append(f"time-memory trade-offs ({result.fitting} of {result.considered} plans fit):")
         for c in result.pareto:
-            lines.append(f"  {c.time.step_s:6.2f} s/step {c.tokens_per_s:>9,.0f} tok/s  GPU {_gib(c.gpu_need):>9}  "
-                         f"host {_gib(c.host_need):>9}  {c.describe()}")
+            lines.append(f"  {c.time.step_s:6.2f} s/step {c.tokens_per_s:>9,.0f} tok/s  "
+                         f"GPU {gib_text(c.gpu_need):>9}  host {gib_text(c.host_need):>9}  {c.describe()}")
     for note in result.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -20,45 +20,16 @@ FLOP-rate compute estimate in the cost model; its other measurement details are 
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 from tinypipe.errors import ConfigError
 from tinypipe.planner.layer_profile import LayerProfile
+from tinypipe.units import parse_bytes  # noqa: F401 - re-exported: tinypipe.planner.parse_bytes
 
 PROFILE_FORMAT = "tinypipe-profile"
 
 GiB = 1024**3
-
-_UNITS = {
-    "": 1, "b": 1,
-    "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3, "t": 1000**4, "tb": 1000**4,
-    "ki": 1024, "kib": 1024, "mi": 1024**2, "mib": 1024**2, "gi": 1024**3, "gib": 1024**3, "ti": 1024**4,
-    "tib": 1024**4,
-}
-
-
-def parse_bytes(text: str | int | float) -> int:
-    """``"24GiB"``, ``"24G"``, ``"24000MB"``, ``"1.5TiB"`` or a number of bytes -> bytes.
-
-    ``G``/``GB`` are decimal (10^9), ``GiB`` binary (2^30), as on datasheets and in ``free -g``
-    respectively.
-    """
-    if isinstance(text, bool):
-        raise ConfigError(f"expected a size such as 24GiB, got {text!r}")
-    if isinstance(text, (int, float)):
-        if text <= 0:
-            raise ConfigError(f"size must be positive, got {text}")
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([A-Za-z]*)\s*", str(text))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ConfigError(f"cannot read size {text!r}; write e.g. 24GiB, 24G, 24000MB")
-    value = float(m.group(1)) * _UNITS[m.group(2).lower()]
-    if value <= 0:
-        raise ConfigError(f"size must be positive, got {text!r}")
-    return int(value)
-
 
 @dataclass(frozen=True)
 class HardwareSpec:
@@ -115,7 +86,8 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
         saved = [p.get("act_saved_bytes_per_token") for p in d.get("points", []) if isinstance(p, dict)]
         saved = [float(x) for x in saved if x]
         d = {k: v for k, v in d.items() if k in known}
-        if saved and isinstance(d.get("layer_profile"), dict) and not d["layer_profile"].get("act_bytes_per_token"):
+        if (saved and isinstance(d.get("layer_profile"), dict)
+                and not d["layer_profile"].get("act_bytes_per_token")):
             d["layer_profile"] = dict(d["layer_profile"], act_bytes_per_token=max(saved))
     prof = d.pop("layer_profile", None)
     if prof is not None:
@@ -127,7 +99,8 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
         d["gpu_memory_bytes"] = d.pop("gpu_memory")
     unknown = sorted(set(d) - known)
     if unknown:
-        raise ConfigError(f"hardware file: unknown field(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        raise ConfigError(f"hardware file: unknown field(s) {', '.join(unknown)}; known: "
+                          f"{', '.join(sorted(known))}")
     d.setdefault("name", default_name)
     missing = [f.name for f in fields(HardwareSpec)
                if f.name not in d and f.name not in ("fp32_tflops", "description", "layer_profile")]

@@ -67,10 +67,12 @@ class LayerProfile:
         return 2.0 * fwd if kind == "backward" else fwd
 
     def _time(self, p: ProfilePoint, kind: str) -> float:
-        return {"forward": p.forward_s, "recompute": p.recompute_s, "backward": p.backward_s, "head": p.head_s}[kind]
+        return {"forward": p.forward_s, "recompute": p.recompute_s, "backward": p.backward_s,
+                "head": p.head_s}[kind]
 
     def _rate_at_seq(self, kind: str, seq: int, tokens: float) -> float:
-        pts = sorted((p for p in self.points if p.seq == seq and self._time(p, kind) > 0), key=lambda p: p.tokens)
+        pts = sorted((p for p in self.points if p.seq == seq and self._time(p, kind) > 0),
+                     key=lambda p: p.tokens)
         if not pts:
             return 0.0
         xs = [math.log(p.tokens) for p in pts]
@@ -103,7 +105,8 @@ class LayerProfile:
         w = (math.log(seq) - math.log(lo)) / (math.log(hi) - math.log(lo))
         return (1 - w) * self._rate_at_seq(kind, lo, tokens) + w * self._rate_at_seq(kind, hi, tokens)
 
-    def block_time(self, kind: str, *, block_params: int, attn_width: int, seq: int, micro_batch: int) -> float:
+    def block_time(self, kind: str, *, block_params: int, attn_width: int, seq: int,
+                   micro_batch: int) -> float:
         """Seconds for one micro-batch through one block of the given shape (``kind`` in
         forward/recompute/backward)."""
         tokens = seq * micro_batch
@@ -119,17 +122,19 @@ class LayerProfile:
     def as_dict(self) -> dict:
         return {"precision": self.precision, "block_params": self.block_params, "attn_width": self.attn_width,
                 "head_params": self.head_params, "act_bytes_per_token": self.act_bytes_per_token,
-                "points": [{"seq": p.seq, "micro_batch": p.micro_batch, "tokens": p.tokens, "forward_s": p.forward_s,
-                            "recompute_s": p.recompute_s, "backward_s": p.backward_s, "head_s": p.head_s}
+                "points": [{"seq": p.seq, "micro_batch": p.micro_batch, "tokens": p.tokens,
+                            "forward_s": p.forward_s, "recompute_s": p.recompute_s,
+                            "backward_s": p.backward_s, "head_s": p.head_s}
                            for p in self.points]}
 
     @classmethod
     def from_dict(cls, d: dict) -> "LayerProfile":
         pts = []
         for p in d["points"]:
-            pt = ProfilePoint(int(p["seq"]), int(p["micro_batch"]), float(p["forward_s"]), float(p["recompute_s"]),
-                              float(p["backward_s"]), float(p.get("head_s", 0.0)))
-            if pt.seq < 1 or pt.micro_batch < 1 or not (pt.forward_s > 0 and pt.recompute_s > 0 and pt.backward_s > 0):
+            pt = ProfilePoint(int(p["seq"]), int(p["micro_batch"]), float(p["forward_s"]),
+                              float(p["recompute_s"]), float(p["backward_s"]), float(p.get("head_s", 0.0)))
+            if pt.seq < 1 or pt.micro_batch < 1 or not (
+                    pt.forward_s > 0 and pt.recompute_s > 0 and pt.backward_s > 0):
                 raise ValueError(f"bad profile point {p}")
             pts.append(pt)
         if not pts:

@@ -8,6 +8,7 @@ from typing import Sequence
 
 from tinypipe.planner.cost import REFERENCE_TOKENS
 from tinypipe.planner.sizes import ModelSizes
+from tinypipe.schedule.plan import DeviceOptimizer, StashPlace
 
 MAX_UNIFORM_PACK = 8
 WINDOWS = (1, 2, 3)
@@ -50,10 +51,10 @@ def micro_batch_options(batch: int) -> list[int]:
     return sorted(opts)
 
 
-def stash_options(num_packs: int) -> list[str | tuple[str, ...]]:
+def stash_options(num_packs: int) -> list[StashPlace | tuple[StashPlace, ...]]:
     """All on the device, all in host memory, and host for the first k pack inputs (the longest
     lived on the device) for k around a quarter, half and three quarters of the packs."""
-    out: list[str | tuple[str, ...]] = ["device"]
+    out: list[StashPlace | tuple[StashPlace, ...]] = ["device"]
     if num_packs > 1:
         out.append("host")
     ks = sorted({k for k in (num_packs // 4, num_packs // 2, (3 * num_packs) // 4) if 0 < k < num_packs - 1})
@@ -62,11 +63,11 @@ def stash_options(num_packs: int) -> list[str | tuple[str, ...]]:
     return out
 
 
-def device_optimizer_options(sizes: ModelSizes) -> tuple[str, ...]:
+def device_optimizer_options(sizes: ModelSizes) -> tuple[DeviceOptimizer, ...]:
     """Resident-layer choices worth comparing: off, the embedding, and (untied) the head or both.
     Under LoRA a frozen embedding/head has nothing to step."""
     trains = sizes.layer_train_numels
-    out = ["off"]
+    out: list[DeviceOptimizer] = ["off"]
     if trains[0]:
         out.append("embed")
     if trains[-1] and not sizes.tied:
@@ -76,7 +77,8 @@ def device_optimizer_options(sizes: ModelSizes) -> tuple[str, ...]:
     return tuple(out)
 
 
-def useful_micro_batches(options: Sequence[int], all_mbs: Sequence[int], seq: int, plateau: float = REFERENCE_TOKENS) -> list[int]:
+def useful_micro_batches(options: Sequence[int], all_mbs: Sequence[int], seq: int,
+                         plateau: float = REFERENCE_TOKENS) -> list[int]:
     """Micro-batch sizes worth trying: one whose half is also an option and already reaches the
     cost model's efficiency plateau (``plateau`` tokens) is never faster, only larger."""
     keep = []

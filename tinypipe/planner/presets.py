@@ -32,22 +32,24 @@ def _qwen2(hidden: int, layers: int, heads: int, kv: int, inter: int, tied: bool
     # Qwen2 attention has q/k/v biases by construction (Qwen2Attention: bias=True)
     return dict(model_type="qwen2", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv, intermediate_size=inter, vocab_size=152064, tie_word_embeddings=tied,
-                max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6, use_sliding_window=False,
-                sliding_window=131072, max_window_layers=layers, hidden_act="silu")
+                max_position_embeddings=131072, rope_theta=1000000.0, rms_norm_eps=1e-6,
+                use_sliding_window=False, sliding_window=131072, max_window_layers=layers, hidden_act="silu")
 
 
 def _qwen3(hidden: int, layers: int, heads: int, kv: int, inter: int, tied: bool = False) -> dict:
     return dict(model_type="qwen3", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                 num_key_value_heads=kv, head_dim=128, intermediate_size=inter, vocab_size=151936,
-                tie_word_embeddings=tied, max_position_embeddings=40960, rope_theta=1000000.0, rms_norm_eps=1e-6,
-                use_sliding_window=False, max_window_layers=layers, attention_bias=False, hidden_act="silu")
+                tie_word_embeddings=tied, max_position_embeddings=40960, rope_theta=1000000.0,
+                rms_norm_eps=1e-6, use_sliding_window=False, max_window_layers=layers, attention_bias=False,
+                hidden_act="silu")
 
 
 def _opt(hidden: int, layers: int, heads: int, ffn: int) -> dict:
     return dict(model_type="opt", hidden_size=hidden, num_hidden_layers=layers, num_attention_heads=heads,
                 ffn_dim=ffn, vocab_size=50272, word_embed_proj_dim=hidden, max_position_embeddings=2048,
-                do_layer_norm_before=True, tie_word_embeddings=True, pad_token_id=1, bos_token_id=2, eos_token_id=2,
-                activation_function="relu", enable_bias=True, layer_norm_elementwise_affine=True)
+                do_layer_norm_before=True, tie_word_embeddings=True, pad_token_id=1, bos_token_id=2,
+                eos_token_id=2, activation_function="relu", enable_bias=True,
+                layer_norm_elementwise_affine=True)
 
 
 #: Preset name -> config.json fields of the public architecture (random init; shapes only).
@@ -55,8 +57,10 @@ PRESETS: dict[str, dict] = {
     "llama-2-7b": _llama(4096, 32, 32, 32, 11008, 32000, False, 4096),
     "llama-2-13b": _llama(5120, 40, 40, 40, 13824, 32000, False, 4096),
     "llama-2-70b": _llama(8192, 80, 64, 8, 28672, 32000, False, 4096),
-    "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, 128256, False, 131072, 500000.0, rope_scaling=_LLAMA31_ROPE),
-    "llama-3.1-70b": _llama(8192, 80, 64, 8, 28672, 128256, False, 131072, 500000.0, rope_scaling=_LLAMA31_ROPE),
+    "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, 128256, False, 131072, 500000.0,
+                           rope_scaling=_LLAMA31_ROPE),
+    "llama-3.1-70b": _llama(8192, 80, 64, 8, 28672, 128256, False, 131072, 500000.0,
+                            rope_scaling=_LLAMA31_ROPE),
     "llama-3.2-1b": _llama(2048, 16, 32, 8, 8192, 128256, True, 131072, 500000.0, head_dim=64,
                            rope_scaling=_LLAMA3_ROPE),
     "llama-3.2-3b": _llama(3072, 28, 24, 8, 8192, 128256, True, 131072, 500000.0, head_dim=128,
@@ -68,12 +72,12 @@ PRESETS: dict[str, dict] = {
     "qwen3-8b": _qwen3(4096, 36, 32, 8, 12288),
     "qwen3-32b": _qwen3(5120, 64, 64, 8, 25600),
     "mistral-7b": dict(model_type="mistral", hidden_size=4096, num_hidden_layers=32, num_attention_heads=32,
-                       num_key_value_heads=8, intermediate_size=14336, vocab_size=32000, tie_word_embeddings=False,
-                       max_position_embeddings=32768, sliding_window=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
-                       hidden_act="silu"),
+                       num_key_value_heads=8, intermediate_size=14336, vocab_size=32000,
+                       tie_word_embeddings=False, max_position_embeddings=32768, sliding_window=4096,
+                       rope_theta=10000.0, rms_norm_eps=1e-5, hidden_act="silu"),
     "gpt2-xl": dict(model_type="gpt2", n_embd=1600, n_layer=48, n_head=25, n_positions=1024, vocab_size=50257,
-                    n_inner=None, activation_function="gelu_new", tie_word_embeddings=True, bos_token_id=50256,
-                    eos_token_id=50256),
+                    n_inner=None, activation_function="gelu_new", tie_word_embeddings=True,
+                    bos_token_id=50256, eos_token_id=50256),
     "opt-13b": _opt(5120, 40, 40, 20480),
     "opt-30b": _opt(7168, 48, 56, 28672),
 }
@@ -141,7 +145,8 @@ def load_model_config(spec: str) -> transformers.PretrainedConfig:
     """
     text = str(spec).strip()
     if not text:
-        raise ConfigError(f"no model given; use a model directory, a config.json or a preset: {', '.join(PRESETS)}")
+        raise ConfigError("no model given; use a model directory, a config.json or a preset: "
+                          f"{', '.join(PRESETS)}")
     path = Path(text).expanduser()
     if path.is_dir():
         path = path / "config.json"

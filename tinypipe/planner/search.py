@@ -13,13 +13,15 @@ and allocator fragmentation (:data:`GPU_CONTEXT_BYTES`, :data:`FRAGMENTATION`). 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Sequence
 
 import transformers
 
+from tinypipe.config import PRECISIONS, Precision
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.memory.report import GIB, MemoryReport
+from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.cost import REFERENCE_TOKENS, StepTime, predict_step_time
 from tinypipe.planner.estimate import estimate_memory
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
@@ -33,7 +35,8 @@ from tinypipe.planner.options import (
 )
 from tinypipe.planner.presets import load_model_config
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
-from tinypipe.schedule.plan import Plan, make_plan
+from tinypipe.schedule.plan import DeviceOptimizer, Plan, make_plan
+from tinypipe.units import GIB, gib_text
 
 if TYPE_CHECKING:
     from tinypipe.lora.settings import LoraSettings
@@ -54,7 +57,6 @@ class Candidate:
     """One evaluated plan."""
 
     plan: Plan
-    knobs: dict  # the Config fields that select this plan
     memory: MemoryReport
     time: StepTime
     gpu_need: int  # the fullest device: static + activation peak + headroom
@@ -65,19 +67,7 @@ class Candidate:
         return self.time.tokens_per_s
 
     def describe(self) -> str:
-        k = self.knobs
-        pack = k["pack_size"]
-        pack_s = str(pack) if isinstance(pack, int) else "[" + ",".join(map(str, pack)) + "]"
-        stash = k["stash"]
-        if not isinstance(stash, str):
-            hosts = sum(1 for s in stash if s == "host")
-            stash = f"host x{hosts}, device x{len(stash) - hosts}"
-        dopt = k.get("device_optimizer", "off")
-        resident = k.get("resident_packs", 0)
-        return (f"pack {pack_s}, micro-batch {k['micro_batch_size']}/{k['backward_micro_batch_size']} "
-                f"(fwd/bwd), window {k['prefetch_window']}, stash {stash}"
-                + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
-                + ("" if not resident else f", first {resident} pack{'s' * (resident > 1)} resident on the GPU"))
+        return self.plan.describe()
 
 
 @dataclass
@@ -93,7 +83,7 @@ class PlanResult:
     cpu_memory_bytes: int
     seq: int
     global_batch: int
-    precision: str
+    precision: Precision
     max_grad_norm: float | None
     considered: int
     fitting: int
@@ -101,9 +91,10 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
 
     def config_kwargs(self, candidate: Candidate | None = None) -> dict:
-        """``tinypipe.Config`` fields that realise ``candidate`` (default: the best plan)."""
+        """``tinypipe.Config`` fields that realise ``candidate`` (default: the best plan); or pass
+        the plan itself: ``Engine(model, config, plan=candidate.plan)``."""
         c = candidate or self.best
-        out = dict(c.knobs)
+        out = c.plan.settings()
         out["devices"] = [f"cuda:{i}" for i in range(self.gpus)]
         out["precision"] = self.precision
         out["max_grad_norm"] = self.max_grad_norm
@@ -112,8 +103,8 @@ class PlanResult:
     def as_dict(self) -> dict:
         def cand(c: Candidate) -> dict:
             return {
-                "knobs": c.knobs,
-                "plan": {k: v for k, v in c.plan.__dict__.items() if k != "extra"},
+                "settings": c.plan.settings(),
+                "plan": c.plan.as_dict(),
                 "gpu_need_bytes": c.gpu_need,
                 "host_need_bytes": c.host_need,
                 "memory": c.memory.as_dict(),
@@ -145,8 +136,8 @@ class PlanResult:
 RESIDENT_SEEDS = 4
 
 
-def _with_resident_packs(sizes: ModelSizes, hw: HardwareSpec, seeds: list[Candidate], *, gpus: int, seq: int,
-                         global_batch: int, precision: str, max_grad_norm: float | None,
+def _with_resident_packs(sizes: ModelSizes, hw: HardwareSpec, seeds: list[Candidate], *, seq: int,
+                         global_batch: int, precision: Precision, max_grad_norm: float | None,
                          host_grad_buffers: int | None, gpu_mem: int, cpu_mem: int) -> list[Candidate]:
     """Each seed plan with 1, 2, ... of its first packs kept resident on the GPU (stepped there),
     for as long as that fits and its pack placement allows it (one device per resident pack).
@@ -156,17 +147,14 @@ def _with_resident_packs(sizes: ModelSizes, hw: HardwareSpec, seeds: list[Candid
     their host updates are the ones left after the backward."""
     out = []
     for seed in seeds:
-        k = seed.knobs
+        peaks = [seed.memory.devices[n]["activations_peak"] for n in seed.memory.devices]
         for r in range(1, seed.plan.num_packs + 1):
             try:
-                c = evaluate(sizes, hw, pack_size=k["pack_size"], fwd_micro_batch=k["micro_batch_size"],
-                             bwd_micro_batch=k["backward_micro_batch_size"], prefetch_window=k["prefetch_window"],
-                             stash=k["stash"], gpus=gpus, seq=seq, global_batch=global_batch, precision=precision,
-                             max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
-                             peaks=[seed.memory.devices[n]["activations_peak"] for n in seed.memory.devices],
-                             device_optimizer=k["device_optimizer"], resident_packs=r)
+                plan = dataclasses.replace(seed.plan, resident_packs=r)
             except ConfigError:  # this pack's forward and backward run on different devices
                 break
+            c = evaluate(sizes, hw, plan, seq=seq, global_batch=global_batch, precision=precision,
+                         max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks)
             out.append(c)
             if c.gpu_need > gpu_mem or c.host_need > cpu_mem:
                 break
@@ -182,18 +170,12 @@ def _gpu_need(report: MemoryReport) -> int:
     return worst
 
 
-def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequence[int], fwd_micro_batch: int,
-             bwd_micro_batch: int, prefetch_window: int, stash: str | Sequence[str], gpus: int, seq: int,
-             global_batch: int, precision: str = "bf16", max_grad_norm: float | None = None,
-             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None,
-             device_optimizer: str = "off", resident_packs: int = 0) -> Candidate:
-    """Build the plan for these knobs and estimate its memory and time (``peaks``: activation
-    peaks already estimated for the same plan with another window)."""
-    plan = make_plan(sizes.num_blocks, pack_size=pack_size if isinstance(pack_size, int) else list(pack_size),
-                     fwd_micro_batch=fwd_micro_batch, bwd_micro_batch=bwd_micro_batch, num_devices=gpus,
-                     prefetch_window=prefetch_window, stash=stash if isinstance(stash, str) else list(stash),
-                     tied=sizes.tied, device_optimizer=device_optimizer, resident_packs=resident_packs)
-    devices = [f"cuda:{i}" for i in range(gpus)]
+def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int, global_batch: int,
+             precision: Precision = "bf16", max_grad_norm: float | None = None,
+             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None) -> Candidate:
+    """Estimate ``plan``'s memory and step time on ``plan.num_devices`` GPUs of ``hardware``
+    (``peaks``: activation peaks already estimated for the same plan with another window)."""
+    devices = [f"cuda:{i}" for i in range(plan.num_devices)]
     prof = hardware.layer_profile
     act = None
     if prof is not None and prof.precision == precision:  # measured saved activations of this block shape
@@ -202,16 +184,7 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, *, pack_size: int | Sequ
                           host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
                           act_per_token=act)
     t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision)
-    knobs = {
-        "pack_size": pack_size if isinstance(pack_size, int) else list(pack_size),
-        "micro_batch_size": fwd_micro_batch,
-        "backward_micro_batch_size": bwd_micro_batch,
-        "prefetch_window": prefetch_window,
-        "stash": stash if isinstance(stash, str) else list(stash),
-        "device_optimizer": device_optimizer,
-        "resident_packs": resident_packs,
-    }
-    return Candidate(plan, knobs, mem, t, _gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)
+    return Candidate(plan, mem, t, _gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)
 
 
 def _pareto(cands: list[Candidate]) -> list[Candidate]:
@@ -231,9 +204,10 @@ def _resolve(config: transformers.PretrainedConfig | str) -> tuple[transformers.
 
 def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, *, gpus: int,
              gpu_memory_bytes: int | None = None, cpu_memory_bytes: int, seq: int, global_batch: int,
-             precision: str = "bf16", max_grad_norm: float | None = None, host_grad_buffers: int | None = None,
-             max_pareto: int = 8, lora: LoraSettings | None = None,
-             device_optimizer: str | None = None, resident_packs: int | None = None) -> PlanResult:
+             precision: Precision = "bf16", max_grad_norm: float | None = None,
+             host_grad_buffers: int | None = None, max_pareto: int = 8, lora: LoraSettings | None = None,
+             device_optimizer: DeviceOptimizer | None = None,
+             resident_packs: int | None = None) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
@@ -248,8 +222,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         raise ConfigError(f"sequence length must be >= 2, got {seq}")
     if global_batch < 1:
         raise ConfigError(f"global batch must be >= 1, got {global_batch}")
-    if precision not in ("bf16", "fp32"):
-        raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
+    if precision not in PRECISIONS:
+        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
     hw = load_hardware(hardware)
@@ -270,8 +244,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
             notes.append(f"compute times from measured per-layer times ({hw.name}, "
                          f"{len(hw.layer_profile.points)} points)")
         else:
-            notes.append(f"the hardware profile was measured at {hw.layer_profile.precision}, not {precision}: "
-                         "compute times are FLOP-rate estimates")
+            notes.append(f"the hardware profile was measured at {hw.layer_profile.precision}, not "
+                         f"{precision}: compute times are FLOP-rate estimates")
     if sizes.act_source != "probe":
         notes.append("activation sizes come from a generic formula (the probe model could not be built)")
 
@@ -292,47 +266,47 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
             continue
         for stash in stash_options(num_packs):
             for b in useful_micro_batches(mbs, mbs, seq, plateau):
-                for f in useful_micro_batches([x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b], mbs, seq, plateau):
+                forwards = [x for x in (b, 2 * b, 4 * b, global_batch) if x in mbs and x >= b]
+                for f in useful_micro_batches(forwards, mbs, seq, plateau):
                     peaks = None
                     for w in windows:
                         for dopt in dopts:
                             try:
-                                c = evaluate(sizes, hw, pack_size=pack, fwd_micro_batch=f, bwd_micro_batch=b,
-                                             prefetch_window=w, stash=stash, gpus=gpus, seq=seq,
-                                             global_batch=global_batch, precision=precision,
-                                             max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
-                                             peaks=peaks, device_optimizer=dopt, resident_packs=resident_packs or 0)
+                                plan = make_plan(sizes.num_blocks, pack_size=pack, micro_batch_size=f,
+                                                 backward_micro_batch_size=b, num_devices=gpus,
+                                                 prefetch_window=w, stash=stash, tied=sizes.tied,
+                                                 device_optimizer=dopt, resident_packs=resident_packs or 0)
                             except ConfigError:  # fixed resident packs this placement splits across devices
                                 if not resident_packs:
                                     raise
                                 continue
+                            c = evaluate(sizes, hw, plan, seq=seq, global_batch=global_batch,
+                                         precision=precision, max_grad_norm=max_grad_norm,
+                                         host_grad_buffers=host_grad_buffers, peaks=peaks)
                             peaks = [c.memory.devices[k]["activations_peak"] for k in c.memory.devices]
                             cands.append(c)
                             if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes:
                                 fits.append(c)
     if not cands:
-        raise ConfigError(f"no packing of the {sizes.num_blocks} blocks on {gpus} GPU(s) can keep {resident_packs} "
-                          "packs resident (each needs its forward and backward on one device)")
+        raise ConfigError(f"no packing of the {sizes.num_blocks} blocks on {gpus} GPU(s) can keep "
+                          f"{resident_packs} packs resident (each needs its forward and backward on one "
+                          "device)")
     if not fits:
         raise PlanDoesNotFitError(_why_not(cands, gpu_mem, cpu_memory_bytes, gpus))
     if resident_packs is None:  # spend what GPU memory the fastest plans leave on resident packs
-        more = _with_resident_packs(sizes, hw, _pareto(fits)[:RESIDENT_SEEDS], gpus=gpus, seq=seq,
-                                    global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
-                                    host_grad_buffers=host_grad_buffers, gpu_mem=gpu_mem, cpu_mem=cpu_memory_bytes)
+        more = _with_resident_packs(sizes, hw, _pareto(fits)[:RESIDENT_SEEDS], seq=seq,
+                                    global_batch=global_batch, precision=precision,
+                                    max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
+                                    gpu_mem=gpu_mem, cpu_mem=cpu_memory_bytes)
         cands += more
         fits += [c for c in more if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes]
     front = _pareto(fits)
     fastest = front[0].time.step_s
     best = min((c for c in front if c.time.step_s <= fastest * (1 + NEAR_FASTEST)), key=lambda c: c.gpu_need)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
-                      gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=global_batch,
-                      precision=precision, max_grad_norm=max_grad_norm, considered=len(cands), fitting=len(fits),
-                      model_name=name, notes=notes)
-
-
-def gib_text(n: float) -> str:
-    """``n`` bytes as '12.3 GiB' (plan messages)."""
-    return f"{n / GIB:.1f} GiB"
+                      gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq,
+                      global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
+                      considered=len(cands), fitting=len(fits), model_name=name, notes=notes)
 
 
 def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> str:
@@ -345,17 +319,19 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> s
         host = min_host.memory.host
         frozen = next((k for k in host if k.startswith("frozen_weights")), None)  # "frozen_weights (nf4)"
         if frozen is not None and host[frozen]:
-            return (f"needs {gib_text(min_host.host_need)} host memory even with LoRA, have {gib_text(cpu_mem)} "
-                    f"({gib_text(host[frozen])} of it the frozen base weights); add RAM"
-                    + ("" if "(" in frozen else " or quantize the base (--quantize nf4)"))
+            return (f"needs {gib_text(min_host.host_need)} host memory even with LoRA, "
+                    f"have {gib_text(cpu_mem)} ({gib_text(host[frozen])} of it the frozen base weights); "
+                    "add RAM" + ("" if "(" in frozen else " or quantize the base (--quantize nf4)"))
         return (f"needs {gib_text(min_host.host_need)} host memory, have {gib_text(cpu_mem)} "
                 f"({gib_text(host['master_weights'] + host['optimizer_state'])} of it "
                 "fp32 master weights + AdamW state); try --lora or more RAM")
     if not gpu_ok:
         return (f"needs {gib_text(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}), have "
-                f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch, more GPUs or --lora")
+                f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch, more GPUs "
+                "or --lora")
     # each budget can be met alone, but no plan meets both: the GPU-lean plans stash on the host
     best = min(host_ok, key=lambda c: c.gpu_need)
-    return (f"needs {gib_text(best.gpu_need)} GPU memory per device with host memory under {gib_text(cpu_mem)} "
-            f"(or {gib_text(min_gpu.host_need)} host memory at {gib_text(min_gpu.gpu_need)} GPU memory); have "
+    return (f"needs {gib_text(best.gpu_need)} GPU memory per device with host memory under "
+            f"{gib_text(cpu_mem)} (or {gib_text(min_gpu.host_need)} host memory at "
+            f"{gib_text(min_gpu.gpu_need)} GPU memory); have "
             f"{gib_text(gpu_mem)} GPU memory; try a shorter --seq-len, more RAM or more GPUs")

@@ -176,14 +176,16 @@ def _probe_scale(cfg: transformers.PretrainedConfig) -> int:
     """Largest power-of-two divisor (<= 64) of every width that keeps the head dim >= 4."""
     shape = shape_of(cfg)
     widths = [shape["hidden"], shape["head_dim"]]
-    widths += [v for a in _WIDTH_ATTRS if isinstance(v := getattr(cfg, a, None), int) and not isinstance(v, bool)]
+    widths += [v for a in _WIDTH_ATTRS
+               if isinstance(v := getattr(cfg, a, None), int) and not isinstance(v, bool)]
     for s in (64, 32, 16, 8, 4, 2):
         if all(w % s == 0 for w in widths) and shape["head_dim"] // s >= 4:
             return s
     return 1
 
 
-def probe_config(cfg: transformers.PretrainedConfig, scale: int, layers: int = 2) -> transformers.PretrainedConfig:
+def probe_config(cfg: transformers.PretrainedConfig, scale: int,
+                 layers: int = 2) -> transformers.PretrainedConfig:
     """A small copy of ``cfg``: widths divided by ``scale``, ``layers`` blocks, a tiny vocabulary."""
     c = copy.deepcopy(cfg)
     for attr in _WIDTH_ATTRS:
@@ -387,7 +389,8 @@ def _model_sizes_cached(key: str, cfg: transformers.PretrainedConfig) -> ModelSi
 
 def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
     if getattr(cfg, "is_encoder_decoder", False):
-        raise UnsupportedModelError(f"model_type {cfg.model_type!r}: encoder-decoder models are not supported")
+        raise UnsupportedModelError(f"model_type {cfg.model_type!r}: encoder-decoder models are not "
+                                    "supported")
     shape = shape_of(cfg)
     scale = _probe_scale(cfg)
     probe = _build(probe_config(cfg, scale, layers=2), "cpu", torch.float32)

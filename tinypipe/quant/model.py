@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from tinypipe.errors import UnsupportedModelError
-from tinypipe.models.decompose import _find_blocks
+from tinypipe.models.blocks import find_blocks
 from tinypipe.quant.layout import PackedLayout, is_quantized_param, layout_of
 from tinypipe.quant.spec import QuantizeError, QuantSpec, require_bitsandbytes
 
@@ -26,7 +26,7 @@ def quantizable_linears(model: nn.Module) -> list[str]:
     """Full names of the dense linear layers :func:`quantize_model` turns into bitsandbytes modules
     (every ``nn.Linear`` in the decoder blocks, LoRA's own adapter matrices excluded); also valid on
     meta-device skeletons, so the planner sizes exactly what gets quantized."""
-    path, blocks = _find_blocks(model)
+    path, blocks = find_blocks(model)
     out = []
     for i, block in enumerate(blocks):
         for name, m in block.named_modules():
@@ -36,7 +36,7 @@ def quantizable_linears(model: nn.Module) -> list[str]:
 
 
 def _conv1d_names(model: nn.Module) -> list[str]:
-    path, blocks = _find_blocks(model)
+    path, blocks = find_blocks(model)
     return [f"{path}.{i}.{n}" for i, b in enumerate(blocks) for n, m in b.named_modules()
             if type(m).__name__ == "Conv1D"]
 

@@ -63,7 +63,8 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike, extra: dict[str, Any] | None = None) -> Path:
+def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike,
+                    extra: dict[str, Any] | None = None) -> Path:
     """Write the training state of ``store`` to directory ``path`` atomically.
 
     Raises :class:`CheckpointWriteError` when the write fails; the previous checkpoint survives.
@@ -78,7 +79,8 @@ def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike, 
         shutil.rmtree(tmp, ignore_errors=True)  # free the space the partial write took
         kept = find_checkpoint(final)
         survivor = f"; the previous checkpoint {kept} is intact" if kept is not None else ""
-        raise CheckpointWriteError(f"cannot write checkpoint {final}: {describe_os_error(exc)}{survivor}") from exc
+        raise CheckpointWriteError(f"cannot write checkpoint {final}: {describe_os_error(exc)}"
+                                   f"{survivor}") from exc
 
 
 def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict[str, Any] | None) -> Path:
@@ -155,14 +157,16 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
         trained = entry.get("train_numel", entry["numel"])
         if trained != s.spec.train_numel:
             kind = {True: "LoRA", False: "full fine-tuning"}
-            raise ConfigError(f"{found}: checkpoint of {kind[trained < entry['numel']]} (layer {s.spec.name}: "
-                              f"{trained} trained elements), this run is {kind[s.spec.frozen_numel > 0]} "
-                              f"({s.spec.train_numel}): same --lora settings needed")
+            raise ConfigError(f"{found}: checkpoint of {kind[trained < entry['numel']]} "
+                              f"(layer {s.spec.name}: {trained} trained elements), this run is "
+                              f"{kind[s.spec.frozen_numel > 0]} ({s.spec.train_numel}): same --lora settings "
+                              "needed")
     for s, entry in zip(store.layers, state["layers"]):
         try:
             tensors = load_file(str(found / entry["file"]))
         except Exception as exc:  # noqa: BLE001 - a damaged file: one line, not a traceback
-            raise ConfigError(f"{found}/{entry['file']}: unreadable checkpoint file ({' '.join(str(exc).split())})") from exc
+            detail = " ".join(str(exc).split())
+            raise ConfigError(f"{found}/{entry['file']}: unreadable checkpoint file ({detail})") from exc
         with torch.no_grad():
             s.master.copy_(tensors["master"])
             s.exp_avg.copy_(tensors["exp_avg"])

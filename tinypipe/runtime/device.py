@@ -10,12 +10,17 @@ from tinypipe.devices.backend import Backend
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool
 from tinypipe.models.decompose import Shell
-from tinypipe.runtime.device_optimizer import DeviceAdamW
+from tinypipe.schedule.ids import Lane
+
+#: Streams per device: the three lanes' (compute, uploads, gradient downloads) and the two side
+#: streams host-stashed activations move on (so compute never waits for a stash transfer)
+STREAMS = ("compute", "h2d", "d2h", "stash_in", "stash_out")
 
 
 @dataclass
 class DeviceRuntime:
-    """One entry of ``Config.devices``; entries may name the same physical device."""
+    """One entry of ``Config.devices``; entries may name the same physical device. (The AdamW
+    state of layers stepped on it belongs to :class:`~tinypipe.runtime.optim.path.OptimizerPath`.)"""
 
     index: int
     name: str
@@ -24,11 +29,12 @@ class DeviceRuntime:
     pool: DevicePool
     grad_pool: HostGradPool
     streams: dict[str, object] = field(default_factory=dict)
-    optim: DeviceAdamW | None = None  # AdamW state of resident layers kept on this device
+    compute_lane: str = ""  # the name of this device's compute lane (set from ``index``)
 
     def __post_init__(self) -> None:
-        for lane in ("compute", "h2d", "d2h", "stash_in", "stash_out"):
-            self.streams[lane] = self.backend.new_stream()
+        for name in STREAMS:
+            self.streams[name] = self.backend.new_stream()
+        self.compute_lane = str(Lane(self.index, "compute"))
 
     @property
     def device(self) -> torch.device:

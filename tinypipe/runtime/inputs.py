@@ -2,20 +2,40 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Mapping
 
 import torch
 
 from tinypipe.errors import BatchError
-from tinypipe.runtime.step import StepInputs
 
 
-def prepare_inputs(batch: Mapping[str, torch.Tensor], vocab: int, max_positions: int | None, pin: bool) -> StepInputs:
+@dataclass
+class StepInputs:
+    """The global batch, already validated, on the host."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    shifted_labels: torch.Tensor  # labels[:, 1:] padded with -100: position t predicts this
+    denom: int  # labelled tokens in the whole global batch
+
+    @property
+    def batch(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    @property
+    def seq(self) -> int:
+        return int(self.input_ids.shape[1])
+
+
+def prepare_inputs(batch: Mapping[str, torch.Tensor], vocab: int, max_positions: int | None,
+                   pin: bool) -> StepInputs:
     """Validate a global batch (one-line :class:`BatchError` for anything malformed) and build the
     step's host-side inputs: labels shifted by one, padding ignored, the labelled-token count.
     ``pin``: page-lock them so device copies never synchronise a stream."""
     if not isinstance(batch, Mapping):
-        raise BatchError(f"batch must be a dict with 'input_ids' (and optional 'labels', 'attention_mask'), got {type(batch).__name__}")
+        raise BatchError("batch must be a dict with 'input_ids' (and optional 'labels', 'attention_mask'), "
+                         f"got {type(batch).__name__}")
     if "input_ids" not in batch:
         raise BatchError("batch needs 'input_ids' (LongTensor[batch, seq])")
     ids = batch["input_ids"]
@@ -24,10 +44,12 @@ def prepare_inputs(batch: Mapping[str, torch.Tensor], vocab: int, max_positions:
     ids = ids.long().cpu()
     B, S = ids.shape
     if B == 0 or S < 2:
-        raise BatchError(f"batch of shape {tuple(ids.shape)} is too small: need >= 1 sequence of >= 2 tokens")
+        raise BatchError(f"batch of shape {tuple(ids.shape)} is too small: need >= 1 sequence of >= 2 "
+                         "tokens")
     if int(ids.min()) < 0 or int(ids.max()) >= vocab:
         raise BatchError(f"input_ids hold token ids outside the model's vocabulary [0, {vocab}) "
-                         f"(min {int(ids.min())}, max {int(ids.max())}): was the data tokenized with this model's tokenizer?")
+                         f"(min {int(ids.min())}, max {int(ids.max())}): was the data tokenized with this "
+                         "model's tokenizer?")
     if max_positions is not None and S > max_positions:
         raise BatchError(f"sequence length {S} exceeds the model's max_position_embeddings {max_positions}")
     mask = batch.get("attention_mask")

@@ -2,91 +2,101 @@
 
 from __future__ import annotations
 
-import os
 import resource
-from pathlib import Path
+from dataclasses import dataclass
 
 import psutil
 
-from tinypipe.errors import ConfigError
 from tinypipe.memory.report import MemoryReport
-from tinypipe.runtime.step import host_times
-from tinypipe.schedule.render import chrome_trace, to_text
+from tinypipe.runtime.context import TaskTiming
+from tinypipe.runtime.resources import EngineResources
+from tinypipe.schedule.ids import Lane
 
 
-class EngineObservability:
-    """Mixed into :class:`~tinypipe.runtime.engine.Engine` (uses its store, devices, plan and the
-    last step's state)."""
+class RssPeak:
+    """The host RSS, sampled at the end of every step and by each memory report; its peak."""
 
-    def _sample_rss(self) -> int:
+    def __init__(self) -> None:
+        self.peak = 0
+
+    def sample(self) -> int:
         rss = psutil.Process().memory_info().rss
-        self._rss_peak = max(self._rss_peak, rss)
+        self.peak = max(self.peak, rss)
         return rss
 
-    def memory_report(self) -> MemoryReport:
-        """Host bytes by category, device bytes by category, and measured peaks."""
-        grad_pool = sum(d.grad_pool.nbytes for d in self.devices)
-        stash = sum(t.numel() * t.element_size() for t in self._host_stash.values())
-        retained = sum(t.numel() * 4 for t in (self._retained or {}).values())
-        host = {
-            "master_weights": self.store.master_bytes,
-            **({"frozen_weights": self.store.frozen_bytes} if self.store.frozen_bytes else {}),
-            "optimizer_state": self.store.optimizer_bytes,
-            "pinned_grad_pool": grad_pool,
-            "gradient_buffers": retained,
-            "stashed_activations": stash,
-        }
-        devices, peaks = {}, {}
-        for d in self.devices:
-            name = f"{d.index}:{d.name}"
-            devices[name] = d.pool.bytes_by_category()
-            if d.optim is not None:
-                devices[name]["optimizer_state"] = d.optim.nbytes
-            stats = d.backend.memory_stats()
-            if stats:
-                static = sum(devices[name].values())
-                devices[name]["activations_peak"] = max(0, stats["peak_allocated"] - static)
-                peaks[name] = {"peak_allocated": stats["peak_allocated"], "peak_reserved": stats["peak_reserved"]}
-        rss = self._sample_rss()
-        peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        return MemoryReport(host, devices, peaks, host_rss=rss, host_rss_peak=max(self._rss_peak, peak_kb * 1024))
 
-    def schedule_text(self, batch: int) -> str:
-        return to_text(self.schedule_for(batch))
+@dataclass
+class StepTimeline:
+    """The last step's task timings and the step's start (``time.perf_counter`` seconds)."""
 
-    def step_timeline(self) -> list[dict]:
-        """The last step's tasks as ``{"lane", "name", "start_us", "dur_us"}`` (device times for CUDA
-        tasks when ``trace=True``, else host times); empty before the first step."""
-        if self._last_state is None:
-            return []
-        events = host_times(self._last_state.timings, self._last_origin)
-        return self._device_events(events) if self.config.trace else events
+    timings: list[TaskTiming]
+    origin: float
 
-    def export_trace(self, path: str | os.PathLike) -> Path:
-        """Chrome/Perfetto trace of the last step (per lane; device times when ``trace=True``)."""
-        if self._last_state is None:
-            raise ConfigError("no step has run yet: nothing to trace")
-        events = host_times(self._last_state.timings, self._last_origin)
-        if self.config.trace:
-            events = self._device_events(events)
-        return chrome_trace(events, path)
 
-    def _device_events(self, host_events: list[dict]) -> list[dict]:
-        """Replace host times of CUDA tasks with their device times (aligned per device)."""
-        timings = self._last_state.timings if self._last_state else []
-        firsts: dict[str, tuple[object, float]] = {}
-        out = []
-        for t, h in zip(timings, host_events):
-            if t.events is None:
-                out.append(h)
-                continue
-            ev0, ev1 = t.events
-            dev = t.lane.split(":")[0]  # events of one device share one time base
-            if dev not in firsts:
-                firsts[dev] = (ev0, h["start_us"])
-            ref, ref_us = firsts[dev]
-            start = ref_us + ref.elapsed_time(ev0) * 1000.0  # type: ignore[attr-defined]
-            dur = ev0.elapsed_time(ev1) * 1000.0  # type: ignore[attr-defined]
-            out.append(dict(h, start_us=start, dur_us=dur))
-        return out
+def memory_report(res: EngineResources, rss: RssPeak) -> MemoryReport:
+    """Host bytes by category, device bytes by category, and measured peaks."""
+    store = res.store
+    host = {
+        "master_weights": store.master_bytes,
+        **({store.frozen_label: store.frozen_bytes} if store.frozen_bytes else {}),
+        "optimizer_state": store.optimizer_bytes,
+        "pinned_grad_pool": sum(d.grad_pool.nbytes for d in res.devices),
+        "gradient_buffers": res.optimizer.retained_bytes,
+        "stashed_activations": res.host_stash.nbytes,
+    }
+    devices, peaks = {}, {}
+    for d in res.devices:
+        name = f"{d.index}:{d.name}"
+        devices[name] = d.pool.bytes_by_category()
+        on_device = res.optimizer.device_state_bytes(d.index)
+        if on_device is not None:
+            devices[name]["optimizer_state"] = on_device
+        stats = d.backend.memory_stats()
+        if stats:
+            static = sum(devices[name].values())
+            devices[name]["activations_peak"] = max(0, stats["peak_allocated"] - static)
+            peaks[name] = {"peak_allocated": stats["peak_allocated"], "peak_reserved": stats["peak_reserved"]}
+    now = rss.sample()
+    peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return MemoryReport(host, devices, peaks, host_rss=now, host_rss_peak=max(rss.peak, peak_kb * 1024))
 
+
+def host_times(timings: list[TaskTiming], origin: float) -> list[dict]:
+    """Timings as trace events (microseconds since ``origin``; device events when recorded)."""
+    out = []
+    for t in timings:
+        out.append({
+            "lane": t.lane,
+            "name": t.task,
+            "start_us": (t.host_start - origin) * 1e6,
+            "dur_us": (t.host_end - t.host_start) * 1e6,
+        })
+    return out
+
+
+def timeline_events(last: StepTimeline | None, device_times: bool) -> list[dict]:
+    """``last``'s tasks as ``{"lane", "name", "start_us", "dur_us"}``: host times, or with
+    ``device_times`` the CUDA tasks' device times (aligned per device); empty before a step."""
+    if last is None:
+        return []
+    events = host_times(last.timings, last.origin)
+    return _device_events(last.timings, events) if device_times else events
+
+
+def _device_events(timings: list[TaskTiming], host_events: list[dict]) -> list[dict]:
+    """Replace host times of CUDA tasks with their device times (aligned per device)."""
+    firsts: dict[int | None, tuple[object, float]] = {}
+    out = []
+    for t, h in zip(timings, host_events):
+        if t.events is None:
+            out.append(h)
+            continue
+        ev0, ev1 = t.events
+        dev = Lane.parse(t.lane).device  # events of one device share one time base
+        if dev not in firsts:
+            firsts[dev] = (ev0, h["start_us"])
+        ref, ref_us = firsts[dev]
+        start = ref_us + ref.elapsed_time(ev0) * 1000.0  # type: ignore[attr-defined]
+        dur = ev0.elapsed_time(ev1) * 1000.0  # type: ignore[attr-defined]
+        out.append(dict(h, start_us=start, dur_us=dur))
+    return out

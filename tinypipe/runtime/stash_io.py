@@ -1,65 +1,71 @@
-"""Host-stashed activations: device-to-host writes and prefetched host-to-device reads on side
-streams, so the compute stream never waits for a stash transfer it does not need yet."""
+"""Host-stashed activations: the host buffers, device-to-host writes and host-to-device reads
+that run ahead of the compute stream on side streams, so it never waits for a stash transfer it
+does not need yet.
+
+("Read-ahead" here is the stashed rows of the next micro-batch; the plan's ``prefetch_window`` --
+layers uploaded ahead of their pack -- is a different thing, realised by the schedule's slots.)
+"""
 
 from __future__ import annotations
 
 import torch
 
+from tinypipe.devices.backend import HostPinner
+from tinypipe.devices.host_buffers import aligned_empty, registrable
 from tinypipe.runtime.buffers import RowBuffer
+from tinypipe.runtime.context import StepContext
 from tinypipe.runtime.device import DeviceRuntime
-from tinypipe.schedule.tasks import Kind, Task
+from tinypipe.schedule.ids import Kind, fwd_id
+from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.tasks import Task
 
 
-class StashIO:
-    """Row reads/writes of boundary buffers for :class:`~tinypipe.runtime.step.StepRunner`."""
+class HostStash:
+    """Page-locked host buffers for the pack inputs the plan stashes on the host, one per pack
+    boundary, kept while the batch shape stays the same."""
 
-    def _write_rows(self, buf: RowBuffer, lo: int, hi: int, src: torch.Tensor, dev: DeviceRuntime) -> None:
-        """Write rows; a device-to-host stash copy goes on a side stream so compute never waits."""
-        if buf.owner is None and dev.backend.is_cuda:
-            side = dev.streams["stash_out"]
-            dev.backend.wait_event(side, dev.backend.record_event(dev.streams["compute"]))
-            with dev.backend.use_stream(side):
-                buf.tensor[lo:hi].copy_(src, non_blocking=True)  # type: ignore[index]
-            src.record_stream(side)  # type: ignore[arg-type]
-            self._extra[f"dev{dev.index}:compute"].append(side)
-        else:
-            buf.write(lo, hi, src)
+    def __init__(self, pinner: HostPinner) -> None:
+        self._pinner = pinner
+        self._buffers: dict[int, torch.Tensor] = {}
 
-    def _read_rows(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime) -> torch.Tensor:
-        """Rows on ``dev``: prefetched copy, a view, or a fresh copy."""
-        hit = self._prefetched.pop((id(buf), lo, hi, dev.index), None)
-        if hit is not None:
-            tensor, event = hit
-            dev.backend.wait_event(dev.streams["compute"], event)
-            return tensor
-        return buf.read(lo, hi, dev.device)
+    def prepare(self, plan: Plan, batch: int, seq: int, hidden: int, dtype: torch.dtype) -> None:
+        """Buffers of shape ``[batch, seq, hidden]`` for every host-stashed pack input."""
+        shape = (batch, seq, hidden)
+        for q, on_host in enumerate(plan.stash_on_host):
+            if not on_host or q == 0:
+                continue
+            t = self._buffers.get(q)
+            if t is None or t.shape != shape:
+                flat = aligned_empty(batch * seq * hidden, dtype)
+                self._pinner.pin(registrable(flat))
+                self._buffers[q] = flat.view(shape)
 
-    def _prefetch_rows(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime, producers: list[str]) -> None:
-        """Start copying host-stashed rows to ``dev`` on a side stream, if their producers are done."""
-        if buf.owner is not None or not dev.backend.is_cuda or buf.tensor is None:
-            return
-        if not all(self.signals[p].is_set for p in producers):
-            return
-        key = (id(buf), lo, hi, dev.index)
-        if key in self._prefetched:
-            return
-        side = dev.streams["stash_in"]
-        for p in producers:
-            for event in self.signals[p].events:
-                dev.backend.wait_event(side, event)
-        out = self._ring_buffer(dev, buf.tensor[lo:hi].shape, buf.dtype)
-        with dev.backend.use_stream(side):
-            out.copy_(buf.tensor[lo:hi], non_blocking=True)
-        self._prefetched[key] = (out, dev.backend.record_event(side))
+    def buffer(self, q: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """Pack ``q``'s input buffer, as :meth:`prepare` made it for this step."""
+        host = self._buffers.get(q)
+        if host is None or host.shape != shape or host.dtype != dtype:
+            raise RuntimeError(f"host stash for act {q} not prepared")
+        return host
 
-    def _ring_buffer(self, dev: DeviceRuntime, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
-        """One of two preallocated prefetch buffers per device, used alternately.
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self._buffers.values())
 
-        Fixed buffers keep the side stream away from the caching allocator (no cudaMalloc, no
-        reuse of blocks the compute stream may still read). Buffer k is reused two prefetches
-        later; the side stream first waits for the compute stream's work queued so far, which
-        includes the task that consumed it.
-        """
+
+class ReadAheadBuffers:
+    """Two preallocated device buffers per device that stashed rows are read ahead into, used
+    alternately; they outlive the step.
+
+    Fixed buffers keep the side stream away from the caching allocator (no cudaMalloc, no
+    reuse of blocks the compute stream may still read). Buffer k is reused two read-aheads
+    later; the side stream first waits for the compute stream's work queued so far, which
+    includes the task that consumed it.
+    """
+
+    def __init__(self) -> None:
+        self._ring: dict[int, list] = {}  # device index -> [two buffers, the next one's index]
+
+    def take(self, dev: DeviceRuntime, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
         n = int(torch.Size(shape).numel())
         entry = self._ring.get(dev.index)
         if entry is None or entry[0][0].numel() < n or entry[0][0].dtype != dtype:
@@ -71,20 +77,71 @@ class StashIO:
         dev.backend.wait_event(side, dev.backend.record_event(dev.streams["compute"]))
         return bufs[i][:n].view(shape)
 
-    def _prefetch_next(self, task: Task, dev: DeviceRuntime) -> None:
-        """Prefetch the host-stashed input rows of this pack's next micro-batch."""
+
+class StashIO:
+    """Row reads/writes of one step's pack-boundary buffers, with the stashed rows of the next
+    micro-batch read ahead."""
+
+    def __init__(self, ctx: StepContext, buffers: ReadAheadBuffers) -> None:
+        self.ctx = ctx
+        self.buffers = buffers
+        self._ahead: dict[tuple, tuple[torch.Tensor, object]] = {}  # rows in flight to a device
+
+    def write_rows(self, buf: RowBuffer, lo: int, hi: int, src: torch.Tensor, dev: DeviceRuntime) -> None:
+        """Write rows; a device-to-host stash copy goes on a side stream so compute never waits."""
+        if buf.owner is None and dev.backend.is_cuda:
+            side = dev.streams["stash_out"]
+            dev.backend.wait_event(side, dev.backend.record_event(dev.streams["compute"]))
+            with dev.backend.use_stream(side):
+                buf.tensor[lo:hi].copy_(src, non_blocking=True)  # type: ignore[index]
+            src.record_stream(side)  # type: ignore[arg-type]
+            self.ctx.side_streams[dev.compute_lane].append(side)
+        else:
+            buf.write(lo, hi, src)
+
+    def read_rows(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime) -> torch.Tensor:
+        """Rows on ``dev``: the read-ahead copy, a view, or a fresh copy."""
+        hit = self._ahead.pop((id(buf), lo, hi, dev.index), None)
+        if hit is not None:
+            tensor, event = hit
+            dev.backend.wait_event(dev.streams["compute"], event)
+            return tensor
+        return buf.read(lo, hi, dev.device)
+
+    def _read_ahead(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime, producers: list[str]) -> None:
+        """Start copying host-stashed rows to ``dev`` on a side stream, if their producers are done."""
+        if buf.owner is not None or not dev.backend.is_cuda or buf.tensor is None:
+            return
+        signals = self.ctx.signals
+        if not all(signals[p].is_set for p in producers):
+            return
+        key = (id(buf), lo, hi, dev.index)
+        if key in self._ahead:
+            return
+        side = dev.streams["stash_in"]
+        for p in producers:
+            for event in signals[p].events:
+                dev.backend.wait_event(side, event)
+        out = self.buffers.take(dev, buf.tensor[lo:hi].shape, buf.dtype)
+        with dev.backend.use_stream(side):
+            out.copy_(buf.tensor[lo:hi], non_blocking=True)
+        self._ahead[key] = (out, dev.backend.record_event(side))
+
+    def read_ahead_next(self, task: Task, dev: DeviceRuntime) -> None:
+        """Read ahead the host-stashed input rows of this pack's next micro-batch."""
         q = task.pack
+        sched = self.ctx.schedule
         if task.kind is Kind.FWD:
-            rows = self.s.fwd_rows()
+            rows = sched.fwd_rows()
             if task.mb + 1 >= len(rows) or q == 0:
                 return
             lo, hi = rows[task.mb + 1]
-            self._prefetch_rows(self.state.acts[q], lo, hi, dev, [f"fwd/{q - 1}/{task.mb + 1}"])
+            self._read_ahead(self.ctx.acts[q], lo, hi, dev, [fwd_id(q - 1, task.mb + 1)])
         elif task.kind is Kind.BWD:
-            rows = self.s.bwd_rows()
+            rows = sched.bwd_rows()
             if task.mb + 1 >= len(rows) or q == 0:
                 return
             lo, hi = rows[task.mb + 1]
-            frows = self.s.fwd_rows()
-            prods = [f"fwd/{q - 1}/{m}" for m, (a, b) in enumerate(frows) if a < hi and b > lo]
-            self._prefetch_rows(self.state.acts[q], lo, hi, dev, prods)
+            frows = sched.fwd_rows()
+            prods = [fwd_id(q - 1, m) for m, (a, b) in enumerate(frows) if a < hi and b > lo]
+            self._read_ahead(self.ctx.acts[q], lo, hi, dev, prods)

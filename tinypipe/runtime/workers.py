@@ -39,13 +39,9 @@ class _Worker:
             try:
                 item = self.queue.get(timeout=IDLE_EXIT_S)
             except queue.Empty:
-                with self.pool._lock:
-                    if self.busy or not self.queue.empty():
-                        continue
-                    self.alive = False
-                    if self.pool._workers.get(self.lane) is self:
-                        del self.pool._workers[self.lane]
-                return
+                if self.pool.retire(self):
+                    return
+                continue
             if item is None:
                 return
             fn, done = item
@@ -73,12 +69,23 @@ class LaneWorkers:
         done = threading.Event()
         with self._lock:
             w = self._workers.get(lane)
-            if w is None or not w.alive or w.busy or not w.thread.is_alive():  # busy: stuck in an abandoned step -- never reuse it
+            # busy: stuck in an abandoned step -- never reuse it
+            if w is None or not w.alive or w.busy or not w.thread.is_alive():
                 w = _Worker(lane, self)
                 self._workers[lane] = w
             w.busy = True
             w.queue.put((fn, done))
         return done
+
+    def retire(self, worker: _Worker) -> bool:
+        """Let an idle ``worker`` exit unless work reached it meanwhile; whether it may."""
+        with self._lock:
+            if worker.busy or not worker.queue.empty():
+                return False
+            worker.alive = False
+            if self._workers.get(worker.lane) is worker:
+                del self._workers[worker.lane]
+            return True
 
     def threads(self) -> list[threading.Thread]:
         with self._lock:

@@ -15,7 +15,21 @@ from dataclasses import dataclass, field
 
 from tinypipe.errors import ConfigError
 from tinypipe.schedule.plan import Plan
-from tinypipe.schedule.tasks import Kind, Schedule, Task
+from tinypipe.schedule.ids import (
+    EMBED_BWD_ID,
+    EMBED_FWD_ID,
+    HEAD,
+    Kind,
+    Phase,
+    bwd_id,
+    download_id,
+    fwd_id,
+    head_id,
+    resident_upload_id,
+    update_id,
+    upload_id,
+)
+from tinypipe.schedule.tasks import Schedule, Task
 
 
 @dataclass
@@ -47,121 +61,165 @@ def _overlapping(rows: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
 
 def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
     """The full step for a global batch of ``batch`` sequences."""
-    if batch < 1:
-        raise ConfigError("global batch must hold at least one sequence")
-    L = plan.num_blocks
-    P = plan.num_packs
-    E, H = 0, L + 1
-    if tied and plan.head_device != plan.embed_device:
-        raise ConfigError("tied embeddings need the head on the embedding's device")
-    for q, pack in enumerate(plan.packs):
-        if not pack:
-            raise ConfigError(f"pack {q} is empty")
-    sched = Schedule(plan=plan, batch=batch, num_layers=L + 2)
-    frows, brows = sched.fwd_rows(), sched.bwd_rows()
-    param_rings = {d: _SlotRing(plan.param_slots()) for d in range(plan.num_devices)}
-    grad_rings = {d: _SlotRing(plan.grad_slot_count()) for d in range(plan.num_devices)}
-    e_dev, h_dev = plan.embed_device, plan.head_device
+    return _Builder(plan, batch, tied).build()
 
-    def layers_of(q: int) -> tuple[int, ...]:
-        return tuple(b + 1 for b in plan.packs[q])
 
-    # Which forward executions keep their slots for the backward of the same pack: the last
-    # forward pack and the first backward pack when both run on one device back to back.
-    carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
+class _Builder:
+    """One schedule's construction, in the step's global order (one method per phase)."""
 
-    R = plan.resident_packs  # the first R packs never leave their device (loaded once, stepped there)
-    sched.add(Task("ru/E", Kind.RESIDENT_UPLOAD, e_dev, layers=(E,)))
-    for q in range(R):
-        for layer in layers_of(q):
-            sched.add(Task(f"ru/L{layer}", Kind.RESIDENT_UPLOAD, plan.fwd_device[q], layers=(layer,)))
-    sched.add(Task("efwd", Kind.EMBED_FWD, e_dev, layers=(E,), rows=(0, batch), deps=("ru/E",)))
+    def __init__(self, plan: Plan, batch: int, tied: bool) -> None:
+        if batch < 1:
+            raise ConfigError("global batch must hold at least one sequence")
+        if tied and plan.head_device != plan.embed_device:
+            raise ConfigError("tied embeddings need the head on the embedding's device")
+        for q, pack in enumerate(plan.packs):
+            if not pack:
+                raise ConfigError(f"pack {q} is empty")
+        self.plan, self.batch, self.tied = plan, batch, tied
+        self.P = plan.num_packs
+        self.H = plan.num_blocks + 1  # layer 0 is the embedding, 1..L the blocks
+        # the first R packs never leave their device (loaded once, stepped there)
+        self.R = plan.resident_packs
+        self.sched = Schedule(plan=plan, batch=batch, num_layers=plan.num_blocks + 2)
+        self.frows, self.brows = self.sched.fwd_rows(), self.sched.bwd_rows()
+        self.param_rings = {d: _SlotRing(plan.param_slots()) for d in range(plan.num_devices)}
+        self.grad_rings = {d: _SlotRing(plan.grad_slot_count()) for d in range(plan.num_devices)}
+        # Which forward executions keep their slots for the backward of the same pack: the last
+        # forward pack and the first backward pack when both run on one device back to back.
+        self.carry = plan.fwd_device[self.P - 1] == plan.bwd_device[self.P - 1]
+        self.fwd_slots: dict[int, tuple[int | None, ...]] = {}
+        self.last_head = head_id(len(self.frows) - 1)
 
-    fwd_slots: dict[int, tuple[int | None, ...]] = {}
+    def build(self) -> Schedule:
+        self._resident_uploads()
+        self._forward()
+        self._head()
+        for q in reversed(range(self.P)):
+            self._backward(q)
+        self._embedding_backward()
+        return self.sched
 
-    def uploads(q: int, device: int, tag: str) -> tuple[tuple[int | None, ...], list[str]]:
-        if q < R:  # resident: no slot; the forward waits for the one-time load
-            return (None,) * len(plan.packs[q]), [f"ru/L{layer}" for layer in layers_of(q)] if tag[0] == "f" else []
+    def _add(self, task: Task) -> None:
+        self.sched.add(task)
+
+    def _layers(self, q: int) -> tuple[int, ...]:
+        return tuple(b + 1 for b in self.plan.packs[q])
+
+    def _resident_uploads(self) -> None:
+        """The embedding's and the resident packs' one-time loads, then the embedding forward."""
+        e_dev = self.plan.embed_device
+        self._add(Task(resident_upload_id(0), Kind.RESIDENT_UPLOAD, e_dev, layers=(0,)))
+        for q in range(self.R):
+            for layer in self._layers(q):
+                self._add(Task(resident_upload_id(layer), Kind.RESIDENT_UPLOAD, self.plan.fwd_device[q],
+                               layers=(layer,)))
+        self._add(Task(EMBED_FWD_ID, Kind.EMBED_FWD, e_dev, layers=(0,), rows=(0, self.batch),
+                       deps=(resident_upload_id(0),)))
+
+    def _uploads(self, q: int, device: int, phase: Phase) -> tuple[tuple[int | None, ...], list[str]]:
+        """Slots and upload task ids of pack ``q`` for one pass."""
+        if q < self.R:  # resident: no slot; the forward waits for the one-time load
+            loads = [resident_upload_id(layer) for layer in self._layers(q)] if phase == "f" else []
+            return (None,) * len(self.plan.packs[q]), loads
         slots, ids = [], []
-        for layer in layers_of(q):
-            slot, dep = param_rings[device].acquire(f"layer {layer}")
-            tid = f"up/{tag}/L{layer}"
-            sched.add(Task(tid, Kind.UPLOAD, device, layers=(layer,), slots=(slot,), deps=(dep,) if dep else ()))
+        for layer in self._layers(q):
+            slot, dep = self.param_rings[device].acquire(f"layer {layer}")
+            tid = upload_id(phase, q, layer)
+            self._add(Task(tid, Kind.UPLOAD, device, layers=(layer,), pack=q, slots=(slot,),
+                           deps=(dep,) if dep else ()))
             slots.append(slot)
             ids.append(tid)
         return tuple(slots), ids
 
-    # ---- forward -----------------------------------------------------------------------
-    for q in range(P):
-        dev = plan.fwd_device[q]
-        slots, up_ids = uploads(q, dev, f"f{q}")
-        fwd_slots[q] = slots
-        if q == 0:
-            # the head's upload: behind the first pack's (which the forward waits for first) and
-            # ahead of the rest, a whole forward before the head needs it
-            sched.add(Task("ru/H", Kind.RESIDENT_UPLOAD, h_dev, layers=(H,)))
-        for m, (lo, hi) in enumerate(frows):
-            deps = ["efwd"] + (up_ids if m == 0 else [])
-            deps.append("efwd" if q == 0 else f"fwd/{q - 1}/{m}")
-            last = m == len(frows) - 1
-            sched.add(Task(f"fwd/{q}/{m}", Kind.FWD, dev, layers=layers_of(q), pack=q, mb=m, rows=(lo, hi),
-                           slots=slots, first=m == 0, last=last, deps=tuple(dict.fromkeys(deps))))
-        if not (carry and q == P - 1):
-            for s in slots:
-                param_rings[dev].release(s, f"fwd/{q}/{len(frows) - 1}")
+    def _forward(self) -> None:
+        frows = self.frows
+        for q in range(self.P):
+            dev = self.plan.fwd_device[q]
+            slots, up_ids = self._uploads(q, dev, "f")
+            self.fwd_slots[q] = slots
+            if q == 0:
+                # the head's upload: behind the first pack's (which the forward waits for first) and
+                # ahead of the rest, a whole forward before the head needs it
+                self._add(Task(resident_upload_id(HEAD), Kind.RESIDENT_UPLOAD, self.plan.head_device,
+                               layers=(self.H,)))
+            for m, (lo, hi) in enumerate(frows):
+                deps = [EMBED_FWD_ID] + (up_ids if m == 0 else [])
+                deps.append(EMBED_FWD_ID if q == 0 else fwd_id(q - 1, m))
+                self._add(Task(fwd_id(q, m), Kind.FWD, dev, layers=self._layers(q), pack=q, mb=m,
+                               rows=(lo, hi), slots=slots, first=m == 0, last=m == len(frows) - 1,
+                               deps=tuple(dict.fromkeys(deps))))
+            if not (self.carry and q == self.P - 1):
+                for s in slots:
+                    self.param_rings[dev].release(s, fwd_id(q, len(frows) - 1))
 
-    # ---- head (forward + backward fused) ------------------------------------------------
-    for m, (lo, hi) in enumerate(frows):
-        deps = [f"fwd/{P - 1}/{m}", "ru/H"] + (["ru/E"] if tied else [])
-        sched.add(Task(f"head/{m}", Kind.HEAD, h_dev, layers=(H,), mb=m, rows=(lo, hi), first=m == 0,
-                       last=m == len(frows) - 1, deps=tuple(deps)))
-    last_head = f"head/{len(frows) - 1}"
-    sched.add(Task("dl/L%d" % H, Kind.DOWNLOAD, h_dev, layers=(H,), deps=(last_head,)))
-    sched.add(Task("upd/L%d" % H, Kind.UPDATE, -1, layers=(H,), deps=("dl/L%d" % H,)))
+    def _head(self) -> None:
+        """Final norm + LM head + loss, forward and backward fused, per forward micro-batch."""
+        h_dev, H = self.plan.head_device, self.H
+        for m, (lo, hi) in enumerate(self.frows):
+            deps = [fwd_id(self.P - 1, m), resident_upload_id(HEAD)]
+            if self.tied:  # the head borrows the embedding's weight
+                deps.append(resident_upload_id(0))
+            self._add(Task(head_id(m), Kind.HEAD, h_dev, layers=(H,), mb=m, rows=(lo, hi), first=m == 0,
+                           last=m == len(self.frows) - 1, deps=tuple(deps)))
+        self._download_and_update(H, h_dev, None, self.last_head)
 
-    # ---- backward -----------------------------------------------------------------------
-    for q in reversed(range(P)):
-        dev = plan.bwd_device[q]
-        if carry and q == P - 1:
-            slots, up_ids = fwd_slots[q], []
-        else:
-            slots, up_ids = uploads(q, dev, f"b{q}")
+    def _download_and_update(self, layer: int, device: int, grad_slot: int | None, after: str) -> None:
+        dl = download_id(layer)
+        self._add(Task(dl, Kind.DOWNLOAD, device, layers=(layer,),
+                       grad_slots=(grad_slot,) if grad_slot is not None else (), deps=(after,)))
+        self.grad_rings[device].release(grad_slot, dl)
+        self._add(Task(update_id(layer), Kind.UPDATE, -1, layers=(layer,), deps=(dl,)))
+
+    def _grad_slots(self, q: int, device: int) -> tuple[list[int | None], list[str]]:
+        """Gradient slots of pack ``q``'s layers and the downloads they wait for."""
         gslots: list[int | None] = []
         gdeps = []
-        for layer in layers_of(q):
-            if q < R:  # a resident layer accumulates into its own resident gradient buffer
+        for layer in self._layers(q):
+            if q < self.R:  # a resident layer accumulates into its own resident gradient buffer
                 gslots.append(None)
                 continue
-            g, dep = grad_rings[dev].acquire(f"gradients of layer {layer}")
+            g, dep = self.grad_rings[device].acquire(f"gradients of layer {layer}")
             gslots.append(g)
             if dep:
                 gdeps.append(dep)
+        return gslots, gdeps
+
+    def _backward_deps(self, q: int, n: int, first_deps: list[str]) -> list[str]:
+        lo, hi = self.brows[n]
+        deps = [EMBED_FWD_ID] + (first_deps if n == 0 else [])
+        if q == self.P - 1:
+            deps += [head_id(m) for m in _overlapping(self.frows, lo, hi)]
+        else:
+            deps.append(bwd_id(q + 1, n))
+        if q > 0:  # the stashed input: the previous pack's forward of the overlapping rows
+            deps += [fwd_id(q - 1, m) for m in _overlapping(self.frows, lo, hi)]
+        if n == 0 and self.carry and q == self.P - 1:
+            deps.append(fwd_id(q, len(self.frows) - 1))
+        return deps
+
+    def _backward(self, q: int) -> None:
+        """Pack ``q``'s backward micro-batches, then its layers' downloads and updates."""
+        dev = self.plan.bwd_device[q]
+        if self.carry and q == self.P - 1:
+            slots, up_ids = self.fwd_slots[q], []
+        else:
+            slots, up_ids = self._uploads(q, dev, "b")
+        gslots, gdeps = self._grad_slots(q, dev)
+        brows = self.brows
         for n, (lo, hi) in enumerate(brows):
-            deps = ["efwd"] + (up_ids + gdeps if n == 0 else [])
-            if q == P - 1:
-                deps += [f"head/{m}" for m in _overlapping(frows, lo, hi)]
-            else:
-                deps.append(f"bwd/{q + 1}/{n}")
-            if q > 0:
-                deps += [f"fwd/{q - 1}/{m}" for m in _overlapping(frows, lo, hi)]
-            if n == 0 and carry and q == P - 1:
-                deps.append(f"fwd/{q}/{len(frows) - 1}")
-            sched.add(Task(f"bwd/{q}/{n}", Kind.BWD, dev, layers=layers_of(q), pack=q, mb=n, rows=(lo, hi),
+            deps = self._backward_deps(q, n, up_ids + gdeps)
+            self._add(Task(bwd_id(q, n), Kind.BWD, dev, layers=self._layers(q), pack=q, mb=n, rows=(lo, hi),
                            slots=slots, grad_slots=tuple(gslots), first=n == 0, last=n == len(brows) - 1,
                            deps=tuple(dict.fromkeys(deps))))
-        last_bwd = f"bwd/{q}/{len(brows) - 1}"
+        last_bwd = bwd_id(q, len(brows) - 1)
         for s in slots:
-            param_rings[dev].release(s, last_bwd)
-        for layer, g in zip(layers_of(q), gslots):
-            dl = f"dl/L{layer}"
-            sched.add(Task(dl, Kind.DOWNLOAD, dev, layers=(layer,), grad_slots=(g,) if g is not None else (),
-                           deps=(last_bwd,)))
-            grad_rings[dev].release(g, dl)
-            sched.add(Task(f"upd/L{layer}", Kind.UPDATE, -1, layers=(layer,), deps=(dl,)))
+            self.param_rings[dev].release(s, last_bwd)
+        for layer, g in zip(self._layers(q), gslots):
+            self._download_and_update(layer, dev, g, last_bwd)
 
-    # ---- embedding backward ---------------------------------------------------------------
-    deps = [f"bwd/0/{n}" for n in range(len(brows))] + ([last_head] if tied else [])
-    sched.add(Task("ebwd", Kind.EMBED_BWD, e_dev, layers=(E,), rows=(0, batch), deps=tuple(deps)))
-    sched.add(Task("dl/L0", Kind.DOWNLOAD, e_dev, layers=(E,), deps=("ebwd",)))
-    sched.add(Task("upd/L0", Kind.UPDATE, -1, layers=(E,), deps=("dl/L0",)))
-    return sched
+    def _embedding_backward(self) -> None:
+        e_dev = self.plan.embed_device
+        deps = [bwd_id(0, n) for n in range(len(self.brows))] + ([self.last_head] if self.tied else [])
+        self._add(Task(EMBED_BWD_ID, Kind.EMBED_BWD, e_dev, layers=(0,), rows=(0, self.batch),
+                       deps=tuple(deps)))
+        self._download_and_update(0, e_dev, None, EMBED_BWD_ID)

@@ -5,9 +5,22 @@ from __future__ import annotations
 import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Sequence
+from typing import Literal, Sequence, get_args
 
 from tinypipe.errors import ConfigError
+
+#: Which resident layers keep their AdamW state on their device and are stepped there.
+DeviceOptimizer = Literal["off", "embed", "head", "both"]
+DEVICE_OPTIMIZER_CHOICES: tuple[DeviceOptimizer, ...] = get_args(DeviceOptimizer)
+#: Where a pack's input waits between its forward and its backward.
+StashPlace = Literal["device", "host"]
+STASH_PLACES: tuple[StashPlace, ...] = get_args(StashPlace)
+#: The settings :func:`make_plan` takes besides the model's shape and the device count: the same
+#: names as the :class:`tinypipe.Config` fields that set them (:meth:`Plan.settings` gives them back).
+PLAN_SETTINGS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash",
+                 "grad_slots", "device_optimizer", "resident_packs")
+#: Plan JSON keys written by older versions -> today's field names (:meth:`Plan.from_json`).
+_RENAMED_KEYS = {"fwd_micro_batch": "micro_batch_size", "bwd_micro_batch": "backward_micro_batch_size"}
 
 
 @dataclass(frozen=True)
@@ -21,8 +34,8 @@ class Plan:
     """
 
     packs: tuple[tuple[int, ...], ...]
-    fwd_micro_batch: int
-    bwd_micro_batch: int
+    micro_batch_size: int
+    backward_micro_batch_size: int
     num_devices: int = 1
     prefetch_window: int = 1
     stash_on_host: tuple[bool, ...] = ()
@@ -31,23 +44,70 @@ class Plan:
     embed_device: int = 0
     head_device: int = 0
     grad_slots: int | None = None
-    device_optimizer: str = "off"  # off | embed | head | both: resident layers stepped on their device
+    device_optimizer: DeviceOptimizer = "off"  # resident layers stepped on their device
     resident_packs: int = 0  # the first packs stay on their device, stepped there (never swapped)
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
-        if self.device_optimizer not in ("off", "embed", "head", "both"):
-            raise ConfigError(f"plan: device_optimizer must be off, embed, head or both, got {self.device_optimizer!r}")
+        if self.device_optimizer not in DEVICE_OPTIMIZER_CHOICES:
+            raise ConfigError(f"plan: device_optimizer must be one of {', '.join(DEVICE_OPTIMIZER_CHOICES)}, "
+                              f"got {self.device_optimizer!r}")
         if not 0 <= self.resident_packs <= len(self.packs):
-            raise ConfigError(f"plan: resident_packs must be in 0..{len(self.packs)}, got {self.resident_packs}")
+            raise ConfigError(f"plan: resident_packs must be in 0..{len(self.packs)}, "
+                              f"got {self.resident_packs}")
         for q in range(self.resident_packs):
             if self.fwd_device and self.fwd_device[q] != self.bwd_device[q]:
-                raise ConfigError(f"plan: resident pack {q} runs its forward on device {self.fwd_device[q]} and its "
-                                  f"backward on device {self.bwd_device[q]}; a resident pack needs one device")
+                raise ConfigError(f"plan: resident pack {q} runs its forward on device {self.fwd_device[q]} "
+                                  f"and its backward on device {self.bwd_device[q]}; a resident pack needs "
+                                  "one device")
 
     @property
     def num_packs(self) -> int:
         return len(self.packs)
+
+    @property
+    def pack_size(self) -> int | tuple[int, ...]:
+        """The packing as Config writes it: one size (uniform packs, a smaller one last) or the sizes."""
+        sizes = tuple(len(p) for p in self.packs)
+        if sizes and split_packs(self.num_blocks, sizes[0]) == self.packs:
+            return sizes[0]
+        return sizes
+
+    @property
+    def stash(self) -> StashPlace | tuple[StashPlace, ...]:
+        """The stash placement as Config writes it: ``"device"``, ``"host"`` (every pack input that
+        can be) or one place per pack input, the head's included."""
+        host = self.stash_on_host
+        if not any(host):
+            return "device"
+        if host == tuple(0 < q < self.num_packs for q in range(self.num_packs + 1)):
+            return "host"
+        return tuple("host" if h else "device" for h in host)
+
+    def settings(self) -> dict:
+        """The :data:`PLAN_SETTINGS` that rebuild this plan with :func:`make_plan` (with the
+        round-robin placement) -- also the :class:`tinypipe.Config` fields that select it;
+        ``grad_slots`` only when set."""
+        out = {name: getattr(self, name) for name in PLAN_SETTINGS}
+        if out["grad_slots"] is None:
+            del out["grad_slots"]
+        return out
+
+    def describe(self) -> str:
+        """One line: packing, micro-batches, window, stash and what stays on the device (every
+        printed plan reads it)."""
+        pack = self.pack_size
+        pack_text = str(pack) if isinstance(pack, int) else "[" + ",".join(map(str, pack)) + "]"
+        stash = self.stash
+        if not isinstance(stash, str):
+            hosts = sum(self.stash_on_host)
+            stash = f"host x{hosts}, device x{len(self.stash_on_host) - hosts}"
+        dopt, resident = self.device_optimizer, self.resident_packs
+        packs = f"pack{'s' * (resident > 1)}"
+        return (f"pack {pack_text}, micro-batch {self.micro_batch_size}/{self.backward_micro_batch_size} "
+                f"(fwd/bwd), window {self.prefetch_window}, stash {stash}"
+                + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
+                + ("" if not resident else f", first {resident} {packs} resident on the GPU"))
 
     @property
     def num_blocks(self) -> int:
@@ -75,17 +135,25 @@ class Plan:
         # one pack accumulating plus one layer downloading lets the next pack start at once
         return self.grad_slots or max(len(p) for p in self.packs) + 1
 
-    def to_json(self) -> str:
+    def as_dict(self) -> dict:
+        """Every field but ``extra`` (JSON-ready: tuples become lists when dumped)."""
         d = asdict(self)
         d.pop("extra")
-        return json.dumps(d, indent=1)
+        return d
+
+    def to_json(self) -> str:
+        return json.dumps(self.as_dict(), indent=1)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json())
 
     @staticmethod
     def from_json(text: str) -> "Plan":
+        """A plan from :meth:`to_json`'s text, also as older versions wrote it (renamed keys)."""
         d = json.loads(text)
+        for old, new in _RENAMED_KEYS.items():
+            if old in d and new not in d:
+                d[new] = d.pop(old)
         for key in ("packs",):
             d[key] = tuple(tuple(p) for p in d[key])
         for key in ("stash_on_host", "fwd_device", "bwd_device"):
@@ -114,7 +182,8 @@ def split_packs(num_blocks: int, pack_size: int | Sequence[int]) -> tuple[tuple[
     return tuple(packs)
 
 
-def round_robin_devices(num_packs: int, num_devices: int, tied: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
+def round_robin_devices(num_packs: int, num_devices: int,
+                        tied: bool) -> tuple[tuple[int, ...], tuple[int, ...], int, int]:
     """Tiny-Pipe placement: the execution sequence [embed, fwd packs, head, bwd packs] is dealt
     round-robin over the devices, so no device owns a fixed stage and backward continues the
     rotation in reverse. The embedding is resident on device 0 (its backward runs there too);
@@ -130,33 +199,37 @@ def make_plan(
     num_blocks: int,
     *,
     pack_size: int | Sequence[int],
-    fwd_micro_batch: int,
-    bwd_micro_batch: int,
+    micro_batch_size: int,
+    backward_micro_batch_size: int,
     num_devices: int,
     prefetch_window: int,
-    stash: str | Sequence[str],
+    stash: StashPlace | Sequence[StashPlace],
     tied: bool,
     grad_slots: int | None = None,
-    device_optimizer: str = "off",
+    device_optimizer: DeviceOptimizer = "off",
     resident_packs: int = 0,
 ) -> Plan:
     """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes)."""
     packs = split_packs(num_blocks, pack_size)
+    for s in (stash,) if isinstance(stash, str) else stash:
+        if s not in STASH_PLACES:
+            raise ConfigError(f"stash must be one of {', '.join(STASH_PLACES)}, got {s!r}")
     if isinstance(stash, str):
         # the embedding's output and the head's input are consumed on the spot: never host-stashed
         stash_host = tuple(stash == "host" and 0 < q < len(packs) for q in range(len(packs) + 1))
     else:
         stash_host = tuple(s == "host" for s in stash)
         if len(stash_host) != len(packs) + 1:
-            raise ConfigError(f"stash list needs {len(packs) + 1} entries (one per pack input incl. the head), got {len(stash_host)}")
+            raise ConfigError(f"stash list needs {len(packs) + 1} entries (one per pack input incl. the "
+                              f"head), got {len(stash_host)}")
     if num_devices == 1:
         fwd, bwd, e, h = (0,) * len(packs), (0,) * len(packs), 0, 0
     else:
         fwd, bwd, e, h = round_robin_devices(len(packs), num_devices, tied)
     return Plan(
         packs=packs,
-        fwd_micro_batch=fwd_micro_batch,
-        bwd_micro_batch=bwd_micro_batch,
+        micro_batch_size=micro_batch_size,
+        backward_micro_batch_size=backward_micro_batch_size,
         num_devices=num_devices,
         prefetch_window=prefetch_window,
         stash_on_host=stash_host,

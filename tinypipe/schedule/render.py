@@ -13,8 +13,8 @@ def to_text(sched: Schedule) -> str:
     """One block per lane, one line per task: id, layers, rows, slots and dependencies."""
     p = sched.plan
     lines = [
-        f"schedule: batch={sched.batch} packs={[list(x) for x in p.packs]} fwd_mb={p.fwd_micro_batch} "
-        f"bwd_mb={p.bwd_micro_batch} devices={p.num_devices} window={p.prefetch_window} "
+        f"schedule: batch={sched.batch} packs={[list(x) for x in p.packs]} fwd_mb={p.micro_batch_size} "
+        f"bwd_mb={p.backward_micro_batch_size} devices={p.num_devices} window={p.prefetch_window} "
         f"slots/device={p.param_slots()} grad_slots/device={p.grad_slot_count()}"
     ]
     for lane in sorted(sched.lanes):
@@ -46,7 +46,8 @@ def chrome_trace(events: Iterable[dict], path: str | Path) -> Path:
     for e in events:
         out.append({
             "ph": "X", "pid": 0, "tid": tid[e["lane"]], "name": e["name"],
-            "ts": round(e["start_us"], 3), "dur": round(max(e["dur_us"], 0.001), 3), "args": e.get("args", {}),
+            "ts": round(e["start_us"], 3), "dur": round(max(e["dur_us"], 0.001), 3),
+            "args": e.get("args", {}),
         })
     path = Path(path)
     path.write_text(json.dumps({"traceEvents": out, "displayTimeUnit": "ms"}))

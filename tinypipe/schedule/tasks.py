@@ -1,24 +1,12 @@
-"""Tasks and schedules: what runs where, in which order, after what."""
+"""Tasks and schedules: what runs where, in which order, after what (kinds, ids and lane names:
+:mod:`tinypipe.schedule.ids`)."""
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
+from tinypipe.schedule.ids import Kind, lane_of
 from tinypipe.schedule.plan import Plan
-
-
-class Kind(str, enum.Enum):
-    RESIDENT_UPLOAD = "resident_upload"  # embedding / head into their dedicated buffers
-    UPLOAD = "upload"  # a block layer into a layer slot
-    EMBED_FWD = "embed_fwd"  # whole global batch: token ids -> hidden states + block arguments
-    FWD = "fwd"  # one pack x one forward micro-batch, no autograd graph
-    HEAD = "head"  # final norm + lm_head + loss, forward and backward fused, one micro-batch
-    BWD = "bwd"  # one pack x one backward micro-batch: recompute from the stash, then backward
-    EMBED_BWD = "embed_bwd"  # embedding backward over the whole batch
-    DOWNLOAD = "download"  # a layer's accumulated gradients -> host, chunk by chunk
-    UPDATE = "update"  # AdamW on the host as the gradient chunks arrive (streams from its DOWNLOAD)
-
 
 #: Kinds whose dependencies only need to have *started*: an UPDATE consumes its DOWNLOAD's chunks
 #: as they land (through a bounded pool), so waiting for the whole download would deadlock.
@@ -27,19 +15,10 @@ STREAMING_KINDS = frozenset({Kind.UPDATE})
 COMPUTE_KINDS = frozenset({Kind.EMBED_FWD, Kind.FWD, Kind.HEAD, Kind.BWD, Kind.EMBED_BWD})
 
 
-def lane_name(kind: Kind, device: int) -> str:
-    if kind is Kind.UPDATE:
-        return "host:optimizer"
-    if kind in (Kind.UPLOAD, Kind.RESIDENT_UPLOAD):
-        return f"dev{device}:h2d"
-    if kind is Kind.DOWNLOAD:
-        return f"dev{device}:d2h"
-    return f"dev{device}:compute"
-
-
 @dataclass(frozen=True)
 class Task:
-    """One unit of work on one lane. ``deps`` name tasks that must complete first."""
+    """One unit of work on one lane. ``deps`` name tasks that must complete first; ids are built
+    by :mod:`tinypipe.schedule.ids`."""
 
     id: str
     kind: Kind
@@ -56,7 +35,7 @@ class Task:
 
     @property
     def lane(self) -> str:
-        return lane_name(self.kind, self.device)
+        return lane_of(self.kind, self.device)
 
 
 @dataclass
@@ -93,10 +72,10 @@ class Schedule:
         return task
 
     def fwd_rows(self) -> list[tuple[int, int]]:
-        return _rows(self.batch, self.plan.fwd_micro_batch)
+        return _rows(self.batch, self.plan.micro_batch_size)
 
     def bwd_rows(self) -> list[tuple[int, int]]:
-        return _rows(self.batch, self.plan.bwd_micro_batch)
+        return _rows(self.batch, self.plan.backward_micro_batch_size)
 
 
 def _rows(batch: int, size: int) -> list[tuple[int, int]]:

@@ -4,7 +4,8 @@ overwritten while its previous occupant may still be in use."""
 from __future__ import annotations
 
 from tinypipe.errors import ConfigError
-from tinypipe.schedule.tasks import STREAMING_KINDS, Kind, Schedule
+from tinypipe.schedule.ids import Kind, resident_upload_id
+from tinypipe.schedule.tasks import STREAMING_KINDS, Schedule
 
 
 def validate(sched: Schedule) -> None:
@@ -69,16 +70,20 @@ def _check_slots(sched: Schedule) -> None:
         elif t.kind in (Kind.FWD, Kind.BWD):
             for layer, slot in zip(t.layers, t.slots):
                 if slot is None:  # a resident layer: its forward must wait for the one-time load
-                    if t.kind is Kind.FWD and t.first and f"ru/L{layer}" not in t.deps:
-                        raise ConfigError(f"schedule: {t.id} uses resident layer {layer} without waiting for ru/L{layer}")
+                    load = resident_upload_id(layer)
+                    if t.kind is Kind.FWD and t.first and load not in t.deps:
+                        raise ConfigError(f"schedule: {t.id} uses resident layer {layer} without waiting "
+                                          f"for {load}")
                     continue
                 key = (t.device, slot)
                 if occupant.get(key) != layer:
-                    raise ConfigError(f"schedule: {t.id} expects layer {layer} in slot {key}, holds {occupant.get(key)}")
+                    raise ConfigError(f"schedule: {t.id} expects layer {layer} in slot {key}, "
+                                      f"holds {occupant.get(key)}")
                 # the first task using a freshly uploaded slot must wait for that upload (later
                 # tasks follow it in lane order; a carried slot was waited for by its first user)
                 if key not in last_user and loader.get(key) not in t.deps:
-                    raise ConfigError(f"schedule: {t.id} uses slot {key} without waiting for {loader.get(key)}")
+                    raise ConfigError(f"schedule: {t.id} uses slot {key} without waiting for "
+                                      f"{loader.get(key)}")
                 last_user[key] = t.id
     grad_user: dict[tuple[int, int], str] = {}
     for tid in sched.order:

@@ -223,7 +223,8 @@ def _skip(path: Path, line: int, err: DataError, skipped: int) -> int:
     return skipped + 1
 
 
-def read_jsonl(path: str | os.PathLike[str], *, skip_bad_lines: bool = False) -> tuple[Format, list[Example], int]:
+def read_jsonl(path: str | os.PathLike[str], *,
+               skip_bad_lines: bool = False) -> tuple[Format, list[Example], int]:
     """Read a JSON Lines file into validated examples.
 
     Returns ``(format, examples, bad_lines_skipped)``. Blank lines are ignored.
@@ -283,7 +284,8 @@ def read_text_file(path: str | os.PathLike[str]) -> str:
     return text
 
 
-def read_records(path: str | os.PathLike[str], *, skip_bad_lines: bool = False) -> tuple[Format, list[Example], int]:
+def read_records(path: str | os.PathLike[str], *,
+                 skip_bad_lines: bool = False) -> tuple[Format, list[Example], int]:
     """Read any supported file, dispatching on its extension."""
     path = Path(path)
     suffix = path.suffix.lower()
@@ -294,7 +296,8 @@ def read_records(path: str | os.PathLike[str], *, skip_bad_lines: bool = False) 
     if not path.exists():
         raise DataError(f"{path}: file not found")
     accepted = ", ".join(JSONL_SUFFIXES + TEXT_SUFFIXES)
-    raise DataError(f"{path}: unsupported file type {suffix or '(no extension)'!r}; expected one of {accepted}")
+    raise DataError(f"{path}: unsupported file type {suffix or '(no extension)'!r}; expected one of "
+                    f"{accepted}")
 
 
 # --------------------------------------------------------------------------- tokenizing
@@ -321,7 +324,8 @@ def _strip_eos(ids: list[int], eos: int) -> list[int]:
     return ids[:-1] if ids and ids[-1] == eos else ids
 
 
-def _tokenize_text(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], eos: int) -> list[tuple[list[int], list[int]]]:
+def _tokenize_text(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
+                   eos: int) -> list[tuple[list[int], list[int]]]:
     """Plain text: every token, EOS included, is a training target."""
     out = []
     for ids in _encode(tokenizer, [e.text for e in examples], special=True):
@@ -344,7 +348,8 @@ def _tokenize_prompt_completion(
     return out
 
 
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], generation_prompt: bool) -> str:
+def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]],
+            generation_prompt: bool) -> str:
     """Render messages with the chat template; template failures become ``DataError``."""
     try:
         rendered = tokenizer.apply_chat_template(
@@ -363,10 +368,12 @@ def _find_content(full: str, content: str, cursor: int, index: int) -> tuple[int
         pos = full.find(needle, cursor)
         if pos >= 0:
             return pos, pos + len(needle)
-    raise DataError(f"chat template does not render messages[{index}] verbatim; cannot find the assistant tokens")
+    raise DataError(f"chat template does not render messages[{index}] verbatim; cannot find the assistant "
+                    "tokens")
 
 
-def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]], full: str) -> list[tuple[int, int]]:
+def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]],
+                     full: str) -> list[tuple[int, int]]:
     """Character spans of ``full`` that belong to assistant turns.
 
     The span of assistant message ``i`` runs from the end of the rendering of
@@ -401,7 +408,8 @@ def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict
     return spans
 
 
-def _tokenize_chat(tokenizer: PreTrainedTokenizerBase, example: Example, eos: int) -> tuple[list[int], list[int]]:
+def _tokenize_chat(tokenizer: PreTrainedTokenizerBase, example: Example,
+                   eos: int) -> tuple[list[int], list[int]]:
     """Render with the chat template; label only tokens inside assistant spans.
 
     Segments are tokenized separately (without extra special tokens, as
@@ -446,7 +454,8 @@ def tokenize_examples(
     if fmt == "prompt_completion":
         return _tokenize_prompt_completion(tokenizer, examples, eos), 0
     if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{source}: chat-format data needs a tokenizer with a chat template, and this one has none")
+        raise DataError(f"{source}: chat-format data needs a tokenizer with a chat template, and this one "
+                        "has none")
     out, skipped = [], 0
     for example in examples:
         try:
@@ -466,7 +475,8 @@ class PackedDataset:
 
     def __init__(self, input_ids: torch.Tensor, labels: torch.Tensor) -> None:
         if input_ids.dim() != 2 or input_ids.shape != labels.shape:
-            raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must be equal 2-D shapes")
+            raise ValueError(f"input_ids {tuple(input_ids.shape)} and labels {tuple(labels.shape)} must be "
+                             "equal 2-D shapes")
         self.input_ids = input_ids.to(torch.int64)
         self.labels = labels.to(torch.int64)
 
@@ -483,7 +493,8 @@ class PackedDataset:
             raise ValueError(f"global_batch must be >= 1, got {global_batch}")
         return len(self) // global_batch
 
-    def batches(self, global_batch: int, seed: int, epoch: int, start_batch: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    def batches(self, global_batch: int, seed: int, epoch: int,
+                start_batch: int = 0) -> Iterator[dict[str, torch.Tensor]]:
         """Yield shuffled batches; the order depends only on (seed, epoch).
 
         ``start_batch`` skips ahead without changing the order, so a resumed
@@ -513,7 +524,8 @@ def _generator(seed: int, epoch: int) -> torch.Generator:
     return generator
 
 
-def pack(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int) -> tuple[PackedDataset, int, int]:
+def pack(pairs: Sequence[tuple[Sequence[int], Sequence[int]]],
+         seq_len: int) -> tuple[PackedDataset, int, int]:
     """Concatenate examples and cut them into rows of ``seq_len``.
 
     Returns ``(dataset, total_tokens, dropped_tokens)``; the tail that does
@@ -528,7 +540,8 @@ def pack(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int) -> 
     total = len(ids)
     rows = total // seq_len
     if rows == 0:
-        raise DataError(f"not enough data: {total} tokens, need at least {seq_len} for one row of seq_len={seq_len}")
+        raise DataError(f"not enough data: {total} tokens, need at least {seq_len} for one row of "
+                        f"seq_len={seq_len}")
     kept = rows * seq_len
     input_ids = torch.tensor(ids[:kept], dtype=torch.int64).view(rows, seq_len)
     label_t = torch.tensor(labels[:kept], dtype=torch.int64).view(rows, seq_len)
@@ -549,7 +562,8 @@ def load_dataset(
     if seq_len < 1:
         raise ValueError(f"seq_len must be >= 1, got {seq_len}")
     fmt, examples, bad = read_records(path, skip_bad_lines=skip_bad_lines)
-    pairs, bad_tokenized = tokenize_examples(examples, fmt, tokenizer, source=str(path), skip_bad_lines=skip_bad_lines)
+    pairs, bad_tokenized = tokenize_examples(examples, fmt, tokenizer, source=str(path),
+                                             skip_bad_lines=skip_bad_lines)
     if not pairs:
         raise DataError(f"{path}: no usable records ({bad + bad_tokenized} bad lines skipped)")
     try:

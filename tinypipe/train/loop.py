@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal
 
 import psutil
 
@@ -64,7 +64,8 @@ def lr_at(
     raise ConfigError(f"schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
 
 
-def _check(steps: int, global_batch: int, lr: float, warmup_steps: int, schedule: str, min_lr_ratio: float) -> None:
+def _check(steps: int, global_batch: int, lr: float, warmup_steps: int, schedule: str,
+           min_lr_ratio: float) -> None:
     if steps < 1:
         raise ConfigError(f"steps must be >= 1, got {steps}")
     if global_batch < 1:
@@ -167,81 +168,103 @@ def train(
     _check(steps, global_batch, lr, warmup_steps, schedule, min_lr_ratio)
     _check_vocabulary(engine, dataset)
     batches = _batches(dataset, global_batch, seed, start_step)
-    log = None
-    if log_path is not None:
-        path = Path(log_path)
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            log = path.open("a" if append else "w", encoding="utf-8")
-        except OSError as exc:
-            raise _write_error(path, exc) from exc
-    bar = None
-    if progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(total=steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True, leave=True)
+    log = _open_log(Path(log_path), append) if log_path is not None else None
+    bar = _progress_bar(steps, start_step) if progress else None
     proc = psutil.Process()
     records: list[dict] = []
-    stop_ctx = _stop_requests()
-    stop = stop_ctx.__enter__()
     try:
-        for i in range(start_step, steps):
-            epoch, batch = next(batches)
-            step_lr = lr_at(i, lr=lr, total_steps=steps, warmup_steps=warmup_steps,
-                            schedule=schedule, min_lr_ratio=min_lr_ratio)
-            t0 = time.perf_counter()
-            result = engine.step(batch, lr=step_lr)
-            seconds = max(result.seconds, time.perf_counter() - t0)
-            rss = proc.memory_info().rss
-            record = {
-                "step": i + 1,
-                "epoch": epoch,
-                "loss": float(result.loss),
-                "lr": step_lr,
-                "grad_norm": float(result.grad_norm),
-                "tokens": int(result.tokens),
-                "seconds": seconds,
-                "tokens_per_s": result.tokens / seconds if seconds > 0 else float("nan"),
-                "rss_bytes": int(rss),
-                "h2d_gbs": result.h2d_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                "d2h_gbs": result.d2h_bytes / seconds / 1e9 if seconds > 0 else 0.0,
-                "gpu_peak_allocated": int(result.device_peak_allocated),
-                "gpu_peak_reserved": int(result.device_peak_reserved),
-                "clipped": bool(result.clipped),
-                "skipped": bool(result.skipped),
-            }
-            records.append(record)
-            if log is not None:
-                try:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
-                except OSError as exc:
-                    raise _write_error(Path(log_path), exc, i) from exc
-            if bar is not None:
-                link = (f" up={record['h2d_gbs']:.1f}GB/s down={record['d2h_gbs']:.1f}GB/s"
-                        f" gpu={_fmt_bytes(record['gpu_peak_reserved'])}") if record["gpu_peak_reserved"] else ""
-                bar.set_postfix_str(
-                    f"loss={record['loss']:.4f} lr={step_lr:.2e} "
-                    f"tok/s={record['tokens_per_s']:.0f}{link} host={_fmt_bytes(rss)}",
-                    refresh=False,
-                )
-                bar.update(1)
-            due = checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps)
-            if checkpoint_dir is not None and (due or stop["stop"]):
-                engine.save_checkpoint(checkpoint_dir, extra={"step": i + 1, "seed": seed, "global_batch": global_batch})
-            if stop["stop"] and i + 1 < steps:
-                raise TrainingInterrupted(i + 1, Path(checkpoint_dir) if checkpoint_dir is not None else None)
+        with _stop_requests() as stop:
+            for i in range(start_step, steps):
+                epoch, batch = next(batches)
+                step_lr = lr_at(i, lr=lr, total_steps=steps, warmup_steps=warmup_steps,
+                                schedule=schedule, min_lr_ratio=min_lr_ratio)
+                record = _run_step(engine, batch, step_lr, i, epoch, proc)
+                records.append(record)
+                if log is not None:
+                    _write_record(log, record, i)
+                if bar is not None:
+                    _show_progress(bar, record)
+                due = checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps)
+                if checkpoint_dir is not None and (due or stop["stop"]):
+                    engine.save_checkpoint(checkpoint_dir,
+                                           extra={"step": i + 1, "seed": seed, "global_batch": global_batch})
+                if stop["stop"] and i + 1 < steps:
+                    where = Path(checkpoint_dir) if checkpoint_dir is not None else None
+                    raise TrainingInterrupted(i + 1, where)
     finally:
-        stop_ctx.__exit__(None, None, None)
-        if bar is not None:
-            bar.close()
-        if log is not None:
-            try:
-                log.close()
-            except OSError:  # the write that failed was already reported
-                pass
+        _close(bar, log)
     engine.synchronize()  # the model the caller holds reflects every step
     return records
+
+
+def _open_log(path: Path, append: bool) -> IO[str]:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path.open("a" if append else "w", encoding="utf-8")
+    except OSError as exc:
+        raise _write_error(path, exc) from exc
+
+
+def _progress_bar(steps: int, start_step: int) -> Any:
+    from tqdm.auto import tqdm
+
+    return tqdm(total=steps, initial=start_step, desc="training", unit="step", dynamic_ncols=True, leave=True)
+
+
+def _run_step(engine: Engine, batch: dict[str, torch.Tensor], step_lr: float, i: int, epoch: int,
+              proc: psutil.Process) -> dict:
+    """One optimizer step at ``step_lr``, and its record (see :func:`train`)."""
+    t0 = time.perf_counter()
+    result = engine.step(batch, lr=step_lr)
+    seconds = max(result.seconds, time.perf_counter() - t0)
+    rss = proc.memory_info().rss
+    return {
+        "step": i + 1,
+        "epoch": epoch,
+        "loss": float(result.loss),
+        "lr": step_lr,
+        "grad_norm": float(result.grad_norm),
+        "tokens": int(result.tokens),
+        "seconds": seconds,
+        "tokens_per_s": result.tokens / seconds if seconds > 0 else float("nan"),
+        "rss_bytes": int(rss),
+        "h2d_gbs": result.h2d_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        "d2h_gbs": result.d2h_bytes / seconds / 1e9 if seconds > 0 else 0.0,
+        "gpu_peak_allocated": int(result.device_peak_allocated),
+        "gpu_peak_reserved": int(result.device_peak_reserved),
+        "clipped": bool(result.clipped),
+        "skipped": bool(result.skipped),
+    }
+
+
+def _write_record(log: IO[str], record: dict, i: int) -> None:
+    """One JSON line, flushed: a crashed run keeps its metrics."""
+    try:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+    except OSError as exc:
+        raise _write_error(Path(log.name), exc, i) from exc
+
+
+def _show_progress(bar: Any, record: dict) -> None:
+    link = (f" up={record['h2d_gbs']:.1f}GB/s down={record['d2h_gbs']:.1f}GB/s"
+            f" gpu={_fmt_bytes(record['gpu_peak_reserved'])}") if record["gpu_peak_reserved"] else ""
+    bar.set_postfix_str(
+        f"loss={record['loss']:.4f} lr={record['lr']:.2e} "
+        f"tok/s={record['tokens_per_s']:.0f}{link} host={_fmt_bytes(record['rss_bytes'])}",
+        refresh=False,
+    )
+    bar.update(1)
+
+
+def _close(bar: Any, log: IO[str] | None) -> None:
+    if bar is not None:
+        bar.close()
+    if log is not None:
+        try:
+            log.close()
+        except OSError:  # the write that failed was already reported
+            pass
 
 
 def _write_error(path: Path, exc: OSError, step: int | None = None) -> WriteError:

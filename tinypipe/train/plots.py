@@ -11,7 +11,8 @@ from pathlib import Path
 
 GIB = 1024**3
 #: Lane kinds in the order they are drawn, with their colours.
-LANE_COLOURS = (("compute", "tab:blue"), ("h2d", "tab:green"), ("d2h", "tab:orange"), ("optimizer", "tab:red"))
+LANE_COLOURS = (("compute", "tab:blue"), ("h2d", "tab:green"), ("d2h", "tab:orange"),
+                ("optimizer", "tab:red"))
 
 
 def _figure(width: float, height: float):  # noqa: ANN202 - matplotlib types
@@ -64,7 +65,8 @@ def plot_timeline(records: list[dict], events: list[dict], out_png: str | os.Pat
     ax_mem, ax_link = fig.add_subplot(grid[0, 0]), fig.add_subplot(grid[0, 1])
     ax_lanes = fig.add_subplot(grid[1, :])
 
-    ax_mem.plot(steps, [r.get("rss_bytes", 0) / GIB for r in records], marker="o", markersize=3, label="host RSS")
+    ax_mem.plot(steps, [r.get("rss_bytes", 0) / GIB for r in records], marker="o", markersize=3,
+                label="host RSS")
     if any(r.get("gpu_peak_reserved") for r in records):
         ax_mem.plot(steps, [r.get("gpu_peak_reserved", 0) / GIB for r in records], marker="o", markersize=3,
                     label="GPU peak reserved")

@@ -23,10 +23,12 @@ DEFAULT_HARDWARE = "rtx4090-pcie4"
 def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
     """Register ``plan`` on an ``add_subparsers()`` object; the parsed args' ``func`` is :func:`run`."""
     p = subparsers.add_parser(
-        "plan", parents=list(parents), help="plan packing/micro-batches/memory for a model and machine (offline)",
-        description="Choose a Tiny-Pipe plan (pack sizes, micro-batch sizes, prefetch window, where pack inputs "
-                    "are stashed, which layers stay on the GPU with their optimizer) that fits the GPUs and host memory, and predict its speed. Runs offline from a "
-                    "config: no GPU, no weights.",
+        "plan", parents=list(parents),
+        help="plan packing/micro-batches/memory for a model and machine (offline)",
+        description="Choose a Tiny-Pipe plan (pack sizes, micro-batch sizes, prefetch window, where pack "
+                    "inputs are stashed, which layers stay on the GPU with their optimizer) that fits the "
+                    "GPUs and host memory, and predict its speed. Runs offline from a config: no GPU, no "
+                    "weights.",
     )
     add_arguments(p)
     p.set_defaults(func=run)
@@ -43,19 +45,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-memory", default=None, metavar="SIZE",
                    help="host memory for training, e.g. 128GiB (default: this machine's RAM)")
     p.add_argument("--seq-len", default=None, metavar="L", help="tokens per sequence (required)")
-    p.add_argument("--global-batch", default=None, metavar="B", help="sequences per optimizer step (required)")
+    p.add_argument("--global-batch", default=None, metavar="B",
+                   help="sequences per optimizer step (required)")
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="PRESET|FILE",
                    help=f"GPU + link + CPU rates: a preset or a JSON file (default: {DEFAULT_HARDWARE}; "
                         "'--hardware list' shows presets)")
-    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"), help="compute precision (default: bf16)")
+    p.add_argument("--precision", default="bf16", choices=("bf16", "fp32"),
+                   help="compute precision (default: bf16)")
     p.add_argument("--max-grad-norm", default=None, metavar="X",
                    help="global-norm clipping (retains gradients on the host: +4 B/param)")
-    p.add_argument("--lora", action="store_true", help="plan LoRA fine-tuning (adapters train; the base is frozen)")
+    p.add_argument("--lora", action="store_true",
+                   help="plan LoRA fine-tuning (adapters train; the base is frozen)")
     p.add_argument("--lora-rank", default=None, metavar="R", help="LoRA rank (default: 8)")
     p.add_argument("--quantize", default=None, metavar="nf4|fp4|int8",
                    help="with --lora: QLoRA, the frozen base quantized with bitsandbytes (sized exactly)")
     p.add_argument("--lora-targets", default=None, metavar="LIST",
-                   help="comma-separated block linear layers to adapt (default: every attention and MLP projection)")
+                   help="comma-separated block linear layers to adapt "
+                        "(default: every attention and MLP projection)")
     p.add_argument("--device-optimizer", default=None, choices=("off", "embed", "head", "both"),
                    help="keep these resident layers' AdamW state on the GPU (default: searched)")
     p.add_argument("--resident-packs", default=None, metavar="N",
@@ -90,7 +96,8 @@ def _listing(what: str) -> str:
     if what == "model":
         return "\n".join(f"{name:<16} {d['model_type']}" for name, d in PRESETS.items())
     return "\n".join(f"{h.name:<16} {h.gpu_memory_bytes / GiB:5.0f} GiB  H2D {h.h2d_gbs:g} GB/s  "
-                     f"{h.bf16_tflops:g} TFLOP/s (achieved bf16)  AdamW {h.cpu_adamw_gparams_s:g} G/s  {h.description}"
+                     f"{h.bf16_tflops:g} TFLOP/s (achieved bf16)  AdamW {h.cpu_adamw_gparams_s:g} G/s  "
+                     f"{h.description}"
                      for h in HARDWARE.values())
 
 
@@ -127,7 +134,8 @@ def run(args: argparse.Namespace) -> int:
         gpu_mem = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
         cpu_mem = parse_bytes(args.cpu_memory) if args.cpu_memory is not None else _host_ram()
         clip = None
-        if args.max_grad_norm is not None and str(args.max_grad_norm).strip().lower() not in ("none", "off", ""):
+        if args.max_grad_norm is not None and str(args.max_grad_norm).strip().lower() not in (
+                "none", "off", ""):
             try:
                 clip = float(args.max_grad_norm)
             except ValueError:
@@ -138,17 +146,19 @@ def run(args: argparse.Namespace) -> int:
         if args.lora:
             from tinypipe.lora.settings import LoraSettings
 
-            rank = _positive_int("--lora-rank", args.lora_rank) if args.lora_rank is not None else LoraSettings().rank
-            targets = [t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets else None
+            rank = (_positive_int("--lora-rank", args.lora_rank) if args.lora_rank is not None
+                    else LoraSettings().rank)
+            targets = ([t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets
+                       else None)
             lora = LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets, quantize=args.quantize,
                                 compute_dtype=args.precision)
         elif args.lora_rank is not None or args.lora_targets is not None or args.quantize is not None:
             from tinypipe.errors import ConfigError
 
             raise ConfigError("--lora-rank / --lora-targets / --quantize need --lora")
-        result = plan_for(args.model, args.hardware, gpus=gpus, gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_mem,
-                          seq=seq, global_batch=batch, precision=args.precision, max_grad_norm=clip, lora=lora,
-                          device_optimizer=args.device_optimizer,
+        result = plan_for(args.model, args.hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
+                          cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
+                          max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
                               "--resident-packs", args.resident_packs))
         if args.save_plan:
@@ -180,7 +190,7 @@ def _one_line(exc: BaseException) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Standalone entry (``python -m tinypipe.planner.cli_plan ...``) until ``tinypipe plan`` is wired."""
+    """``python -m tinypipe.cli.plan ...``: the same as ``tinypipe plan ...``."""
     parser = argparse.ArgumentParser(prog=PROG, description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     add_arguments(parser)

@@ -14,8 +14,8 @@ the backward instead of two); after an unclipped step it speculates again. Under
 ``nonfinite="skip"`` nothing is speculated: undoing a step is exact only to float rounding, and a
 skipped step must leave the state bit-identical.
 
-Leftover work (deferred layers, redone ones) is returned by :meth:`StepUpdater.finalize` in
-``work`` and runs while the next step starts (:mod:`tinypipe.runtime.deferred`).
+Leftover work (deferred layers, redone ones) is left by :meth:`StepDecisions.finalize` in
+``work`` and runs while the next step starts (:mod:`tinypipe.runtime.optim.background`).
 """
 
 from __future__ import annotations
@@ -23,32 +23,40 @@ from __future__ import annotations
 import functools
 import math
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Literal
 
 import torch
 
-from tinypipe.memory.host_buffers import aligned_empty, registrable
 from tinypipe.memory.host_store import HostStore
-from tinypipe.runtime.optimizer import CpuAdamW
+from tinypipe.runtime.optim.adamw import ChunkedAdamW
 
 REDO_CHUNK = 1 << 22  # 16 MiB of fp32 gradient: scaled, then stepped while in cache
 
+#: What happens to a layer's gradient as it arrives: stepped at once (speculating that clipping
+#: will not trigger), deferred to the end of the step, skipped (non-finite), or left to its device.
+Decision = Literal["step", "defer", "skip", "device"]
+
 
 @dataclass
-class UpdateOutcome:
+class StepOutcome:
+    """What one step's optimizer work decided, once its global gradient norm was known."""
+
     grad_norm: float
     clipped: bool
     skipped: bool
     nonfinite: str | None
     clip_coef: float = 1.0
+    #: (layer, start, end) of the previous step's leftover updates that ran during this step
+    background_timings: list[tuple[int, float, float]] = field(default_factory=list)
 
 
 @dataclass
-class StepUpdater:
-    """Decisions and bookkeeping for one optimizer step."""
+class StepDecisions:
+    """Decisions and bookkeeping for one optimizer step (made by
+    :class:`~tinypipe.runtime.optim.path.OptimizerPath`, one per step)."""
 
     store: HostStore
-    optimizer: CpuAdamW
+    adamw: ChunkedAdamW
     lr: float
     max_grad_norm: float | None
     retained: dict[int, torch.Tensor] | None  # layer -> fp32 gradient copy (None: not retaining)
@@ -57,14 +65,14 @@ class StepUpdater:
     deferred: list[int] = field(default_factory=list)
     nonfinite: str | None = None
     speculate: bool = True  # step layers before the global norm is known (False: defer them all)
-    device_layers: set[int] = field(default_factory=set)  # stepped on their device (DeviceAdamW)
-    pin: Callable[[torch.Tensor], None] | None = None  # page-locks new retained buffers (DMA target)
+    device_layers: frozenset[int] = frozenset()  # stepped on their device (DeviceOptimizerState)
     upload_order: dict[int, int] = field(default_factory=dict)  # layer -> rank of its first upload
     work: list[tuple[int, Callable[[], None]]] = field(default_factory=list)  # set by finalize()
-    device_steps: list[tuple[int, int]] = field(default_factory=list)  # (layer, step number) for the devices
+    # (layer, step number) for the devices, set by finalize()
+    device_steps: list[tuple[int, int]] = field(default_factory=list)
     _on_device: list[int] = field(default_factory=list)
 
-    def decide(self, layer: int, norm_sq: float, loss_finite: bool = True) -> str:
+    def decide(self, layer: int, norm_sq: float, loss_finite: bool = True) -> Decision:
         """'step', 'defer' or 'skip' for ``layer`` given its squared gradient norm."""
         self.norms_sq[layer] = norm_sq
         if self.nonfinite is None and not loss_finite:
@@ -76,28 +84,18 @@ class StepUpdater:
         if layer in self.device_layers:  # stepped after the step, on the device, once the norm is known
             self._on_device.append(layer)
             return "device"
-        over = self.max_grad_norm is not None and math.sqrt(sum(self.norms_sq.values())) + 1e-6 > self.max_grad_norm
+        over = (self.max_grad_norm is not None
+                and math.sqrt(sum(self.norms_sq.values())) + 1e-6 > self.max_grad_norm)
         if not self.speculate or over:
             self.deferred.append(layer)
             return "defer"
         self.stepped.append(layer)
         return "step"
 
-    def retain_buffer(self, layer: int) -> torch.Tensor | None:
-        n = self.store.layers[layer].spec.train_numel
-        if self.retained is None or n == 0:  # nothing to retain for a frozen layer (LoRA)
-            return None
-        if layer not in self.retained:
-            buf = aligned_empty(n, torch.float32)
-            if self.pin is not None:
-                self.pin(registrable(buf))  # gradients are downloaded straight into it
-            self.retained[layer] = buf
-        return self.retained[layer]
-
-    def finalize(self) -> UpdateOutcome:
+    def finalize(self) -> StepOutcome:
         """Decide clipping / rollback for the completed step; the host optimizer work that
         follows from it is left in :attr:`work` (in the next step's upload order, for
-        :class:`~tinypipe.runtime.deferred.DeferredUpdates`), the device steps in
+        :class:`~tinypipe.runtime.optim.background.BackgroundUpdates`), the device steps in
         :attr:`device_steps`. Step counts are final when this returns."""
         total = math.sqrt(sum(self.norms_sq.values())) if self.norms_sq else 0.0
         self.work = []
@@ -109,7 +107,7 @@ class StepUpdater:
                     self.work.append((layer, functools.partial(self._undo, layer, state.step)))
                     state.step -= 1
             self.work.sort(key=lambda item: self._upload_rank(item[0]))
-            return UpdateOutcome(total, False, True, self.nonfinite)
+            return StepOutcome(total, False, True, self.nonfinite)
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (total + 1e-6))
@@ -127,7 +125,7 @@ class StepUpdater:
             state.step += 1
             self.work.append((layer, functools.partial(self._redo, layer, coef, state.step, undo=False)))
         self.work.sort(key=lambda item: self._upload_rank(item[0]))
-        return UpdateOutcome(total, clipped, False, None, coef)
+        return StepOutcome(total, clipped, False, None, coef)
 
     def _upload_rank(self, layer: int) -> int:
         """Position of ``layer``'s first upload in the next step (``upload_order``; default: layer
@@ -146,7 +144,7 @@ class StepUpdater:
         """Roll back speculative step ``step`` of ``layer`` (a skipped, non-finite step)."""
         state = self.store.layers[layer]
         for lo, hi in self._chunks(layer):
-            self.optimizer.undo(state, lo, hi, self.retained[layer][lo:hi], step, self.lr)  # type: ignore[index]
+            self.adamw.undo(state, lo, hi, self.retained[layer][lo:hi], step, self.lr)  # type: ignore[index]
 
     def _redo(self, layer: int, coef: float, step: int, undo: bool) -> None:
         """Step ``layer`` with its gradient scaled by ``coef`` (after undoing the speculative step).
@@ -158,7 +156,7 @@ class StepUpdater:
         for lo, hi in self._chunks(layer):
             g = self.retained[layer][lo:hi]  # type: ignore[index]
             if undo:
-                self.optimizer.undo(state, lo, hi, g, step, self.lr)
+                self.adamw.undo(state, lo, hi, g, step, self.lr)
             if coef != 1.0:
                 g.mul_(coef)
-            self.optimizer.step(state, lo, hi, g, step, self.lr)
+            self.adamw.step(state, lo, hi, g, step, self.lr)

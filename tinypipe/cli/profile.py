@@ -18,10 +18,12 @@ DEFAULT_MODEL = "llama-3.2-3b"
 def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
         "profile", parents=list(parents),
-        help="measure this machine (per-layer times, link bandwidth, CPU AdamW) for 'tinypipe plan --hardware'",
-        description="Time one real decoder block of a model shape (forward, recompute, backward) and the head over "
-                    "micro-batch sizes and sequence lengths, measure host<->device bandwidth and the CPU's fused "
-                    "AdamW rate, and write a JSON file that 'tinypipe plan --hardware FILE' uses.",
+        help="measure this machine (per-layer times, link bandwidth, CPU AdamW) for "
+             "'tinypipe plan --hardware'",
+        description="Time one real decoder block of a model shape (forward, recompute, backward) and the "
+                    "head over micro-batch sizes and sequence lengths, measure host<->device bandwidth and "
+                    "the CPU's fused AdamW rate, and write a JSON file that 'tinypipe plan --hardware FILE' "
+                    "uses.",
     )
     add_arguments(p)
     p.set_defaults(func=run)
@@ -29,15 +31,19 @@ def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ())
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=None, metavar="DEVICE", help="cpu or cuda:N (default: cuda:0 if available)")
+    p.add_argument("--device", default=None, metavar="DEVICE",
+                   help="cpu or cuda:N (default: cuda:0 if available)")
     p.add_argument("--model", default=DEFAULT_MODEL, metavar="MODEL",
                    help=f"preset, Hugging Face directory or config.json whose block shape is timed "
                         f"(default: {DEFAULT_MODEL}); 'none' measures only the machine rates")
-    p.add_argument("--seq-lens", default="1024,2048", metavar="L,L", help="sequence lengths (default: 1024,2048)")
-    p.add_argument("--micro-batches", default="1,2,4", metavar="B,B", help="micro-batch sizes (default: 1,2,4)")
+    p.add_argument("--seq-lens", default="1024,2048", metavar="L,L",
+                   help="sequence lengths (default: 1024,2048)")
+    p.add_argument("--micro-batches", default="1,2,4", metavar="B,B",
+                   help="micro-batch sizes (default: 1,2,4)")
     p.add_argument("--precision", default=None, choices=("bf16", "fp32"),
                    help="compute precision (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--reps", default=3, type=int, metavar="N", help="timed repetitions per point (median; default 3)")
+    p.add_argument("--reps", default=3, type=int, metavar="N",
+                   help="timed repetitions per point (median; default 3)")
     p.add_argument("--output", required=True, metavar="FILE", help="where to write the profile JSON")
 
 

@@ -1,17 +1,19 @@
-"""AdamW on the device for resident layers (embedding, head): their updates never cross the link.
+"""AdamW state kept on the device for resident layers (embedding, head, resident packs): their
+updates never cross the link.
 
-The embedding and head stay on their device for the whole step anyway. Stepping them on the host
+Resident layers stay on their device for the whole step anyway. Stepping them on the host
 costs, every step, an upload of their weights at the start, a download of their fp32 gradients,
 and a host AdamW pass -- and the embedding's gradient is the last one the backward produces, so
 that pass is exposed after the backward (measured ~0.2 s of a 1.96 s Llama-3.2-3B step on an
 H200: 394 M tied parameters). Keeping their fp32 master and moments on the device (12 bytes per
 parameter of device memory) turns that into a few milliseconds of device AdamW after the step.
-The planner spends spare device memory on it (``Config.device_optimizer``).
+The planner spends spare device memory on it (``Config.device_optimizer``, ``resident_packs``).
 
-The host copy (master, moments) is the checkpointed one: :meth:`DeviceAdamW.store` brings it up
-to date (``Engine.synchronize``); :meth:`DeviceAdamW.invalidate` makes the next step reload the
-device state from it (after ``load_checkpoint``). The step is the same fused AdamW the host uses,
-with the same clipping coefficient, applied once the step's global norm is known.
+The host copy (master, moments) is the checkpointed one: :meth:`DeviceOptimizerState.store`
+brings it up to date (``Engine.synchronize``); :meth:`DeviceOptimizerState.invalidate` makes the
+next step reload the device state from it (after ``load_checkpoint``). The step is the same
+fused AdamW the host uses (:class:`~tinypipe.runtime.optim.adamw.ChunkedAdamW`), with the same
+clipping coefficient, applied once the step's global norm is known.
 """
 
 from __future__ import annotations
@@ -19,15 +21,20 @@ from __future__ import annotations
 import torch
 
 from tinypipe.devices.backend import Backend
+from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.host_store import LayerState
-from tinypipe.runtime.optimizer import CpuAdamW
+from tinypipe.runtime.optim.adamw import ChunkedAdamW
 
 
-class DeviceAdamW:
-    """fp32 master weights and AdamW moments of some resident layers, on one device."""
+class DeviceOptimizerState:
+    """fp32 master weights and AdamW moments of some resident layers, on one device, and their
+    step (queued on ``stream``, the device's compute stream: the next step's kernels follow it)."""
 
-    def __init__(self, backend: Backend, host_layers: dict[int, LayerState]) -> None:
+    def __init__(self, backend: Backend, stream: object, pool: DevicePool,
+                 host_layers: dict[int, LayerState]) -> None:
         self.backend = backend
+        self.stream = stream
+        self.pool = pool  # the resident compute copies (weights) and gradient accumulators
         dev = backend.device
         self.states = {
             layer: LayerState(
@@ -65,16 +72,18 @@ class DeviceAdamW:
         self.loaded.add(layer)
         return True
 
-    def step(self, layer: int, optimizer: CpuAdamW, grad: torch.Tensor, coef: float, step: int, lr: float,
-             params: torch.Tensor) -> None:
-        """AdamW step ``step`` of ``layer`` with ``grad * coef``; refresh the compute copy ``params``."""
-        dev = self.states[layer]
-        n = dev.master.numel()
-        g = grad[:n]
-        if coef != 1.0:
-            g.mul_(coef)  # the accumulator is zeroed before the next step uses it
-        optimizer.step(dev, 0, n, g, step, lr)
-        params[:n].copy_(dev.master)
+    def step(self, layer: int, adamw: ChunkedAdamW, coef: float, step: int, lr: float) -> None:
+        """AdamW step ``step`` of ``layer`` with its accumulated gradient times ``coef``; refresh
+        its compute copy."""
+        with self.backend.use_stream(self.stream):
+            grad, params = self.pool.grads(layer, None), self.pool.params(layer, None)
+            dev = self.states[layer]
+            n = dev.master.numel()
+            g = grad[:n]
+            if coef != 1.0:
+                g.mul_(coef)  # the accumulator is zeroed before the next step uses it
+            adamw.step(dev, 0, n, g, step, lr)
+            params[:n].copy_(dev.master)
         self.host_current = False
 
     def store(self) -> None:

@@ -1,6 +1,6 @@
-"""AdamW on the CPU over flat layer buffers, chunk by chunk, plus its exact inverse.
+"""AdamW over slices of flat layer buffers (host or device), chunk by chunk, plus its exact inverse.
 
-The step is torch's own fused CPU AdamW (``torch.optim.adamw.adamw(fused=True)``), applied to
+The step is torch's own fused AdamW (``torch.optim.adamw.adamw(fused=True)``), applied to
 slices of a layer's flat master/moment buffers: AdamW is elementwise, so stepping a layer in
 chunks as its gradient chunks arrive equals stepping it whole.
 
@@ -18,9 +18,10 @@ import torch.optim.adamw as _adamw
 from tinypipe.memory.host_store import LayerState
 
 
-class CpuAdamW:
-    """Hyper-parameters plus chunked step / undo over :class:`LayerState` buffers (host buffers;
-    :class:`~tinypipe.runtime.device_optimizer.DeviceAdamW` steps device copies with it too)."""
+class ChunkedAdamW:
+    """Hyper-parameters plus chunked step / undo over :class:`LayerState` buffers: the host store's
+    (as gradient chunks arrive) and the device copies of
+    :class:`~tinypipe.runtime.optim.device_state.DeviceOptimizerState` alike."""
 
     def __init__(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
         self.lr = lr
@@ -33,7 +34,8 @@ class CpuAdamW:
         if step == 1:  # moments start at zero; they were left uninitialised at allocation
             state.exp_avg[lo:hi].zero_()
             state.exp_avg_sq[lo:hi].zero_()
-        steps = [torch.tensor(float(step - 1), device=state.master.device)]  # fused CUDA wants it on the device
+        # the step count as a tensor on the buffers' device (fused CUDA wants it there)
+        steps = [torch.tensor(float(step - 1), device=state.master.device)]
         _adamw.adamw(
             [state.master[lo:hi]],
             [grad],

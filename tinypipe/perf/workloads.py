@@ -22,17 +22,18 @@ class Workload:
 
 WORKLOADS = {
     # Llama-3.2-3B shape: 3.21 B params, tied embeddings
-    "W1": Workload("W1", dict(hidden_size=3072, num_hidden_layers=28, intermediate_size=8192, num_attention_heads=24,
-                              num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=True,
-                              max_position_embeddings=8192, rope_theta=500000.0), seq=2048, batch=16),
+    "W1": Workload("W1", dict(hidden_size=3072, num_hidden_layers=28, intermediate_size=8192,
+                              num_attention_heads=24, num_key_value_heads=8, vocab_size=128256,
+                              tie_word_embeddings=True, max_position_embeddings=8192,
+                              rope_theta=500000.0), seq=2048, batch=16),
     # Llama-2-7B shape: 6.74 B params, untied
-    "W3": Workload("W3", dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008, num_attention_heads=32,
-                              num_key_value_heads=32, vocab_size=32000, tie_word_embeddings=False,
-                              max_position_embeddings=4096), seq=2048, batch=16),
+    "W3": Workload("W3", dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=11008,
+                              num_attention_heads=32, num_key_value_heads=32, vocab_size=32000,
+                              tie_word_embeddings=False, max_position_embeddings=4096), seq=2048, batch=16),
     # small, for smoke tests of the benchmark itself (CPU or GPU)
-    "tiny": Workload("tiny", dict(hidden_size=256, num_hidden_layers=4, intermediate_size=688, num_attention_heads=4,
-                                  num_key_value_heads=2, vocab_size=2048, tie_word_embeddings=True,
-                                  max_position_embeddings=512), seq=128, batch=8),
+    "tiny": Workload("tiny", dict(hidden_size=256, num_hidden_layers=4, intermediate_size=688,
+                                  num_attention_heads=4, num_key_value_heads=2, vocab_size=2048,
+                                  tie_word_embeddings=True, max_position_embeddings=512), seq=128, batch=8),
 }
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinypipe.bench.machine import MachineRates
+from tinypipe.perf.machine import MachineRates
 
 
 @dataclass
@@ -23,8 +23,8 @@ class Bound:
                 ("cpu optimizer", self.optimizer_s)]
 
 
-def step_bound(params: int, block_params: int, head_params: int, layers: int, hidden: int, seq: int, batch: int,
-               rates: MachineRates, upload_bytes_per_param: float = 4.0, passes: int = 2,
+def step_bound(params: int, block_params: int, head_params: int, layers: int, hidden: int, seq: int,
+               batch: int, rates: MachineRates, upload_bytes_per_param: float = 4.0, passes: int = 2,
                download_bytes_per_param: float = 4.0, recompute: bool = True) -> Bound:
     """max(compute, upload, download, optimizer) from measured rates.
 
@@ -37,7 +37,8 @@ def step_bound(params: int, block_params: int, head_params: int, layers: int, hi
     flops = fwd_mult * 2 * block_params * tokens + 6 * head_params * tokens
     flops += (fwd_mult * 2 * seq * seq * hidden * batch) * layers
     compute = flops / (rates.matmul_tflops * 1e12) if rates.matmul_tflops else float("nan")
-    up = passes * block_params * upload_bytes_per_param / (rates.h2d_gbs * 1e9) if rates.h2d_gbs else float("nan")
+    up = (passes * block_params * upload_bytes_per_param / (rates.h2d_gbs * 1e9) if rates.h2d_gbs
+          else float("nan"))
     down = params * download_bytes_per_param / (rates.d2h_gbs * 1e9) if rates.d2h_gbs else float("nan")
     opt = params / (rates.adamw_gparams_s * 1e9)
     return Bound(compute, up, down, opt)

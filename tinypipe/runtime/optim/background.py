@@ -10,7 +10,7 @@ pass overlaps the next forward. The updated values are exactly those the synchro
 (same operations, same order per layer).
 
 Anything that reads the host copy -- ``state_dict``, checkpoints, saving, a model evaluated on the
-host -- first calls :meth:`DeferredUpdates.wait_all` (``Engine.synchronize``).
+host -- first calls :meth:`BackgroundUpdates.wait_all` (``Engine.synchronize``).
 """
 
 from __future__ import annotations
@@ -24,11 +24,10 @@ import torch
 from tinypipe.errors import WorkerError
 from tinypipe.runtime.signals import POLL_S, Abort
 from tinypipe.runtime.workers import LaneWorkers
+from tinypipe.schedule.ids import BACKGROUND_LANE
 
-LANE = "host:deferred-optimizer"
 
-
-class DeferredUpdates:
+class BackgroundUpdates:
     """Per-layer completion of one step's leftover optimizer work."""
 
     def __init__(self) -> None:
@@ -67,7 +66,7 @@ class DeferredUpdates:
                     event.set()
                 self._done.set()
 
-        workers.submit(LANE, run)
+        workers.submit(str(BACKGROUND_LANE), run)
 
     @property
     def pending(self) -> bool:

@@ -2,7 +2,9 @@
 
 Buffers that may be page-locked with cudaHostRegister must own whole pages: two registrations
 touching the same page fail. Allocating with a page of slack and registering only the aligned,
-page-rounded interior keeps every registered range disjoint.
+page-rounded interior keeps every registered range disjoint. Here, beside the
+:class:`~tinypipe.devices.backend.HostPinner` that registers them, because the model layer
+(copy-free loading) and the memory layer (the host store, gradient pools) both allocate them.
 """
 
 from __future__ import annotations

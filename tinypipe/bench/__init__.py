@@ -1,1 +1,0 @@
-"""Benchmarks: named workloads, machine rates, host-memory sampling and bound analysis."""

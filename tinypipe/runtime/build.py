@@ -1,0 +1,168 @@
+"""Building an engine's resources, one named step each: the host store (after a host-memory
+check), each device's runtime with the AdamW state of the layers stepped there, the optimizer
+path, and the lane workers bundled with the rest as
+:class:`~tinypipe.runtime.resources.EngineResources`."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch import nn
+
+from tinypipe.config import Config
+from tinypipe.devices.backend import Backend, HostPinner
+from tinypipe.errors import ConfigError, PlanDoesNotFitError
+from tinypipe.memory.budget import check_host_memory
+from tinypipe.memory.device_pool import DevicePool
+from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
+from tinypipe.memory.host_store import HostStore
+from tinypipe.models.compiled import resolve_backend
+from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
+from tinypipe.models.placement import IN_PLACE_MARK
+from tinypipe.runtime.device import DeviceRuntime
+from tinypipe.runtime.optim.adamw import ChunkedAdamW
+from tinypipe.runtime.optim.device_state import DeviceOptimizerState
+from tinypipe.runtime.optim.path import OptimizerPath, retains_gradients
+from tinypipe.runtime.resources import EngineResources
+from tinypipe.runtime.signals import POLL_S
+from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
+from tinypipe.runtime.workers import LaneWorkers
+from tinypipe.schedule.plan import Plan
+
+STAGING_MAX = 32 * 1024 * 1024  # elements: the fp32 upload staging buffer (128 MiB) -- chunks larger layers
+
+
+def _one_line(exc: BaseException, limit: int) -> str:
+    return " ".join(str(exc).split())[:limit]
+
+
+class EngineBuilder:
+    """What an engine is built from (model, config, plan, devices, precision), and the steps."""
+
+    def __init__(self, model: nn.Module, config: Config, plan: Plan, decomposition: Decomposition,
+                 backends: list[Backend], dtype: torch.dtype) -> None:
+        self.model, self.config, self.plan, self.dec = model, config, plan, decomposition
+        self.backends, self.dtype = backends, dtype
+        self.any_cuda = any(b.is_cuda for b in backends)
+        self.pinner = HostPinner(enabled=self.any_cuda and config.pin_memory == "register")
+        self.retain = retains_gradients(config.max_grad_norm, config.nonfinite)
+
+    def host_store(self) -> HostStore:
+        """The one host copy of the training state, after checking that it fits in host memory."""
+        model = self.model
+        n_params = sum(p.numel() for p in model.parameters())
+        trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+        # what the store still allocates: AdamW moments, the fp32 master unless a loader already
+        # placed it (tinypipe.load_model), the retained gradient, frozen weights at compute precision
+        per = 8 + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (4 if self.retain else 0)
+        # frozen bytes as laid out (QLoRA's packed payload is far smaller than the dense count)
+        need = per * trainable + sum(s.frozen_numel for s in self.dec.layers) * self.dtype.itemsize
+        check_host_memory(need, f"the training state of {n_params / 1e6:.1f} M parameters")
+        try:
+            return HostStore(model, self.dec, self.pinner, frozen_dtype=self.dtype)
+        except (MemoryError, RuntimeError) as exc:
+            if isinstance(exc, RuntimeError) and "allocate" not in str(exc):
+                raise
+            raise PlanDoesNotFitError(f"host memory: cannot allocate the training state of "
+                                      f"{n_params / 1e6:.1f} M parameters ({_one_line(exc, 200)})") from exc
+
+    def compile_backend(self) -> str | None:
+        """The torch.compile backend for the decoder blocks (None: eager)."""
+        backend = resolve_backend(self.config.compile_blocks, self.any_cuda)
+        if backend is not None and backend not in torch._dynamo.list_backends(exclude_tags=()):
+            raise ConfigError(f"compile_blocks: unknown torch.compile backend {backend!r}")
+        return backend
+
+    def devices(self, store: HostStore,
+                compile_backend: str | None) -> tuple[list[DeviceRuntime], dict[int, DeviceOptimizerState]]:
+        """Every device's runtime, and the AdamW state of the devices that step layers."""
+        runtimes, states = [], {}
+        for i, backend in enumerate(self.backends):
+            runtime, state = self.device(i, backend, store, compile_backend)
+            runtimes.append(runtime)
+            if state is not None:
+                states[i] = state
+        return runtimes, states
+
+    def device(self, i: int, backend: Backend, store: HostStore,
+               compile_backend: str | None) -> tuple[DeviceRuntime, DeviceOptimizerState | None]:
+        """Device ``i``'s layer slots and resident layers, its host gradient pool and model shell,
+        and the AdamW state of the layers stepped on it."""
+        cfg, dec, plan = self.config, self.dec, self.plan
+        slot_numel = max(layer.numel for layer in dec.blocks)
+        grad_numel = max(layer.train_numel for layer in dec.blocks)  # frozen parameters: no gradients
+        has_packs = i in plan.fwd_device or i in plan.bwd_device
+        resident = self._resident_layers(i)
+        try:
+            pool = DevicePool(
+                backend,
+                self.dtype,
+                slot_numel,
+                plan.param_slots() if has_packs else 0,
+                plan.grad_slot_count() if has_packs else 0,
+                {layer: s.numel for layer, s in resident.items()},
+                staging_numel=min(slot_numel, STAGING_MAX),
+                grad_numel=grad_numel,
+                resident_grad={layer: s.train_numel for layer, s in resident.items()},
+            )
+        except torch.OutOfMemoryError as exc:
+            raise self._no_room(i, exc) from exc
+        # retained gradients (clipping, non-finite skip) are downloaded straight into their
+        # page-locked host buffers: the staging pool would be an extra 4 B/param copy per step
+        pool_buffers = 0 if self.retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
+        gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner, POLL_S)
+        shell = Shell(self.model, dec, backend.device)
+        if compile_backend is not None:
+            shell.compile_blocks(compile_backend)
+        runtime = DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool)
+        owned = plan.device_optimized(i)
+        if not owned:
+            return runtime, None
+        try:
+            state = DeviceOptimizerState(backend, runtime.streams["compute"], pool,
+                                         {layer: store.layers[layer] for layer in owned})
+        except torch.OutOfMemoryError as exc:
+            raise self._no_room(i, exc) from exc
+        return runtime, state
+
+    def _resident_layers(self, i: int) -> dict[int, LayerSpec]:
+        """The layers resident on device ``i``: the embedding, the head, the resident packs'
+        blocks (never swapped, stepped there)."""
+        dec, plan = self.dec, self.plan
+        layers = {}
+        if i == plan.embed_device:
+            layers[0] = dec.embed
+        if i == plan.head_device:
+            layers[dec.num_blocks + 1] = dec.head
+        for layer in plan.resident_layers(i):
+            layers[layer] = dec.blocks[layer - 1]
+        return layers
+
+    def _no_room(self, i: int, exc: BaseException) -> PlanDoesNotFitError:
+        return PlanDoesNotFitError(
+            f"device {self.config.devices[i]}: out of memory for its layer slots and resident layers "
+            f"({_one_line(exc, 160)}); lower pack_size or the micro-batch, use more devices, "
+            "or run `tinypipe plan` to see what fits")
+
+    def optimizer(self, store: HostStore, device_states: dict[int, DeviceOptimizerState]) -> OptimizerPath:
+        cfg = self.config
+        cores = os.cpu_count() or 1
+        # leave cores for the lanes that feed the GPUs; an OpenMP team sharing a core with a busy
+        # lane runs at the straggler's pace
+        threads = cfg.optimizer_threads or (max(1, cores - 1 - len(self.backends)) if self.any_cuda else None)
+        return OptimizerPath(store, ChunkedAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay),
+                             max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
+                             device_states=device_states, pin=self.pinner.pin, threads=threads)
+
+    def resources(self, store: HostStore, devices: list[DeviceRuntime], optimizer: OptimizerPath,
+                  hidden_size: int, head_chunk_tokens: int) -> EngineResources:
+        """Start the lane workers; bundle every resource a step uses."""
+        cfg = self.config
+        return EngineResources(
+            devices=devices, store=store, optimizer=optimizer, workers=LaneWorkers(),
+            host_stash=HostStash(self.pinner), read_ahead=ReadAheadBuffers(), compute_dtype=self.dtype,
+            hidden_size=hidden_size, head_chunk_tokens=head_chunk_tokens,
+            optimizer_threads=optimizer.threads, trace=cfg.trace, check_finite=cfg.check_finite,
+            stall_timeout_s=cfg.stall_timeout_s,
+        )

@@ -1,0 +1,179 @@
+"""The engine's optimizer path, end to end, and its step counters.
+
+Per step: :meth:`OptimizerPath.begin_step` starts the step's decisions; each layer's update task
+hands its gradient stream to :meth:`OptimizerPath.consume` (decide on the norm, then step the
+chunks as they land, or keep them for later); :meth:`OptimizerPath.finish_step` applies clipping
+or rollback once the global norm is known, leaves what still has to be stepped on the host to the
+background lane (it overlaps the next step; uploads wait per layer in :meth:`wait_layer`) and
+queues the steps of the layers whose state lives on their device. :meth:`synchronize` makes the
+host copy final. The per-layer step counts (``LayerState.step``) and the engine's ``step_count``
+change here only.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+
+from tinypipe.devices.host_buffers import aligned_empty, registrable
+from tinypipe.memory.host_store import HostStore
+from tinypipe.runtime.optim.adamw import ChunkedAdamW
+from tinypipe.runtime.optim.background import BackgroundUpdates
+from tinypipe.runtime.optim.decisions import StepDecisions, StepOutcome
+from tinypipe.runtime.optim.device_state import DeviceOptimizerState
+from tinypipe.runtime.optim.messages import GradEnd, GradNorm, GradStream
+from tinypipe.runtime.signals import Abort
+from tinypipe.runtime.workers import LaneWorkers
+
+
+def retains_gradients(max_grad_norm: float | None, nonfinite: str) -> bool:
+    """Whether each step keeps a full fp32 copy of every gradient on the host (4 B/param): to
+    redo speculative steps with the clipped gradient, or to undo them after a non-finite one."""
+    return max_grad_norm is not None or nonfinite == "skip"
+
+
+class OptimizerPath:
+    """AdamW for every trainable layer: decisions, host steps, leftover work, device steps."""
+
+    def __init__(self, store: HostStore, adamw: ChunkedAdamW, *, max_grad_norm: float | None, nonfinite: str,
+                 device_states: dict[int, DeviceOptimizerState], pin: Callable[[torch.Tensor], None] | None,
+                 threads: int | None) -> None:
+        self.store = store
+        self.adamw = adamw
+        self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
+        self.device_states = device_states  # device index -> the layers stepped there
+        self._owner = {layer: s for s in device_states.values() for layer in s.states}
+        self.device_layers = frozenset(self._owner)
+        retain = retains_gradients(max_grad_norm, nonfinite)
+        self._retained: dict[int, torch.Tensor] | None = {} if retain else None
+        self._pin = pin  # page-locks new retained buffers (gradients are downloaded straight into them)
+        self.threads = threads  # OpenMP threads of the background lane (None: torch's default)
+        self.background = BackgroundUpdates()  # the last step's leftover work (clipping)
+        self.step_count = 0  # optimizer steps taken (a skipped step does not count)
+        self.last_clipped = False  # a clipped step predicts another: the next one does not speculate
+        self._step: StepDecisions | None = None
+
+    # ------------------------------------------------------------------ one step
+
+    def begin_step(self, lr: float, upload_order: dict[int, int]) -> None:
+        """Start a step's decisions (``upload_order``: the schedule's, for the leftover work)."""
+        # speculative layer steps are undone algebraically when the step turns out clipped (exact
+        # enough: redone at once) or non-finite -- where "skip" promises the state bit for bit, so
+        # under "skip" nothing is stepped before the whole backward has been checked
+        speculate = not self.last_clipped and self.nonfinite != "skip"
+        self._step = StepDecisions(self.store, self.adamw, lr, self.max_grad_norm, self._retained,
+                                   speculate=speculate, device_layers=self.device_layers,
+                                   upload_order=upload_order)
+
+    def retain_buffer(self, layer: int) -> torch.Tensor | None:
+        """The page-locked fp32 host copy of ``layer``'s gradient (None: not retaining, or frozen)."""
+        n = self.store.layers[layer].spec.train_numel
+        if self._retained is None or n == 0:  # nothing to retain for a frozen layer (LoRA)
+            return None
+        if layer not in self._retained:
+            buf = aligned_empty(n, torch.float32)
+            if self._pin is not None:
+                self._pin(registrable(buf))  # gradients are downloaded straight into it
+            self._retained[layer] = buf
+        return self._retained[layer]
+
+    def consume(self, layer: int, stream: GradStream, abort: Abort,
+                loss_finite: Callable[[], bool] | None = None) -> None:
+        """``layer``'s update: decide on its norm, then step each gradient chunk as it lands.
+
+        ``loss_finite`` (the head's update, which runs first) is asked once the norm is on the
+        host; a non-finite loss skips the whole step."""
+        dec = self._current()
+        first = stream.get(abort)
+        assert isinstance(first, GradNorm), first
+        first.backend.sync_event(first.event)
+        norm_sq = float(first.norm.item()) ** 2
+        decision = dec.decide(layer, norm_sq, True if loss_finite is None else loss_finite())
+        state = self.store.layers[layer]
+        keep = self.retain_buffer(layer) if decision != "device" else None  # holds the chunks already
+        step_no = state.step + 1
+        while True:
+            chunk = stream.get(abort)
+            if isinstance(chunk, GradEnd):
+                break
+            assert not isinstance(chunk, GradNorm), chunk
+            chunk.backend.sync_event(chunk.event)
+            grad = keep[chunk.lo : chunk.hi] if chunk.buffer is None else chunk.buffer[: chunk.hi - chunk.lo]
+            if decision == "step":
+                self.adamw.step(state, chunk.lo, chunk.hi, grad, step_no, dec.lr)
+            if chunk.buffer is not None:
+                chunk.pool.release(chunk.buffer)
+        if decision == "step":
+            state.step = step_no
+
+    def finish_step(self, workers: LaneWorkers) -> StepOutcome:
+        """Close the step once every update has run: clip or roll back, start the leftover host
+        work in the background, queue the device steps, count the step."""
+        dec = self._current()
+        self.background.wait_all()  # every layer was uploaded, so the last step's leftovers are done
+        ran = list(self.background.timings)
+        outcome = dec.finalize()
+        outcome.background_timings = ran
+        # what still has to wait for the global norm runs while the next step starts (its uploads
+        # wait per layer); synchronize() waits for all of it
+        self.background.start(dec.work, workers, self.threads)
+        for state in self.device_states.values():  # device order, then the decisions' order
+            for layer, step in dec.device_steps:
+                if state.owns(layer):
+                    state.step(layer, self.adamw, outcome.clip_coef, step, dec.lr)
+        self.last_clipped = outcome.clipped
+        self.step_count += 0 if outcome.skipped else 1
+        self._step = None
+        return outcome
+
+    def _current(self) -> StepDecisions:
+        if self._step is None:
+            raise RuntimeError("no optimizer step in progress (begin_step first)")
+        return self._step
+
+    # ------------------------------------------------------------------ layers stepped on their device
+
+    def on_device(self, layer: int) -> bool:
+        """Whether ``layer``'s AdamW state lives on its device (only its norm leaves it)."""
+        return layer in self._owner
+
+    def load_on_device(self, layer: int, params: torch.Tensor) -> bool:
+        """Load ``layer``'s device state (first upload, or after :meth:`synchronize`); whether it
+        copied anything (see :meth:`DeviceOptimizerState.load`)."""
+        return self._owner[layer].load(layer, params)
+
+    # ------------------------------------------------------------------ between steps
+
+    def wait_layer(self, layer: int, abort: Abort | None = None) -> None:
+        """Block until the last step's leftover update of ``layer`` is applied."""
+        self.background.wait_layer(layer, abort)
+
+    @property
+    def failed(self) -> bool:
+        """Whether leftover work failed (the next wait raises its error)."""
+        return self.background.error is not None
+
+    def wait_background(self) -> None:
+        """Block until the leftover work is done; raise if it failed."""
+        self.background.wait_all()
+
+    def synchronize(self) -> None:
+        """Make the host copy of every weight and moment final (leftover work done, device state
+        copied back; the next step reloads it, with any change made on the host)."""
+        self.background.wait_all()
+        for state in self.device_states.values():
+            state.store()
+            state.invalidate()
+
+    # ------------------------------------------------------------------ memory
+
+    @property
+    def retained_bytes(self) -> int:
+        return sum(t.numel() * 4 for t in (self._retained or {}).values())
+
+    def device_state_bytes(self, device: int) -> int | None:
+        """Bytes of AdamW state on ``device`` (None: it steps no layer)."""
+        state = self.device_states.get(device)
+        return None if state is None else state.nbytes

@@ -1,0 +1,37 @@
+"""Cross-step resources: what every step uses and outlives it, in one object the engine builds.
+
+Per-step state is :class:`~tinypipe.runtime.context.StepContext`; the step's parts (the runner,
+the task handlers, the stash transfers) receive both explicitly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from tinypipe.memory.host_store import HostStore
+from tinypipe.runtime.device import DeviceRuntime
+from tinypipe.runtime.optim.path import OptimizerPath
+from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
+from tinypipe.runtime.workers import LaneWorkers
+
+
+@dataclass
+class EngineResources:
+    """Devices, the host store and its optimizer path, the lane workers, the host stash and the
+    read-ahead buffers, plus the settings every step reads."""
+
+    devices: list[DeviceRuntime]
+    store: HostStore
+    optimizer: OptimizerPath
+    workers: LaneWorkers  # one persistent thread per lane, reused by every step
+    host_stash: HostStash
+    read_ahead: ReadAheadBuffers
+    compute_dtype: torch.dtype
+    hidden_size: int
+    head_chunk_tokens: int  # tokens per LM-head chunk (bounds the logits' memory)
+    optimizer_threads: int | None  # OpenMP threads of the host optimizer lanes (None: torch's default)
+    trace: bool  # record CUDA timing events per task
+    check_finite: bool  # stop at the first task whose output holds NaN/inf (syncs)
+    stall_timeout_s: float  # no task finished for this long: the watchdog aborts the step

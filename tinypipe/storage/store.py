@@ -1,0 +1,487 @@
+"""Training state on the SSD: named regions of one scratch file, read and written asynchronously.
+
+Each region (e.g. ``(layer, "exp_avg")``) has a fixed, page-aligned extent in one preallocated
+file under the run's scratch directory. ``read_async``/``write_async`` split a request into
+chunks of ``chunk_bytes`` served by ``threads`` workers doing direct ``preadv``/``pwritev``
+(see :mod:`tinypipe.storage.direct`), so several requests -- several layers -- are in flight and
+one large region is transferred by several threads at once.
+
+Guarantees the optimizer path relies on:
+
+- Requests on one region run in the order they were issued (a read issued after a write sees
+  the written bytes); requests on different regions run concurrently.
+- A region that was never written, or whose last write failed or was cancelled, cannot be read:
+  the read fails with a one-line StorageError naming the region and the cause. A failed write
+  never leaves a half-written region that reads back as valid.
+- The caller's buffer must stay untouched until the request's handle is done (the store keeps a
+  reference to it). Buffers must start on a page boundary (``aligned_empty``, a StagingPool
+  slot); a region's size need not be a multiple of a page.
+
+Why this path (measured 2026-12-01 on the CPU machine: ext4 on a virtio disk, 2 shared cores;
+``bench/ssd_rates.py /tmp --gib 2 --reps 4``, raw rows in ``bench/results/ssd_rates_cpu.json``;
+medians of 4, read / write GB/s, writes including the final flush; dd with direct I/O, one
+64 MiB request at a time, gave 1.1 / 1.7):
+
+=========  ===========  ===========  ===========
+threads    4 MiB        16 MiB       64 MiB
+=========  ===========  ===========  ===========
+1          1.49 / 2.82  1.45 / 2.89  1.89 / 2.50
+2          1.61 / 2.99  2.20 / 2.78  2.15 / 2.58
+4          2.13 / 3.61  1.64 / 2.97  1.55 / 2.46
+8          2.53 / 2.66  2.10 / 3.20  1.52 / 3.58
+16         1.76 / 2.88  2.51 / 2.67  1.52 / 3.72
+=========  ===========  ===========  ===========
+
+The disk is shared and the spread between repetitions (1.1-2.6 read) is larger than between
+settings; what is consistent is that one request at a time reads slowest and that several in
+flight reach the device's rate. Buffered I/O (the fallback) reached 1.82 / 1.59 but cost 0.40
+CPU s/GB against 0.12 for O_DIRECT -- CPU the AdamW step needs on a 2-core host -- and passes
+every byte through the page cache. DeepSpeed's aio op needs libaio, absent here and on the GPU
+machine; kvikio and ``torch.cuda.gds`` move file <-> GPU memory, not the host staging buffers the
+CPU optimizer works on. The GPU machine's disk reached 1.6 / 2.4 GB/s with 16 threads x 64 MiB.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import os
+import queue
+import secrets
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from pathlib import Path
+
+import torch
+
+from tinypipe.errors import StorageError
+from tinypipe.devices.host_buffers import aligned_empty
+from tinypipe.storage.direct import ALIGN, ScratchFile, align_up, open_scratch_file, read_into, write_from
+from tinypipe.storage.io_stats import IoRecord, IoStats
+from tinypipe.storage.scratch import ScratchDir, check_free_space, format_bytes, free_bytes
+
+#: Worker threads per store: requests in flight at the device (8 reached the disk's rate above; they
+#: sleep in the syscall, so they cost no CPU while waiting).
+DEFAULT_THREADS = 8
+#: Largest transfer one worker does at once: small enough that one layer's region (tens to hundreds
+#: of MiB) is spread over all threads, large enough that syscall overhead is nil.
+DEFAULT_CHUNK_BYTES = 16 << 20
+#: How often a blocked ``wait`` runs its ``check`` callback (seconds).
+POLL_S = 0.05
+
+_EMPTY, _VALID, _WRITING = "never written", "valid", "being written"
+
+
+def _describe(e: BaseException) -> str:
+    if isinstance(e, OSError) and e.errno is not None:
+        name = errno.errorcode.get(e.errno, str(e.errno))
+        text = e.strerror or str(e)
+        return f"{text} ({name})"
+    return str(e) or type(e).__name__
+
+
+class IoHandle:
+    """A submitted request; ``wait()`` returns its :class:`IoRecord` or raises StorageError."""
+
+    def __init__(self, op: str, key: Hashable, nbytes: int, tensor: torch.Tensor, capacity: int) -> None:
+        self.op, self.key, self.nbytes = op, key, nbytes
+        self.submitted = time.perf_counter()
+        self.error: StorageError | None = None
+        self.record: IoRecord | None = None
+        self._tensor: torch.Tensor | None = tensor  # kept alive until done
+        self._address = tensor.data_ptr()
+        self._capacity = capacity  # bytes at the address the transfer may touch (whole pages)
+        self._event = threading.Event()
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._first_error: str | None = None
+        self._started: float | None = None
+        self._successors: list[IoHandle] = []
+        self._callbacks: list[Callable[[IoHandle], None]] = []
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def wait(self, check: Callable[[], None] | None = None, timeout: float | None = None) -> IoRecord:
+        """Block until done. ``check`` runs every :data:`POLL_S` (what it raises abandons the wait,
+        not the transfer); ``timeout`` seconds raise StorageError."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not self._event.wait(POLL_S):
+            if check is not None:
+                check()
+            if deadline is not None and time.monotonic() >= deadline:
+                raise StorageError(f"SSD {self.op} of {self.key!r} did not finish within {timeout:.1f} s")
+        if self.error is not None:
+            raise self.error
+        assert self.record is not None
+        return self.record
+
+    def add_done_callback(self, fn: Callable[[IoHandle], None]) -> None:
+        """Call ``fn(handle)`` once the request is done (in a worker thread, or now if it is).
+        E.g. release a staging slot once its write-back landed, without a thread waiting."""
+        with self._lock:
+            if not self._event.is_set():
+                self._callbacks.append(fn)
+                return
+        fn(self)
+
+
+class _Core:
+    """Everything the worker threads and the finalizer need (never the store object itself, so
+    that dropping the store runs its finalizer)."""
+
+    def __init__(self, file: ScratchFile, scratch: ScratchDir | None, layout: dict[Hashable, tuple[int, int]],
+                 threads: int, chunk_bytes: int) -> None:
+        self.file, self.scratch, self.layout = file, scratch, layout
+        self.chunk_bytes = chunk_bytes
+        self.stats = IoStats()
+        self.state: dict[Hashable, str] = dict.fromkeys(layout, _EMPTY)
+        self.tails: dict[Hashable, IoHandle] = {}
+        self.lock = threading.Lock()
+        self.idle = threading.Condition(self.lock)
+        self.tasks: queue.SimpleQueue[tuple[IoHandle, int, int] | None] = queue.SimpleQueue()
+        self.cancelled = False
+        self.closed = False
+        self.failure: BaseException | None = None  # a done-callback raised
+        self.due: list[tuple[Callable[[IoHandle], None], IoHandle]] = []  # callbacks to run unlocked
+        self.owner_pid = os.getpid()
+        self.workers = [threading.Thread(target=self.work, name=f"tinypipe-ssd-{i}", daemon=True)
+                        for i in range(threads)]
+        for t in self.workers:
+            t.start()
+
+    # -- submission (under self.lock) --------------------------------------------------------
+    def submit(self, handle: IoHandle) -> None:
+        prev = self.tails.get(handle.key)
+        self.tails[handle.key] = handle
+        if prev is not None and not prev.done():
+            prev._successors.append(handle)
+        else:
+            self.launch(handle)
+
+    def launch(self, handle: IoHandle) -> None:
+        """Start ``handle`` now that every earlier request on its region is done."""
+        key = handle.key
+        if handle.op == "read" and self.state[key] != _VALID:
+            self.finish(handle, f"region is {self.state[key]}")
+            return
+        if self.cancelled:
+            self.finish(handle, "cancelled")
+            return
+        if handle.op == "write":
+            self.state[key] = _WRITING
+        nbytes = handle.nbytes
+        starts = range(0, nbytes, self.chunk_bytes)
+        handle._pending = len(starts)
+        if not starts:
+            self.finish(handle, None)
+        for start in starts:
+            self.tasks.put((handle, start, min(self.chunk_bytes, nbytes - start)))
+
+    def finish(self, handle: IoHandle, error: str | None) -> None:
+        """Complete ``handle`` (under self.lock): region state, stats, waiters, successors."""
+        now = time.perf_counter()
+        key = handle.key
+        offset, nbytes = self.layout[key]
+        if error is not None:
+            verb = "read of" if handle.op == "read" else "write to"
+            handle.error = StorageError(f"SSD {verb} {key!r} ({nbytes} bytes at {self.file.path}:{offset}) "
+                                        f"failed: {error}")
+        if handle.op == "write":
+            self.state[key] = _VALID if error is None else f"invalid: its last write failed ({error})"
+        started = handle._started if handle._started is not None else now
+        record = IoRecord(handle.op, key, nbytes, handle.submitted, started, now, error)
+        handle.record = record
+        if handle._started is not None:
+            self.stats.finished(record)
+        handle._tensor = None
+        with handle._lock:
+            handle._event.set()
+            callbacks, handle._callbacks = handle._callbacks, []
+        self.due.extend((fn, handle) for fn in callbacks)
+        if self.tails.get(key) is handle:
+            del self.tails[key]
+        for nxt in handle._successors:
+            self.launch(nxt)
+        handle._successors = []
+        if not self.tails:
+            self.idle.notify_all()
+
+    def run_due(self) -> None:
+        """Run the done-callbacks of finished requests, outside the lock (they may submit)."""
+        with self.lock:
+            due, self.due = self.due, []
+        for fn, handle in due:
+            try:
+                fn(handle)
+            except BaseException as e:  # surfaced by the store's next call
+                self.failure = self.failure or e
+
+    # -- workers ------------------------------------------------------------------------------
+    def work(self) -> None:
+        bounce = aligned_empty(ALIGN, torch.uint8, zero=True)
+        while True:
+            task = self.tasks.get()
+            if task is None:
+                return
+            handle, start, length = task
+            error: str | None = None
+            with handle._lock:
+                first = handle._started is None
+                if first:
+                    handle._started = time.perf_counter()
+            if first:
+                self.stats.started(handle.op, handle._started)
+            if handle._first_error is None and not self.cancelled:
+                try:
+                    self.transfer(handle, start, length, bounce)
+                except OSError as e:
+                    error = _describe(e)
+                    if e.errno == errno.ENOSPC:
+                        error += f"; {self.space_left()}"
+                except Exception as e:  # noqa: BLE001 - a worker must never die with a request open
+                    error = f"{type(e).__name__}: {e}"
+            elif self.cancelled:
+                error = "cancelled"
+            with self.lock:
+                if error is not None and handle._first_error is None:
+                    handle._first_error = error
+                handle._pending -= 1
+                if handle._pending == 0:
+                    self.finish(handle, handle._first_error)
+            self.run_due()
+
+    def transfer(self, handle: IoHandle, start: int, length: int, bounce: torch.Tensor) -> None:
+        file_offset = self.layout[handle.key][0] + start
+        address = handle._address + start
+        move = read_into if handle.op == "read" else write_from
+        if not self.file.direct or start + align_up(length) <= handle._capacity:
+            move(self.file, address, align_up(length) if self.file.direct else length, file_offset)
+            return
+        body = length - length % ALIGN
+        if body:
+            move(self.file, address, body, file_offset)
+        tail, page = length - body, bounce.data_ptr()
+        if handle.op == "read":
+            read_into(self.file, page, ALIGN, file_offset + body)
+            ctypes.memmove(address + body, page, tail)
+        else:
+            ctypes.memset(page, 0, ALIGN)
+            ctypes.memmove(page, address + body, tail)
+            write_from(self.file, page, ALIGN, file_offset + body)
+
+    def space_left(self) -> str:
+        try:
+            have = free_bytes(os.path.dirname(self.file.path))
+        except OSError:
+            return "the disk is full"
+        return "the disk is full" if have is None else f"{format_bytes(have)} free on the disk"
+
+    # -- shutdown ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        """Finish what is in flight, stop the workers, close and remove the file (idempotent). In a
+        forked child (which inherited the store) it only closes the descriptor: the files are the
+        parent's."""
+        if os.getpid() != self.owner_pid:
+            with contextlib.suppress(OSError):
+                os.close(self.file.fd)
+            return
+        with self.lock:
+            if self.closed:
+                return
+            self.closed = True
+            while self.tails:
+                self.idle.wait(POLL_S)
+        for _ in self.workers:
+            self.tasks.put(None)
+        for t in self.workers:
+            if t is not threading.current_thread():
+                t.join(timeout=30)
+        try:
+            os.close(self.file.fd)
+        except OSError:
+            pass
+        try:
+            os.unlink(self.file.path)
+        except OSError:
+            pass
+        if self.scratch is not None:
+            self.scratch.close()
+
+
+class SsdStateStore:
+    """Regions of training state in one scratch file on the SSD.
+
+    ``directory`` is the offload directory (a scratch directory is created in it, after sweeping
+    leftovers of killed runs, and removed at close) or a :class:`ScratchDir` to share. ``regions``
+    maps each key to its size in bytes; their extents are laid out in the mapping's order, each
+    starting on a page boundary, and preallocated so that a full disk fails here.
+    """
+
+    def __init__(self, directory: str | os.PathLike | ScratchDir, regions: Mapping[Hashable, int], *,
+                 threads: int = DEFAULT_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+                 direct: bool = True, preallocate: bool = True) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {chunk_bytes}")
+        layout: dict[Hashable, tuple[int, int]] = {}
+        offset = 0
+        for key, nbytes in regions.items():
+            if nbytes < 0:
+                raise ValueError(f"region {key!r} has negative size {nbytes}")
+            layout[key] = (offset, int(nbytes))
+            offset += align_up(int(nbytes))
+        self.nbytes = offset
+        owned = not isinstance(directory, ScratchDir)
+        if isinstance(directory, ScratchDir):
+            scratch = directory
+            check_free_space(scratch.parent, offset)
+        else:
+            scratch = ScratchDir(directory, need=offset)
+        path = scratch.file(f"state-{secrets.token_hex(4)}.bin")
+        try:
+            file = open_scratch_file(path, offset, direct=direct, prealloc=preallocate)
+        except OSError as e:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+            if owned:
+                scratch.close()
+            if e.errno == errno.ENOSPC:
+                have = format_bytes(free_bytes(scratch.parent) or 0)
+                raise StorageError(f"offload directory {scratch.parent} cannot hold the SSD tier's "
+                                   f"{format_bytes(offset)} ({have} free): free space or choose another "
+                                   "directory") from e
+            raise StorageError(f"cannot create the SSD tier's scratch file {path}: {_describe(e)}") from e
+        self.path = Path(path)
+        self.direct = file.direct
+        self.preallocated = file.preallocated
+        if direct and not file.direct:
+            fs = scratch.filesystem or "unknown filesystem"
+            warnings.warn(f"offload directory {scratch.parent} ({fs}) refuses O_DIRECT: using buffered I/O, "
+                          "flushed and dropped from the page cache after each transfer (slower)",
+                          RuntimeWarning, stacklevel=2)
+        if preallocate and not file.preallocated:
+            warnings.warn(f"offload directory {scratch.parent} cannot preallocate: a disk that fills up will "
+                          "fail mid-run (one-line error) instead of now", RuntimeWarning, stacklevel=2)
+        self._core = _Core(file, scratch if owned else None, layout, threads, chunk_bytes)
+        self._finalizer = weakref.finalize(self, self._core.shutdown)
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+
+    # -- facts ---------------------------------------------------------------------------------
+    @property
+    def stats(self) -> IoStats:
+        return self._core.stats
+
+    @property
+    def host_bytes(self) -> int:
+        """Host memory the store itself holds (one bounce page per worker), for the memory report."""
+        return self.threads * 2 * ALIGN
+
+    def region_bytes(self, key: Hashable) -> int:
+        return self._region(key)[1]
+
+    def regions(self) -> list[Hashable]:
+        return list(self._core.layout)
+
+    def valid(self, key: Hashable) -> bool:
+        """Whether ``key`` holds a completed, successful write (requests in flight not counted)."""
+        self._region(key)
+        return self._core.state[key] == _VALID
+
+    # -- requests ------------------------------------------------------------------------------
+    def read_async(self, key: Hashable, into: torch.Tensor) -> IoHandle:
+        """Read region ``key`` into the first bytes of ``into`` (page-aligned, contiguous, CPU)."""
+        return self._submit("read", key, into)
+
+    def write_async(self, key: Hashable, src: torch.Tensor) -> IoHandle:
+        """Write the first ``region_bytes(key)`` bytes of ``src`` to region ``key``."""
+        return self._submit("write", key, src)
+
+    def read(self, key: Hashable, into: torch.Tensor, check: Callable[[], None] | None = None) -> IoRecord:
+        return self.read_async(key, into).wait(check)
+
+    def write(self, key: Hashable, src: torch.Tensor, check: Callable[[], None] | None = None) -> IoRecord:
+        return self.write_async(key, src).wait(check)
+
+    @staticmethod
+    def wait(handles: Iterable[IoHandle], check: Callable[[], None] | None = None) -> list[IoRecord]:
+        """Wait for all ``handles``; raises the first failure after all are done."""
+        records: list[IoRecord] = []
+        first: StorageError | None = None
+        for h in list(handles):
+            try:
+                records.append(h.wait(check))
+            except StorageError as e:
+                first = first or e
+        if first is not None:
+            raise first
+        return records
+
+    def sync(self) -> None:
+        """Flush the device's write cache for the file (what a rate measurement must include;
+        training does not need it: scratch is never read back after a crash)."""
+        try:
+            os.fsync(self._core.file.fd)
+        except OSError as e:
+            raise StorageError(f"flushing the SSD tier's scratch file {self.path} failed: "
+                               f"{_describe(e)}") from e
+
+    def cancel(self) -> None:
+        """Drop every queued request (they fail with "cancelled"; cancelled writes leave their
+        region invalid); transfers already running finish. For shutdown after an abort."""
+        self._core.cancelled = True
+
+    def close(self) -> None:
+        """Finish requests in flight, stop the workers and remove the scratch file (idempotent)."""
+        self._finalizer()
+        self._raise_failure()
+
+    def __enter__(self) -> SsdStateStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------------
+    def _region(self, key: Hashable) -> tuple[int, int]:
+        try:
+            return self._core.layout[key]
+        except KeyError:
+            raise KeyError(f"no SSD region {key!r}") from None
+
+    def _raise_failure(self) -> None:
+        failure = self._core.failure
+        if failure is not None:
+            self._core.failure = None
+            raise StorageError(f"an SSD request's done-callback failed: {failure}") from failure
+
+    def _submit(self, op: str, key: Hashable, tensor: torch.Tensor) -> IoHandle:
+        self._raise_failure()
+        _, nbytes = self._region(key)
+        if tensor.device.type != "cpu" or not tensor.is_contiguous():
+            raise ValueError(f"SSD {op} of {key!r} needs a contiguous CPU tensor")
+        own = tensor.numel() * tensor.element_size()
+        if own < nbytes:
+            raise ValueError(f"SSD {op} of {key!r}: the tensor has {own} bytes, the region {nbytes}")
+        if tensor.data_ptr() % ALIGN:
+            raise ValueError(f"SSD {op} of {key!r}: the tensor must start on a {ALIGN}-byte boundary "
+                             "(allocate it with aligned_empty or take a StagingPool slot)")
+        if op == "read":
+            capacity = own  # never write past the tensor's own bytes
+        else:  # reading past the tensor's end inside its own allocation is harmless
+            storage = tensor.untyped_storage()
+            capacity = storage.nbytes() - (tensor.data_ptr() - storage.data_ptr())
+        handle = IoHandle(op, key, nbytes, tensor, capacity)
+        core = self._core
+        with core.lock:
+            if core.closed:
+                raise StorageError(f"SSD {op} of {key!r} after the store was closed")
+            core.submit(handle)
+        core.run_due()
+        return handle
