@@ -16,10 +16,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
 case "${1:-}" in
   w1-qlora8b)
-    timeout 150 python3 bench/run.py W1 --auto --json "$OUT/w1_auto_after.json" 2>&1 | tail -8
-    timeout 200 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_bf16.py tests/test_gpu.py \
-      -k "qlora or bf16 or (1dev_host_stash and llama)" 2>&1 | grep -E "update error|passed|failed|Error" | tail -12
-    timeout 330 python3 bench/qlora_bench.py --runs 8b-shape-nf4,8b-shape-bf16-lora --json "$OUT/qlora_8b.json" 2>&1 \
+    timeout 120 python3 bench/run.py W1 --auto --json "$OUT/w1_auto_after.json" 2>&1 | tail -8
+    timeout 180 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_bf16.py tests/test_gpu.py \
+      -k "(bf16_matches and 1dev and llama) or (1dev_host_stash and llama) or (qlora and (nf4 or 1dev_packs2))" 2>&1 | grep -E "update error|passed|failed|Error" | tail -12
+    timeout 280 python3 bench/qlora_bench.py --runs 8b-shape-nf4,8b-shape-bf16-lora --json "$OUT/qlora_8b.json" 2>&1 \
       | tail -12 ;;
   qlora70b)
     timeout 560 python3 bench/qlora_bench.py --runs 70b-shape-nf4 --dequant --steps 2 --json "$OUT/qlora_70b.json" \
