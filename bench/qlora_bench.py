@@ -272,13 +272,8 @@ def child(args: argparse.Namespace) -> dict:
         gpu_peak_reserved=max(r.device_peak_reserved for r in results),
         host_peak_bytes=_hwm() - rss0, host_peak_after_build=after_build - rss0,
         host_peak_source="VmHWM" if hwm_ok else "rss", build_s=build_s, engine_s=engine_s,
-        plan=best.describe() if best is not None else None,
-        config={k: (list(v) if isinstance(v, tuple) else v) for k, v in
-                dict(pack_size=engine.config.pack_size, micro_batch_size=engine.config.micro_batch_size,
-                     backward_micro_batch_size=engine.config.backward_micro_batch_size,
-                     prefetch_window=engine.config.prefetch_window, stash=engine.config.stash,
-                     resident_packs=engine.config.resident_packs,
-                     device_optimizer=engine.config.device_optimizer).items()},
+        plan=engine.plan.describe(),
+        plan_settings=engine.plan.as_dict(),  # what ran (engine.config is what was given)
         memory_host=report.host, memory_devices=report.devices,
         predicted=dict(tokens_per_s=best.time.tokens_per_s, step_s=best.time.step_s, gpu_need=best.gpu_need,
                        host_need=best.host_need, host=best.memory.host) if best is not None else None,
