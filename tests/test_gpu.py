@@ -98,7 +98,7 @@ def test_cuda_lora_fp32_matches_peft(family: str) -> None:
     engine.close()
 
 
-@pytest.mark.parametrize("scheme", ["nf4", "fp4", "int8"])
+@pytest.mark.parametrize("scheme", ["nf4", "fp4"])
 @pytest.mark.parametrize("cfg", [
     dict(devices=["cuda:0"], pack_size=2, micro_batch_size=2, backward_micro_batch_size=3, prefetch_window=2,
          stash="host", max_grad_norm=0.05),
@@ -136,4 +136,15 @@ def test_cuda_qlora_bf16_loss_falls_and_memory_is_packed() -> None:
     assert all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.3, losses
     assert store.frozen_label == "frozen_weights (nf4+dq)"
-    assert report.host["frozen_weights"] == store.frozen_bytes
+    assert report.host[store.frozen_label] == store.frozen_bytes
+
+
+def test_cuda_int8_qlora_is_refused_in_one_line() -> None:
+    """int8 (LLM.int8()) is not verified on CUDA: refused at engine construction, not mid-step."""
+    from test_qlora import qlora_model
+
+    from tinypipe.quant import QuantizeError, QuantSpec
+
+    pm = qlora_model("llama", QuantSpec("int8"), layers=2)
+    with pytest.raises(QuantizeError, match="int8 QLoRA is verified on the CPU only"):
+        tinypipe.Engine(pm, tinypipe.Config(devices=["cuda:0"], pack_size=1, micro_batch_size=2))
