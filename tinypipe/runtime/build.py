@@ -77,6 +77,7 @@ class EngineBuilder:
     def devices(self, store: HostStore,
                 compile_backend: str | None) -> tuple[list[DeviceRuntime], dict[int, DeviceOptimizerState]]:
         """Every device's runtime, and the AdamW state of the devices that step layers."""
+        self._check_quantized_devices()
         runtimes, states = [], {}
         for i, backend in enumerate(self.backends):
             runtime, state = self.device(i, backend, store, compile_backend)
@@ -84,6 +85,16 @@ class EngineBuilder:
             if state is not None:
                 states[i] = state
         return runtimes, states
+
+    def _check_quantized_devices(self) -> None:
+        """A quantized (QLoRA) base on more than one CUDA device entry is refused: on an H200
+        (session 4) a compiled block failed there ("FX to symbolically trace a dynamo-optimized
+        function") while one entry trained exactly; until that is fixed and verified, one GPU."""
+        quantized = any(p.packed is not None for s in self.dec.layers for p in s.params)
+        cuda_entries = sum(1 for b in self.backends if b.is_cuda)
+        if quantized and cuda_entries > 1:
+            raise ConfigError(f"a quantized base (QLoRA) trains on one CUDA device entry for now, got "
+                              f"{cuda_entries}; use --devices cuda:0")
 
     def device(self, i: int, backend: Backend, store: HostStore,
                compile_backend: str | None) -> tuple[DeviceRuntime, DeviceOptimizerState | None]:
