@@ -192,6 +192,9 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "e.g. q_proj,v_proj (default: every attention and MLP projection)", "LIST"),
     Option("merge", _bool, False, "with --lora: also write the merged full model to OUTPUT/merged",
            flag=True),
+    Option("quantize", _str, None, "with --lora: QLoRA -- quantize the frozen base's block linears with "
+           "bitsandbytes while loading (nf4/fp4: ~0.53 byte/param with double quantization, int8: ~1)",
+           "nf4|fp4|int8"),
 )
 _OPTIONS_BY_DEST = {o.dest: o for o in FINETUNE_OPTIONS}
 _OPTIONS_BY_KEY = {o.key: o for o in FINETUNE_OPTIONS}

@@ -57,7 +57,8 @@ class EngineBuilder:
         # what the store still allocates: AdamW moments, the fp32 master unless a loader already
         # placed it (tinypipe.load_model), the retained gradient, frozen weights at compute precision
         per = 8 + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (4 if self.retain else 0)
-        need = per * trainable + (n_params - trainable) * self.dtype.itemsize
+        # frozen bytes as laid out (QLoRA's packed payload is far smaller than the dense count)
+        need = per * trainable + sum(s.frozen_numel for s in self.dec.layers) * self.dtype.itemsize
         check_host_memory(need, f"the training state of {n_params / 1e6:.1f} M parameters")
         try:
             return HostStore(model, self.dec, self.pinner, frozen_dtype=self.dtype)
@@ -77,6 +78,7 @@ class EngineBuilder:
     def devices(self, store: HostStore,
                 compile_backend: str | None) -> tuple[list[DeviceRuntime], dict[int, DeviceOptimizerState]]:
         """Every device's runtime, and the AdamW state of the devices that step layers."""
+        self._check_quantized_devices()
         runtimes, states = [], {}
         for i, backend in enumerate(self.backends):
             runtime, state = self.device(i, backend, store, compile_backend)
@@ -84,6 +86,16 @@ class EngineBuilder:
             if state is not None:
                 states[i] = state
         return runtimes, states
+
+    def _check_quantized_devices(self) -> None:
+        """A quantized (QLoRA) base on more than one CUDA device entry is refused: on an H200
+        (session 4) a compiled block failed there ("FX to symbolically trace a dynamo-optimized
+        function") while one entry trained exactly; until that is fixed and verified, one GPU."""
+        quantized = any(p.packed is not None for s in self.dec.layers for p in s.params)
+        cuda_entries = sum(1 for b in self.backends if b.is_cuda)
+        if quantized and cuda_entries > 1:
+            raise ConfigError(f"a quantized base (QLoRA) trains on one CUDA device entry for now, got "
+                              f"{cuda_entries}; use --devices cuda:0")
 
     def device(self, i: int, backend: Backend, store: HostStore,
                compile_backend: str | None) -> tuple[DeviceRuntime, DeviceOptimizerState | None]:
