@@ -58,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="store_true",
                    help="plan LoRA fine-tuning (adapters train; the base is frozen)")
     p.add_argument("--lora-rank", default=None, metavar="R", help="LoRA rank (default: 8)")
+    p.add_argument("--quantize", default=None, metavar="nf4|fp4|int8",
+                   help="with --lora: QLoRA, the frozen base quantized with bitsandbytes (sized exactly)")
     p.add_argument("--lora-targets", default=None, metavar="LIST",
                    help="comma-separated block linear layers to adapt "
                         "(default: every attention and MLP projection)")
@@ -163,11 +165,12 @@ def run(args: argparse.Namespace) -> int:
                     else LoraSettings().rank)
             targets = ([t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets
                        else None)
-            lora = LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets)
-        elif args.lora_rank is not None or args.lora_targets is not None:
+            lora = LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets, quantize=args.quantize,
+                                compute_dtype=args.precision)
+        elif args.lora_rank is not None or args.lora_targets is not None or args.quantize is not None:
             from tinypipe.errors import ConfigError
 
-            raise ConfigError("--lora-rank / --lora-targets need --lora")
+            raise ConfigError("--lora-rank / --lora-targets / --quantize need --lora")
         result = plan_for(args.model, hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
                           cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,

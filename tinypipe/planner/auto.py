@@ -247,7 +247,13 @@ def lora_settings_of(model: nn.Module):  # -> LoraSettings | None
         pc = model.peft_config[model.active_adapter]
         targets = pc.target_modules
         targets = [targets] if isinstance(targets, str) else sorted(targets)
-        settings = LoraSettings(rank=int(pc.r), alpha=float(pc.lora_alpha), targets=targets)
+        from tinypipe.quant.model import spec_of  # QLoRA: plan the quantized base's sizes
+
+        quant = spec_of(model)
+        settings = LoraSettings(rank=int(pc.r), alpha=float(pc.lora_alpha), targets=targets,
+                                quantize=quant.scheme if quant is not None else None,
+                                double_quant=quant.double_quant if quant is not None else True,
+                                compute_dtype="fp32" if quant is not None and quant.unit == 4 else "bf16")
         lora_sizes(model.config, settings)  # adapters the planner cannot size: plan as full fine-tuning
     except (TinypipeError, AttributeError, KeyError, TypeError, ValueError):
         return None

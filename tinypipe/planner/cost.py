@@ -52,6 +52,7 @@ from tinypipe.errors import ConfigError
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 from tinypipe.planner.sizes import ModelSizes
+from tinypipe.quant.cost import dequant_seconds, passes_per_step
 from tinypipe.schedule.plan import Plan
 
 #: Tokens at which a micro-batch runs at half its asymptotic rate (fitted: mb 2 vs mb 4 on W1).
@@ -227,9 +228,11 @@ class _Lanes:
     f_down: list[float]  # host-stashed pack inputs written down in the forward
 
 
-def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool) -> _Lanes:
-    """Each pack's compute on its forward and backward device, and the uploads and gradient
-    downloads of the packs that move (resident packs never do)."""
+def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
+               dequant: list[tuple[float, float]]) -> _Lanes:
+    """Each pack's compute on its forward and backward device (``dequant``: QLoRA's dequantization
+    seconds per pack, forward and backward), and the uploads and gradient downloads of the packs
+    that move (resident packs never do)."""
     plan = packs.plan
     n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
     bwd_mult = 1.0 if lora else 2.0  # the backward skips the frozen weights' gradient GEMMs
@@ -238,10 +241,11 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool)
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
         res = q < R
-        lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + (
+        lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0] + (
             packs.exposed(q, rates.h2d) if q > 0 and not res else 0.0)
         lanes.b_comp[db] += fwd_flops[q] / rates.recompute + bwd_mult * fwd_flops[q] / rates.backward \
-            + PACK_OVERHEAD_S + (packs.exposed(q, rates.h2d) if (q < P - 1 or not carry) and not res else 0.0)
+            + PACK_OVERHEAD_S + dequant[q][1] + (
+                packs.exposed(q, rates.h2d) if (q < P - 1 or not carry) and not res else 0.0)
         if res:
             continue
         lanes.f_up[df] += packs.up[q]
@@ -249,6 +253,20 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool)
             lanes.b_up[db] += packs.up[q]
         lanes.down[db] += packs.train[q] * DOWNLOAD_BYTES
     return lanes
+
+
+def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec) -> list[tuple[float, float]]:
+    """QLoRA: seconds each pack spends dequantizing its base weights, in the forward and in the
+    backward (one dequantization per micro-batch pass; zeros without a quantized base)."""
+    if not sizes.quant_block_params:
+        return [(0.0, 0.0)] * plan.num_packs
+    dq_f, dq_b = passes_per_step(batch, plan.micro_batch_size, plan.backward_micro_batch_size)
+    out = []
+    for p in plan.packs:
+        qparams = sum(sizes.quant_block_params[b] for b in p)
+        out.append((dequant_seconds(qparams, dq_f, hw.bf16_tflops),
+                    dequant_seconds(qparams, dq_b, hw.bf16_tflops)))
+    return out
 
 
 def _add_stash_traffic(lanes: _Lanes, plan: Plan, stash_bytes: int) -> None:
@@ -329,7 +347,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     trains = sizes.layer_train_numels
     lora = bool(sizes.frozen_total)
 
-    lanes = _pack_work(packs, fwd_flops, rates, lora)
+    lanes = _pack_work(packs, fwd_flops, rates, lora, _dequant_work(sizes, plan, batch, hw))
     _add_stash_traffic(lanes, plan, stash_bytes=tokens * sizes.hidden * (2 if precision == "bf16" else 4))
     dev = _on_device(packs)
     lanes.down[plan.embed_device] += 0 if dev.embed else trains[0] * DOWNLOAD_BYTES

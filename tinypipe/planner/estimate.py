@@ -104,8 +104,8 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
         "gradient_buffers": 4 * (train - device_stepped_numel(sizes, plan)) if retain_grads else 0,
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
     }
-    if sizes.frozen_total:  # LoRA: the frozen base at compute precision
-        cats["frozen_weights"] = sizes.frozen_total * dtype_bytes(precision)
+    if sizes.frozen_total:  # LoRA: the frozen base at compute precision (QLoRA: its payload bytes)
+        cats[sizes.frozen_label] = sizes.frozen_total * dtype_bytes(precision)
     return apply_offload(cats, sizes, plan, precision)  # state on the SSD leaves DRAM; staging comes
 
 

@@ -157,10 +157,11 @@ def apply_offload(cats: dict[str, int], sizes: ModelSizes, plan: Plan, precision
     if not plan.offload:
         return cats
     out = dict(cats)
+    category = dict(CATEGORY, frozen=sizes.frozen_label)  # "frozen_weights (nf4+dq)" under QLoRA
     for layer, kind in plan.offload:
-        out[CATEGORY[kind]] -= kind_bytes(sizes, layer, kind, precision)
-    if out.get("frozen_weights") == 0:  # the runtime reports the category only while it holds bytes
-        del out["frozen_weights"]
+        out[category[kind]] -= kind_bytes(sizes, layer, kind, precision)
+    if out.get(sizes.frozen_label) == 0:  # the runtime reports the category only while it holds bytes
+        del out[sizes.frozen_label]
     out[STAGING_CATEGORY] = staging_bytes(sizes, plan, precision)
     return out
 

@@ -341,10 +341,11 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd:
     min_gpu = min(cands, key=lambda c: c.gpu_need)
     if not host_ok:
         host = min_host.memory.host
-        if host.get("frozen_weights"):
+        frozen = next((k for k in host if k.startswith("frozen_weights")), None)  # "frozen_weights (nf4)"
+        if frozen is not None and host[frozen]:
             return (f"needs {gib_text(min_host.host_need)} host memory even with LoRA, "
-                    f"have {gib_text(cpu_mem)} "
-                    f"({gib_text(host['frozen_weights'])} of it the frozen base weights); add RAM")
+                    f"have {gib_text(cpu_mem)} ({gib_text(host[frozen])} of it the frozen base weights); "
+                    "add RAM" + ("" if "(" in frozen else " or quantize the base (--quantize nf4)"))
         return (f"needs {gib_text(min_host.host_need)} host memory, have {gib_text(cpu_mem)} "
                 f"({gib_text(host['master_weights'] + host['optimizer_state'])} of it "
                 "fp32 master weights + AdamW state); try --lora or more RAM")
