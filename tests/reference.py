@@ -29,7 +29,9 @@ def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, e
             labels = b["input_ids"].clone()
             if "attention_mask" in b:
                 labels[b["attention_mask"] == 0] = -100
-        out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=labels)
+        # packed documents: transformers builds per-document masks only without a KV cache
+        extra = {"position_ids": b["position_ids"], "use_cache": False} if "position_ids" in b else {}
+        out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=labels, **extra)
         out.loss.backward()
         if max_grad_norm is not None:
             norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))

@@ -64,7 +64,10 @@ def test_text_labels_equal_inputs_and_eos_between_docs(tmp_path, tok):
     bos, eos = tok.bos_token_id, tok.eos_token_id
     assert ids == [bos, *enc(tok, "Hello world"), eos, bos, *enc(tok, "the lazy dog"), eos]
     assert labels == ids  # aligned, not pre-shifted: the model shifts internally
-    assert stats == DataStats(records=2, bad_lines_skipped=0, tokens=len(ids), rows=len(ids), dropped_tokens=0, format="text")
+    # seq_len=1: both examples are longer than a row, so they are split (and counted)
+    assert stats == DataStats(records=2, bad_lines_skipped=0, tokens=len(ids), rows=len(ids),
+                              dropped_tokens=0, format="text", padding_tokens=0, split_examples=2,
+                              packing=True)
     assert ds.input_ids.dtype == ds.labels.dtype == torch.int64
 
 
@@ -210,26 +213,34 @@ def test_json_extension_read_as_jsonl_and_blank_lines_and_bom_ignored(tmp_path, 
 # --------------------------------------------------------------------------- packing
 
 
-def test_packing_lengths_and_dropped_tokens(tmp_path, tok):
-    records = [{"text": t} for t in ["Hello world", "The quick brown fox jumps", "Paris is the capital", "Berlin"]]
+def test_packing_keeps_examples_whole_and_drops_nothing(tmp_path, tok):
+    texts = ["Hello world", "The quick brown fox jumps", "Paris is the capital", "Berlin"]
+    records = [{"text": t} for t in texts]
     path = write_jsonl(tmp_path / "d.jsonl", records)
-    stream = []
-    for r in records:
-        stream += [tok.bos_token_id, *enc(tok, r["text"]), tok.eos_token_id]
-    seq_len = 5
+    docs = [[tok.bos_token_id, *enc(tok, r["text"]), tok.eos_token_id] for r in records]
+    seq_len = max(len(d) for d in docs) + 1
     ds, stats = load_dataset(path, tok, seq_len)
-    rows = len(stream) // seq_len
-    assert ds.input_ids.shape == ds.labels.shape == (rows, seq_len) == (stats.rows, ds.seq_len)
-    assert stats.tokens == len(stream)
-    assert stats.dropped_tokens == len(stream) - rows * seq_len
-    assert ds.input_ids.flatten().tolist() == stream[: rows * seq_len]
+    assert ds.input_ids.shape == ds.labels.shape == ds.position_ids.shape == (stats.rows, ds.seq_len)
+    assert stats.tokens == sum(len(d) for d in docs)
+    assert stats.dropped_tokens == 0 and stats.split_examples == 0
+    assert stats.padding_tokens == stats.rows * seq_len - stats.tokens
+    rows = [r.tolist() for r in ds.input_ids]
+    for d in docs:  # every example whole, inside one row, its positions 0..n-1
+        where = [(r, i) for r, row in enumerate(rows) for i in range(seq_len - len(d) + 1)
+                 if row[i : i + len(d)] == d]
+        assert where, d
+        r, i = where[0]
+        assert ds.position_ids[r, i : i + len(d)].tolist() == list(range(len(d)))
 
 
-def test_too_little_data(tmp_path, tok):
+def test_little_data_is_one_padded_row(tmp_path, tok):
     path = write_jsonl(tmp_path / "d.jsonl", [{"text": "Hello"}])
     n = len(enc(tok, "Hello")) + 2
-    with pytest.raises(DataError, match=rf"not enough data: {n} tokens, need at least 64"):
-        load_dataset(path, tok, 64)
+    ds, stats = load_dataset(path, tok, 64)
+    assert (stats.rows, stats.tokens, stats.padding_tokens) == (1, n, 64 - n)
+    assert (ds.labels[0, n:] == IGNORE_INDEX).all() and (ds.input_ids[0, n:] == tok.pad_token_id).all()
+    with pytest.raises(DataError, match="fewer than one batch of 2"):
+        next(ds.batches(2, seed=0, epoch=0))
 
 
 def test_pack_rejects_bad_seq_len():
@@ -452,21 +463,18 @@ printable = st.text(st.characters(blacklist_categories=("Cs",)), min_size=1, max
 
 
 @FUZZ
-@given(texts=st.lists(printable, min_size=1, max_size=8), seq_len=st.integers(1, 16))
-def test_fuzz_text_round_trip(tok, texts, seq_len):
-    stream = []
+@given(texts=st.lists(printable, min_size=1, max_size=8), seq_len=st.integers(1, 16), packing=st.booleans())
+def test_fuzz_text_round_trip(tok, texts, seq_len, packing):
+    from test_packing import check_rows
+
+    pairs = []
     for t in texts:
-        stream += [*tok(t)["input_ids"], tok.eos_token_id]
+        ids = [*tok(t)["input_ids"], tok.eos_token_id]
+        pairs.append((ids, ids))
     with tempfile.TemporaryDirectory() as d:
         path = write_jsonl(Path(d) / "t.jsonl", [{"text": t} for t in texts])
-        if len(stream) < seq_len:
-            with pytest.raises(DataError, match="not enough data"):
-                load_dataset(path, tok, seq_len)
-            return
-        ds, stats = load_dataset(path, tok, seq_len)
-    kept = stats.rows * seq_len
-    assert ds.input_ids.flatten().tolist() == stream[:kept] == ds.labels.flatten().tolist()
-    assert stats.tokens == len(stream) and stats.dropped_tokens == len(stream) - kept < seq_len
+        ds, stats = load_dataset(path, tok, seq_len, packing=packing)
+    check_rows(ds, stats, pairs, seq_len, packing, tok.pad_token_id)
 
 
 @FUZZ

@@ -91,6 +91,17 @@ class Config:
       layer's update waits for the end of the backward (as under clipping; it then overlaps the
       next step's forward): measured on W1 (3B, H200) ~2.9 s/step instead of ~2.0 s.
 
+    Training semantics:
+
+    * ``dropout`` -- train with the model's own dropout (``True``, as Hugging Face's Trainer does:
+      modules in training mode, so GPT-2's ``attn_pdrop``/``resid_pdrop``/``embd_pdrop``, PEFT's
+      ``lora_dropout`` and the like apply); ``False`` runs every module in eval mode. The backward
+      recompute draws the forward's masks exactly (see :mod:`tinypipe.runtime.rng`). Models
+      without dropout train identically either way.
+    * ``dropout_seed`` -- the masks are a function of this seed, the step count, the pack and the
+      forward micro-batch (not of thread timing or the number of devices). None: drawn from
+      torch's global generator when the engine is built (``torch.manual_seed`` first to repeat).
+
     Planning inputs (used by the automatic plan, and to check a hand-set plan when the workload
     is given):
 
@@ -106,7 +117,8 @@ class Config:
       in host memory (``Plan.offload`` says which layers' masters, moments, retained gradients or
       frozen LoRA weights live there). The engine keeps one scratch file in it for the run
       (removed at exit; leftovers of killed runs are swept and reported); checkpoints stay the
-      source of truth. None: everything stays in DRAM, and a plan with ``offload`` is refused.
+      source of truth. With it and ``cpu_memory_bytes``, the planner chooses per layer and kind
+      what goes there. None: everything stays in DRAM, and a plan with ``offload`` is refused.
     * ``hardware`` -- rates for the time model: a preset (``tinypipe plan --hardware list``) or a
       JSON file, e.g. one written by ``tinypipe profile`` (default: guessed from the GPU's name).
     """
@@ -135,6 +147,8 @@ class Config:
     check_finite: bool = False
     optimizer_threads: int | None = None
     compile_blocks: str = "auto"
+    dropout: bool = True
+    dropout_seed: int | None = None
     seq_len: int | None = None
     global_batch: int | None = None
     gpu_memory_bytes: int | None = None
@@ -171,6 +185,8 @@ class Config:
             if not isinstance(self.offload_dir, (str, os.PathLike)) or not str(self.offload_dir).strip():
                 raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
             self.offload_dir = os.fspath(self.offload_dir)
+        if not isinstance(self.dropout, bool):
+            raise ConfigError(f"dropout must be true or false, got {self.dropout!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):
             raise ConfigError(f"hardware must be a preset name or a file path, got {self.hardware!r}")
         self.validate()
@@ -184,7 +200,7 @@ class Config:
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
         optional = ("micro_batch_size", "prefetch_window", "backward_micro_batch_size", "grad_slots",
                     "host_grad_buffers", "head_chunk_tokens", "optimizer_threads", "seq_len", "global_batch",
-                    "gpu_memory_bytes", "cpu_memory_bytes", "resident_packs")
+                    "gpu_memory_bytes", "cpu_memory_bytes", "resident_packs", "dropout_seed")
         for name in optional:
             value = getattr(self, name)
             if value is None and name in optional:

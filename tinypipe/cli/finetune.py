@@ -26,8 +26,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     """Check everything that can fail early, load the model and data, train, save."""
     s = _resolve_settings(args)
     _check_settings(s)
-    lora = _lora_settings(s)
     config, auto = _engine_config(s)
+    lora = _lora_settings(s, config.precision)
     plan = _plan_file(s["plan"], len(config.devices)) if s["plan"] else None
     data_path, out = _check_inputs(s)
 
@@ -50,7 +50,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         records = _train(engine, dataset, steps, s, out, progress=not args.no_progress)
         if records is None:
             return 130
-        metrics, png = _save(engine, tokenizer, records, out, merge=s["merge"])
+        # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
+        quantized = lora is not None and lora.quant_spec is not None
+        metrics, png = _save(engine, tokenizer, records, out, merge=s["merge"],
+                             merged_dtype=torch.bfloat16 if quantized else torch.float32)
     finally:
         engine.close()
     what = "LoRA adapter (PeftModel.from_pretrained loads it)" if lora is not None else "model"
@@ -96,6 +99,8 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         max_grad_norm=s["max_grad_norm"],
         device_optimizer=s["device_optimizer"],
         resident_packs=s["resident_packs"],
+        dropout=not s["no_dropout"],
+        dropout_seed=s["seed"],
         gpu_memory_bytes=s["gpu_memory_bytes"],
         cpu_memory_bytes=s["cpu_memory_bytes"],
         offload_dir=str(Path(s["offload_dir"]).expanduser()) if s["offload_dir"] else None,
@@ -134,8 +139,13 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     from tinypipe.train.model_io import load_model
 
     t0 = time.perf_counter()
-    model, tokenizer = load_model(path)
+    quant = lora.quant_spec if lora is not None else None
+    model, tokenizer = load_model(path, quantize=quant)
     n_params = sum(p.numel() for p in model.parameters())
+    if quant is not None:  # QLoRA: count the quantized weights' dense elements, not their bytes
+        from tinypipe.quant.model import dense_param_count
+
+        n_params = dense_param_count(model)
     _say(f"model: {path} ({type(model).__name__}, {_count(n_params)} parameters) "
          f"loaded in {time.perf_counter() - t0:.1f} s")
     if lora is None:
@@ -146,10 +156,8 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     cfg = model.peft_config[model.active_adapter]
     _say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
-         f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)")
-    if lora.dropout > 0:
-        _say(f"LoRA: dropout {lora.dropout:g} is recorded in adapter_config.json but not applied while "
-             "training (tinypipe runs modules in eval mode so the backward recomputation is exact)")
+         f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
+         + (f" over a {quant.label} base" if quant is not None else ""))
     return model, tokenizer
 
 
@@ -161,7 +169,9 @@ def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -
     seq_len = s["seq_len"] or min(1024, int(max_pos or 1024))
     if max_pos is not None and seq_len > int(max_pos):
         raise ConfigError(f"seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}")
-    dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"])
+    packing = s["packing"] == "on" and _document_masks(model)
+    dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"],
+                                  packing=packing)
     per_epoch = dataset.num_batches(s["global_batch"])
     if per_epoch == 0:
         raise ConfigError(
@@ -170,9 +180,25 @@ def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -
         )
     steps = s["steps"] or max(1, math.ceil((s["epochs"] or 1.0) * per_epoch))
     _say(f"data: {data_path} ({stats.format}, {stats.records} records, {stats.tokens} tokens -> "
-         f"{stats.rows} rows of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
+         f"{stats.describe()} of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
          + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
     return dataset, seq_len, steps
+
+
+def _document_masks(model: Any) -> bool:
+    """Whether packed rows get per-document attention with this model; if not, say so (the data
+    is then padded, one example per row)."""
+    import transformers
+
+    from tinypipe.lora.hooks import split_peft
+    from tinypipe.models.decompose import Decomposition
+
+    inner = split_peft(model)[1]
+    if Decomposition(inner).document_masks:
+        return True
+    _say(f"packing: {type(inner).__name__} builds no per-document attention masks from position ids "
+         f"(transformers {transformers.__version__}); padding each example to its own row instead")
+    return False
 
 
 def _train(engine: Any, dataset: Any, steps: int, s: dict[str, Any], out: Path,
@@ -213,16 +239,17 @@ def _resume(engine: Any, s: dict[str, Any], ckpt_dir: Path, metrics: Path) -> in
     return start
 
 
-def _save(engine: Any, tokenizer: Any, records: list, out: Path, merge: bool) -> tuple[Path, Path]:
+def _save(engine: Any, tokenizer: Any, records: list, out: Path, merge: bool,
+          merged_dtype: Any = None) -> tuple[Path, Path]:
     """Report the run, save the model (or adapter), tokenizer and plots, and with ``merge`` the
-    merged model; returns the metrics and loss-plot paths."""
+    merged model (in ``merged_dtype``, default fp32); returns the metrics and loss-plot paths."""
     _say(_loss_summary(records))
     _say(engine.memory_report().to_text())
     metrics, png = _save_outputs(engine, tokenizer, records, out)
     if merge:
         from tinypipe.lora import save_merged
 
-        save_merged(engine, out / "merged")
+        save_merged(engine, out / "merged", dtype=merged_dtype)
         tokenizer.save_pretrained(str(out / "merged"))
     return metrics, png
 
@@ -237,10 +264,10 @@ def _plan_line(engine: Any) -> str:
     return line
 
 
-def _lora_settings(s: dict[str, Any]) -> Any:
+def _lora_settings(s: dict[str, Any], precision: str = "fp32") -> Any:
     """LoRA settings from the resolved options (None without --lora); bad values fail here,
     before the model loads."""
-    given = [k for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "merge")
+    given = [k for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "merge", "quantize")
              if s[k] not in (None, False)]
     if not s["lora"]:
         if given:
@@ -254,6 +281,8 @@ def _lora_settings(s: dict[str, Any]) -> Any:
         alpha=defaults.alpha if s["lora_alpha"] is None else s["lora_alpha"],
         dropout=defaults.dropout if s["lora_dropout"] is None else s["lora_dropout"],
         targets=s["lora_targets"],
+        quantize=s["quantize"],
+        compute_dtype=precision,
     )
 
 

@@ -167,7 +167,12 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "the planner's choice on CUDA, 0 on cpu)", "N"),
     Option("max-grad-norm", _optional_float, None, "clip the global gradient norm to this (default: off; "
            "costs one fp32 gradient copy in host memory)", "X"),
-    Option("seed", _int, 0, "seed for the data order (default: 0)", "N"),
+    Option("seed", _int, 0, "seed for the data order and the dropout masks (default: 0)", "N"),
+    Option("packing", _str, "on", "on: whole examples share rows, each attending only within itself (an "
+           "example is split only when longer than --seq-len); off: one example per row, padded "
+           "(default: on)", None, ("on", "off")),
+    Option("no-dropout", _bool, False, "train without the model's dropout (modules in eval mode; default: "
+           "the model's own dropout, as Hugging Face's Trainer)", flag=True),
     Option("devices", _devices, None, "comma-separated devices, e.g. cuda:0,cuda:1 (default: cuda:0 if "
            "available, else cpu)", "LIST"),
     Option("precision", _str, None, "compute precision; master weights stay fp32 (default: bf16 on CUDA, "
@@ -184,12 +189,15 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "precision); OUTPUT gets a PEFT adapter", flag=True),
     Option("lora-rank", _int, None, "LoRA rank r (default: 8)", "R"),
     Option("lora-alpha", _float, None, "LoRA alpha; updates are scaled by alpha/rank (default: 16)", "X"),
-    Option("lora-dropout", _float, None, "LoRA dropout written to adapter_config.json; not applied while "
-           "tinypipe trains (default: 0)", "P"),
+    Option("lora-dropout", _float, None, "LoRA dropout, applied while training (PEFT's lora_dropout; "
+           "off with --no-dropout) and written to adapter_config.json (default: 0)", "P"),
     Option("lora-targets", _names, None, "comma-separated linear layers in the decoder blocks to adapt, "
            "e.g. q_proj,v_proj (default: every attention and MLP projection)", "LIST"),
     Option("merge", _bool, False, "with --lora: also write the merged full model to OUTPUT/merged",
            flag=True),
+    Option("quantize", _str, None, "with --lora: QLoRA -- quantize the frozen base's block linears with "
+           "bitsandbytes while loading (nf4/fp4: ~0.53 byte/param with double quantization, int8: ~1)",
+           "nf4|fp4|int8"),
 )
 _OPTIONS_BY_DEST = {o.dest: o for o in FINETUNE_OPTIONS}
 _OPTIONS_BY_KEY = {o.key: o for o in FINETUNE_OPTIONS}

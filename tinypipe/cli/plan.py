@@ -2,7 +2,8 @@
 and a machine, offline (no GPU, no weights), in seconds.
 
     tinypipe plan --model llama-3.1-8b --gpus 2 --gpu-memory 24GiB --cpu-memory 128GiB \\
-                  --seq-len 4096 --global-batch 16 [--hardware rtx4090-pcie4|FILE] [--json]
+                  --seq-len 4096 --global-batch 16 [--hardware rtx4090-pcie4|FILE] [--json] \\
+                  [--offload-dir DIR] [--ssd-read-gbps X --ssd-write-gbps Y]
 
 Exit status: 0 with the plan printed; 1 when no plan fits (one line saying what the smallest plan
 needs); 2 for bad input (one line).
@@ -57,6 +58,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--lora", action="store_true",
                    help="plan LoRA fine-tuning (adapters train; the base is frozen)")
     p.add_argument("--lora-rank", default=None, metavar="R", help="LoRA rank (default: 8)")
+    p.add_argument("--quantize", default=None, metavar="nf4|fp4|int8",
+                   help="with --lora: QLoRA, the frozen base quantized with bitsandbytes (sized exactly)")
     p.add_argument("--lora-targets", default=None, metavar="LIST",
                    help="comma-separated block linear layers to adapt "
                         "(default: every attention and MLP projection)")
@@ -64,6 +67,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep these resident layers' AdamW state on the GPU (default: searched)")
     p.add_argument("--resident-packs", default=None, metavar="N",
                    help="keep the first N packs resident on the GPU, stepped there (default: searched)")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="plan with an SSD tier in DIR: state that does not fit --cpu-memory goes there "
+                        "(rates: the hardware file's, else measured on DIR, else the preset's)")
+    p.add_argument("--ssd-read-gbps", default=None, metavar="X",
+                   help="the SSD's read rate in GB/s (implies the SSD tier; overrides measured rates)")
+    p.add_argument("--ssd-write-gbps", default=None, metavar="Y",
+                   help="the SSD's write rate in GB/s (implies the SSD tier; overrides measured rates)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--save-plan", default=None, metavar="FILE",
                    help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
@@ -95,7 +105,7 @@ def _listing(what: str) -> str:
         return "\n".join(f"{name:<16} {d['model_type']}" for name, d in PRESETS.items())
     return "\n".join(f"{h.name:<16} {h.gpu_memory_bytes / GiB:5.0f} GiB  H2D {h.h2d_gbs:g} GB/s  "
                      f"{h.bf16_tflops:g} TFLOP/s (achieved bf16)  AdamW {h.cpu_adamw_gparams_s:g} G/s  "
-                     f"{h.description}"
+                     f"SSD {h.ssd_read_gbps:g}/{h.ssd_write_gbps:g} GB/s  {h.description}"
                      for h in HARDWARE.values())
 
 
@@ -122,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
         if str(args.hardware).strip().lower() == "list":
             print(_listing("hardware"))
             return EXIT_OK
-        from tinypipe.planner.hardware import parse_bytes
+        from tinypipe.planner.hardware import load_hardware, parse_bytes
         from tinypipe.planner.format import format_plan
         from tinypipe.planner.search import plan_for
 
@@ -140,6 +150,13 @@ def run(args: argparse.Namespace) -> int:
                 from tinypipe.errors import ConfigError
 
                 raise ConfigError(f"--max-grad-norm must be a number, got {args.max_grad_norm!r}") from None
+        hardware = load_hardware(args.hardware)
+        ssd = None
+        if args.offload_dir is not None or args.ssd_read_gbps is not None or args.ssd_write_gbps is not None:
+            from tinypipe.planner.ssd import ssd_spec
+
+            ssd = ssd_spec(hardware, directory=args.offload_dir, read_gbps=args.ssd_read_gbps,
+                           write_gbps=args.ssd_write_gbps, measure=True)
         lora = None
         if args.lora:
             from tinypipe.lora.settings import LoraSettings
@@ -148,16 +165,20 @@ def run(args: argparse.Namespace) -> int:
                     else LoraSettings().rank)
             targets = ([t.strip() for t in args.lora_targets.split(",") if t.strip()] if args.lora_targets
                        else None)
-            lora = LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets)
-        elif args.lora_rank is not None or args.lora_targets is not None:
+            lora = LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets, quantize=args.quantize,
+                                compute_dtype=args.precision)
+        elif args.lora_rank is not None or args.lora_targets is not None or args.quantize is not None:
             from tinypipe.errors import ConfigError
 
-            raise ConfigError("--lora-rank / --lora-targets need --lora")
-        result = plan_for(args.model, args.hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
+            raise ConfigError("--lora-rank / --lora-targets / --quantize need --lora")
+        result = plan_for(args.model, hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
                           cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
-                              "--resident-packs", args.resident_packs))
+                              "--resident-packs", args.resident_packs), ssd=ssd)
+        if ssd is not None and ssd.directory is not None and ssd.free_bytes is None:
+            result.notes.append(f"offload directory {ssd.directory} does not exist (yet): its free space was "
+                                "not checked")
         if args.save_plan:
             try:
                 result.best.plan.save(args.save_plan)

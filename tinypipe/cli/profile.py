@@ -3,6 +3,9 @@
     tinypipe profile --device cuda:0 --model llama-3.2-3b --seq-lens 1024,2048 --micro-batches 1,2,4 \\
                      --output profile.json
     tinypipe plan --model llama-3.2-3b --hardware profile.json --seq-len 2048 --global-batch 16 ...
+
+``--offload-dir DIR`` also measures DIR's direct-I/O read/write rates for the SSD tier
+(``ssd_read_gbps`` / ``ssd_write_gbps``; ``plan --hardware profile.json --offload-dir DIR`` uses them).
 """
 
 from __future__ import annotations
@@ -44,6 +47,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute precision (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--reps", default=3, type=int, metavar="N",
                    help="timed repetitions per point (median; default 3)")
+    p.add_argument("--offload-dir", default=None, metavar="DIR",
+                   help="also measure this directory's SSD read/write rates (1 GiB written and read back)")
     p.add_argument("--output", required=True, metavar="FILE", help="where to write the profile JSON")
 
 
@@ -71,6 +76,10 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device must be cpu or cuda:N, got {device!r}")
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    if getattr(args, "offload_dir", None) is not None:  # fail now, not after the layer timings
+        from tinypipe.storage import check_directory
+
+        check_directory(args.offload_dir)
     seqs = _ints("--seq-lens", args.seq_lens)
     mbs = _ints("--micro-batches", args.micro_batches)
     model = None if str(args.model).strip().lower() in ("none", "") else args.model
@@ -86,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = None
     d = run_profile(device, cfg if cfg is not None else None, seq_lens=seqs, micro_batches=mbs,
-                    precision=args.precision, reps=args.reps)
+                    precision=args.precision, reps=args.reps, offload_dir=getattr(args, "offload_dir", None))
     if cfg is not None:
         d["model"]["name"] = str(model)
     hardware_from_profile(d)  # what plan --hardware will read: fail here, not there

@@ -91,7 +91,8 @@ def _lora_modules(model: nn.Module) -> dict[str, nn.Module]:
 def merged_tensors(peft_model: nn.Module, store: HostStore) -> Iterator[tuple[str, torch.Tensor]]:
     """The merged model's parameters under the base model's own names: ``W + scaling * B @ A``
     (PEFT's ``get_delta_weight``, the math of ``merge_and_unload``) in fp32; adapter tensors
-    dropped, everything else as ``store`` (the host copy of ``peft_model``'s inner model) holds it."""
+    dropped, everything else as ``store`` (the host copy of ``peft_model``'s inner model) holds it (a
+    quantized base weight dequantized)."""
     pm = peft_model
     adapter = pm.active_adapter
     modules = _lora_modules(pm.base_model.model)
@@ -99,6 +100,8 @@ def merged_tensors(peft_model: nn.Module, store: HostStore) -> Iterator[tuple[st
     for state in store.iter_layers():  # frozen weights on the SSD: read one layer at a time
         for p in state.spec.params:
             t = state.param_view(p)
+            if p.packed is not None:  # QLoRA: the quantized base weight, dequantized (tinypipe.quant)
+                t = p.packed.dequantize(t)
             owner = next((m for m in prefixes if p.name.startswith(m + ".")), None)
             if owner is None:
                 yield p.name, t

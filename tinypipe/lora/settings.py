@@ -17,16 +17,25 @@ class LoraSettings:
 
     * ``rank`` -- the adapters' inner dimension r (trainable parameters grow linearly with it).
     * ``alpha`` -- the scale numerator: updates are scaled by ``alpha / rank``.
-    * ``dropout`` -- recorded in ``adapter_config.json``; tinypipe runs modules in eval mode so the
-      backward recomputation is exact, so dropout is not applied while training here.
+    * ``dropout`` -- PEFT's ``lora_dropout`` on each adapter's input, applied while training (the
+      backward recompute replays its masks; ``Config(dropout=False)`` turns it off with the
+      model's own dropout) and recorded in ``adapter_config.json``.
     * ``targets`` -- names of the linear layers inside the decoder blocks to adapt (e.g.
       ``["q_proj", "v_proj"]``); None: every linear projection of attention and MLP.
+    * ``quantize`` -- ``"nf4"`` / ``"fp4"`` / ``"int8"``: QLoRA, the frozen base's block linears
+      quantized with bitsandbytes (:mod:`tinypipe.quant`); None: the base at compute precision.
+    * ``double_quant`` -- 4-bit: quantize the block scales too (QLoRA's default).
+    * ``compute_dtype`` -- ``"bf16"`` / ``"fp32"``: what the quantized layers compute in (the
+      engine's precision must match).
     """
 
     rank: int = 8
     alpha: float = 16.0
     dropout: float = 0.0
     targets: Sequence[str] | None = None
+    quantize: str | None = None
+    double_quant: bool = True
+    compute_dtype: str = "bf16"
 
     def __post_init__(self) -> None:
         if isinstance(self.targets, str):
@@ -51,6 +60,16 @@ class LoraSettings:
                 raise ConfigError(
                     f"lora_targets must be a non-empty list of module names, got {self.targets!r}")
             self.targets = [t.strip() for t in self.targets]
+        self.quant_spec  # noqa: B018 - validates quantize / double_quant / compute_dtype
+
+    @property
+    def quant_spec(self):  # -> tinypipe.quant.QuantSpec | None
+        """The :class:`~tinypipe.quant.QuantSpec` of ``quantize`` (None without quantization)."""
+        if self.quantize is None:
+            return None
+        from tinypipe.quant.spec import spec_for
+
+        return spec_for(self.quantize, self.compute_dtype, double_quant=self.double_quant)
 
 
 def _linear_types() -> tuple[type, ...]:
@@ -63,9 +82,9 @@ def _linear_types() -> tuple[type, ...]:
 
 def block_linears(model: nn.Module) -> dict[str, list[str]]:
     """Leaf name (``q_proj``) -> full module names of the linear layers inside the decoder blocks."""
-    from tinypipe.models.decompose import _find_blocks
+    from tinypipe.models.blocks import find_blocks
 
-    path, blocks = _find_blocks(model)
+    path, blocks = find_blocks(model)
     out: dict[str, list[str]] = {}
     kinds = _linear_types()
     for i, block in enumerate(blocks):
@@ -83,6 +102,9 @@ def default_targets(model: nn.Module) -> list[str]:
 def apply_lora(model: nn.Module, settings: LoraSettings | None = None):  # -> peft.PeftModel
     """Wrap ``model`` with PEFT LoRA adapters (base weights frozen); ``tinypipe.Engine`` trains
     the returned PeftModel's adapters. Targets must name linear layers of the decoder blocks."""
+    from tinypipe.quant.spec import import_quietly
+
+    import_quietly()  # before peft imports bitsandbytes itself (and logs a CPU-kernel warning)
     import peft
 
     from tinypipe.lora.hooks import is_peft_model
@@ -90,6 +112,10 @@ def apply_lora(model: nn.Module, settings: LoraSettings | None = None):  # -> pe
     settings = settings or LoraSettings()
     if is_peft_model(model):
         raise ConfigError("the model already has PEFT adapters; pass it to tinypipe.Engine directly")
+    if settings.quantize is not None:  # QLoRA: bitsandbytes modules first, PEFT wraps those
+        from tinypipe.quant.model import quantize_model
+
+        quantize_model(model, settings.quant_spec)
     linears = block_linears(model)
     if not linears:
         raise UnsupportedModelError(

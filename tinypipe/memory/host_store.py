@@ -7,7 +7,9 @@ object and the engine share one copy, and ``model.state_dict()`` always shows th
 
 Frozen parameters (``requires_grad=False``, e.g. the base weights under LoRA adapters) have no
 master copy and no moments: they live in one flat buffer per layer at the compute precision
-(2 bytes/parameter in bf16), uploaded as they are after the trainable prefix.
+(2 bytes/parameter in bf16), uploaded as they are after the trainable prefix. A
+bitsandbytes-quantized weight (QLoRA) sits in the same buffer as its payload bytes (packed codes
+and scales, :mod:`tinypipe.quant.layout`), and the model's parameter becomes views of them.
 
 State a plan offloads to the SSD (:class:`~tinypipe.memory.offload.OffloadedState`) is never
 allocated here: its :class:`LayerState` field is a placeholder on the ``meta`` device (right
@@ -27,6 +29,7 @@ from torch import nn
 
 from tinypipe.devices.backend import HostPinner
 from tinypipe.devices.host_buffers import PAGE, aligned_empty, registrable
+from tinypipe.errors import ConfigError
 from tinypipe.memory.offload import REGIONS_OF, OffloadedState
 from tinypipe.models.decompose import Decomposition, LayerSpec, ParamSlice
 from tinypipe.models.placement import IN_PLACE_MARK, zero_gaps
@@ -158,6 +161,13 @@ class HostStore:
             release_freed_memory()  # the model's own copies of what now lives on the SSD
 
     @property
+    def frozen_label(self) -> str:
+        """The memory report's name for the frozen weights: ``frozen_weights (nf4+dq)`` when the
+        base is quantized."""
+        schemes = sorted({p.packed.label for s in self.layers for p in s.spec.params if p.packed is not None})
+        return f"frozen_weights ({', '.join(schemes)})" if schemes else "frozen_weights"
+
+    @property
     def master_bytes(self) -> int:
         """DRAM bytes of the master weights (offloaded ones not counted: :meth:`ssd_bytes`)."""
         return sum(_dram_bytes(s.master) for s in self.layers)
@@ -245,6 +255,12 @@ def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec,
         param = named[p.name]
         buf, shift = base[p.trainable]
         view = buf[p.offset - shift : p.offset - shift + p.numel].view(p.shape)  # type: ignore[index]
+        if p.packed is not None:  # a quantized weight: its payload bytes, the parameter re-pointed
+            if p.packed.unit != view.element_size():
+                raise ConfigError(f"{p.name}: quantized for a {8 * p.packed.unit}-bit compute dtype, the "
+                                  f"engine computes in {view.dtype}; quantize for the engine's precision")
+            p.packed.adopt(view, param)
+            continue
         view.copy_(param.detach())
         param.data = view  # the model now reads the host copy; its old storage is freed
 

@@ -41,9 +41,9 @@ def resolve_backend(setting: str, any_cuda: bool) -> str | None:
     return setting
 
 
-def compile_settings(backend: str | None) -> contextlib.ExitStack:
+def compile_settings(backend: str | None, replay_random: bool = False) -> contextlib.ExitStack:
     """Dynamo/Inductor settings for compiling tinypipe's blocks (thread-local: enter them in the
-    thread that calls the block)."""
+    thread that calls the block). ``replay_random``: random ops (dropout) run eager's kernels."""
     stack = contextlib.ExitStack()
     if backend is None:
         return stack
@@ -59,6 +59,15 @@ def compile_settings(backend: str | None) -> contextlib.ExitStack:
         # importing torch) added 6.7 GB to peak host RSS on a 16-core box -- host memory is what
         # tinypipe users are short of; the one-off compile takes longer instead
         stack.enter_context(inductor_config.patch(compile_threads=1))
+        if replay_random:
+            # Inductor's own random ops seed a philox stream from the device generator at graph
+            # entry (torch.randint), reproducible but not eager's numbers; fallback_random runs
+            # eager's dropout kernels in program order, so a compiled block draws exactly what an
+            # eager one does from the state tinypipe sets (runtime/rng.py) -- no-grad forward and
+            # grad recompute alike. Only graphs with random ops change (measured on CPU Inductor:
+            # F.dropout equal to eager with it, not without; SDPA's dropout on CPU is decomposed
+            # differently either way, equal between the two graphs -- tests/test_dropout.py)
+            stack.enter_context(inductor_config.patch(fallback_random=True))
     functorch_config = torch._functorch.config
     if hasattr(functorch_config, "force_non_lazy_backward_lowering"):
         # compile the backward graph now, in this thread: lowered lazily it compiles inside
@@ -71,14 +80,16 @@ def compile_settings(backend: str | None) -> contextlib.ExitStack:
 class CompiledBlock:
     """Calls a block through torch.compile, with a recompile limit that fits tinypipe's shapes."""
 
-    def __init__(self, block: nn.Module, backend: str) -> None:
+    def __init__(self, block: nn.Module, backend: str, replay_random: bool = False) -> None:
         self.block = block
         self.backend = backend
-        with compile_settings(backend):  # resolving the backend may start Inductor's worker pool
+        self.replay_random = replay_random
+        # resolving the backend may start Inductor's worker pool
+        with compile_settings(backend, replay_random):
             self.compiled: Callable[..., Any] = torch.compile(block, backend=backend, dynamic=False)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         # per call, in the calling thread: Dynamo's and Inductor's config patches are thread-local,
         # and the blocks run (and compile) in the engine's lane threads
-        with compile_settings(self.backend):
+        with compile_settings(self.backend, self.replay_random):
             return self.compiled(*args, **kwargs)

@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from tinypipe.errors import UnsupportedModelError
+from tinypipe.models.blocks import find_blocks
 
 #: Element alignment of every parameter inside a layer's flat buffer (keeps device views aligned
 #: for vectorised kernels: 64 elements = 128 bytes in bf16, 256 in fp32).
@@ -50,6 +51,9 @@ class ParamSlice:
     offset: int
     numel: int
     trainable: bool = True  # False: frozen (requires_grad=False, e.g. a LoRA base weight)
+    #: a bitsandbytes-quantized frozen weight: its payload layout (tinypipe.quant.layout), stored
+    #: as ``numel`` elements of the compute dtype and rebuilt by :meth:`Shell.bind`; else None
+    packed: Any = None
 
 
 @dataclass
@@ -87,9 +91,11 @@ def _aligned(n: int) -> int:
     return (n + ALIGN - 1) // ALIGN * ALIGN
 
 
-def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Parameter]]) -> LayerSpec:
+def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Parameter]],
+            packed: dict[str, Any] | None = None) -> LayerSpec:
     """Flat layout: trainable parameters first (in module order), then frozen ones, so a layer's
-    trainable state (master weights, gradients, moments) is one contiguous prefix."""
+    trainable state (master weights, gradients, moments) is one contiguous prefix. A quantized
+    weight (``packed``: name -> payload layout) takes its payload's size, as a flat 1-D slice."""
     params, offset = [], 0
     trainable = [(n, p) for n, p in named if p.requires_grad]
     frozen = [(n, p) for n, p in named if not p.requires_grad]
@@ -98,9 +104,21 @@ def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Pa
         offset += _aligned(p.numel())
     train_numel = offset
     for pname, p in frozen:
-        params.append(ParamSlice(pname, tuple(p.shape), offset, p.numel(), False))
-        offset += _aligned(p.numel())
+        lay = (packed or {}).get(pname)
+        n = p.numel() if lay is None else lay.numel
+        params.append(ParamSlice(pname, tuple(p.shape) if lay is None else (n,), offset, n, False, lay))
+        offset += _aligned(n)
     return LayerSpec(index, kind, name, params, offset, train_numel=train_numel)
+
+
+def _packed_layouts(model: nn.Module) -> dict[str, Any]:
+    """Payload layouts of the model's bitsandbytes-quantized weights ({} without any: then
+    tinypipe.quant is not even imported)."""
+    if not any(type(p).__module__.startswith("bitsandbytes") for p in model.parameters()):
+        return {}
+    from tinypipe.quant.model import packed_layouts
+
+    return packed_layouts(model)
 
 
 class _Stop(Exception):
@@ -145,22 +163,20 @@ class _Capture(nn.Module):
         return hidden
 
 
-def _find_blocks(model: nn.Module) -> tuple[str, nn.ModuleList]:
-    n_layers = getattr(model.config, "num_hidden_layers", None)
-    best: tuple[int, str, nn.ModuleList] | None = None
-    for name, module in model.named_modules():
-        if isinstance(module, nn.ModuleList) and len(module) > 0:
-            if n_layers is not None and len(module) != n_layers:
-                continue
-            size = sum(p.numel() for p in module.parameters())
-            if best is None or size > best[0]:
-                best = (size, name, module)
-    if best is None:
-        raise UnsupportedModelError(
-            f"{type(model).__name__}: no decoder block list (nn.ModuleList of "
-            f"num_hidden_layers={n_layers} layers) found"
-        )
-    return best[1], best[2]
+def _has_mask(call: Any, expected: torch.Tensor) -> bool:
+    """Whether ``call`` holds an attention mask over ``expected``'s tokens, and every such mask
+    allows exactly ``expected`` (bool masks: True = attend; additive ones: 0 = attend)."""
+    n = expected.shape[0]
+    found: list[torch.Tensor] = []
+    map_tensors(call, lambda t: found.append(t) if t.ndim >= 2 and tuple(t.shape[-2:]) == (n, n) else None)
+    if not found:
+        return False
+    for t in found:
+        m = t.reshape(-1, n, n).cpu()
+        allowed = m if m.dtype == torch.bool else m.float() > -1.0
+        if not all(torch.equal(a, expected) for a in allowed):
+            return False
+    return True
 
 
 def _check_supported(model: nn.Module) -> None:
@@ -186,7 +202,7 @@ class Decomposition:
     def __init__(self, model: nn.Module) -> None:
         _check_supported(model)
         self.model_type: str = getattr(model.config, "model_type", type(model).__name__)
-        blocks_path, blocks = _find_blocks(model)
+        blocks_path, blocks = find_blocks(model)
         if "." in blocks_path:
             self.trunk_path, self.blocks_attr = blocks_path.rsplit(".", 1)
         else:
@@ -202,6 +218,8 @@ class Decomposition:
         self.head_path = next(n for n, m in model.named_modules() if m is head)
         self.num_blocks = len(blocks)
         self.pre_names, self.post_names = self._probe_order(model, trunk, blocks)
+        #: whether the trunk turns position ids restarting inside a row into per-document masks
+        self.document_masks: bool = self._probe_document_masks(model, trunk, blocks)
         self.layers = self._assign_params(model, trunk, blocks, head)
         self.aliases = self._aliases(model)
         canonical = {id(p): n for n, p in model.named_parameters()}
@@ -250,11 +268,37 @@ class Decomposition:
             )
         return list(dict.fromkeys(pre)), list(dict.fromkeys(post))
 
+    def _probe_document_masks(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList) -> bool:
+        """Run the trunk on two packed documents of three and two tokens (position ids 0, 1, 2, 0, 1,
+        no padding mask) and check that every block receives a mask letting each token see only the earlier
+        tokens of its own document. transformers 5 builds such masks from position ids for most
+        families (``masking_utils.find_packed_sequence_indices``), not for all (OPT)."""
+        if "position_ids" not in inspect.signature(trunk.forward).parameters:
+            return False
+        recorder = _Recorder(len(blocks), stop=True)
+        captures = nn.ModuleList(_Capture(recorder, i, b) for i, b in enumerate(blocks))
+        device = next(iter(model.parameters())).device
+        pos = torch.tensor([[0, 1, 2, 0, 1]], device=device)
+        try:
+            setattr(trunk, self.blocks_attr, captures)
+            with torch.no_grad():
+                trunk(input_ids=pos.clone(), attention_mask=None, position_ids=pos, use_cache=False)
+        except _Stop:
+            pass
+        except Exception:  # noqa: BLE001 - a trunk that cannot take these inputs builds no such masks
+            return False
+        finally:
+            setattr(trunk, self.blocks_attr, blocks)
+        doc = torch.tensor([0, 0, 0, 1, 1])
+        expected = torch.ones(5, 5, dtype=torch.bool).tril() & (doc[:, None] == doc[None, :])
+        return all(call is not None and _has_mask(call, expected) for call in recorder.calls)
+
     def _assign_params(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList,
                        head: nn.Module) -> list[LayerSpec]:
         prefix = f"{self.trunk_path}." if self.trunk_path else ""
         canonical = {id(p): n for n, p in model.named_parameters()}
         owner: dict[int, int] = {}
+        packed = _packed_layouts(model)
 
         def named(module: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
             out = []
@@ -267,12 +311,12 @@ class Decomposition:
         embed_named: list[tuple[str, nn.Parameter]] = []
         for name in self.pre_names:
             embed_named += named(trunk.get_submodule(name), prefix + name)
-        layers = [_layout(0, LayerKind.EMBED, "embed", embed_named)]
+        layers = [_layout(0, LayerKind.EMBED, "embed", embed_named, packed)]
         for _, p in embed_named:
             owner[id(p)] = 0
         for i, block in enumerate(blocks):
             bn = named(block, f"{prefix}{self.blocks_attr}.{i}")
-            layers.append(_layout(i + 1, LayerKind.BLOCK, f"block.{i}", bn))
+            layers.append(_layout(i + 1, LayerKind.BLOCK, f"block.{i}", bn, packed))
             for _, p in bn:
                 owner[id(p)] = i + 1
         head_named: list[tuple[str, nn.Parameter]] = []
@@ -284,7 +328,7 @@ class Decomposition:
         head_named += head_own
         for _, p in head_own:
             owner[id(p)] = self.num_blocks + 1
-        head_layer = _layout(self.num_blocks + 1, LayerKind.HEAD, "head", head_named)
+        head_layer = _layout(self.num_blocks + 1, LayerKind.HEAD, "head", head_named, packed)
         for local, p in head.named_parameters():
             if owner.get(id(p)) not in (None, self.num_blocks + 1):
                 head_layer.borrowed.append((canonical[id(p)], owner[id(p)]))
@@ -346,8 +390,17 @@ class Shell:
     used by one thread, so binding never races.
     """
 
-    def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device) -> None:
+    def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device,
+                 dropout: bool = False) -> None:
         memo: dict[int, Any] = {}
+        # quantized weights (tinypipe.quant): rebuilt from a slot's payload bytes (once per slot)
+        self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params
+                        if p.packed is not None}
+        self._rebuilt: dict[tuple[str, int], Any] = {}  # (name, slot address) -> rebuilt parameter
+        if self._packed:
+            from tinypipe.quant.shell import shell_memo
+
+            memo.update(shell_memo(model))
         for p in model.parameters():
             memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
         shell = copy.deepcopy(model, memo)
@@ -355,8 +408,13 @@ class Shell:
             for name, buf in list(module._buffers.items()):
                 if buf is not None:
                     module._buffers[name] = buf.to(device)
-        shell.eval()  # dropout off: recomputation must reproduce the forward exactly
+        if self._packed:
+            from tinypipe.quant.shell import prepare_shell
+
+            prepare_shell(shell, device, {lay.scheme for lay in self._packed.values()})
         self.model = shell
+        # training mode applies the model's dropout; the engine replays its draws in the recompute
+        self.set_dropout(dropout)
         self.device = device
         self.decomposition = decomposition
         trunk = shell.get_submodule(decomposition.trunk_path)
@@ -388,26 +446,55 @@ class Shell:
             return block.get_submodule(sub) if sub else block
         return shell.get_submodule(path)
 
-    def compile_blocks(self, backend: str) -> None:
-        """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py)."""
+    @property
+    def dropout(self) -> bool:
+        """Whether the shell runs in training mode (the model's dropout applied)."""
+        return self.model.training
+
+    def set_dropout(self, enabled: bool) -> None:
+        """Training mode (``True``) or eval mode for every module, e.g. eval for a forward-only
+        evaluation; compiled blocks compile one more graph per mode. Quantized base layers (QLoRA)
+        stay in eval mode: they are frozen, and bitsandbytes' int8 kernel differs in training mode."""
+        self.model.train(enabled)
+        if self._packed:
+            from tinypipe.quant.shell import freeze_quantized_modes
+
+            freeze_quantized_modes(self.model)
+
+    def compile_blocks(self, backend: str, replay_random: bool = False) -> None:
+        """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py);
+        ``replay_random``: their random ops must draw what eager ones draw."""
         from tinypipe.models.compiled import CompiledBlock
 
-        self.runners = [CompiledBlock(b, backend) for b in self.blocks]
+        self.runners = [CompiledBlock(b, backend, replay_random) for b in self.blocks]
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
-        """Point every alias of canonical parameter ``name`` at ``tensor``."""
+        """Point every alias of canonical parameter ``name`` at ``tensor`` (a quantized weight's
+        payload: at bitsandbytes' parameter rebuilt as views of it)."""
+        packed = self._packed.get(name)
+        if packed is not None:  # rebuilt once per slot it lands in (~0.1 ms each), then reused
+            key = (name, tensor.data_ptr())
+            rebuilt = self._rebuilt.get(key)
+            if rebuilt is None:
+                rebuilt = self._rebuilt[key] = packed.rebuild(tensor)
+            for module, attr in self._slots[name]:  # type: ignore[union-attr]
+                packed.attach(module, attr, rebuilt)
+            return
         for module, attr in self._slots[name]:  # type: ignore[union-attr]
             module._parameters[attr] = tensor  # type: ignore[assignment]
 
     # -- the three stages -------------------------------------------------------------------
 
-    def embed_forward(self, input_ids: torch.Tensor,
-                      attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
-        """Hidden states entering block 0 and the arguments the trunk passes to every block."""
+    def embed_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                      position_ids: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
+        """Hidden states entering block 0 and the arguments the trunk passes to every block
+        (``position_ids``: given to the trunk, which derives positions and masks from them)."""
         rec = self.recorder
         rec.hidden, rec.calls, rec.order = None, [None] * rec.count, []
+        extra = {} if position_ids is None else {"position_ids": position_ids}
         try:
-            self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+            self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
         except _Stop:
             pass
         if rec.hidden is None or any(c is None for c in rec.calls):

@@ -9,6 +9,10 @@ Public API::
                       cpu_memory_bytes=128 * 2**30, seq=4096, global_batch=16)
     print(format_plan(result))
     engine = tinypipe.Engine(model, tinypipe.Config(**result.config_kwargs()))
+
+With an SSD for the state that does not fit the host (``ssd=ssd_spec(hw, directory=..., measure=True)``
+or ``SsdSpec(read_gbps, write_gbps)``) the result's plan carries ``Plan.offload`` and says from which
+global batch the SSD's I/O is hidden (``result.hiding``).
 """
 
 from tinypipe.planner.cost import StepTime, predict_step_time
@@ -18,6 +22,7 @@ from tinypipe.planner.presets import PRESETS, load_model_config, preset_names
 from tinypipe.planner.format import format_plan
 from tinypipe.planner.search import Candidate, PlanResult, evaluate, plan_for
 from tinypipe.planner.sizes import ModelSizes, model_sizes
+from tinypipe.planner.ssd import SsdSpec, ssd_spec
 
 __all__ = [
     "HARDWARE",
@@ -26,6 +31,7 @@ __all__ = [
     "HardwareSpec",
     "ModelSizes",
     "PlanResult",
+    "SsdSpec",
     "StepTime",
     "activation_peaks",
     "device_static_bytes",
@@ -40,4 +46,5 @@ __all__ = [
     "plan_for",
     "predict_step_time",
     "preset_names",
+    "ssd_spec",
 ]

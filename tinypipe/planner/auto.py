@@ -8,6 +8,11 @@ memory cap (``torch.cuda.set_per_process_memory_fraction``), or its free memory 
 process already reserved if that is less; on CPU devices the available RAM.
 ``Config.cpu_memory_bytes`` or the available RAM plus this process's resident memory (the
 planner's host need includes the process itself).
+
+``Config.offload_dir``: the host budget becomes a real limit with the SSD as the overflow -- the
+automatic plan and a hand-set one alike get the offload set (``Plan.offload``) that fits them into
+it, chosen by :class:`~tinypipe.planner.spill.Spill` at the hardware's SSD rates (never measured
+here: the set depends on the budget, the rates only rank plans).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ if TYPE_CHECKING:
 GiB = 1024**3
 #: Rates for CPU "devices" (only the ranking of plans matters there).
 CPU_HARDWARE = HardwareSpec("cpu", 0, 10.0, 10.0, 10.0, 0.2, 0.5, fp32_tflops=0.2,
-                            description="CPU devices (tests): host memory is device memory")
+                            description="CPU devices (tests): host memory is device memory",
+                            ssd_read_gbps=2.0, ssd_write_gbps=2.0)
 #: GPU name fragment -> hardware preset, for the time model when Config.hardware is not given.
 _NAME_TO_PRESET = (("h200", "h200-pcie5"), ("h100", "h200-pcie5"), ("4090", "rtx4090-pcie4"),
                    ("3090", "rtx3090-pcie4"), ("a5000", "a5000"), ("l40s", "l40s"),
@@ -116,11 +122,16 @@ def _choose(model: nn.Module, config: Config, *, num_blocks: int,
     if not config.auto_plan:
         own = manual_plan(config, num_blocks=num_blocks, tied=tied)
         if have_workload:
-            _check_fits(model, config, own)
+            own = _check_fits(model, config, own)
+        elif config.offload_dir is not None:
+            own = _offload_without_workload(model, config, own)
         return own, None
     if not have_workload:
         if not cuda:
-            return manual_plan(config, num_blocks=num_blocks, tied=tied), None
+            own = manual_plan(config, num_blocks=num_blocks, tied=tied)
+            if config.offload_dir is not None:
+                own = _offload_without_workload(model, config, own)
+            return own, None
         raise ConfigError("the automatic plan needs the workload: set Config(seq_len=..., global_batch=...) "
                           "(or set the plan yourself: pack_size=..., micro_batch_size=...)")
     result = _search(model, config)
@@ -135,34 +146,90 @@ def _search(model: nn.Module, config: Config) -> PlanResult:
     from tinypipe.planner.search import plan_for
 
     gpu, host = budgets(config)
-    return plan_for(model.config, hardware_for(config), gpus=len(config.devices), gpu_memory_bytes=gpu,
+    hw = hardware_for(config)
+    return plan_for(model.config, hw, gpus=len(config.devices), gpu_memory_bytes=gpu,
                     cpu_memory_bytes=host, seq=config.seq_len, global_batch=config.global_batch,
                     precision=config.precision, max_grad_norm=config.max_grad_norm,
                     host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
-                    device_optimizer=config.device_optimizer, resident_packs=config.resident_packs)
+                    device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
+                    ssd=_ssd_of(config, hw))
 
 
-def _check_fits(model: nn.Module, config: Config, plan: Plan) -> None:
-    """Raise :class:`PlanDoesNotFitError` (one line) when the hand-set ``plan`` needs more device
-    or host memory than the budgets hold for the workload."""
-    from tinypipe.planner.search import evaluate
+def _ssd_of(config: Config, hw: HardwareSpec):  # -> SsdSpec | None
+    """The SSD the plan may use: ``Config.offload_dir`` at the hardware's rates (None: DRAM only)."""
+    if config.offload_dir is None:
+        return None
+    from tinypipe.planner.ssd import ssd_spec
+
+    return ssd_spec(hw, directory=config.offload_dir)
+
+
+def _sizes_of(model: nn.Module):  # -> ModelSizes
     from tinypipe.planner.sizes import lora_sizes, model_sizes
 
-    gpu, host = budgets(config)
     lora = lora_settings_of(model)
-    sizes = lora_sizes(model.config, lora) if lora is not None else model_sizes(model.config)
-    c = evaluate(sizes, hardware_for(config), plan, seq=config.seq_len, global_batch=config.global_batch,
-                 precision=config.precision, max_grad_norm=config.max_grad_norm,
-                 host_grad_buffers=config.host_grad_buffers)
+    return lora_sizes(model.config, lora) if lora is not None else model_sizes(model.config)
+
+
+def _offload_without_workload(model: nn.Module, config: Config, plan: Plan) -> Plan:
+    """A hand-set plan without a workload, with ``offload_dir``: the offload set that fits the host
+    budget, counting no stashed activations (their size needs the workload)."""
+    from tinypipe.planner.candidate import HOST_BASELINE_BYTES
+    from tinypipe.planner.estimate import host_bytes
+    from tinypipe.planner.offload import choose_offload, least_host_need
+
+    _, host = budgets(config)
+    sizes = _sizes_of(model)
+    retain = config.max_grad_norm is not None
+    cats = host_bytes(sizes, plan, batch=0, seq=0, precision=config.precision,
+                      num_devices=len(config.devices),
+                      host_grad_buffers=config.host_grad_buffers, retain_grads=retain)
+    kw = dict(precision=config.precision, retain_grads=retain)
+    offload = choose_offload(sizes, plan, cats, host - HOST_BASELINE_BYTES, **kw)
+    if offload is None:
+        need = least_host_need(sizes, plan, cats, **kw) + HOST_BASELINE_BYTES
+        raise PlanDoesNotFitError(
+            f"this plan ({plan.describe()}) needs {need / GiB:.1f} GiB host memory even with its training "
+            f"state on the SSD, have {host / GiB:.1f} GiB; add RAM or use LoRA")
+    return dataclasses.replace(plan, offload=offload)
+
+
+def _check_fits(model: nn.Module, config: Config, plan: Plan) -> Plan:
+    """``plan`` -- with ``offload_dir``, with the state on the SSD that fits it into the host
+    budget; raise :class:`PlanDoesNotFitError` (one line) when it needs more device or host memory
+    than the budgets hold for the workload."""
+    from tinypipe.planner.search import evaluate
+    from tinypipe.planner.spill import Spill
+
+    gpu, host = budgets(config)
+    sizes = _sizes_of(model)
+    hw = hardware_for(config)
+    ssd = _ssd_of(config, hw)
+    if ssd is not None:
+        hw = ssd.apply(hw)
+
+    def ev(p: Plan, peaks=None):  # -> Candidate
+        return evaluate(sizes, hw, p, seq=config.seq_len, global_batch=config.global_batch,
+                        precision=config.precision, max_grad_norm=config.max_grad_norm,
+                        host_grad_buffers=config.host_grad_buffers, peaks=peaks)
+
+    c = ev(plan)
     if c.gpu_need > gpu:
         raise PlanDoesNotFitError(
             f"this plan ({plan.describe()}) needs {c.gpu_need / GiB:.1f} GiB memory per device for "
             f"{config.global_batch} x {config.seq_len} tokens, have {gpu / GiB:.1f} GiB; leave the packing "
             "knobs unset to let the planner choose, or lower micro_batch_size / pack_size")
-    if c.host_need > host:
-        raise PlanDoesNotFitError(
-            f"this plan ({plan.describe()}) needs {c.host_need / GiB:.1f} GiB host memory, have "
-            f"{host / GiB:.1f} GiB; stash on the device, or add RAM")
+    if c.host_need <= host:
+        return plan
+    spill = Spill(sizes, ssd, host, precision=config.precision, retain_grads=config.max_grad_norm is not None)
+    settled = spill.settle(c, ev)
+    if settled is not None:
+        return settled.plan
+    if ssd is not None:
+        raise PlanDoesNotFitError(f"this plan ({plan.describe()}) {spill.why_not()}")
+    raise PlanDoesNotFitError(
+        f"this plan ({plan.describe()}) needs {c.host_need / GiB:.1f} GiB host memory, have "
+        f"{host / GiB:.1f} GiB; stash on the device, or add RAM")
 
 
 def lora_settings_of(model: nn.Module):  # -> LoraSettings | None
@@ -180,7 +247,13 @@ def lora_settings_of(model: nn.Module):  # -> LoraSettings | None
         pc = model.peft_config[model.active_adapter]
         targets = pc.target_modules
         targets = [targets] if isinstance(targets, str) else sorted(targets)
-        settings = LoraSettings(rank=int(pc.r), alpha=float(pc.lora_alpha), targets=targets)
+        from tinypipe.quant.model import spec_of  # QLoRA: plan the quantized base's sizes
+
+        quant = spec_of(model)
+        settings = LoraSettings(rank=int(pc.r), alpha=float(pc.lora_alpha), targets=targets,
+                                quantize=quant.scheme if quant is not None else None,
+                                double_quant=quant.double_quant if quant is not None else True,
+                                compute_dtype="fp32" if quant is not None and quant.unit == 4 else "bf16")
         lora_sizes(model.config, settings)  # adapters the planner cannot size: plan as full fine-tuning
     except (TinypipeError, AttributeError, KeyError, TypeError, ValueError):
         return None

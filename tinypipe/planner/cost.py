@@ -21,6 +21,10 @@ at the start and an exposed tail at the end::
   backward (plus one gradient chunk's download). With ``device_optimizer`` the embedding / head
   are stepped on their device instead (no upload, download or host AdamW for them).
 
+* **SSD** (``plan.offload``, :mod:`tinypipe.planner.offload`): reads and writes are two more lanes
+  at ``HardwareSpec.ssd_read_gbps`` / ``ssd_write_gbps``, beside the phase the runtime moves them
+  in (:class:`_SsdLanes`); ``StepTime.ssd_*`` holds the bytes and their seconds per step.
+
 Compute counts matmul FLOPs: a block's forward 2 * N_block * T plus causal attention
 2 * S * (heads * head_dim) * T; the recompute repeats the forward, the backward is twice it.
 The achieved rate depends on the micro-batch: ``rate(T) = R * e(T) / e(8192)`` with
@@ -44,8 +48,11 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
+from tinypipe.errors import ConfigError
 from tinypipe.planner.hardware import HardwareSpec
+from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 from tinypipe.planner.sizes import ModelSizes
+from tinypipe.quant.cost import dequant_seconds, passes_per_step
 from tinypipe.schedule.plan import Plan
 
 #: Tokens at which a micro-batch runs at half its asymptotic rate (fitted: mb 2 vs mb 4 on W1).
@@ -100,14 +107,38 @@ class StepTime:
     clipped_step_s: float  # when global-norm clipping triggers (every host AdamW step waits for the norm)
     forward_limit: str
     backward_limit: str
+    # the SSD tier (plan.offload): bytes per step and their seconds at the hardware's SSD rates
+    ssd_read_bytes: int = 0
+    ssd_write_bytes: int = 0
+    ssd_read_s: float = 0.0
+    ssd_write_s: float = 0.0
 
     def as_dict(self) -> dict:
-        return asdict(self)
+        d = asdict(self)
+        if not (self.ssd_read_bytes or self.ssd_write_bytes):  # no SSD tier: the fields it had before
+            for k in ("ssd_read_bytes", "ssd_write_bytes", "ssd_read_s", "ssd_write_s"):
+                del d[k]
+        return d
+
+    def lanes(self) -> dict[str, float]:
+        """Each resource's busy seconds per step (the SSD's only when the plan offloads)."""
+        out = {"compute": self.compute_s, "upload": self.upload_s, "download": self.download_s,
+               "cpu optimizer": self.optimizer_s}
+        if self.ssd_read_bytes or self.ssd_write_bytes:
+            out.update({"ssd read": self.ssd_read_s, "ssd write": self.ssd_write_s})
+        return out
 
     @property
     def bound_s(self) -> float:
-        """max(compute, upload, download, optimizer): the step if everything overlapped."""
-        return max(self.compute_s, self.upload_s, self.download_s, self.optimizer_s)
+        """max(compute, upload, download, optimizer, SSD read, SSD write): the step if everything
+        overlapped."""
+        return max(self.lanes().values())
+
+    @property
+    def limit(self) -> str:
+        """The busiest resource (what bounds the step)."""
+        lanes = self.lanes()
+        return max(lanes, key=lanes.get)
 
 
 def _rate(hw: HardwareSpec, precision: str, tokens: float) -> float:
@@ -197,9 +228,11 @@ class _Lanes:
     f_down: list[float]  # host-stashed pack inputs written down in the forward
 
 
-def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool) -> _Lanes:
-    """Each pack's compute on its forward and backward device, and the uploads and gradient
-    downloads of the packs that move (resident packs never do)."""
+def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
+               dequant: list[tuple[float, float]]) -> _Lanes:
+    """Each pack's compute on its forward and backward device (``dequant``: QLoRA's dequantization
+    seconds per pack, forward and backward), and the uploads and gradient downloads of the packs
+    that move (resident packs never do)."""
     plan = packs.plan
     n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
     bwd_mult = 1.0 if lora else 2.0  # the backward skips the frozen weights' gradient GEMMs
@@ -208,10 +241,11 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool)
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
         res = q < R
-        lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + (
+        lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0] + (
             packs.exposed(q, rates.h2d) if q > 0 and not res else 0.0)
         lanes.b_comp[db] += fwd_flops[q] / rates.recompute + bwd_mult * fwd_flops[q] / rates.backward \
-            + PACK_OVERHEAD_S + (packs.exposed(q, rates.h2d) if (q < P - 1 or not carry) and not res else 0.0)
+            + PACK_OVERHEAD_S + dequant[q][1] + (
+                packs.exposed(q, rates.h2d) if (q < P - 1 or not carry) and not res else 0.0)
         if res:
             continue
         lanes.f_up[df] += packs.up[q]
@@ -219,6 +253,20 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool)
             lanes.b_up[db] += packs.up[q]
         lanes.down[db] += packs.train[q] * DOWNLOAD_BYTES
     return lanes
+
+
+def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec) -> list[tuple[float, float]]:
+    """QLoRA: seconds each pack spends dequantizing its base weights, in the forward and in the
+    backward (one dequantization per micro-batch pass; zeros without a quantized base)."""
+    if not sizes.quant_block_params:
+        return [(0.0, 0.0)] * plan.num_packs
+    dq_f, dq_b = passes_per_step(batch, plan.micro_batch_size, plan.backward_micro_batch_size)
+    out = []
+    for p in plan.packs:
+        qparams = sum(sizes.quant_block_params[b] for b in p)
+        out.append((dequant_seconds(qparams, dq_f, hw.bf16_tflops),
+                    dequant_seconds(qparams, dq_b, hw.bf16_tflops)))
+    return out
 
 
 def _add_stash_traffic(lanes: _Lanes, plan: Plan, stash_bytes: int) -> None:
@@ -299,7 +347,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     trains = sizes.layer_train_numels
     lora = bool(sizes.frozen_total)
 
-    lanes = _pack_work(packs, fwd_flops, rates, lora)
+    lanes = _pack_work(packs, fwd_flops, rates, lora, _dequant_work(sizes, plan, batch, hw))
     _add_stash_traffic(lanes, plan, stash_bytes=tokens * sizes.hidden * (2 if precision == "bf16" else 4))
     dev = _on_device(packs)
     lanes.down[plan.embed_device] += 0 if dev.embed else trains[0] * DOWNLOAD_BYTES
@@ -322,11 +370,24 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / rates.d2h
     tail = (pack0 + host_embed) / rates.adamw + last_chunk + dev.train * DEVICE_ADAMW_S_PER_PARAM
 
+    no_opt = max(v for k, v in b_terms.items() if k != "cpu optimizer")
+    ssd = _SsdLanes(ssd_traffic(sizes, plan, precision), hw)
+    if ssd.on:  # state on the SSD: read/write lanes beside every phase (see _SsdLanes)
+        fill += ssd.t.fill_read / ssd.read
+        f_terms["ssd read"] = ssd.t.forward_read / ssd.read
+        f_terms["ssd write"] = ssd.t.carry_write / ssd.write  # the previous step's tail, still landing
+        forward = max(f_terms.values())
+        b_terms["ssd read"] = ssd.t.backward_read / ssd.read
+        b_terms["ssd write"] = ssd.t.backward_write / ssd.write
+        backward = max(b_terms.values())
+        tail = (max((pack0 + host_embed) / rates.adamw, ssd.t.tail_write / ssd.write) + last_chunk
+                + dev.train * DEVICE_ADAMW_S_PER_PARAM)
     step = fill + forward + head + backward + tail
     # clipping triggers: the host AdamW of every host-stepped layer waits for the global norm and
     # runs in the background ahead of the next forward, which follows it layer by layer
     host_pass = (sizes.train_total - dev.train) / (rates.adamw * CLIPPED_ADAMW_EFFICIENCY)
-    no_opt = max(v for k, v in b_terms.items() if k != "cpu optimizer")
+    if ssd.on:
+        no_opt, host_pass = ssd.clipped(no_opt, host_pass, f_terms)
     clipped = fill + max(forward, host_pass) + head + no_opt + last_chunk
     return StepTime(
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
@@ -334,5 +395,39 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         upload_s=max(fu + bu for fu, bu in zip(lanes.f_up, lanes.b_up)) / rates.h2d,
         download_s=max(lanes.down) / rates.d2h, optimizer_s=(sizes.train_total - dev.train) / rates.adamw,
         clipped_step_s=clipped, forward_limit=max(f_terms, key=f_terms.get),
-        backward_limit=max(b_terms, key=b_terms.get),
+        backward_limit=max(b_terms, key=b_terms.get), ssd_read_bytes=ssd.t.read_bytes,
+        ssd_write_bytes=ssd.t.write_bytes, ssd_read_s=ssd.t.read_bytes / ssd.read if ssd.on else 0.0,
+        ssd_write_s=ssd.t.write_bytes / ssd.write if ssd.on else 0.0,
     )
+
+
+class _SsdLanes:
+    """The SSD as two lanes, reads and writes, each at its measured rate (``tinypipe profile``
+    measures them separately, the way the tier's worker threads issue them: several requests in
+    flight). Each phase of the step is as slow as its slowest lane, the SSD's included: the first
+    reads of the embedding, head and first pack lengthen the fill; the other packs' first reads
+    run beside the forward; second reads, moment reads and the write-backs of layers stepped
+    during the backward beside the backward; the master write-backs of the tail's layers beside
+    the tail's AdamW, their moment and gradient write-backs beside the next step's forward (steady
+    state: the previous step's land beside this one's). A clipped step's backward moves only
+    upload reads and gradients; the moment, gradient and master traffic of its redo pass runs
+    beside the next forward, with that forward's reads."""
+
+    def __init__(self, traffic: SsdTraffic, hw: HardwareSpec) -> None:
+        self.t = traffic
+        self.on = bool(traffic.read_bytes or traffic.write_bytes)
+        if self.on and not (hw.ssd_read_gbps and hw.ssd_write_gbps):
+            raise ConfigError(f"the plan keeps state on the SSD but hardware {hw.name!r} states no "
+                              "ssd_read_gbps / ssd_write_gbps (tinypipe profile --offload-dir measures them)")
+        self.read = (hw.ssd_read_gbps or 1.0) * 1e9
+        self.write = (hw.ssd_write_gbps or 1.0) * 1e9
+
+    def clipped(self, no_opt: float, host_pass: float, f_terms: dict[str, float]) -> tuple[float, float]:
+        """(backward, background pass) of a step where clipping triggers, with the SSD's share."""
+        t = self.t
+        upload_reads = t.backward_read - t.step_read
+        backward = max(no_opt, upload_reads / self.read, t.grad_bytes / self.write)
+        redo_read = t.step_read + t.grad_bytes + t.master_bytes
+        redo_write = t.step_write
+        pass_s = max(host_pass, (t.forward_read + redo_read) / self.read, redo_write / self.write)
+        return backward, max(pass_s, max(f_terms.values()))

@@ -9,7 +9,8 @@ host
     pool per device entry of ``buffer_count(...)`` fp32 chunks of ``chunk_numel(slot)`` elements;
     ``gradient_buffers`` 4 B per flat element when gradients are retained (``max_grad_norm`` set
     or the non-finite policy ``"skip"``); ``stashed_activations`` one ``[B, S, H]`` buffer in the
-    compute dtype per host-stashed pack input.
+    compute dtype per host-stashed pack input. With ``plan.offload`` each offloaded region's bytes
+    leave its category and ``ssd_staging`` holds the staging pool (:mod:`tinypipe.planner.offload`).
 device
     ``resident_layers`` embedding / head in the compute dtype where they live; ``layer_slots``
     (largest pack + window) slots of the largest block; ``gradient_accumulators`` (largest pack + 1)
@@ -50,6 +51,7 @@ from tinypipe.errors import ConfigError
 from tinypipe.memory.grad_pool import buffer_count, chunk_numel
 from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.cost import pack_stats
+from tinypipe.planner.offload import apply_offload
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.schedule.plan import Plan
 
@@ -102,9 +104,9 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
         "gradient_buffers": 4 * (train - device_stepped_numel(sizes, plan)) if retain_grads else 0,
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
     }
-    if sizes.frozen_total:  # LoRA: the frozen base at compute precision
-        cats["frozen_weights"] = sizes.frozen_total * dtype_bytes(precision)
-    return cats
+    if sizes.frozen_total:  # LoRA: the frozen base at compute precision (QLoRA: its payload bytes)
+        cats[sizes.frozen_label] = sizes.frozen_total * dtype_bytes(precision)
+    return apply_offload(cats, sizes, plan, precision)  # state on the SSD leaves DRAM; staging comes
 
 
 def device_stepped_numel(sizes: ModelSizes, plan: Plan, index: int | None = None) -> int:

@@ -1,9 +1,12 @@
 """``tinypipe plan``'s text: the chosen plan, its predicted speed, memory per GPU and host by
-category, the Config that realises it and the time-memory trade-offs."""
+category, what lives on the SSD (with an offload directory), the Config that realises it and the
+time-memory trade-offs."""
 
 from __future__ import annotations
 
+from tinypipe.planner.offload import disk_bytes, staging_pool, summary
 from tinypipe.planner.search import HOST_BASELINE_BYTES, PlanResult
+from tinypipe.planner.spill import HIDDEN_SHARE
 from tinypipe.units import fmt_bytes, gib_text
 
 
@@ -24,7 +27,9 @@ def format_plan(result: PlanResult) -> str:
         f"(fill {t.fill_s:.2f} + forward {t.forward_s:.2f} [{t.forward_limit}] + head {t.head_s:.2f} + "
         f"backward {t.backward_s:.2f} [{t.backward_limit}] + tail {t.tail_s:.2f})",
         f"bound: compute {t.compute_s:.2f} s, upload {t.upload_s:.2f} s, download {t.download_s:.2f} s, "
-        f"cpu optimizer {t.optimizer_s:.2f} s",
+        f"cpu optimizer {t.optimizer_s:.2f} s"
+        + ("" if result.ssd is None else f", ssd read {t.ssd_read_s:.2f} s, ssd write {t.ssd_write_s:.2f} s "
+           f"(limited by {t.limit})"),
         *([f"in a step where clipping triggers: {t.clipped_step_s:.2f} s/step, "
            f"{result.global_batch * result.seq / t.clipped_step_s:,.0f} tokens/s (the host AdamW waits for "
            "the global norm)"] if result.max_grad_norm is not None else []),
@@ -44,6 +49,8 @@ def format_plan(result: PlanResult) -> str:
     lines.append(f"  {'total (tinypipe)':<24} {fmt_bytes(b.memory.host_total):>12}   "
                  f"+ process ~{fmt_bytes(HOST_BASELINE_BYTES)} = {fmt_bytes(b.host_need)} of "
                  f"{fmt_bytes(result.cpu_memory_bytes)}")
+    if result.ssd is not None:
+        lines += ssd_lines(result)
     kw = result.config_kwargs()
     lines.append("")
     lines.append("tinypipe.Config(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")")
@@ -56,3 +63,35 @@ def format_plan(result: PlanResult) -> str:
     for note in result.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def ssd_lines(result: PlanResult) -> list[str]:
+    """The SSD tier: per kind what is where, the staging pool, the scratch file, the bytes per step
+    and what bounds the step, and the global batch that hides the I/O."""
+    b, ssd, t = result.best, result.ssd, result.best.time
+    assert ssd is not None
+    where = f"{ssd.directory}; " if ssd.directory else ""
+    source = f": {ssd.source}" if ssd.source else ""
+    head = f"SSD tier ({where}read {ssd.read_gbps:.2f} GB/s, write {ssd.write_gbps:.2f} GB/s{source}):"
+    if not b.plan.offload:
+        return [head, "  nothing on the SSD: the training state fits in host memory"]
+    lines = [head, f"  {'state':<9} {'layers on SSD':>14} {'on SSD':>12} {'in DRAM':>12}"]
+    for k in summary(result.sizes, b.plan, result.precision, retain_grads=result.retain_grads):
+        lines.append(f"  {k.kind:<9} {f'{k.on_ssd} of {k.layers}':>14} {gib_text(k.ssd_bytes):>12} "
+                     f"{gib_text(k.dram_bytes):>12}")
+    slots, slot = staging_pool(result.sizes, b.plan, precision=result.precision)
+    disk = disk_bytes(result.sizes, b.plan.offload, result.precision)
+    free = "" if ssd.free_bytes is None else f" of {gib_text(ssd.free_bytes)} free"
+    lines.append(f"  staging pool {slots} x {fmt_bytes(slot)} = {gib_text(slots * slot)} (host memory, "
+                 f"counted above); scratch file {gib_text(disk)}{free}")
+    lines.append(f"  per step: read {gib_text(t.ssd_read_bytes)} ({t.ssd_read_s:.1f} s), write "
+                 f"{gib_text(t.ssd_write_bytes)} ({t.ssd_write_s:.1f} s); the step is bound by {t.limit}")
+    h = result.hiding
+    if h is not None and h.batch is not None:
+        fits = "" if h.fits_gpu else f" (but this plan needs {gib_text(h.gpu_need or 0)} GPU memory there)"
+        lines.append(f"  I/O hidden (adds < {HIDDEN_SHARE:.0%} to the step) from a global batch of {h.batch} "
+                     f"x {result.seq} tokens: {h.step_s:.2f} s/step, {h.tokens_per_s:,.0f} tokens/s, "
+                     f"{gib_text(h.ssd_bytes)} on the SSD{fits}" + (f"; {h.note}" if h.note else ""))
+    elif h is not None:
+        lines.append(f"  I/O not hidden at any global batch: {h.note}")
+    return lines

@@ -15,6 +15,7 @@ A file written by ``tinypipe profile`` (``"format": "tinypipe-profile"``) is rea
 ``layer_profile`` (measured per-layer forward/recompute/backward and head times over micro-batch
 sizes and sequence lengths, :class:`~tinypipe.planner.layer_profile.LayerProfile`) then replaces the
 FLOP-rate compute estimate in the cost model; its other measurement details are ignored here.
+``tinypipe profile --offload-dir DIR`` also records ``ssd_read_gbps`` / ``ssd_write_gbps``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,13 @@ from tinypipe.units import parse_bytes  # noqa: F401 - re-exported: tinypipe.pla
 PROFILE_FORMAT = "tinypipe-profile"
 
 GiB = 1024**3
+#: A typical single PCIe 4.0 x4 NVMe SSD under the tier's direct I/O (read, write GB/s): datasheets
+#: quote ~7 / ~5-6 GB/s sequential; sustained writes past a consumer drive's SLC cache and mixed
+#: traffic land lower, so the presets state 6 / 4 (a stated value, not a measurement).
+TYPICAL_NVME_GEN4 = (6.0, 4.0)
+#: The GPU machine's disk (H200 box), measured with O_DIRECT, 16 threads x 64 MiB requests.
+H200_BOX_SSD = (1.6, 2.4)
+
 
 @dataclass(frozen=True)
 class HardwareSpec:
@@ -40,11 +48,13 @@ class HardwareSpec:
     h2d_gbs: float  # host -> device, pinned, GB/s
     d2h_gbs: float  # device -> host, pinned, GB/s
     bidir_gbs: float  # both directions at once, total GB/s
-    bf16_tflops: float  # achieved by HF eager blocks (about half the dense-matmul peak)
+    bf16_tflops: float  # achieved by whole decoder blocks as the engine runs them (compiled on CUDA)
     cpu_adamw_gparams_s: float  # fused CPU AdamW, G params/s, whole machine
     fp32_tflops: float | None = None  # achieved in fp32 mode (default: bf16_tflops / 8)
     description: str = ""
     layer_profile: LayerProfile | None = None  # measured per-layer times (tinypipe profile)
+    ssd_read_gbps: float | None = None  # the offload directory's direct-I/O read rate, GB/s
+    ssd_write_gbps: float | None = None  # ... and write rate (None: unknown)
 
     def tflops(self, precision: str) -> float:
         if precision == "fp32":
@@ -60,23 +70,33 @@ class HardwareSpec:
         return d
 
 
+#: The presets' SSD (all but the H200 box, whose disk was measured): a typical NVMe Gen4 drive.
+_GEN4 = dict(ssd_read_gbps=TYPICAL_NVME_GEN4[0], ssd_write_gbps=TYPICAL_NVME_GEN4[1])
+
 HARDWARE: dict[str, HardwareSpec] = {
     h.name: h
     for h in (
-        HardwareSpec("h200-pcie5", 140 * GiB, 55.5, 55.3, 101.0, 400.0, 4.1, fp32_tflops=35.0,
-                     description="H200 on PCIe 5.0 x16, 16-core host (measured here)"),
+        # bf16: 525 TFLOP/s fitted on one compiled-block run (QLoRA, Llama-3.1-8B shape, 3.027 s/step,
+        # bench/results/s4_qlora_8b.json) and checked on runs not fitted on: W1 full FT -0.6 %, 8B bf16
+        # LoRA -4.8 %, 70B QLoRA +9.7 % (python bench/fit_h200_rate.py); 400 was HF's eager blocks
+        HardwareSpec("h200-pcie5", 140 * GiB, 55.5, 55.3, 101.0, 525.0, 4.1, fp32_tflops=35.0,
+                     description="H200 on PCIe 5.0 x16, 16-core host (measured here, compiled blocks; "
+                                 "its disk too)",
+                     ssd_read_gbps=H200_BOX_SSD[0], ssd_write_gbps=H200_BOX_SSD[1]),
         HardwareSpec("rtx4090-pcie4", 24 * GiB, 25.0, 25.0, 45.0, 90.0, 2.0, fp32_tflops=40.0,
-                     description="RTX 4090 on PCIe 4.0 x16, desktop/workstation CPU"),
+                     description="RTX 4090 on PCIe 4.0 x16, desktop/workstation CPU", **_GEN4),
         HardwareSpec("rtx3090-pcie4", 24 * GiB, 22.0, 22.0, 38.0, 35.0, 2.0, fp32_tflops=18.0,
-                     description="RTX 3090 on PCIe 4.0 x16 (Tiny-Pipe's artifact box saw ~16 GB/s)"),
+                     description="RTX 3090 on PCIe 4.0 x16 (Tiny-Pipe's artifact box saw ~16 GB/s)", **_GEN4),
         HardwareSpec("a5000", 24 * GiB, 22.0, 22.0, 38.0, 50.0, 2.5, fp32_tflops=14.0,
-                     description="RTX A5000 on PCIe 4.0 x16, workstation CPU"),
+                     description="RTX A5000 on PCIe 4.0 x16, workstation CPU", **_GEN4),
         HardwareSpec("l40s", 45 * GiB, 25.0, 25.0, 45.0, 170.0, 3.0, fp32_tflops=45.0,
-                     description="L40S (48 GB, 45 GiB usable) on PCIe 4.0 x16, server CPU"),
+                     description="L40S (48 GB, 45 GiB usable) on PCIe 4.0 x16, server CPU", **_GEN4),
         HardwareSpec("a100-40g-pcie4", 40 * GiB, 24.0, 24.0, 45.0, 150.0, 3.0, fp32_tflops=10.0,
-                     description="A100 40 GB PCIe on PCIe 4.0 x16, server CPU"),
+                     description="A100 40 GB PCIe on PCIe 4.0 x16, server CPU", **_GEN4),
     )
 }
+
+_OPTIONAL = ("fp32_tflops", "description", "layer_profile", "ssd_read_gbps", "ssd_write_gbps")
 
 
 def _from_dict(d: dict, default_name: str) -> HardwareSpec:
@@ -103,7 +123,7 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
                           f"{', '.join(sorted(known))}")
     d.setdefault("name", default_name)
     missing = [f.name for f in fields(HardwareSpec)
-               if f.name not in d and f.name not in ("fp32_tflops", "description", "layer_profile")]
+               if f.name not in d and f.name not in _OPTIONAL]
     if missing:
         raise ConfigError(f"hardware file: missing field(s) {', '.join(missing)}")
     try:
@@ -112,8 +132,11 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
             d[k] = float(d[k])
             if not d[k] > 0:
                 raise ConfigError(f"hardware file: {k} must be > 0, got {d[k]}")
-        if d.get("fp32_tflops") is not None:
-            d["fp32_tflops"] = float(d["fp32_tflops"])
+        for k in ("fp32_tflops", "ssd_read_gbps", "ssd_write_gbps"):
+            if d.get(k) is not None:
+                d[k] = float(d[k])
+                if not d[k] > 0:
+                    raise ConfigError(f"hardware file: {k} must be > 0, got {d[k]}")
     except (TypeError, ValueError) as exc:
         if isinstance(exc, ConfigError):
             raise

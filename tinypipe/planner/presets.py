@@ -57,6 +57,7 @@ PRESETS: dict[str, dict] = {
     "llama-2-7b": _llama(4096, 32, 32, 32, 11008, 32000, False, 4096),
     "llama-2-13b": _llama(5120, 40, 40, 40, 13824, 32000, False, 4096),
     "llama-2-70b": _llama(8192, 80, 64, 8, 28672, 32000, False, 4096),
+    "llama-30b": _llama(6656, 60, 52, 52, 17920, 32000, False, 2048),  # LLaMA-1 "30B" (32.5 B)
     "llama-3.1-8b": _llama(4096, 32, 32, 8, 14336, 128256, False, 131072, 500000.0,
                            rope_scaling=_LLAMA31_ROPE),
     "llama-3.1-70b": _llama(8192, 80, 64, 8, 28672, 128256, False, 131072, 500000.0,

@@ -6,7 +6,9 @@ the fused head (final norm + output embedding + loss, forward and backward), ove
 micro-batch sizes and sequence lengths; records the block's parameter bytes and its activation
 bytes (saved for backward; on CUDA also the measured allocator peak of recompute + backward);
 measures host<->device bandwidth (pinned H2D, D2H, both at once; on a CPU device, memcpy) and the
-CPU's fused AdamW rate (:mod:`tinypipe.perf.machine`). The JSON it writes is a hardware file:
+CPU's fused AdamW rate (:mod:`tinypipe.perf.machine`); with an offload directory, that directory's
+direct-I/O read and write rates (:func:`tinypipe.storage.measure_rates`: ``ssd_read_gbps``,
+``ssd_write_gbps``). The JSON it writes is a hardware file:
 ``tinypipe plan --hardware profile.json`` and ``plan_for(..., hardware="profile.json")`` use the
 measured per-layer times instead of FLOP-rate estimates.
 """
@@ -262,8 +264,10 @@ def profile_layers(cfg: transformers.PretrainedConfig, device: str, precision: s
 def run_profile(device: str = "cpu", model: str | transformers.PretrainedConfig | None = None, *,
                 seq_lens: Sequence[int] = (1024, 2048), micro_batches: Sequence[int] = (1, 2, 4),
                 precision: str | None = None, reps: int = 3, transfer_bytes: int | None = None,
-                adamw_params: int | None = None, log: Callable[[str], None] | None = print) -> dict:
-    """Measure and return the profile as a JSON-able dict (a valid hardware file)."""
+                adamw_params: int | None = None, log: Callable[[str], None] | None = print,
+                offload_dir: str | None = None, ssd_bytes: int = 1 << 30) -> dict:
+    """Measure and return the profile as a JSON-able dict (a valid hardware file); with
+    ``offload_dir`` also its SSD rates (``ssd_bytes`` written and read back there)."""
     from tinypipe.perf.machine import cpu_copy_gbs, measure
     from tinypipe.planner.presets import load_model_config
 
@@ -321,6 +325,16 @@ def run_profile(device: str = "cpu", model: str | transformers.PretrainedConfig 
         out["bf16_tflops"] = (rates.matmul_tflops / 2) if rates.matmul_tflops else 0.1
     if not out["bf16_tflops"] or out["bf16_tflops"] <= 0:
         out["bf16_tflops"] = 0.1
+    if offload_dir is not None:
+        from tinypipe.storage import check_directory, measure_rates
+
+        ssd = measure_rates(check_directory(offload_dir), ssd_bytes)
+        out["ssd_read_gbps"], out["ssd_write_gbps"] = float(ssd["read_gbps"]), float(ssd["write_gbps"])
+        out["ssd"] = dict(ssd, directory=str(offload_dir))
+        if log:
+            log(f"{offload_dir}: SSD read {out['ssd_read_gbps']:.2f} GB/s, "
+                f"write {out['ssd_write_gbps']:.2f} GB/s"
+                + ("" if ssd["direct"] else " (buffered: the filesystem refused O_DIRECT)"))
     out["seconds"] = time.perf_counter() - t0
     return out
 

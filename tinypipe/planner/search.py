@@ -1,30 +1,35 @@
 """Plan search: every combination of the options (:mod:`tinypipe.planner.options`: packings,
 micro-batch sizes, prefetch windows, stash placements, embedding/head on the GPU), then resident
-packs on the fastest; estimate each plan's memory and step time, keep those that fit, return the
-fastest and the time-memory Pareto front (printed by :mod:`tinypipe.planner.format`).
+packs on the fastest; estimate each plan's memory and step time (:mod:`tinypipe.planner.candidate`
+says when a plan fits), keep those that fit, return the fastest and the time-memory Pareto front
+(printed by :mod:`tinypipe.planner.format`).
 
-Fitting means, for every device, static pools + estimated activation peak + headroom <= the
-GPU's memory, and host bytes (tinypipe-owned, exact) + the process baseline <= the host budget.
-The headroom covers what the estimate leaves out: the CUDA context (outside PyTorch's allocator)
-and allocator fragmentation (:data:`GPU_CONTEXT_BYTES`, :data:`FRAGMENTATION`). The host baseline
-(:data:`HOST_BASELINE_BYTES`) is the Python process with torch and transformers loaded (measured
-~1.8 GB above tinypipe's own bytes on the H200 box).
+With an SSD (``ssd``: an offload directory and its rates, :mod:`tinypipe.planner.ssd`) a plan that
+fits the GPUs but not the host moves state to the SSD until it does (:mod:`tinypipe.planner.spill`);
+its step time then includes the SSD lanes, so plans that need less on the SSD win where that is
+faster. The result also says from which global batch the chosen plan hides the SSD's I/O.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import transformers
 
 from tinypipe.config import PRECISIONS, Precision
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.memory.report import MemoryReport
-from tinypipe.planner.cost import REFERENCE_TOKENS, StepTime, predict_step_time
-from tinypipe.planner.estimate import estimate_memory
+from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search's public names
+    FRAGMENTATION,
+    GPU_CONTEXT_BYTES,
+    HOST_BASELINE_BYTES,
+    Candidate,
+    evaluate,
+)
+from tinypipe.planner.cost import REFERENCE_TOKENS
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
+from tinypipe.planner.offload import disk_bytes, staging_pool, summary
 from tinypipe.planner.options import (
     WINDOWS,
     device_optimizer_options,
@@ -35,39 +40,16 @@ from tinypipe.planner.options import (
 )
 from tinypipe.planner.presets import load_model_config
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
+from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
+from tinypipe.planner.ssd import SsdSpec
 from tinypipe.schedule.plan import DeviceOptimizer, Plan, make_plan
-from tinypipe.units import GIB, gib_text
+from tinypipe.units import gib_text
 
 if TYPE_CHECKING:
     from tinypipe.lora.settings import LoraSettings
 
-#: GPU memory the CUDA context and library handles take outside PyTorch's allocator.
-GPU_CONTEXT_BYTES = 512 * 1024**2
-#: Share of the activation peak added for allocator fragmentation (expandable segments on).
-FRAGMENTATION = 0.10
-#: Host memory of the process beyond tinypipe's accounted bytes (interpreter, libraries, model
-#: object shells, tokenizer, data).
-HOST_BASELINE_BYTES = 3 * GIB
 #: Plans within this fraction of the fastest count as equally fast; the leanest of them is chosen.
 NEAR_FASTEST = 0.01
-
-
-@dataclass
-class Candidate:
-    """One evaluated plan."""
-
-    plan: Plan
-    memory: MemoryReport
-    time: StepTime
-    gpu_need: int  # the fullest device: static + activation peak + headroom
-    host_need: int  # tinypipe's host bytes + process baseline
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.time.tokens_per_s
-
-    def describe(self) -> str:
-        return self.plan.describe()
 
 
 @dataclass
@@ -89,16 +71,47 @@ class PlanResult:
     fitting: int
     model_name: str = ""
     notes: list[str] = field(default_factory=list)
+    ssd: SsdSpec | None = None  # the SSD planned for (None: DRAM only)
+    hiding: IoHiding | None = None  # where the best plan's SSD I/O is hidden (None: it moves none)
+
+    @property
+    def retain_grads(self) -> bool:
+        return self.max_grad_norm is not None
 
     def config_kwargs(self, candidate: Candidate | None = None) -> dict:
         """``tinypipe.Config`` fields that realise ``candidate`` (default: the best plan); or pass
-        the plan itself: ``Engine(model, config, plan=candidate.plan)``."""
+        the plan itself: ``Engine(model, config, plan=candidate.plan)``. A plan with state on the
+        SSD adds the offload directory and the budget and workload the engine chooses it from."""
         c = candidate or self.best
         out = c.plan.settings()
         out["devices"] = [f"cuda:{i}" for i in range(self.gpus)]
         out["precision"] = self.precision
         out["max_grad_norm"] = self.max_grad_norm
+        if c.plan.offload:  # the engine derives the same offload set from these (offload_dir: yours)
+            if self.ssd is not None and self.ssd.directory is not None:
+                out["offload_dir"] = self.ssd.directory
+            out.update(cpu_memory_bytes=self.cpu_memory_bytes, seq_len=self.seq,
+                       global_batch=self.global_batch)
         return out
+
+    def offload_dict(self, candidate: Candidate | None = None) -> dict:
+        """What goes where (per kind: layers, bytes on the SSD and in DRAM), the staging pool, the
+        disk space, the SSD bytes per step, the bound and the batch that hides the I/O."""
+        c = candidate or self.best
+        slots, slot = staging_pool(self.sizes, c.plan, precision=self.precision)
+        kinds = summary(self.sizes, c.plan, self.precision, retain_grads=self.retain_grads)
+        return {
+            "ssd": self.ssd.as_dict() if self.ssd else None,
+            "kinds": [dataclasses.asdict(k) for k in kinds],
+            "staging_slots": slots,
+            "staging_slot_bytes": slot,
+            "disk_bytes": disk_bytes(self.sizes, c.plan.offload, self.precision),
+            "read_bytes_per_step": c.time.ssd_read_bytes,
+            "write_bytes_per_step": c.time.ssd_write_bytes,
+            "bound": c.time.limit,
+            "lanes_s": c.time.lanes(),
+            "hiding": self.hiding.as_dict() if self.hiding and c is self.best else None,
+        }
 
     def as_dict(self) -> dict:
         def cand(c: Candidate) -> dict:
@@ -129,6 +142,7 @@ class PlanResult:
             "config": self.config_kwargs(),
             "pareto": [cand(c) for c in self.pareto],
             "notes": self.notes,
+            **({"offload": self.offload_dict()} if self.ssd is not None else {}),
         }
 
 
@@ -136,55 +150,31 @@ class PlanResult:
 RESIDENT_SEEDS = 4
 
 
-def _with_resident_packs(sizes: ModelSizes, hw: HardwareSpec, seeds: list[Candidate], *, seq: int,
-                         global_batch: int, precision: Precision, max_grad_norm: float | None,
-                         host_grad_buffers: int | None, gpu_mem: int, cpu_mem: int) -> list[Candidate]:
+def _with_resident_packs(seeds: list[Candidate], evaluate_plan: Evaluate,
+                         settle: Callable[[Candidate], Candidate | None],
+                         gpu_mem: int) -> tuple[list[Candidate], list[Candidate]]:
     """Each seed plan with 1, 2, ... of its first packs kept resident on the GPU (stepped there),
-    for as long as that fits and its pack placement allows it (one device per resident pack).
+    for as long as that fits and its pack placement allows it (one device per resident pack):
+    (every plan evaluated, those that fit -- ``settle`` fits the host, moving state to the SSD).
 
     Resident packs trade GPU memory (18 bytes per parameter in bf16: weights, fp32 gradient,
     master and moments) for link traffic and host AdamW work; the first packs come first because
     their host updates are the ones left after the backward."""
-    out = []
+    out, fits = [], []
     for seed in seeds:
         peaks = [seed.memory.devices[n]["activations_peak"] for n in seed.memory.devices]
         for r in range(1, seed.plan.num_packs + 1):
             try:
-                plan = dataclasses.replace(seed.plan, resident_packs=r)
+                plan = dataclasses.replace(seed.plan, resident_packs=r, offload=())
             except ConfigError:  # this pack's forward and backward run on different devices
                 break
-            c = evaluate(sizes, hw, plan, seq=seq, global_batch=global_batch, precision=precision,
-                         max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks)
+            c = evaluate_plan(plan, peaks)
             out.append(c)
-            if c.gpu_need > gpu_mem or c.host_need > cpu_mem:
+            settled = settle(c) if c.gpu_need <= gpu_mem else None
+            if settled is None:
                 break
-    return out
-
-
-def _gpu_need(report: MemoryReport) -> int:
-    worst = 0
-    for name, cats in report.devices.items():
-        act = cats.get("activations_peak", 0)
-        need = report.device_total(name) + act + int(FRAGMENTATION * act) + GPU_CONTEXT_BYTES
-        worst = max(worst, need)
-    return worst
-
-
-def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int, global_batch: int,
-             precision: Precision = "bf16", max_grad_norm: float | None = None,
-             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None) -> Candidate:
-    """Estimate ``plan``'s memory and step time on ``plan.num_devices`` GPUs of ``hardware``
-    (``peaks``: activation peaks already estimated for the same plan with another window)."""
-    devices = [f"cuda:{i}" for i in range(plan.num_devices)]
-    prof = hardware.layer_profile
-    act = None
-    if prof is not None and prof.precision == precision:  # measured saved activations of this block shape
-        act = prof.activation_bytes_for(sizes.block_params[0], sizes.num_heads * sizes.head_dim)
-    mem = estimate_memory(sizes, plan, batch=global_batch, seq=seq, precision=precision, devices=devices,
-                          host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
-                          act_per_token=act)
-    t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision)
-    return Candidate(plan, mem, t, _gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)
+            fits.append(settled)
+    return out, fits
 
 
 def _pareto(cands: list[Candidate]) -> list[Candidate]:
@@ -207,12 +197,17 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              precision: Precision = "bf16", max_grad_norm: float | None = None,
              host_grad_buffers: int | None = None, max_pareto: int = 8, lora: LoraSettings | None = None,
              device_optimizer: DeviceOptimizer | None = None,
-             resident_packs: int | None = None) -> PlanResult:
+             resident_packs: int | None = None, ssd: SsdSpec | None = None,
+             hiding_search: bool = True) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
     ``device_optimizer`` fixes that choice (default: searched, see :func:`device_optimizer_options`);
-    ``resident_packs`` likewise (default: searched, see :func:`_with_resident_packs`).
+    ``resident_packs`` likewise (default: searched, see :func:`_with_resident_packs`). ``ssd``
+    (an offload directory and its rates): host memory becomes a real limit with the SSD as the
+    overflow (:class:`~tinypipe.planner.spill.Spill`); without it, nothing changes. With state on
+    the SSD the result says from which global batch its I/O is hidden (``hiding_search=False``
+    skips that: the re-plans of that search itself).
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
@@ -227,6 +222,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
     hw = load_hardware(hardware)
+    if ssd is not None:
+        hw = ssd.apply(hw)
     gpu_mem = int(gpu_memory_bytes) if gpu_memory_bytes else hw.gpu_memory_bytes
     if cpu_memory_bytes <= 0:
         raise ConfigError("host memory budget must be positive")
@@ -256,6 +253,16 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         plateau = max(plateau, max(p.tokens for p in hw.layer_profile.points))
     # which resident layers keep their AdamW on the GPU: a tied head owns only its final norm
     dopts = device_optimizer_options(sizes) if device_optimizer is None else (device_optimizer,)
+
+    def ev(plan: Plan, peaks: Sequence[int] | None = None, batch: int = global_batch) -> Candidate:
+        return evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
+                        max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks)
+
+    spill = Spill(sizes, ssd, cpu_memory_bytes, precision=precision, retain_grads=max_grad_norm is not None)
+
+    def settle(c: Candidate) -> Candidate | None:
+        return spill.settle(c, ev)
+
     cands: list[Candidate] = []
     fits: list[Candidate] = []
     for pack in pack_options(sizes.num_blocks):
@@ -280,47 +287,65 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                 if not resident_packs:
                                     raise
                                 continue
-                            c = evaluate(sizes, hw, plan, seq=seq, global_batch=global_batch,
-                                         precision=precision, max_grad_norm=max_grad_norm,
-                                         host_grad_buffers=host_grad_buffers, peaks=peaks)
+                            c = ev(plan, peaks)
                             peaks = [c.memory.devices[k]["activations_peak"] for k in c.memory.devices]
                             cands.append(c)
-                            if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes:
-                                fits.append(c)
+                            settled = settle(c) if c.gpu_need <= gpu_mem else None
+                            if settled is not None:
+                                fits.append(settled)
     if not cands:
         raise ConfigError(f"no packing of the {sizes.num_blocks} blocks on {gpus} GPU(s) can keep "
                           f"{resident_packs} packs resident (each needs its forward and backward on one "
                           "device)")
     if not fits:
-        raise PlanDoesNotFitError(_why_not(cands, gpu_mem, cpu_memory_bytes, gpus))
+        gpu_ok = any(c.gpu_need <= gpu_mem for c in cands)
+        raise PlanDoesNotFitError((spill.why_not() if gpu_ok else None)
+                                  or _why_not(cands, gpu_mem, cpu_memory_bytes, gpus, ssd is not None))
     if resident_packs is None:  # spend what GPU memory the fastest plans leave on resident packs
-        more = _with_resident_packs(sizes, hw, _pareto(fits)[:RESIDENT_SEEDS], seq=seq,
-                                    global_batch=global_batch, precision=precision,
-                                    max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
-                                    gpu_mem=gpu_mem, cpu_mem=cpu_memory_bytes)
+        more, more_fits = _with_resident_packs(_pareto(fits)[:RESIDENT_SEEDS], ev, settle, gpu_mem)
         cands += more
-        fits += [c for c in more if c.gpu_need <= gpu_mem and c.host_need <= cpu_memory_bytes]
+        fits += more_fits
     front = _pareto(fits)
     fastest = front[0].time.step_s
     best = min((c for c in front if c.time.step_s <= fastest * (1 + NEAR_FASTEST)), key=lambda c: c.gpu_need)
+    hiding = None
+    if ssd is not None and best.plan.offload and hiding_search:
+        fresh = Spill(sizes, ssd, cpu_memory_bytes, precision=precision,
+                      retain_grads=max_grad_norm is not None)
+        hiding = hiding_batch(sizes, hw, best.plan, lambda p, b: ev(p, None, b), fresh, seq=seq,
+                              precision=precision, gpu_mem=gpu_mem)
+        if hiding.batch is None or not hiding.fits_gpu:  # these knobs cannot get there: re-plan
+
+            def best_at(batch: int) -> Candidate:
+                return plan_for(cfg, hw, gpus=gpus, gpu_memory_bytes=gpu_mem,
+                                cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=batch,
+                                precision=precision, max_grad_norm=max_grad_norm,
+                                host_grad_buffers=host_grad_buffers, lora=lora,
+                                device_optimizer=device_optimizer,
+                                resident_packs=resident_packs, ssd=ssd, hiding_search=False).best
+
+            hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
                       gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq,
                       global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
-                      considered=len(cands), fitting=len(fits), model_name=name, notes=notes)
+                      considered=len(cands), fitting=len(fits), model_name=name, notes=notes, ssd=ssd,
+                      hiding=hiding)
 
 
-def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int) -> str:
-    """One line: what the smallest configuration needs and what to try."""
-    host_ok = [c for c in cands if c.host_need <= cpu_mem]
+def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd: bool = False) -> str:
+    """One line: what the smallest configuration needs and what to try (``ssd``: host memory
+    was not the limit, the SSD takes the overflow)."""
+    host_ok = cands if ssd else [c for c in cands if c.host_need <= cpu_mem]
     gpu_ok = [c for c in cands if c.gpu_need <= gpu_mem]
     min_host = min(cands, key=lambda c: c.host_need)
     min_gpu = min(cands, key=lambda c: c.gpu_need)
     if not host_ok:
         host = min_host.memory.host
-        if host.get("frozen_weights"):
+        frozen = next((k for k in host if k.startswith("frozen_weights")), None)  # "frozen_weights (nf4)"
+        if frozen is not None and host[frozen]:
             return (f"needs {gib_text(min_host.host_need)} host memory even with LoRA, "
-                    f"have {gib_text(cpu_mem)} "
-                    f"({gib_text(host['frozen_weights'])} of it the frozen base weights); add RAM")
+                    f"have {gib_text(cpu_mem)} ({gib_text(host[frozen])} of it the frozen base weights); "
+                    "add RAM" + ("" if "(" in frozen else " or quantize the base (--quantize nf4)"))
         return (f"needs {gib_text(min_host.host_need)} host memory, have {gib_text(cpu_mem)} "
                 f"({gib_text(host['master_weights'] + host['optimizer_state'])} of it "
                 "fp32 master weights + AdamW state); try --lora or more RAM")

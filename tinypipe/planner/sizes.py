@@ -82,6 +82,15 @@ class ModelSizes:
     #: adapters); empty for full fine-tuning, where every element trains
     train_numels: tuple[int, ...] = ()
     lora: str = ""  # a description of the LoRA adapters these sizes include ("" = full fine-tuning)
+    #: QLoRA: the quantized base's label (``nf4+dq``, tinypipe.quant) and the dense elements
+    #: quantized per block (what the kernels dequantize every pass); "" / () for a dense base
+    quantize: str = ""
+    quant_block_params: tuple[int, ...] = ()
+
+    @property
+    def frozen_label(self) -> str:
+        """The memory report's row for the frozen weights (``frozen_weights (nf4+dq)`` quantized)."""
+        return f"frozen_weights ({self.quantize})" if self.quantize else "frozen_weights"
 
     @property
     def layer_numels(self) -> list[int]:
@@ -436,15 +445,24 @@ def lora_sizes(cfg: transformers.PretrainedConfig, settings: LoraSettings) -> Mo
     base = model_sizes(cfg)
     real_cfg = copy.deepcopy(cfg)
     real_cfg._attn_implementation = "sdpa"
-    _, inner = split_peft(apply_lora(build_skeleton(real_cfg), settings))
+    # QLoRA: the adapters over the dense skeleton; the quantized payloads are sized below
+    _, inner = split_peft(apply_lora(build_skeleton(real_cfg), dataclasses.replace(settings, quantize=None)))
     dec = decompose_skeleton(inner)
     numels = [spec.numel for spec in dec.layers]
     trains = [spec.train_numel for spec in dec.layers]
     if len(numels) != base.num_blocks + 2:
         raise UnsupportedModelError(f"LoRA changed the layer count of {base.model_type!r}")
     targets = settings.targets or "all block projections"
+    quant = settings.quant_spec
+    quantized: list[int] = []
+    if quant is not None:  # QLoRA: the block linears' payloads (tinypipe.quant), exactly as allocated
+        from tinypipe.quant.sizing import quantized_sizes
+
+        numels, quantized = quantized_sizes(dec, inner, quant)
     return dataclasses.replace(
         base, embed_numel=numels[0], head_numel=numels[-1], block_numels=tuple(numels[1:-1]),
         train_numels=tuple(trains),
-        lora=f"LoRA rank {settings.rank} on {targets if isinstance(targets, str) else ','.join(targets)}",
+        lora=f"LoRA rank {settings.rank} on {targets if isinstance(targets, str) else ','.join(targets)}"
+        + (f" over a {quant.label} base" if quant is not None else ""),
+        quantize=quant.label if quant is not None else "", quant_block_params=tuple(quantized[1:-1]),
     )

@@ -26,6 +26,7 @@ from tinypipe.runtime.optim.device_state import DeviceOptimizerState
 from tinypipe.runtime.optim.path import OptimizerPath, retains_gradients
 from tinypipe.runtime.optim.ssd_tier import SsdTier
 from tinypipe.runtime.resources import EngineResources
+from tinypipe.runtime.rng import DropoutRng
 from tinypipe.runtime.signals import POLL_S
 from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
@@ -59,7 +60,8 @@ class EngineBuilder:
         # what the store still allocates: AdamW moments, the fp32 master unless a loader already
         # placed it (tinypipe.load_model), the retained gradient, frozen weights at compute precision
         per = 8 + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (4 if self.retain else 0)
-        need = per * trainable + (n_params - trainable) * self.dtype.itemsize
+        # frozen bytes as laid out (QLoRA's packed payload is far smaller than the dense count)
+        need = per * trainable + sum(s.frozen_numel for s in self.dec.layers) * self.dtype.itemsize
         offload = self._offload()
         if offload:
             regions = offload_regions(self.dec, offload, self.dtype, self.retain)
@@ -108,6 +110,7 @@ class EngineBuilder:
     def devices(self, store: HostStore,
                 compile_backend: str | None) -> tuple[list[DeviceRuntime], dict[int, DeviceOptimizerState]]:
         """Every device's runtime, and the AdamW state of the devices that step layers."""
+        self._check_quantized_devices()
         runtimes, states = [], {}
         for i, backend in enumerate(self.backends):
             runtime, state = self.device(i, backend, store, compile_backend)
@@ -115,6 +118,16 @@ class EngineBuilder:
             if state is not None:
                 states[i] = state
         return runtimes, states
+
+    def _check_quantized_devices(self) -> None:
+        """A quantized (QLoRA) base on more than one CUDA device entry is refused: on an H200
+        (session 4) a compiled block failed there ("FX to symbolically trace a dynamo-optimized
+        function") while one entry trained exactly; until that is fixed and verified, one GPU."""
+        quantized = any(p.packed is not None for s in self.dec.layers for p in s.params)
+        cuda_entries = sum(1 for b in self.backends if b.is_cuda)
+        if quantized and cuda_entries > 1:
+            raise ConfigError(f"a quantized base (QLoRA) trains on one CUDA device entry for now, got "
+                              f"{cuda_entries}; use --devices cuda:0")
 
     def device(self, i: int, backend: Backend, store: HostStore,
                compile_backend: str | None) -> tuple[DeviceRuntime, DeviceOptimizerState | None]:
@@ -143,9 +156,9 @@ class EngineBuilder:
         # page-locked host buffers: the staging pool would be an extra 4 B/param copy per step
         pool_buffers = 0 if self.retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
         gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner, POLL_S)
-        shell = Shell(self.model, dec, backend.device)
+        shell = Shell(self.model, dec, backend.device, dropout=cfg.dropout)
         if compile_backend is not None:
-            shell.compile_blocks(compile_backend)
+            shell.compile_blocks(compile_backend, replay_random=cfg.dropout)
         runtime = DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool)
         owned = plan.device_optimized(i)
         if not owned:
@@ -199,4 +212,5 @@ class EngineBuilder:
             hidden_size=hidden_size, head_chunk_tokens=head_chunk_tokens,
             optimizer_threads=optimizer.threads, trace=cfg.trace, check_finite=cfg.check_finite,
             stall_timeout_s=cfg.stall_timeout_s,
+            rng=DropoutRng.from_seed(cfg.dropout_seed) if cfg.dropout else None,
         )

@@ -238,7 +238,8 @@ class Engine:
     def _inputs(self, batch: Mapping[str, torch.Tensor]) -> StepInputs:
         max_pos = getattr(self.model.config, "max_position_embeddings", None)
         return prepare_inputs(batch, int(self.model.config.vocab_size),
-                              None if max_pos is None else int(max_pos), pin=self._any_cuda)
+                              None if max_pos is None else int(max_pos), pin=self._any_cuda,
+                              document_masks=self.decomposition.document_masks)
 
     def _result(self, outcome: StepOutcome, inputs: StepInputs, sched: Schedule, loss: float, lr: float,
                 t0: float, timings: list[TaskTiming]) -> StepResult:

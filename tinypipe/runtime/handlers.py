@@ -16,9 +16,10 @@ from tinypipe.runtime.context import StepContext
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.messages import GradChunk, GradEnd, GradNorm
 from tinypipe.runtime.resources import EngineResources
+from tinypipe.runtime.rng import EMBED, HEAD, PACK, TaskRng, replay_pieces
 from tinypipe.runtime.stash_io import StashIO
 from tinypipe.schedule.ids import Kind, head_id
-from tinypipe.schedule.tasks import Task
+from tinypipe.schedule.tasks import COMPUTE_KINDS, Task
 
 
 NORM_CHUNK = 1 << 24  # elements per partial gradient norm
@@ -34,6 +35,8 @@ class TaskHandlers:
         self.optim = res.optimizer
         self.dtype = res.compute_dtype
         self.stash = StashIO(ctx, res.read_ahead)
+        self._rng: dict[int, TaskRng] = {}  # device entry -> its running compute task's generator hold
+        self._drew: dict[tuple[int, int], bool] = {}  # (pack, forward micro-batch) -> its forward drew
         self._by_kind: dict[Kind, Callable[[Task, DeviceRuntime], None]] = {
             Kind.RESIDENT_UPLOAD: self._upload,
             Kind.UPLOAD: self._upload,
@@ -50,7 +53,22 @@ class TaskHandlers:
         """Run ``task`` (``dev``: its device; None for a host task)."""
         if self.ctx.fault is not None:
             self.ctx.fault(task)
-        self._by_kind[task.kind](task, dev)  # type: ignore[arg-type]
+        rng = self.res.rng
+        if rng is None or dev is None or task.kind not in COMPUTE_KINDS:
+            self._by_kind[task.kind](task, dev)  # type: ignore[arg-type]
+            return
+        with rng.task(dev.device, self.optim.step_count) as held:  # see runtime/rng.py
+            self._rng[dev.index] = held
+            try:
+                self._by_kind[task.kind](task, dev)
+            finally:
+                del self._rng[dev.index]
+
+    def _seed(self, dev: DeviceRuntime, *key: int | str) -> None:
+        """Put ``dev``'s generator into the state of stage ``key`` (dropout on; else nothing)."""
+        held = self._rng.get(dev.index)
+        if held is not None:
+            held.seed(*key)
 
     def _spec(self, layer: int) -> LayerSpec:
         return self.store.layers[layer].spec
@@ -157,8 +175,9 @@ class TaskHandlers:
         ids = inp.input_ids.to(dev.device, non_blocking=True)
         mask = inp.attention_mask
         mask = mask.to(dev.device, non_blocking=True) if mask is not None else None
+        self._seed(dev, EMBED)
         with torch.no_grad():
-            hidden, calls = dev.shell.embed_forward(ids, mask)
+            hidden, calls = dev.shell.embed_forward(ids, mask, self._positions(dev))
         with self.ctx.block_calls_lock:
             self.ctx.block_calls[dev.index] = calls
         buf = self.ctx.acts[0]
@@ -167,9 +186,14 @@ class TaskHandlers:
         else:
             buf.write(0, inp.batch, hidden.to(self.dtype))
 
-    def _run_pack(self, task: Task, dev: DeviceRuntime, x: torch.Tensor) -> torch.Tensor:
+    def _positions(self, dev: DeviceRuntime) -> torch.Tensor | None:
+        pos = self.ctx.inputs.position_ids
+        return pos.to(dev.device, non_blocking=True) if pos is not None else None
+
+    def _run_pack(self, task: Task, dev: DeviceRuntime, x: torch.Tensor,
+                  rows: tuple[int, int] | None = None) -> torch.Tensor:
         calls = self._block_calls(dev)
-        lo, hi = task.rows
+        lo, hi = rows or task.rows
         for layer in task.layers:
             call = slice_rows(calls[layer - 1], lo, hi, self.ctx.inputs.batch)
             x = dev.shell.block_forward(layer - 1, x, call)
@@ -182,8 +206,11 @@ class TaskHandlers:
         x = self.stash.read_rows(self.ctx.acts[q], *task.rows, dev)
         self.stash.read_ahead_next(task, dev)
         self._check(task, "input", x)
+        self._seed(dev, PACK, q, task.mb)
         with torch.no_grad():
             y = self._run_pack(task, dev, x)
+        held = self._rng.get(dev.index)
+        self._drew[(q, task.mb)] = held is not None and held.drew()
         self._check(task, "output", y)
         self.stash.write_rows(self.ctx.acts[q + 1], *task.rows, y, dev)
 
@@ -200,6 +227,7 @@ class TaskHandlers:
             ctx.loss_sum = torch.zeros((), dtype=torch.float64, device=dev.device)
         own = self._bind(dev, H, None, grad=True)
         borrowed = self._bind_borrowed(dev, H, grad=True)
+        self._seed(dev, HEAD, task.mb)
         x = self.stash.read_rows(ctx.acts[P], *task.rows, dev)
         labels = self._rows(task, dev, inp.shifted_labels)
         flat_x = x.reshape(-1, x.shape[-1])
@@ -264,7 +292,7 @@ class TaskHandlers:
         self.stash.read_ahead_next(task, dev)
         gout = ctx.grads[q + 1].read(*task.rows, dev.device)
         with torch.enable_grad():
-            y = self._run_pack(task, dev, x)
+            y = self._recompute(task, dev, x)
         self._check(task, "stashed input", x)
         self._check(task, "output gradient", gout)
         grads = torch.autograd.grad(y, [x] + params, gout, allow_unused=True)
@@ -282,6 +310,27 @@ class TaskHandlers:
             if q > 0:
                 ctx.acts[q].free()
 
+    def _recompute(self, task: Task, dev: DeviceRuntime, x: torch.Tensor) -> torch.Tensor:
+        """The pack's output on the backward micro-batch's rows, drawing what the forward drew:
+        one forward micro-batch at a time under its seed when any of them drew random numbers
+        (see :func:`~tinypipe.runtime.rng.replay_pieces`), else in one go."""
+        q, (lo, hi) = task.pack, task.rows
+        pieces = replay_pieces(self.ctx.schedule.fwd_rows(), lo, hi)
+        if not any(self._drew.get((q, m), False) for m, _, _ in pieces):
+            return self._run_pack(task, dev, x)
+        outs = []
+        for m, a, b in pieces:
+            s0, s1 = max(a, lo), min(b, hi)  # this task's rows of forward micro-batch m
+            parts = [x[s0 - lo : s1 - lo]]
+            if a < s0:  # rows of the forward micro-batch outside this task: inputs only
+                parts.insert(0, self.stash.read_rows(self.ctx.acts[q], a, s0, dev))
+            if s1 < b:
+                parts.append(self.stash.read_rows(self.ctx.acts[q], s1, b, dev))
+            self._seed(dev, PACK, q, m)
+            y = self._run_pack(task, dev, parts[0] if len(parts) == 1 else torch.cat(parts), (a, b))
+            outs.append(y[s0 - a : s1 - a])
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
     def _embed_bwd(self, task: Task, dev: DeviceRuntime) -> None:
         ctx, inp = self.ctx, self.ctx.inputs
         tied = bool(self._spec(ctx.schedule.num_layers - 1).borrowed)
@@ -297,8 +346,9 @@ class TaskHandlers:
         mask = inp.attention_mask
         mask = mask.to(dev.device, non_blocking=True) if mask is not None else None
         gout = ctx.grads[0].read(0, inp.batch, dev.device)
+        self._seed(dev, EMBED)
         with torch.enable_grad():
-            hidden, _ = dev.shell.embed_forward(ids, mask)
+            hidden, _ = dev.shell.embed_forward(ids, mask, self._positions(dev))
         grads = torch.autograd.grad(hidden.to(self.dtype), params, gout, allow_unused=True)
         self._accumulate(dev, 0, None, list(grads))
         ctx.grads[0].free()

@@ -18,6 +18,7 @@ class StepInputs:
     attention_mask: torch.Tensor | None
     shifted_labels: torch.Tensor  # labels[:, 1:] padded with -100: position t predicts this
     denom: int  # labelled tokens in the whole global batch
+    position_ids: torch.Tensor | None = None  # restarting inside a row: packed documents
 
     @property
     def batch(self) -> int:
@@ -28,14 +29,63 @@ class StepInputs:
         return int(self.input_ids.shape[1])
 
 
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: where a new document starts inside a row -- the position id does not follow
+    the previous one by 1 (the rule transformers' ``find_packed_sequence_indices`` applies)."""
+    starts = torch.zeros_like(position_ids, dtype=torch.bool)
+    starts[:, 1:] = position_ids[:, 1:] - position_ids[:, :-1] != 1
+    return starts
+
+
+def _positions(batch: Mapping[str, torch.Tensor], shape: tuple[int, int],
+               max_positions: int | None) -> torch.Tensor | None:
+    pos = batch.get("position_ids")
+    if pos is None:
+        return None
+    integer = isinstance(pos, torch.Tensor) and pos.dtype in (torch.int64, torch.int32)
+    if not integer or tuple(pos.shape) != shape:
+        raise BatchError(f"position_ids must be an integer tensor of shape {shape}")
+    pos = pos.long().cpu()
+    if int(pos.min()) < 0 or (max_positions is not None and int(pos.max()) >= max_positions):
+        raise BatchError(f"position_ids must lie in [0, {max_positions}) (min {int(pos.min())}, "
+                         f"max {int(pos.max())})")
+    return pos
+
+
+def _check_packed(pos: torch.Tensor | None, mask: torch.Tensor | None,
+                  document_masks: bool) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """Packed rows (position ids restarting inside a row) must get per-document attention: refuse
+    what would let documents attend to each other. Returns (mask, the document starts or None)."""
+    if pos is None:
+        return mask, None
+    if mask is not None and bool((mask == 1).all()):
+        mask = None  # transformers detects packed rows only without a padding mask
+    starts = document_starts(pos)
+    if not bool(starts.any()):
+        return mask, None
+    if mask is not None:
+        raise BatchError("position_ids restart inside a row (packed documents) while attention_mask marks "
+                         "padding: transformers then ignores the packing and documents attend to each "
+                         "other; give padding its own position ids and labels -100, without a mask")
+    if not document_masks:
+        raise BatchError("position_ids restart inside a row (packed documents), but this model's "
+                         "transformers code does not build per-document attention masks from position ids; "
+                         "pad each document instead (tinypipe finetune --packing off)")
+    return mask, starts
+
+
 def prepare_inputs(batch: Mapping[str, torch.Tensor], vocab: int, max_positions: int | None,
-                   pin: bool) -> StepInputs:
+                   pin: bool, document_masks: bool = True) -> StepInputs:
     """Validate a global batch (one-line :class:`BatchError` for anything malformed) and build the
     step's host-side inputs: labels shifted by one, padding ignored, the labelled-token count.
-    ``pin``: page-lock them so device copies never synchronise a stream."""
+    ``position_ids`` that restart inside a row pack several documents into it: each attends only
+    within itself (``document_masks``: the model's transformers code builds such masks, see
+    :meth:`~tinypipe.models.decompose.Decomposition`), and no token is trained to predict the
+    first token of the next document. ``pin``: page-lock them so device copies never synchronise
+    a stream."""
     if not isinstance(batch, Mapping):
-        raise BatchError("batch must be a dict with 'input_ids' (and optional 'labels', 'attention_mask'), "
-                         f"got {type(batch).__name__}")
+        raise BatchError("batch must be a dict with 'input_ids' (and optional 'labels', 'attention_mask', "
+                         f"'position_ids'), got {type(batch).__name__}")
     if "input_ids" not in batch:
         raise BatchError("batch needs 'input_ids' (LongTensor[batch, seq])")
     ids = batch["input_ids"]
@@ -61,6 +111,8 @@ def prepare_inputs(batch: Mapping[str, torch.Tensor], vocab: int, max_positions:
         mask = mask.long().cpu()
         if bool(((mask != 0) & (mask != 1)).any()):
             raise BatchError("attention_mask must hold only 0 (padding) and 1 (token)")
+    pos = _positions(batch, (B, S), max_positions)
+    mask, starts = _check_packed(pos, mask, document_masks)
     labels = batch.get("labels")
     if labels is None:
         labels = ids.clone()
@@ -74,6 +126,8 @@ def prepare_inputs(batch: Mapping[str, torch.Tensor], vocab: int, max_positions:
         labels = labels.long().cpu()
     shifted = torch.full_like(labels, -100)
     shifted[:, :-1] = labels[:, 1:]
+    if starts is not None:  # the last token of a document does not predict the next document
+        shifted[:, :-1][starts[:, 1:]] = -100
     denom = int((shifted != -100).sum())
     if denom == 0:
         raise BatchError("batch has no labelled tokens (all labels are -100)")
@@ -83,4 +137,5 @@ def prepare_inputs(batch: Mapping[str, torch.Tensor], vocab: int, max_positions:
     if pin:  # pinned: device copies never sync a stream
         ids, shifted = ids.pin_memory(), shifted.pin_memory()
         mask = mask.pin_memory() if mask is not None else None
-    return StepInputs(ids, mask, shifted, denom)
+        pos = pos.pin_memory() if pos is not None else None
+    return StepInputs(ids, mask, shifted, denom, pos)

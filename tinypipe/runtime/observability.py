@@ -39,7 +39,7 @@ def memory_report(res: EngineResources, rss: RssPeak) -> MemoryReport:
     store = res.store
     host = {
         "master_weights": store.master_bytes,
-        **({"frozen_weights": store.frozen_bytes} if store.frozen_bytes else {}),
+        **({store.frozen_label: store.frozen_bytes} if store.frozen_bytes else {}),
         "optimizer_state": store.optimizer_bytes,
         "pinned_grad_pool": sum(d.grad_pool.nbytes for d in res.devices),
         "gradient_buffers": res.optimizer.retained_bytes,

@@ -13,6 +13,7 @@ import torch
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.path import OptimizerPath
+from tinypipe.runtime.rng import DropoutRng
 from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
 
@@ -35,3 +36,4 @@ class EngineResources:
     trace: bool  # record CUDA timing events per task
     check_finite: bool  # stop at the first task whose output holds NaN/inf (syncs)
     stall_timeout_s: float  # no task finished for this long: the watchdog aborts the step
+    rng: DropoutRng | None = None  # training-mode randomness replayed by the recompute (None: dropout off)

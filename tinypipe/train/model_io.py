@@ -42,6 +42,8 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PreTrainedTokenizerBase
 
+    from tinypipe.quant.spec import QuantSpec
+
 __all__ = [
     "ModelFilesError",
     "ModelLoadError",
@@ -144,16 +146,26 @@ def resolve_model_path(path: str | os.PathLike[str]) -> tuple[str, Path]:
 
 
 def load_model(
-    path: str | os.PathLike[str], *, tokenizer: bool = True
+    path: str | os.PathLike[str], *, tokenizer: bool = True, quantize: QuantSpec | None = None,
+    quantize_device: str | None = None,
 ) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
     """``(model, tokenizer)`` from a Hugging Face directory or a GGUF file, model in fp32, eval mode.
 
     The weights are read layer by layer straight into the engine's host layout: pass the model
     to :class:`tinypipe.Engine` and it adopts them without a copy. ``tokenizer=False`` skips the
     tokenizer (``None`` is returned in its place).
+
+    ``quantize`` (a :class:`tinypipe.quant.QuantSpec`): the decoder-block linears are quantized
+    with bitsandbytes while the safetensors stream (QLoRA; the rest of the model at the spec's
+    compute dtype), on ``quantize_device`` (default: the first GPU if there is one); a checkpoint
+    saved bitsandbytes-quantized by transformers is read as it is stored.
     """
     kind, p = resolve_model_path(path)
-    return _load_gguf(p, tokenizer) if kind == "gguf" else _load_hf_dir(p, tokenizer)
+    if kind == "gguf" and quantize is not None:
+        raise ModelFilesError(f"{p}: a quantized base streams from safetensors; GGUF files load dense")
+    if kind == "gguf":
+        return _load_gguf(p, tokenizer)
+    return _load_hf_dir(p, tokenizer, quantize, quantize_device)
 
 
 # --------------------------------------------------------------------------- Hugging Face directories
@@ -221,8 +233,8 @@ def _load_tokenizer(folder: Path, **kwargs: object):
         ) from None
 
 
-def _load_hf_dir(folder: Path,
-                 want_tokenizer: bool = True) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+def _load_hf_dir(folder: Path, want_tokenizer: bool = True, quantize: QuantSpec | None = None,
+                 quantize_device: str | None = None) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
     from tinypipe.models.safetensors_stream import SafetensorsError, safetensors_files
 
     config = _load_config(folder)
@@ -237,12 +249,46 @@ def _load_hf_dir(folder: Path,
         files = safetensors_files(folder)
     except SafetensorsError as exc:
         raise ModelFilesError(_one_line(exc)) from None
+    if quantize is not None or _bnb_checkpoint(config):
+        if not files:
+            raise ModelFilesError(f"{folder}: a quantized base streams from safetensors files (this "
+                                  "checkpoint is pytorch_model.bin)")
+        return _load_quantized(config, files, folder, quantize, quantize_device), tokenizer
     if not files:  # pytorch_model.bin checkpoints: transformers' loader (the whole model at once)
         return _load_hf_dir_whole(folder), tokenizer
     model, mat = _skeleton(config, folder)
     _fill_from_safetensors(mat, files, folder)
     _take_generation_config(model, folder)
     return model, tokenizer
+
+
+def _bnb_checkpoint(config) -> bool:  # noqa: ANN001
+    qc = getattr(config, "quantization_config", None)
+    method = qc.get("quant_method") if isinstance(qc, dict) else getattr(qc, "quant_method", None)
+    return str(getattr(method, "value", method)) == "bitsandbytes"
+
+
+def _load_quantized(config, files: list[Path], folder: Path, spec: QuantSpec | None,  # noqa: ANN001
+                    device: str | None) -> nn.Module:
+    """tinypipe.quant's streaming loader (QLoRA bases), its failures as one-line load errors."""
+    from tinypipe.models.safetensors_stream import SafetensorsError
+    from tinypipe.quant.load import load_quantized, prequantized_spec
+    from tinypipe.quant.spec import QuantizeError
+
+    compute = "fp32" if spec is not None and spec.compute_dtype == torch.float32 else "bf16"
+    stored = prequantized_spec(config, compute)
+    if stored is not None and spec is not None and (stored.scheme, stored.double_quant) != (spec.scheme,
+                                                                                          spec.double_quant):
+        raise QuantizeError(f"{folder}: the checkpoint is stored {stored.label}, not {spec.label}")
+    if device is None and torch.cuda.is_available():
+        device = "cuda"
+    try:
+        return load_quantized(config, files, str(folder), spec or stored, prequantized=stored is not None,
+                              device=device)
+    except QuantizeError:
+        raise
+    except (ValueError, OSError, SafetensorsError) as exc:
+        raise ModelFilesError(_one_line(exc, 300)) from None
 
 
 def _skeleton(config, where: Path):  # noqa: ANN001, ANN202

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# One device call of a measurement session: GPU tests and benchmarks, chosen by phase, each
+# writing its raw JSON under $OUT. Usage (on the GPU machine, repo root):
+#   bash bench/gpu_calls.sh w1-qlora8b   # W1 auto plan + QLoRA/bf16-LoRA GPU tests + the 8B QLoRA pair
+#   bash bench/gpu_calls.sh qlora70b     # the 70B-shape QLoRA run (a call of its own: ~6 min)
+#   bash bench/gpu_calls.sh ssd-w3       # W3 with the SSD tier (bench/ssd_w3.py)
+# bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
+set -u
+export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=$PYTHONPATH:/tmp/site
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+case "${1:-}" in
+  w1-qlora8b)
+    timeout 120 python3 bench/run.py W1 --auto --json "$OUT/w1_auto_after.json" 2>&1 | tail -8
+    timeout 180 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_bf16.py tests/test_gpu.py \
+      -k "(bf16_matches and 1dev and llama) or (1dev_host_stash and llama) or (qlora and (nf4 or 1dev_packs2))" 2>&1 | grep -E "update error|passed|failed|Error" | tail -12
+    timeout 280 python3 bench/qlora_bench.py --runs 8b-shape-nf4,8b-shape-bf16-lora --json "$OUT/qlora_8b.json" 2>&1 \
+      | tail -12 ;;
+  qlora70b)
+    timeout 560 python3 bench/qlora_bench.py --runs 70b-shape-nf4 --dequant --steps 2 --json "$OUT/qlora_70b.json" \
+      2>&1 | tail -20 ;;
+  ssd-w3)
+    timeout 560 python3 bench/ssd_w3.py --json "$OUT/ssd_w3.json" ${SSD_ARGS:-} 2>&1 | tail -30 ;;
+  *) echo "unknown phase ${1:-}"; exit 2 ;;
+esac

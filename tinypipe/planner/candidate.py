@@ -1,0 +1,77 @@
+"""One evaluated plan: its memory estimate (GPU per device, host by category) and predicted step
+time, and whether it fits.
+
+Fitting means, for every device, static pools + estimated activation peak + headroom <= the
+GPU's memory, and host bytes (tinypipe-owned, exact) + the process baseline <= the host budget.
+The headroom covers what the estimate leaves out: the CUDA context (outside PyTorch's allocator)
+and allocator fragmentation (:data:`GPU_CONTEXT_BYTES`, :data:`FRAGMENTATION`). The host baseline
+(:data:`HOST_BASELINE_BYTES`) is the Python process with torch and transformers loaded (measured
+~1.8 GB above tinypipe's own bytes on the H200 box).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+from tinypipe.config import Precision
+from tinypipe.memory.report import MemoryReport
+from tinypipe.planner.cost import StepTime, predict_step_time
+from tinypipe.planner.estimate import estimate_memory
+from tinypipe.planner.hardware import HardwareSpec
+from tinypipe.planner.sizes import ModelSizes
+from tinypipe.schedule.plan import Plan
+from tinypipe.units import GIB
+
+#: GPU memory the CUDA context and library handles take outside PyTorch's allocator.
+GPU_CONTEXT_BYTES = 512 * 1024**2
+#: Share of the activation peak added for allocator fragmentation (expandable segments on).
+FRAGMENTATION = 0.10
+#: Host memory of the process beyond tinypipe's accounted bytes (interpreter, libraries, model
+#: object shells, tokenizer, data).
+HOST_BASELINE_BYTES = 3 * GIB
+
+
+@dataclass
+class Candidate:
+    """One evaluated plan."""
+
+    plan: Plan
+    memory: MemoryReport
+    time: StepTime
+    gpu_need: int  # the fullest device: static + activation peak + headroom
+    host_need: int  # tinypipe's host bytes + process baseline
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.time.tokens_per_s
+
+    def describe(self) -> str:
+        return self.plan.describe()
+
+
+def gpu_need(report: MemoryReport) -> int:
+    """The fullest device's static pools + activation peak + headroom."""
+    worst = 0
+    for name, cats in report.devices.items():
+        act = cats.get("activations_peak", 0)
+        need = report.device_total(name) + act + int(FRAGMENTATION * act) + GPU_CONTEXT_BYTES
+        worst = max(worst, need)
+    return worst
+
+
+def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int, global_batch: int,
+             precision: Precision = "bf16", max_grad_norm: float | None = None,
+             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None) -> Candidate:
+    """Estimate ``plan``'s memory and step time on ``plan.num_devices`` GPUs of ``hardware``
+    (``peaks``: activation peaks already estimated for the same plan with another window)."""
+    devices = [f"cuda:{i}" for i in range(plan.num_devices)]
+    prof = hardware.layer_profile
+    act = None
+    if prof is not None and prof.precision == precision:  # measured saved activations of this block shape
+        act = prof.activation_bytes_for(sizes.block_params[0], sizes.num_heads * sizes.head_dim)
+    mem = estimate_memory(sizes, plan, batch=global_batch, seq=seq, precision=precision, devices=devices,
+                          host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
+                          act_per_token=act)
+    t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision)
+    return Candidate(plan, mem, t, gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)

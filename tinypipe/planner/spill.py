@@ -1,0 +1,200 @@
+"""Fitting a plan into host memory with the SSD, and the global batch that hides the SSD's I/O.
+
+:class:`Spill` takes each evaluated plan that fits the GPUs but not the host, moves state to the SSD
+in the planner's order (:func:`tinypipe.planner.offload.choose_offload`) until the host need fits,
+re-evaluates it (the step time then has the SSD lanes), and remembers why plans were refused --
+too little DRAM even with everything on the SSD, or too little free disk -- for the one-line
+message when nothing fits.
+
+:func:`hiding_batch`: the bytes a step moves to and from the SSD do not grow with the batch, the
+compute does. The smallest global batch at which the SSD costs under :data:`HIDDEN_SHARE` of the
+step (against the same plan with an infinitely fast SSD), for the chosen plan's knobs, the offload
+set re-chosen at each batch (a host stash grows with it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from tinypipe.errors import PlanDoesNotFitError
+from tinypipe.planner.candidate import HOST_BASELINE_BYTES, Candidate
+from tinypipe.planner.cost import predict_step_time
+from tinypipe.planner.hardware import HardwareSpec
+from tinypipe.planner.offload import choose_offload, disk_bytes, least_host_need
+from tinypipe.planner.sizes import ModelSizes
+from tinypipe.planner.ssd import SsdSpec
+from tinypipe.schedule.plan import Plan
+from tinypipe.units import gib_text
+
+#: The SSD counts as hidden when the step is at most this much slower than with an infinitely fast one
+#: (well inside the time model's own error: its calibration points are within 15 %).
+HIDDEN_SHARE = 0.05
+#: The largest global batch :func:`hiding_batch` tries (sequences).
+MAX_HIDING_BATCH = 1 << 14
+
+#: ``evaluate(plan, peaks)``: a plan's Candidate at the workload being planned.
+Evaluate = Callable[[Plan, Sequence[int] | None], Candidate]
+
+
+class Spill:
+    """Offload decisions for one search (``ssd`` None: DRAM only, plans that do not fit are refused)."""
+
+    def __init__(self, sizes: ModelSizes, ssd: SsdSpec | None, cpu_mem: int, *, precision: str,
+                 retain_grads: bool) -> None:
+        self.sizes, self.ssd, self.cpu_mem = sizes, ssd, cpu_mem
+        self.precision, self.retain_grads = precision, retain_grads
+        self.least_host: Candidate | None = None  # refused: DRAM too small even with the SSD
+        self.least_host_need = 0
+        self.least_disk: int | None = None  # refused: the disk too small (bytes the smallest one needed)
+
+    def settle(self, c: Candidate, evaluate: Evaluate) -> Candidate | None:
+        """``c`` when it fits the host; else ``c`` with state on the SSD so that it does (None: it
+        cannot, with the reason recorded)."""
+        if c.host_need <= self.cpu_mem:
+            return c
+        if self.ssd is None:
+            return None
+        budget = self.cpu_mem - HOST_BASELINE_BYTES
+        kw = dict(precision=self.precision, retain_grads=self.retain_grads)
+        offload = choose_offload(self.sizes, c.plan, c.memory.host, budget, **kw)
+        if offload is None:
+            need = least_host_need(self.sizes, c.plan, c.memory.host, **kw) + HOST_BASELINE_BYTES
+            if self.least_host is None or need < self.least_host_need:
+                self.least_host, self.least_host_need = c, need
+            return None
+        disk = disk_bytes(self.sizes, offload, self.precision)
+        if self.ssd.free_bytes is not None and disk > self.ssd.free_bytes:
+            self.least_disk = disk if self.least_disk is None else min(self.least_disk, disk)
+            return None
+        peaks = [cats["activations_peak"] for cats in c.memory.devices.values()]
+        out = evaluate(dataclasses.replace(c.plan, offload=offload), peaks)
+        assert out.host_need <= self.cpu_mem, "choose_offload and host_bytes disagree"
+        return out
+
+    def why_not(self) -> str | None:
+        """One line for a search whose plans fit the GPUs but none fit host memory (None: no
+        plan was refused by the SSD tier)."""
+        if self.ssd is None:
+            return None
+        where = f" on {self.ssd.directory}" if self.ssd.directory else ""
+        if self.least_disk is not None:
+            return (f"needs {gib_text(self.least_disk)} of SSD scratch space{where} to fit host memory "
+                    f"under {gib_text(self.cpu_mem)}, the disk has {gib_text(self.ssd.free_bytes or 0)} "
+                    "free; free space, choose another --offload-dir or add RAM")
+        if self.least_host is not None:
+            host = self.least_host.memory.host
+            return (f"needs {gib_text(self.least_host_need)} host memory even with its training state on "
+                    f"the SSD{where}, have {gib_text(self.cpu_mem)} (what stays: the staging pool, "
+                    f"gradient pools, {gib_text(host.get('stashed_activations', 0))} of stashed activations "
+                    "and the process); add RAM, try --lora or a smaller --global-batch")
+        return None
+
+
+@dataclass(frozen=True)
+class IoHiding:
+    """Where the SSD's I/O stops costing time for the chosen plan's knobs."""
+
+    batch: int | None  # smallest global batch with the SSD hidden (None: not up to MAX_HIDING_BATCH)
+    step_s: float | None = None
+    tokens_per_s: float | None = None
+    ssd_bytes: int = 0  # state on the SSD at that batch
+    gpu_need: int | None = None
+    host_need: int | None = None
+    fits_gpu: bool = True  # the plan's knobs fit the GPUs at that batch
+    note: str = ""
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def hiding_batch(sizes: ModelSizes, hw: HardwareSpec, plan: Plan,
+                 evaluate_at: Callable[[Plan, int], Candidate], spill: Spill, *, seq: int, precision: str,
+                 gpu_mem: int) -> IoHiding:
+    """The smallest global batch at which ``plan``'s knobs (its offload re-chosen for that batch)
+    run with the SSD hidden (see the module documentation); doubling, then bisection."""
+    fast = dataclasses.replace(hw, ssd_read_gbps=1e12, ssd_write_gbps=1e12)
+
+    def at(batch: int) -> tuple[bool, Candidate | None]:
+        c = evaluate_at(dataclasses.replace(plan, offload=()), batch)
+        settled = spill.settle(c, lambda p, peaks: evaluate_at(p, batch))
+        if settled is None:
+            return False, None
+        ideal = predict_step_time(sizes, settled.plan, fast, batch=batch, seq=seq, precision=precision)
+        return settled.time.step_s <= ideal.step_s * (1 + HIDDEN_SHARE), settled
+
+    lo, hi, best = 0, 1, None
+    while hi <= MAX_HIDING_BATCH:
+        hidden, c = at(hi)
+        if c is None:
+            return IoHiding(None, note=f"at {hi} sequences per step the host cannot hold what stays in DRAM")
+        if hidden:
+            best = (hi, c)
+            break
+        lo, hi = hi, hi * 2
+    if best is None:
+        return IoHiding(None, note=f"not hidden up to {MAX_HIDING_BATCH} sequences per step")
+    hi = best[0]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        hidden, c = at(mid)
+        if hidden and c is not None:
+            hi, best = mid, (mid, c)
+        else:
+            lo = mid
+    batch, c = best
+    on_ssd = disk_bytes(sizes, c.plan.offload, precision)
+    return IoHiding(batch, c.time.step_s, c.tokens_per_s, on_ssd, c.gpu_need, c.host_need,
+                    fits_gpu=c.gpu_need <= gpu_mem)
+
+
+def replanned_hiding(best_at: Callable[[int], Candidate], sizes: ModelSizes, hw: HardwareSpec, *,
+                     start: int, seq: int, precision: str, max_batch: int = MAX_HIDING_BATCH) -> IoHiding:
+    """When the chosen plan's knobs cannot reach a hiding batch (its host stash outgrows DRAM, or
+    its activations the GPU): the planner's best plan at 2, 4, 8... times ``start`` sequences
+    (``best_at(batch)``, raising PlanDoesNotFitError), the first that hides the I/O, narrowed down by
+    bisection to within an eighth. Costs a few searches: only run when the cheap one failed."""
+    fast = dataclasses.replace(hw, ssd_read_gbps=1e12, ssd_write_gbps=1e12)
+
+    why = [""]
+    tried: list[tuple[float, int, float]] = []  # (tokens/s, batch, share of the step the SSD adds)
+
+    def at(batch: int) -> tuple[bool, Candidate | None]:
+        try:
+            c = best_at(batch)
+        except PlanDoesNotFitError as exc:
+            why[0] = " ".join(str(exc).split(";")[0].split())  # what it needs, not the advice
+            return False, None
+        ideal = predict_step_time(sizes, c.plan, fast, batch=batch, seq=seq, precision=precision)
+        tried.append((c.tokens_per_s, batch, c.time.step_s / ideal.step_s - 1))
+        return c.time.step_s <= ideal.step_s * (1 + HIDDEN_SHARE), c
+
+    def best_tried() -> str:
+        if not tried:
+            return ""
+        tps, batch, extra = max(tried)
+        return (f"; the fastest tried: {batch} sequences per step, {tps:,.0f} tokens/s, the SSD adding "
+                f"{extra:.0%} to the step")
+
+    lo, hi, found = start, 2 * start, None
+    while hi <= max_batch:
+        hidden, c = at(hi)
+        if c is None:
+            return IoHiding(None, note=f"no plan fits {hi} sequences per step ({why[0]}){best_tried()}")
+        if hidden:
+            found = (hi, c)
+            break
+        lo, hi = hi, 2 * hi
+    if found is None:
+        return IoHiding(None, note=f"not hidden up to {max_batch} sequences per step{best_tried()}")
+    while hi - lo > max(1, hi // 8):
+        mid = (lo + hi) // 2
+        hidden, c = at(mid)
+        if hidden and c is not None:
+            hi, found = mid, (mid, c)
+        else:
+            lo = mid
+    batch, c = found
+    return IoHiding(batch, c.time.step_s, c.tokens_per_s, disk_bytes(sizes, c.plan.offload, precision),
+                    c.gpu_need, c.host_need, note=f"re-planned there: {c.describe()}")

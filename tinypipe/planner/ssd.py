@@ -1,0 +1,90 @@
+"""The SSD the planner plans for: its read/write rates, where they come from, and its free space.
+
+Each rate, in this order: stated (``--ssd-read-gbps`` / ``--ssd-write-gbps``); recorded in a
+hardware file (``tinypipe profile --offload-dir DIR`` measures them); measured now on the offload
+directory (``measure=True``: ``tinypipe plan --offload-dir DIR``, 1 GiB written and read back,
+:func:`tinypipe.storage.measure_rates`); the hardware preset's (a typical NVMe Gen4 drive unless the
+preset says it was measured, :data:`~tinypipe.planner.hardware.TYPICAL_NVME_GEN4`). The engine
+never measures: it takes the hardware's rates (they only rank plans there; the offload set itself
+depends on the budget, not on the rates).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from dataclasses import asdict, dataclass, replace
+
+from tinypipe.errors import ConfigError
+from tinypipe.planner.hardware import HARDWARE, TYPICAL_NVME_GEN4, HardwareSpec
+
+#: Bytes ``tinypipe plan --offload-dir`` writes and reads back to measure the directory.
+MEASURE_BYTES = 1 << 30
+
+
+@dataclass(frozen=True)
+class SsdSpec:
+    """The offload directory the plan is for (``None``: rates only, no disk check)."""
+
+    read_gbps: float
+    write_gbps: float
+    directory: str | None = None
+    free_bytes: int | None = None  # ``shutil.disk_usage(directory).free`` when the directory exists
+    source: str = ""  # where the rates come from, for the printed plan
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def apply(self, hw: HardwareSpec) -> HardwareSpec:
+        """``hw`` with these SSD rates (what the cost model reads)."""
+        return replace(hw, ssd_read_gbps=self.read_gbps, ssd_write_gbps=self.write_gbps)
+
+
+def free_space(directory: str | None) -> int | None:
+    """Free bytes on ``directory``'s filesystem, None when there is no such directory."""
+    if directory is None or not os.path.isdir(directory):
+        return None
+    return int(shutil.disk_usage(directory).free)
+
+
+def _rate(name: str, value: float | str | None) -> float | None:
+    if value is None:
+        return None
+    try:
+        rate = float(value)
+    except (TypeError, ValueError):
+        raise ConfigError(f"{name} must be a number of GB/s, got {value!r}") from None
+    if not rate > 0:
+        raise ConfigError(f"{name} must be > 0, got {value!r}")
+    return rate
+
+
+def ssd_spec(hw: HardwareSpec, *, directory: str | os.PathLike | None = None,
+             read_gbps: float | str | None = None, write_gbps: float | str | None = None,
+             measure: bool = False) -> SsdSpec:
+    """The SSD's rates and free space for planning (see the module documentation for the order)."""
+    directory = None if directory is None else os.fspath(directory)
+    read, write = _rate("--ssd-read-gbps", read_gbps), _rate("--ssd-write-gbps", write_gbps)
+    sources = []
+    if read is not None or write is not None:
+        sources.append("stated")
+    if read is None or write is None:
+        preset = HARDWARE.get(hw.name) is hw
+        if not preset and hw.ssd_read_gbps and hw.ssd_write_gbps:
+            read, write = read or hw.ssd_read_gbps, write or hw.ssd_write_gbps
+            sources.append(f"hardware file {hw.name}")
+        elif measure and directory is not None and os.path.isdir(directory):
+            from tinypipe.storage import measure_rates
+
+            got = measure_rates(directory, MEASURE_BYTES)
+            read, write = read or float(got["read_gbps"]), write or float(got["write_gbps"])
+            sources.append(f"measured on {directory}" + ("" if got["direct"] else " (buffered I/O)"))
+        elif hw.ssd_read_gbps and hw.ssd_write_gbps:
+            read, write = read or hw.ssd_read_gbps, write or hw.ssd_write_gbps
+            typical = (hw.ssd_read_gbps, hw.ssd_write_gbps) == TYPICAL_NVME_GEN4
+            sources.append(f"preset {hw.name}" + (" (a typical NVMe Gen4 drive)" if typical else ""))
+        else:
+            read, write = read or TYPICAL_NVME_GEN4[0], write or TYPICAL_NVME_GEN4[1]
+            sources.append("a typical NVMe Gen4 drive (not measured)")
+    return SsdSpec(read_gbps=read, write_gbps=write, directory=directory, free_bytes=free_space(directory),
+                   source=", ".join(sources))
