@@ -248,7 +248,7 @@ def test_ssd_traffic_and_lanes() -> None:
     assert free.step_s == pytest.approx(dram.step_s, rel=1e-6)  # an infinitely fast SSD costs nothing
     crawl = predict_step_time(sizes, p, dataclasses.replace(hw, ssd_read_gbps=0.01, ssd_write_gbps=0.01),
                               batch=16, seq=2048)
-    assert crawl.limit == "ssd read" and crawl.step_s >= crawl.ssd_read_s * 0.99
+    assert crawl.limit == "ssd" and crawl.step_s >= (crawl.ssd_read_s + crawl.ssd_write_s) * 0.99
     with pytest.raises(ConfigError, match="ssd_read_gbps"):
         predict_step_time(sizes, p, dataclasses.replace(hw, ssd_read_gbps=None), batch=16, seq=2048)
 
@@ -260,13 +260,16 @@ def test_the_hiding_batch_hides_the_io() -> None:
     themselves: hidden at the reported batch, not one sequence below it. (The H200 at the 400
     TFLOP/s of eager blocks: with the compiled blocks' 525 the same knobs need a re-plan at 128.)"""
     hw = dataclasses.replace(load_hardware("h200-pcie5"), bf16_tflops=400.0)
+    # two of the GPU box's disks (one disk serves reads and writes in turn: with one, W3's I/O
+    # stays exposed up to 256 sequences on 24 GiB -- the search reports the fastest it tried)
+    box = SsdSpec(2 * GPU_BOX.read_gbps, 2 * GPU_BOX.write_gbps, source=GPU_BOX.source)
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.spill import Spill
 
-    kw = dict(gpus=1, gpu_memory_bytes=24 * GIB, cpu_memory_bytes=48 * GIB, seq=2048, ssd=GPU_BOX)
+    kw = dict(gpus=1, gpu_memory_bytes=24 * GIB, cpu_memory_bytes=48 * GIB, seq=2048, ssd=box)
     cfg = transformers.LlamaConfig(**W3)
     small = plan_for(cfg, hw, global_batch=16, **kw)
-    assert small.best.time.limit == "ssd read"
+    assert small.best.time.limit == "ssd"
     h = small.hiding
     assert h is not None and h.batch is not None and 16 < h.batch <= 256 and h.note.startswith("re-planned")
     assert h.tokens_per_s > 3 * small.best.tokens_per_s
@@ -280,7 +283,7 @@ def test_the_hiding_batch_hides_the_io() -> None:
     assert h is not None and h.batch is not None and h.fits_gpu and not h.note
 
     def at(batch: int):
-        spill = Spill(big.sizes, GPU_BOX, 48 * GIB, precision="bf16", retain_grads=False)
+        spill = Spill(big.sizes, box, 48 * GIB, precision="bf16", retain_grads=False)
         plan = dataclasses.replace(big.best.plan, offload=())
 
         def ev(p: Plan, _peaks=None):
@@ -354,7 +357,7 @@ def test_cli_says_what_goes_where(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(PLAN_13B + ["--ssd-read-gbps", "1.6", "--ssd-write-gbps", "2.4", "--json"]) == 0
     d = json.loads(capsys.readouterr().out)
     off = d["offload"]
-    assert d["best"]["plan"]["offload"] and off["bound"] in ("compute", "ssd read", "ssd write", "cpu optimizer",
+    assert d["best"]["plan"]["offload"] and off["bound"] in ("compute", "ssd", "cpu optimizer",
                                                              "upload", "download")
     kinds = {k["kind"]: k for k in off["kinds"]}
     assert kinds["moments"]["on_ssd"] > 0 and kinds["moments"]["ssd_bytes"] > 0

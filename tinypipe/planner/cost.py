@@ -51,6 +51,12 @@ from functools import lru_cache
 from tinypipe.errors import ConfigError
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
+
+#: Why the SSD's reads and writes are one lane, not two: measured on the H200 box's disk (1.63 GB/s
+#: reading alone, 2.42 writing alone), W3 with its moments offloaded read 52.9 GB and wrote 52.9 GB
+#: per step in 53.7 s -- the serial time (55.1 s), not the longer of the two (33.0 s)
+#: (bench/results/s4_ssd_w3_b16.json). A disk shares its bandwidth between the two directions.
+SSD_SHARED_NOTE = "one disk serves reads and writes"
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.quant.cost import dequant_seconds, passes_per_step
 from tinypipe.schedule.plan import Plan
@@ -124,13 +130,13 @@ class StepTime:
         """Each resource's busy seconds per step (the SSD's only when the plan offloads)."""
         out = {"compute": self.compute_s, "upload": self.upload_s, "download": self.download_s,
                "cpu optimizer": self.optimizer_s}
-        if self.ssd_read_bytes or self.ssd_write_bytes:
-            out.update({"ssd read": self.ssd_read_s, "ssd write": self.ssd_write_s})
+        if self.ssd_read_bytes or self.ssd_write_bytes:  # one disk serves both (see SSD_SHARED_NOTE)
+            out["ssd"] = self.ssd_read_s + self.ssd_write_s
         return out
 
     @property
     def bound_s(self) -> float:
-        """max(compute, upload, download, optimizer, SSD read, SSD write): the step if everything
+        """max(compute, upload, download, optimizer, SSD read + write): the step if everything
         overlapped."""
         return max(self.lanes().values())
 
@@ -374,11 +380,10 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     ssd = _SsdLanes(ssd_traffic(sizes, plan, precision), hw)
     if ssd.on:  # state on the SSD: read/write lanes beside every phase (see _SsdLanes)
         fill += ssd.t.fill_read / ssd.read
-        f_terms["ssd read"] = ssd.t.forward_read / ssd.read
-        f_terms["ssd write"] = ssd.t.carry_write / ssd.write  # the previous step's tail, still landing
+        # one disk: its reads and the previous step's tail writes, still landing, share it
+        f_terms["ssd"] = ssd.t.forward_read / ssd.read + ssd.t.carry_write / ssd.write
         forward = max(f_terms.values())
-        b_terms["ssd read"] = ssd.t.backward_read / ssd.read
-        b_terms["ssd write"] = ssd.t.backward_write / ssd.write
+        b_terms["ssd"] = ssd.t.backward_read / ssd.read + ssd.t.backward_write / ssd.write
         backward = max(b_terms.values())
         tail = (max((pack0 + host_embed) / rates.adamw, ssd.t.tail_write / ssd.write) + last_chunk
                 + dev.train * DEVICE_ADAMW_S_PER_PARAM)
