@@ -85,8 +85,12 @@ def read_header(file: Path) -> list[TensorEntry]:
         (length,) = struct.unpack("<Q", raw)
         if length > _HEADER_LIMIT:
             raise SafetensorsError(f"{file}: not a safetensors file (header length {length})")
+        raw = fh.read(length)
+        if len(raw) != length:
+            raise SafetensorsError(f"{file}: truncated safetensors file (header of {length} bytes, "
+                                   f"{len(raw)} present)")
         try:
-            header = json.loads(fh.read(length))
+            header = json.loads(raw)
         except (ValueError, RecursionError) as exc:
             why = " ".join(str(exc).split())[:120]
             raise SafetensorsError(f"{file}: corrupt safetensors header ({why})") from None
