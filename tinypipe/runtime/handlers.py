@@ -17,6 +17,7 @@ from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.messages import GradChunk, GradEnd, GradNorm
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.stash_io import StashIO
+from tinypipe.runtime.upload import upload_layer
 from tinypipe.schedule.ids import Kind, head_id
 from tinypipe.schedule.tasks import Task
 
@@ -115,28 +116,8 @@ class TaskHandlers:
 
     def _upload(self, task: Task, dev: DeviceRuntime) -> None:
         layer = task.layers[0]
-        self.optim.wait_layer(layer, self.ctx.abort)  # the last step's clipped update of this layer
-        src = self.store.layers[layer].master
         dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
-        # stepped on the device: loaded (master and moments) once, resident from then on
-        on_device = self.optim.on_device(layer)
-        if on_device and not self.optim.load_on_device(layer, dst):
-            return
-        staging = dev.pool.staging
-        n = src.numel()
-        frozen = self.store.layers[layer].frozen
-        if frozen is not None:  # already at the compute precision: one plain copy after the prefix
-            dst[n : n + frozen.numel()].copy_(frozen, non_blocking=True)
-        if on_device:
-            return
-        if staging is None:
-            dst[:n].copy_(src, non_blocking=True)
-            return
-        span = staging.numel()
-        for lo in range(0, n, span):
-            hi = min(n, lo + span)
-            staging[: hi - lo].copy_(src[lo:hi], non_blocking=True)
-            dst[lo:hi].copy_(staging[: hi - lo])
+        upload_layer(self.store, self.optim, dev, layer, dst, self.ctx.abort)
 
     def _embed_fwd(self, task: Task, dev: DeviceRuntime) -> None:
         self._bind(dev, 0, None, grad=False)
