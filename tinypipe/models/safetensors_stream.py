@@ -87,8 +87,8 @@ def read_header(file: Path) -> list[TensorEntry]:
             raise SafetensorsError(f"{file}: not a safetensors file (header length {length})")
         raw = fh.read(length)
         if len(raw) != length:
-            raise SafetensorsError(f"{file}: truncated safetensors file (header of {length} bytes, "
-                                   f"{len(raw)} present)")
+            raise SafetensorsError(f"{file}: corrupt safetensors header (truncated: {len(raw)} of its "
+                                   f"{length} bytes present)")
         try:
             header = json.loads(raw)
         except (ValueError, RecursionError) as exc:
