@@ -16,14 +16,17 @@ class RefRun:
 
 
 def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, eps: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None) -> RefRun:
-    """Whole model on the CPU, torch.optim.AdamW over the trainable parameters (all of them for
-    full fine-tuning, the adapters under LoRA), loss from the HF model."""
-    model = copy.deepcopy(model)
+                    betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None,
+                    device: str = "cpu") -> RefRun:
+    """Whole model on one ``device`` (the returned model on the CPU), torch.optim.AdamW over the
+    trainable parameters (all of them for full fine-tuning, the adapters under LoRA), loss from the
+    HF model."""
+    model = copy.deepcopy(model).to(device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
     losses, norms = [], []
     for b in batches:
+        b = {k: v.to(device) for k, v in b.items()}
         labels = b.get("labels")
         if labels is None:
             labels = b["input_ids"].clone()
@@ -40,7 +43,7 @@ def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, e
         opt.step()
         opt.zero_grad()
         losses.append(float(out.loss.detach()))
-    return RefRun(model, losses, norms)
+    return RefRun(model.cpu(), losses, norms)
 
 
 def randomize_biases(model: torch.nn.Module, seed: int = 1) -> None:

@@ -15,7 +15,6 @@ kernel differs between train and eval mode; dropout is 0).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import subprocess
@@ -29,7 +28,7 @@ import transformers
 
 import tinypipe
 from model_zoo import make_batch, make_config, make_model
-from reference import RefRun, assert_steps_match, train_both
+from reference import assert_steps_match, train_both, train_reference
 from tinypipe.lora import LoraSettings, apply_lora, save_merged
 from tinypipe.quant import QuantizeError, QuantSpec, layout_for, quantize_model, spec_of
 
@@ -82,29 +81,6 @@ def payloads(model: torch.nn.Module) -> dict[str, bytes]:
     return out
 
 
-def train_reference_on(model: torch.nn.Module, batches: list[dict], device: str,
-                       max_grad_norm: float | None) -> RefRun:
-    """reference.train_reference with the model (a deep copy: the same quantized bytes) and the
-    batches on ``device``: PEFT + bitsandbytes there, torch.optim.AdamW over the adapters."""
-    model = copy.deepcopy(model).to(device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
-    losses, norms = [], []
-    for b in batches:
-        b = {k: v.to(device) for k, v in b.items()}
-        labels = b.get("labels", b["input_ids"])
-        out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=labels)
-        out.loss.backward()
-        if max_grad_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
-        else:
-            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(out.loss.detach()))
-    return RefRun(model.cpu(), losses, norms)
-
-
 def run_both(family: str, spec: QuantSpec, cfg: dict, layers: int = 4, targets: list[str] | None = None,
              ref_device: str = "cpu"):
     """Train the same QLoRA model through tinypipe (``cfg``) and as plain PEFT + bitsandbytes +
@@ -119,7 +95,8 @@ def run_both(family: str, spec: QuantSpec, cfg: dict, layers: int = 4, targets: 
         engine, ref = train_both(pm, inner, batches, cfg, lr=LR, eps=EPS, weight_decay=WD)
     else:
         clip = cfg.get("max_grad_norm")
-        ref = train_reference_on(inner, batches, ref_device, clip)
+        ref = train_reference(inner, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=clip,
+                              device=ref_device)
         config = tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, **cfg)
         engine = tinypipe.Engine(pm, config)
         assert_steps_match([engine.step(b) for b in batches], ref, clip)
