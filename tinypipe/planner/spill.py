@@ -124,29 +124,42 @@ def hiding_batch(sizes: ModelSizes, hw: HardwareSpec, plan: Plan,
         ideal = predict_step_time(sizes, settled.plan, fast, batch=batch, seq=seq, precision=precision)
         return settled.time.step_s <= ideal.step_s * (1 + HIDDEN_SHARE), settled
 
-    lo, hi, best = 0, 1, None
-    while hi <= MAX_HIDING_BATCH:
-        hidden, c = at(hi)
-        if c is None:
-            return IoHiding(None, note=f"at {hi} sequences per step the host cannot hold what stays in DRAM")
-        if hidden:
-            best = (hi, c)
-            break
-        lo, hi = hi, hi * 2
-    if best is None:
+    found, stop = _first_hidden(at, 0, 1, MAX_HIDING_BATCH, lambda hi: 1)
+    if found is None:
+        if stop is not None:
+            return IoHiding(None, note=f"at {stop} sequences per step the host cannot hold what stays "
+                                       "in DRAM")
         return IoHiding(None, note=f"not hidden up to {MAX_HIDING_BATCH} sequences per step")
-    hi = best[0]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        hidden, c = at(mid)
-        if hidden and c is not None:
-            hi, best = mid, (mid, c)
-        else:
-            lo = mid
-    batch, c = best
+    batch, c = found
     on_ssd = disk_bytes(sizes, c.plan.offload, precision)
     return IoHiding(batch, c.time.step_s, c.tokens_per_s, on_ssd, c.gpu_need, c.host_need,
                     fits_gpu=c.gpu_need <= gpu_mem)
+
+
+def _first_hidden(at: Callable[[int], tuple[bool, Candidate | None]], lo: int, hi: int, limit: int,
+                  resolution: Callable[[int], int]) -> tuple[tuple[int, Candidate] | None, int | None]:
+    """Double ``hi`` from ``lo`` until ``at(batch)`` says hidden, then bisect down to within
+    ``resolution(hi)``: ``((batch, candidate), None)``; ``(None, batch)`` when nothing fits at that
+    doubling batch; ``(None, None)`` when not hidden up to ``limit``."""
+    found = None
+    while hi <= limit:
+        hidden, c = at(hi)
+        if c is None:
+            return None, hi
+        if hidden:
+            found = (hi, c)
+            break
+        lo, hi = hi, 2 * hi
+    if found is None:
+        return None, None
+    while hi - lo > resolution(hi):
+        mid = (lo + hi) // 2
+        hidden, c = at(mid)
+        if hidden and c is not None:
+            hi, found = mid, (mid, c)
+        else:
+            lo = mid
+    return found, None
 
 
 def replanned_hiding(best_at: Callable[[int], Candidate], sizes: ModelSizes, hw: HardwareSpec, *,
@@ -177,24 +190,11 @@ def replanned_hiding(best_at: Callable[[int], Candidate], sizes: ModelSizes, hw:
         return (f"; the fastest tried: {batch} sequences per step, {tps:,.0f} tokens/s, the SSD adding "
                 f"{extra:.0%} to the step")
 
-    lo, hi, found = start, 2 * start, None
-    while hi <= max_batch:
-        hidden, c = at(hi)
-        if c is None:
-            return IoHiding(None, note=f"no plan fits {hi} sequences per step ({why[0]}){best_tried()}")
-        if hidden:
-            found = (hi, c)
-            break
-        lo, hi = hi, 2 * hi
+    found, stop = _first_hidden(at, start, 2 * start, max_batch, lambda hi: max(1, hi // 8))
     if found is None:
+        if stop is not None:
+            return IoHiding(None, note=f"no plan fits {stop} sequences per step ({why[0]}){best_tried()}")
         return IoHiding(None, note=f"not hidden up to {max_batch} sequences per step{best_tried()}")
-    while hi - lo > max(1, hi // 8):
-        mid = (lo + hi) // 2
-        hidden, c = at(mid)
-        if hidden and c is not None:
-            hi, found = mid, (mid, c)
-        else:
-            lo = mid
     batch, c = found
     return IoHiding(batch, c.time.step_s, c.tokens_per_s, disk_bytes(sizes, c.plan.offload, precision),
                     c.gpu_need, c.host_need, note=f"re-planned there: {c.describe()}")
