@@ -26,6 +26,9 @@ PIN_MODES: tuple[PinMode, ...] = get_args(PinMode)
 #: What a NaN/inf loss or gradient does.
 NonFinitePolicy = Literal["raise", "skip"]
 NONFINITE_POLICIES: tuple[NonFinitePolicy, ...] = get_args(NonFinitePolicy)
+#: Data-parallel replicas' host optimizer state: the planner's choice, or forced (Plan.optimizer_sharding).
+OptimizerShardingChoice = Literal["auto", "replicate", "shard"]
+OPTIMIZER_SHARDING_CHOICES: tuple[OptimizerShardingChoice, ...] = get_args(OptimizerShardingChoice)
 
 
 #: The fields the planner chooses (``Config.auto_plan`` when all are unset).
@@ -119,6 +122,9 @@ class Config:
       (removed at exit; leftovers of killed runs are swept and reported); checkpoints stay the
       source of truth. With it and ``cpu_memory_bytes``, the planner chooses per layer and kind
       what goes there. None: everything stays in DRAM, and a plan with ``offload`` is refused.
+    * ``optimizer_sharding`` -- with data-parallel replicas (torchrun), whether each replica keeps
+      the whole host AdamW state (``"replicate"``) or only its 1/R shard (``"shard"``: less host
+      memory, one all-gather of the updated weights per layer); ``"auto"``: the planner chooses.
     * ``hardware`` -- rates for the time model: a preset (``tinypipe plan --hardware list``) or a
       JSON file, e.g. one written by ``tinypipe profile`` (default: guessed from the GPU's name).
     """
@@ -154,6 +160,7 @@ class Config:
     gpu_memory_bytes: int | None = None
     cpu_memory_bytes: int | None = None
     offload_dir: str | None = None
+    optimizer_sharding: OptimizerShardingChoice = "auto"
     hardware: str | None = None
     extra: dict = field(default_factory=dict)
 
@@ -264,6 +271,7 @@ class Config:
         if self.device_optimizer is not None:
             _check_choice("device_optimizer", self.device_optimizer, DEVICE_OPTIMIZER_CHOICES)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
+        _check_choice("optimizer_sharding", self.optimizer_sharding, OPTIMIZER_SHARDING_CHOICES)
         if not self.stall_timeout_s > 0:
             raise ConfigError(f"stall_timeout_s must be > 0, got {self.stall_timeout_s}")
         if self.host_grad_buffers is not None and self.host_grad_buffers < 1:

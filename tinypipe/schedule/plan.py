@@ -20,6 +20,11 @@ STASH_PLACES: tuple[StashPlace, ...] = get_args(StashPlace)
 #: ``nonfinite="skip"``) and a LoRA layer's frozen base weights.
 OffloadKind = Literal["master", "moments", "grad", "frozen"]
 OFFLOAD_KINDS: tuple[OffloadKind, ...] = get_args(OffloadKind)
+#: How data-parallel replicas (``Plan.replicas > 1``, one per torch.distributed rank group) hold the
+#: host AdamW state: every replica all of it, or each only its 1/R shard of every layer
+#: (reduce-scatter -> step the shard -> all-gather the updated weights).
+OptimizerSharding = Literal["replicate", "shard"]
+OPTIMIZER_SHARDINGS: tuple[OptimizerSharding, ...] = get_args(OptimizerSharding)
 #: The settings :func:`make_plan` takes besides the model's shape and the device count: the same
 #: names as the :class:`tinypipe.Config` fields that set them (:meth:`Plan.settings` gives them back).
 PLAN_SETTINGS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash",
@@ -54,6 +59,10 @@ class Plan:
     # (layer id, kind) pairs whose state lives on the SSD (sorted; layer 0 = embedding, b + 1 = block
     # b, num_blocks + 1 = head); needs Config.offload_dir
     offload: tuple[tuple[int, str], ...] = ()
+    # data-parallel replicas of this pipeline (torch.distributed), each training 1/replicas of the
+    # global batch, and how they hold the host optimizer state
+    replicas: int = 1
+    optimizer_sharding: OptimizerSharding = "replicate"
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -68,6 +77,11 @@ class Plan:
                 raise ConfigError(f"plan: resident pack {q} runs its forward on device {self.fwd_device[q]} "
                                   f"and its backward on device {self.bwd_device[q]}; a resident pack needs "
                                   "one device")
+        if isinstance(self.replicas, bool) or not isinstance(self.replicas, int) or self.replicas < 1:
+            raise ConfigError(f"plan: replicas must be a positive integer, got {self.replicas!r}")
+        if self.optimizer_sharding not in OPTIMIZER_SHARDINGS:
+            raise ConfigError(f"plan: optimizer_sharding must be one of {', '.join(OPTIMIZER_SHARDINGS)}, "
+                              f"got {self.optimizer_sharding!r}")
         object.__setattr__(self, "offload", self._checked_offload())
 
     def _checked_offload(self) -> tuple[tuple[int, str], ...]:
@@ -147,7 +161,9 @@ class Plan:
                 f"(fwd/bwd), window {self.prefetch_window}, stash {stash}"
                 + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
                 + ("" if not resident else f", first {resident} {packs} resident on the GPU")
-                + self._describe_offload(ssd_bytes))
+                + self._describe_offload(ssd_bytes)
+                + ("" if self.replicas == 1 else
+                   f", {self.replicas} replicas (optimizer state {self.optimizer_sharding}d)"))
 
     def _describe_offload(self, ssd_bytes: int | None) -> str:
         if not self.offload:
