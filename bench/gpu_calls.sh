@@ -4,6 +4,7 @@
 #   bash bench/gpu_calls.sh w1-qlora8b   # W1 auto plan + QLoRA/bf16-LoRA GPU tests + the 8B QLoRA pair
 #   bash bench/gpu_calls.sh qlora70b     # the 70B-shape QLoRA run (a call of its own: ~6 min)
 #   bash bench/gpu_calls.sh ssd-w3       # W3 with the SSD tier (bench/ssd_w3.py)
+#   bash bench/gpu_calls.sh gpu-tests    # every GPU-marked test (QLoRA 1/2 entries, int8, bf16, dropout)
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -26,5 +27,13 @@ case "${1:-}" in
       2>&1 | tail -20 ;;
   ssd-w3)
     timeout 560 python3 bench/ssd_w3.py --json "$OUT/ssd_w3.json" ${SSD_ARGS:-} 2>&1 | tail -30 ;;
+  gpu-tests)
+    # int8 in a process of its own: a failed bitsandbytes kernel can leave the CUDA context broken
+    timeout ${GPU_TESTS_S:-420} python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gpu.py \
+      tests/test_gpu_bf16.py tests/test_dropout.py tests/test_storage.py -s -k "${GPU_TESTS_K:-not int8}" \
+      > "$OUT/gpu_tests.log" 2>&1
+    timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gpu.py -k int8 \
+      > "$OUT/gpu_tests_int8.log" 2>&1
+    grep -hE "update error|^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" "$OUT/gpu_tests_int8.log" | tail -30 ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac

@@ -22,6 +22,7 @@ def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, e
     trainable parameters (all of them for full fine-tuning, the adapters under LoRA), loss from the
     HF model."""
     model = copy.deepcopy(model).to(device)
+    _move_int8_statistics(model, device)
     params = [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
     losses, norms = [], []
@@ -89,3 +90,18 @@ def train_both(engine_model: torch.nn.Module, ref_model: torch.nn.Module, batche
                                                            head_chunk_tokens=head_chunk_tokens, **cfg))
     assert_steps_match([engine.step(b) for b in batches], ref, clip)
     return engine, ref
+
+
+def _move_int8_statistics(model: torch.nn.Module, device: str) -> None:
+    """``Module.to`` moves an ``Int8Params``' data but leaves its row scales (``SCB``, on the
+    parameter or, after a forward, on the module's ``MatmulLtState``) where they were: on an H200
+    the LLM.int8() reference then ran a kernel with CPU scales. Point them at ``device``."""
+    for m in model.modules():
+        w = getattr(m, "weight", None)
+        if type(w).__name__ != "Int8Params":
+            continue
+        if getattr(w, "SCB", None) is not None:
+            w.CB, w.SCB = w.data, w.SCB.to(device)
+        state = getattr(m, "state", None)
+        if state is not None and getattr(state, "SCB", None) is not None:
+            state.CB, state.SCB = w.data, state.SCB.to(device)

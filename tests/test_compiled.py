@@ -7,6 +7,8 @@ code generation that would cost minutes on a 2-core CI machine. tests/test_gpu.p
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch._dynamo.utils import counters
@@ -70,3 +72,37 @@ def test_a_backend_that_fails_falls_back_to_eager(monkeypatch: pytest.MonkeyPatc
         losses.append([engine.step(batch).loss for _ in range(2)])
         engine.close()
     assert losses[0] == losses[1]
+
+
+def test_a_compiled_block_runs_while_another_thread_holds_the_fx_tracing_flag() -> None:
+    """Inductor's lowering sets FX's process-global tracing flag; a block entered meanwhile from
+    another device's lane thread raised "FX to symbolically trace a dynamo-optimized function"
+    (H200, QLoRA on two device entries). Under tinypipe's settings it runs and gives the result."""
+    import threading
+
+    import torch.fx._symbolic_trace as fx_trace
+
+    from tinypipe.models.compiled import compile_settings
+
+    double = torch.compile(lambda x: x * 2 + 1, backend="eager")
+    out: dict[str, object] = {}
+
+    def call(name: str, settings: bool) -> None:
+        try:
+            with compile_settings("eager") if settings else contextlib.nullcontext():
+                out[name] = double(torch.ones(3)).tolist()
+        except RuntimeError as err:
+            out[name] = str(err)
+
+    call("warm", True)
+    old = fx_trace._is_fx_tracing_flag
+    fx_trace._is_fx_tracing_flag = True  # what the compiling thread's FX tracer does
+    try:
+        for name, settings in (("plain", False), ("tinypipe", True)):
+            thread = threading.Thread(target=call, args=(name, settings))
+            thread.start()
+            thread.join()
+    finally:
+        fx_trace._is_fx_tracing_flag = old
+    assert "symbolically trace" in str(out["plain"])  # the failure is real without the settings
+    assert out["tinypipe"] == [3.0, 3.0, 3.0]

@@ -105,7 +105,12 @@ def test_cuda_lora_fp32_matches_peft(family: str) -> None:
     dict(devices=["cuda:0"], pack_size=[1, 2, 1], micro_batch_size=2, backward_micro_batch_size=3,
          max_grad_norm=100.0, resident_packs=1, device_optimizer="both"),
     dict(devices=["cuda:0"], pack_size=1, micro_batch_size=5, compile_blocks="off", pin_memory="pageable"),
-], ids=["1dev_packs2_host_stash_clip", "1dev_resident_pack", "1dev_eager_pageable"])
+    dict(devices=["cuda:0", "cuda:0"], pack_size=[1, 2, 1], micro_batch_size=2, backward_micro_batch_size=3,
+         stash="host", max_grad_norm=0.05),
+    pytest.param(dict(devices=["cuda:0", "cuda:1"], pack_size=[1, 2, 1], micro_batch_size=2,
+                      backward_micro_batch_size=3, stash="host", max_grad_norm=0.05),
+                 marks=pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")),
+], ids=["1dev_packs2_host_stash_clip", "1dev_resident_pack", "1dev_eager_pageable", "2x_same_gpu", "2gpus"])
 def test_cuda_qlora_fp32_matches_peft_bitsandbytes(scheme: str, cfg: dict) -> None:
     """QLoRA on CUDA: the quantized payload uploaded into the slots and rebuilt there as bitsandbytes'
     parameters; every step and the adapters equal PEFT + bitsandbytes + torch AdamW on the same GPU
@@ -141,25 +146,28 @@ def test_cuda_qlora_bf16_loss_falls_and_memory_is_packed() -> None:
     assert report.host[store.frozen_label] == store.frozen_bytes
 
 
-def test_cuda_int8_qlora_is_refused_in_one_line() -> None:
-    """int8 (LLM.int8()) is not verified on CUDA: refused at engine construction, not mid-step."""
-    from test_qlora import qlora_model
+@pytest.mark.parametrize("devices", [["cuda:0"], ["cuda:0", "cuda:0"]], ids=["1dev", "2x_same_gpu"])
+def test_cuda_int8_qlora_matches_peft_bitsandbytes(devices: list[str]) -> None:
+    """LLM.int8() on CUDA runs eager blocks (the default ``auto`` picks them): exact vs PEFT +
+    bitsandbytes' Linear8bitLt on the same GPU, 1e-5 per step and per adapter tensor."""
+    from test_qlora import run_both as qlora_run_both
 
-    from tinypipe.quant import QuantizeError, QuantSpec
+    from tinypipe.quant import QuantSpec
 
-    pm = qlora_model("llama", QuantSpec("int8"), layers=2)  # bf16 compute
-    with pytest.raises(QuantizeError, match="int8 QLoRA is verified on the CPU only"):
-        tinypipe.Engine(pm, tinypipe.Config(devices=["cuda:0"], precision="bf16", pack_size=1,
-                                            micro_batch_size=2))
+    torch.backends.cuda.matmul.allow_tf32 = False
+    spec = QuantSpec("int8", compute_dtype=torch.float32)
+    cfg = dict(devices=devices, pack_size=[1, 2, 1], micro_batch_size=2, backward_micro_batch_size=3,
+               max_grad_norm=0.05)
+    qlora_run_both("llama", spec, cfg, ref_device="cuda:0").close()
 
 
-def test_cuda_qlora_on_two_device_entries_is_refused_in_one_line() -> None:
+def test_cuda_int8_qlora_with_compiled_blocks_is_refused_in_one_line() -> None:
     from test_qlora import qlora_model
 
     from tinypipe.errors import ConfigError
     from tinypipe.quant import QuantSpec
 
-    pm = qlora_model("llama", QuantSpec("nf4"), layers=2)
-    with pytest.raises(ConfigError, match="one CUDA device entry"):
-        tinypipe.Engine(pm, tinypipe.Config(devices=["cuda:0", "cuda:0"], precision="bf16", pack_size=1,
-                                            micro_batch_size=2))
+    pm = qlora_model("llama", QuantSpec("int8"), layers=2)
+    with pytest.raises(ConfigError, match="int8 quantized base runs eager blocks"):
+        tinypipe.Engine(pm, tinypipe.Config(devices=["cuda:0"], precision="bf16", pack_size=1,
+                                            micro_batch_size=2, compile_blocks="inductor"))

@@ -52,6 +52,15 @@ def compile_settings(backend: str | None, replay_random: bool = False) -> contex
     # a machine where compiling fails (no C compiler for Triton's launcher, a broken Triton) runs
     # the blocks eager, with Dynamo's warning, instead of failing the step
     stack.enter_context(cfg.patch(**{key: RECOMPILE_LIMIT, "suppress_errors": True}))
+    # Inductor's lowering runs an FX tracer (loop_body.py) that sets a process-global "FX is
+    # tracing" flag; a compiled block entered meanwhile from another lane thread (a second device
+    # entry) saw the flag and raised "Detected that you are using FX to symbolically trace a
+    # dynamo-optimized function" (measured on an H200, QLoRA on cuda:0,cuda:0, session 4). Such a
+    # thread is not inside any trace: let it run its compiled graph
+    if hasattr(cfg, "force_compile_during_fx_trace"):
+        stack.enter_context(cfg.patch(force_compile_during_fx_trace=True))
+    else:  # older torch: run that one call eager instead of failing it
+        stack.enter_context(cfg.patch(error_on_nested_fx_trace=False))
     if backend == "inductor":
         import torch._inductor.config as inductor_config
 
