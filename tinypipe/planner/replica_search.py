@@ -1,0 +1,134 @@
+"""Plans for data-parallel layouts: for each way to cut N x P GPUs into R replicas of G GPUs, the
+fastest per-replica plan (:func:`~tinypipe.planner.search.plan_for` on G GPUs and 1/R of the batch)
+under each optimizer sharding, its host memory per node and step time
+(:mod:`tinypipe.planner.replicas`), the sharding chosen, and the fastest layout that fits.
+
+The per-replica search sees what one replica gets: the node's host budget divided by the replicas
+on the node (plus, sharded, the moments sharding saves: a bound that a retained gradient's saving
+only makes safer; the exact need is checked afterwards) and the node's CPU AdamW rate shared by
+them (:func:`~tinypipe.planner.replicas.replica_hardware`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import transformers
+
+from tinypipe.errors import ConfigError, PlanDoesNotFitError
+from tinypipe.planner.hardware import HardwareSpec, load_hardware
+from tinypipe.planner.presets import load_model_config
+from tinypipe.planner.replicas import (
+    Cluster,
+    Layout,
+    LayoutPlan,
+    ShardingChoice,
+    ShardingOption,
+    choose_sharding,
+    host_per_node,
+    layouts,
+    replica_hardware,
+    shard_numel,
+    sharded_host,
+    split_batch,
+    time_option,
+)
+from tinypipe.planner.search import plan_for
+from tinypipe.planner.sizes import lora_sizes, model_sizes
+from tinypipe.units import gib_text
+
+if TYPE_CHECKING:
+    from tinypipe.lora.settings import LoraSettings
+
+#: Layouts within this fraction of the fastest count as equally fast; the one with the least host
+#: memory per node is chosen.
+NEAR_FASTEST = 0.01
+
+
+@dataclass
+class LayoutComparison:
+    """Every layout weighed and the fastest that fits (None: none fits)."""
+
+    cluster: Cluster
+    hardware: HardwareSpec
+    rows: list[LayoutPlan]
+    best: LayoutPlan | None
+    seq: int
+    global_batch: int
+    model_name: str = ""
+
+
+def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, cluster: Cluster,
+                layout: Layout, *, seq: int, global_batch: int, sharding: ShardingChoice = "auto",
+                gpu_memory_bytes: int | None = None, **search: object) -> LayoutPlan:
+    """``layout``'s per-replica plan under each sharding ``sharding`` allows, and the one chosen.
+    ``search``: the rest of :func:`plan_for`'s keywords (precision, max_grad_norm, lora, ...).
+    A global batch the replicas do not divide gives a refused row (``refused``: the line why)."""
+    hw = load_hardware(hardware)
+    try:
+        batch = split_batch(global_batch, layout.replicas)
+    except ConfigError as exc:
+        return LayoutPlan(layout, {}, None, str(exc), refused=str(exc))
+    if sharding not in ("auto", "replicate", "shard"):
+        raise ConfigError(f"optimizer sharding must be auto, replicate or shard, got {sharding!r}")
+    names = ["replicate"] if layout.replicas == 1 else (
+        ["replicate", "shard"] if sharding == "auto" else [sharding])
+    cfg = config if isinstance(config, transformers.PretrainedConfig) else load_model_config(str(config))
+    lora: LoraSettings | None = search.get("lora")  # type: ignore[assignment]
+    sizes = lora_sizes(cfg, lora) if lora is not None else model_sizes(cfg)
+    retain = search.get("max_grad_norm") is not None
+    budget = cluster.host_bytes_per_node
+    options: dict[str, ShardingOption] = {}
+    for name in names:
+        opt = ShardingOption(name)  # type: ignore[arg-type]
+        options[name] = opt
+        saved = 0 if name == "replicate" else sum(
+            8 * (n - shard_numel(n, layout.replicas)) for n in sizes.layer_train_numels)
+        try:
+            result = plan_for(cfg, replica_hardware(hw, layout, name), gpus=layout.gpus_per_replica,  # type: ignore[arg-type]
+                              gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=budget // layout.per_node + saved,
+                              seq=seq, global_batch=batch, **search)  # type: ignore[arg-type]
+        except PlanDoesNotFitError as exc:
+            opt.why_not = " ".join(str(exc).split())
+            continue
+        c = result.best
+        opt.result = result
+        opt.host = (dict(c.memory.host) if name == "replicate" else
+                    sharded_host(c.memory.host, sizes, c.plan, layout.replicas, retain))
+        opt.host_per_node = host_per_node(opt.host, layout.per_node)
+        if opt.host_per_node > budget:
+            opt.why_not = (f"needs {gib_text(opt.host_per_node)} host per node, have {gib_text(budget)}")
+        time_option(opt, sizes, c.plan, c.time.step_s, c.time.backward_s, layout, cluster,
+                    global_batch * seq)
+    rep, sh = options.get("replicate"), options.get("shard")
+    if rep is not None and sh is not None and not rep.host_per_node and sh.result is not None:
+        # the replicated search found nothing: say what the sharded plan would need replicated
+        rep.host_per_node = host_per_node(dict(sh.result.best.memory.host), layout.per_node)
+    choice, reason = choose_sharding(options, budget)
+    return LayoutPlan(layout, options, choice, reason)
+
+
+def compare_layouts(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, cluster: Cluster,
+                    *, seq: int, global_batch: int, gpus_per_replica: int | None = None,
+                    sharding: ShardingChoice = "auto", gpu_memory_bytes: int | None = None,
+                    **search: object) -> LayoutComparison:
+    """Every layout of ``cluster`` (or only ``gpus_per_replica``), each planned, and the fastest that
+    fits (ties within :data:`NEAR_FASTEST`: the least host per node). Raises PlanDoesNotFitError
+    (one line per layout) when none fits, ConfigError when the only layout asked for is refused."""
+    hw = load_hardware(hardware)
+    cfg = config if isinstance(config, transformers.PretrainedConfig) else load_model_config(str(config))
+    name = config if isinstance(config, str) else getattr(cfg, "name_or_path", "")
+    rows = [plan_layout(cfg, hw, cluster, lay, seq=seq, global_batch=global_batch, sharding=sharding,
+                        gpu_memory_bytes=gpu_memory_bytes, **search)
+            for lay in layouts(cluster, gpus_per_replica)]
+    if len(rows) == 1 and rows[0].refused:
+        raise ConfigError(rows[0].refused)
+    fitting = [r for r in rows if r.fits]
+    if not fitting:
+        raise PlanDoesNotFitError("no layout fits: " + "; ".join(
+            f"{r.layout.describe()}: {r.reason}" for r in rows))
+    fastest = max(r.tokens_per_s for r in fitting)
+    near = [r for r in fitting if r.tokens_per_s >= fastest * (1 - NEAR_FASTEST)]
+    best = min(near, key=lambda r: (r.choice.host_per_node if r.choice else 0, -r.tokens_per_s))
+    return LayoutComparison(cluster, hw, rows, best, seq, global_batch, model_name=str(name))
