@@ -95,15 +95,29 @@ def manual_plan(config: Config, *, num_blocks: int, tied: bool) -> Plan:
 
 
 def resolve_plan(model: nn.Module, config: Config, *, num_blocks: int, tied: bool,
-                 plan: Plan | None = None) -> tuple[Plan, PlanResult | None]:
+                 plan: Plan | None = None, replicas: int = 1, replicas_per_node: int | None = None,
+                 links_gbs: tuple[float, float] | None = None) -> tuple[Plan, PlanResult | None]:
     """The plan the engine runs and the planner's result (None unless the planner chose the plan).
 
     ``plan`` given: that plan. No packing knob set in ``config``: the planner's plan for the
     workload and the budgets. Otherwise the plan of the hand-set knobs, checked against the
     budgets when the workload is given. Raises :class:`PlanDoesNotFitError` when no plan -- or
-    the hand-set one -- fits, ConfigError when the plan does not suit the model or the devices."""
+    the hand-set one -- fits, ConfigError when the plan does not suit the model or the devices.
+
+    ``replicas > 1`` (the distributed runtime: this engine is one of R data-parallel replicas,
+    ``replicas_per_node`` of them per node -- default all -- linked at ``links_gbs`` (within a node,
+    between nodes)): the plan of one replica for ``global_batch / replicas`` sequences with
+    ``Plan.replicas`` and ``Plan.optimizer_sharding`` filled in (:mod:`tinypipe.planner.replica_auto`)."""
     result = None
-    if plan is None:
+    if replicas != 1:
+        from tinypipe.planner.replica_auto import resolve_replicas
+
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(f"replicas must be a positive integer, got {replicas!r}")
+        plan, result = resolve_replicas(model, config, num_blocks=num_blocks, tied=tied, plan=plan,
+                                        replicas=replicas, replicas_per_node=replicas_per_node or replicas,
+                                        links_gbs=links_gbs)
+    elif plan is None:
         plan, result = _choose(model, config, num_blocks=num_blocks, tied=tied)
     if plan.num_devices != len(config.devices):
         raise ConfigError(f"plan is for {plan.num_devices} devices, config lists {len(config.devices)}")

@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING
 import transformers
 
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
+from tinypipe.planner.candidate import evaluate
+from tinypipe.planner.estimate import host_bytes
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
 from tinypipe.planner.presets import load_model_config
 from tinypipe.planner.replicas import (
@@ -35,7 +37,8 @@ from tinypipe.planner.replicas import (
     time_option,
 )
 from tinypipe.planner.search import plan_for
-from tinypipe.planner.sizes import lora_sizes, model_sizes
+from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
+from tinypipe.schedule.plan import Plan
 from tinypipe.units import gib_text
 
 if TYPE_CHECKING:
@@ -93,7 +96,7 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
             opt.why_not = " ".join(str(exc).split())
             continue
         c = result.best
-        opt.result = result
+        opt.result, opt.plan = result, c.plan
         opt.host = (dict(c.memory.host) if name == "replicate" else
                     sharded_host(c.memory.host, sizes, c.plan, layout.replicas, retain))
         opt.host_per_node = host_per_node(opt.host, layout.per_node)
@@ -107,6 +110,54 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
         rep.host_per_node = host_per_node(dict(sh.result.best.memory.host), layout.per_node)
     choice, reason = choose_sharding(options, budget)
     return LayoutPlan(layout, options, choice, reason)
+
+
+def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layout: Layout, plan: Plan, *,
+               seq: int | None, global_batch: int | None, sharding: ShardingChoice = "auto",
+               precision: str = "bf16", max_grad_norm: float | None = None,
+               host_grad_buffers: int | None = None) -> LayoutPlan:
+    """A fixed per-replica ``plan`` (given or hand-set) under each sharding ``sharding`` allows, and
+    the one chosen. Without the workload (``seq`` / ``global_batch``) only host memory decides:
+    replicate when it fits (stashed activations not counted), shard otherwise."""
+    workload = seq is not None and global_batch is not None
+    batch = split_batch(global_batch, layout.replicas) if global_batch is not None else None
+    names = ["replicate"] if layout.replicas == 1 else (
+        ["replicate", "shard"] if sharding == "auto" else [sharding])
+    retain = max_grad_norm is not None
+    budget = cluster.host_bytes_per_node
+    options: dict[str, ShardingOption] = {}
+    for name in names:
+        opt = ShardingOption(name, plan=plan)  # type: ignore[arg-type]
+        options[name] = opt
+        if workload:
+            c = evaluate(sizes, replica_hardware(hardware, layout, name), plan, seq=seq,  # type: ignore[arg-type]
+                         global_batch=batch, precision=precision, max_grad_norm=max_grad_norm,  # type: ignore[arg-type]
+                         host_grad_buffers=host_grad_buffers)
+            host = dict(c.memory.host)
+        else:
+            host = host_bytes(sizes, plan, batch=0, seq=0, precision=precision, num_devices=plan.num_devices,
+                              host_grad_buffers=host_grad_buffers, retain_grads=retain)
+        opt.host = host if name == "replicate" else sharded_host(host, sizes, plan, layout.replicas, retain)
+        opt.host_per_node = host_per_node(opt.host, layout.per_node)
+        if opt.host_per_node > budget:
+            opt.why_not = f"needs {gib_text(opt.host_per_node)} host per node, have {gib_text(budget)}"
+        if workload:
+            time_option(opt, sizes, plan, c.time.step_s, c.time.backward_s, layout, cluster,
+                        global_batch * seq)  # type: ignore[operator]
+    if workload:
+        choice, reason = choose_sharding(options, budget)
+        return LayoutPlan(layout, options, choice, reason)
+    rep, sh = options.get("replicate"), options.get("shard")
+    if rep is not None and (rep.fits or sh is None):
+        return LayoutPlan(layout, options, rep if rep.fits else None,
+                          f"replicate: fits the host ({gib_text(rep.host_per_node)} of {gib_text(budget)} per "
+                          "node; no workload given, so host memory alone decides)" if rep.fits else rep.why_not)
+    assert sh is not None
+    return LayoutPlan(layout, options, sh if sh.fits else None,
+                      (f"shard: replicated state needs {gib_text(rep.host_per_node)} host per node, have "
+                       f"{gib_text(budget)} (no workload given: host memory alone decides)" if rep is not None
+                       else f"shard (as asked): {gib_text(sh.host_per_node)} host per node")
+                      if sh.fits else sh.why_not)
 
 
 def compare_layouts(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, cluster: Cluster,

@@ -37,11 +37,11 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Sequence
 
-from tinypipe.errors import ConfigError, PlanDoesNotFitError
+from tinypipe.errors import ConfigError
 from tinypipe.planner.candidate import HOST_BASELINE_BYTES
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.sizes import ModelSizes
-from tinypipe.schedule.plan import OPTIMIZER_SHARDINGS, OptimizerSharding, Plan
+from tinypipe.schedule.plan import OptimizerSharding, Plan
 from tinypipe.units import gib_text
 
 if TYPE_CHECKING:
@@ -208,7 +208,8 @@ class ShardingOption:
     """One layout with one sharding: its per-replica plan, host per node, and step time."""
 
     sharding: OptimizerSharding
-    result: PlanResult | None = None
+    result: PlanResult | None = None  # the per-replica search's answer (None: a fixed plan weighed)
+    plan: Plan | None = None  # the per-replica plan
     host: dict[str, int] = field(default_factory=dict)
     host_per_node: int = 0
     replica_step_s: float = 0.0
@@ -244,8 +245,8 @@ class LayoutPlan:
 
     def plan(self) -> Plan:
         """The per-replica plan with ``replicas`` and ``optimizer_sharding`` filled in."""
-        assert self.choice is not None and self.choice.result is not None
-        return dataclasses.replace(self.choice.result.best.plan, replicas=self.layout.replicas,
+        assert self.choice is not None and self.choice.plan is not None
+        return dataclasses.replace(self.choice.plan, replicas=self.layout.replicas,
                                    optimizer_sharding=self.choice.sharding)
 
 
