@@ -23,7 +23,8 @@ on 1/R of the batch) + the collectives' exposed part + (shard) the all-gather. R
 share its CPU: a replica's host AdamW runs at the machine's rate / replicas per node, on the whole
 model (replicate) or on its 1/R (shard). Collectives run on one lane in the order gradients become
 final (head, packs from the last, embedding), a pack's layers when its backward ends, at the ring's
-bandwidth: the slowest link it crosses (within a node on one node, else the slower of the two);
+bandwidth: the slowest link it crosses (within a node with several replicas per node, between
+nodes with several nodes);
 the exposed part is what is still running when the backward ends. The all-gather is counted in
 full (not overlapped with the next forward), and a shard's gradient download at full size -- both
 upper bounds. Not modelled: the collectives' NCCL buffers on the GPU, PCIe shared between peer
@@ -70,10 +71,12 @@ class Cluster:
         if not (self.intra_gbs > 0 and self.inter_gbs > 0):
             raise ConfigError("interconnect bandwidths must be positive")
 
-    @property
-    def ring_gbs(self) -> float:
-        """The bandwidth a ring collective over all replicas gets: its slowest link."""
-        return self.intra_gbs if self.nodes == 1 else min(self.intra_gbs, self.inter_gbs)
+    def ring_gbs(self, per_node: int) -> float:
+        """The bandwidth a ring collective over the replicas gets, ``per_node`` of them on each node:
+        its slowest link (links within a node only with several replicas there, between nodes only
+        with several nodes)."""
+        crossed = ([self.intra_gbs] if per_node > 1 else []) + ([self.inter_gbs] if self.nodes > 1 else [])
+        return min(crossed) if crossed else self.intra_gbs
 
 
 @dataclass(frozen=True)
@@ -258,9 +261,9 @@ def time_option(opt: ShardingOption, sizes: ModelSizes, plan: Plan, replica_step
     if R > 1:
         per_layer = collective_bytes(sizes, plan, R, opt.sharding)
         opt.collective_s, opt.exposed_s = exposed_collective_s(sizes, plan, backward_s, per_layer,
-                                                               cluster.ring_gbs)
+                                                               cluster.ring_gbs(layout.per_node))
         if opt.sharding == "shard":
-            opt.allgather_s = allgather_bytes(sizes, plan, R) / (cluster.ring_gbs * 1e9)
+            opt.allgather_s = allgather_bytes(sizes, plan, R) / (cluster.ring_gbs(layout.per_node) * 1e9)
     opt.step_s = replica_step_s + opt.exposed_s + opt.allgather_s
     opt.tokens_per_s = global_tokens / opt.step_s
 
