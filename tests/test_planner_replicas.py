@@ -40,8 +40,9 @@ H, I, V = 64, 128, 100  # a small Llama: hidden, intermediate, vocabulary
 
 
 def _small_sizes():
-    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=I, num_attention_heads=4, num_key_value_heads=4,
-                                   num_hidden_layers=2, vocab_size=V, tie_word_embeddings=False,
+    cfg = transformers.LlamaConfig(hidden_size=H, intermediate_size=I, num_attention_heads=4,
+                                   num_key_value_heads=4, num_hidden_layers=2, vocab_size=V,
+                                   tie_word_embeddings=False,
                                    max_position_embeddings=256)
     return model_sizes(cfg)
 
@@ -131,9 +132,11 @@ def test_interconnect_presets_and_links() -> None:
         _links("nvlink", 2, hw)
     with pytest.raises(ConfigError, match="within a node"):
         _links("pcie5,nvlink", 2, hw)
-    assert Cluster(1, 4, 50.0, 1.0, GIB).ring_gbs(4) == 50.0 and Cluster(2, 4, 50.0, 1.0, GIB).ring_gbs(4) == 1.0
+    assert Cluster(1, 4, 50.0, 1.0, GIB).ring_gbs(4) == 50.0
+    assert Cluster(2, 4, 50.0, 1.0, GIB).ring_gbs(4) == 1.0
     # one replica per node: the ring crosses only the links between nodes, however fast or slow the node's
-    assert Cluster(2, 4, 50.0, 360.0, GIB).ring_gbs(1) == 360.0 and Cluster(2, 4, 50.0, 360.0, GIB).ring_gbs(2) == 50.0
+    two = Cluster(2, 4, 50.0, 360.0, GIB)
+    assert two.ring_gbs(1) == 360.0 and two.ring_gbs(2) == 50.0
 
 
 def test_layouts_and_the_indivisible_batch() -> None:
@@ -150,7 +153,8 @@ def test_layouts_and_the_indivisible_batch() -> None:
                             "replicas, or a global batch that 8 divides (e.g. 16)")
     model = make_model("llama", layers=4)
     cfg = tinypipe.Config(devices=["cpu"], seq_len=16, global_batch=6, cpu_memory_bytes=16 * GIB)
-    with pytest.raises(ConfigError, match="global batch 6 does not split evenly over 4 replicas: use 1, 2, 3 or 6"):
+    with pytest.raises(ConfigError, match="global batch 6 does not split evenly over 4 replicas: use 1, 2, 3 "
+                                          "or 6"):
         resolve_plan(model, cfg, num_blocks=4, tied=False, replicas=4)
 
 
@@ -181,7 +185,8 @@ def test_only_sharding_fits_the_host() -> None:
 
 def _llama7b() -> dict:
     return dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                intermediate_size=11008, vocab_size=32000, tie_word_embeddings=False, max_position_embeddings=4096)
+                intermediate_size=11008, vocab_size=32000, tie_word_embeddings=False,
+                max_position_embeddings=4096)
 
 
 def test_replicate_wins_on_a_fast_link_with_room() -> None:
@@ -214,8 +219,8 @@ def test_resolve_plan_with_replicas_fills_the_plan() -> None:
                           cpu_memory_bytes=16 * GIB)
     one, _ = resolve_plan(model, cfg, num_blocks=4, tied=False)
     assert (one.replicas, one.optimizer_sharding) == (1, "replicate")
-    assert resolve_plan(model, cfg, num_blocks=4, tied=False, replicas=1) == resolve_plan(model, cfg, num_blocks=4,
-                                                                                         tied=False)
+    shape = dict(num_blocks=4, tied=False)
+    assert resolve_plan(model, cfg, **shape, replicas=1) == resolve_plan(model, cfg, **shape)
     for forced in ("replicate", "shard"):
         plan, result = resolve_plan(model, cfg.replace(optimizer_sharding=forced), num_blocks=4, tied=False,
                                     replicas=2, replicas_per_node=1)
@@ -258,8 +263,9 @@ def _rows(out: str) -> dict[str, list[str]]:
 
 
 def test_plan_cli_compares_layouts_on_two_nodes(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _plan_cli(capsys, "--model", "llama-2-7b", "--nodes", "2", "--gpus", "4", "--seq-len", "2048",
-                               "--global-batch", "16", "--hardware", "h200-pcie5", "--cpu-memory", "256GiB",
+    code, out, err = _plan_cli(capsys, "--model", "llama-2-7b", "--nodes", "2", "--gpus", "4",
+                               "--seq-len", "2048", "--global-batch", "16", "--hardware", "h200-pcie5",
+                               "--cpu-memory", "256GiB",
                                "--interconnect", "pcie5,eth25")
     assert code == 0, err
     assert out.startswith("layouts of 2 nodes x 4 GPUs (h200-pcie5), host 256.0 GiB per node, within a node "
@@ -272,10 +278,11 @@ def test_plan_cli_compares_layouts_on_two_nodes(capsys: pytest.CaptureFixture[st
     ring = 25 / 8 * 0.9 * 1e9
     for name, line in rows.items():
         cells = line[3:].split(")")[1].split()
-        tok, step, comm, sharding = float(cells[0].replace(",", "")), float(cells[1]), float(cells[2]), cells[-1]
+        tok, step, comm = float(cells[0].replace(",", "")), float(cells[1]), float(cells[2])
+        sharding = cells[-1]
         R = int(name.split()[0])
         tokens[name] = tok
-        assert tok == pytest.approx(16 * 2048 / step, rel=5e-3)  # tokens/s and s/step agree (printed rounding)
+        assert tok == pytest.approx(16 * 2048 / step, rel=5e-3)  # tokens/s and s/step agree (rounding)
         if sharding == "shard":  # the all-gather alone: (R-1)/R x 4 B of at least the blocks' parameters
             blocks = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)
             assert comm >= (R - 1) / R * 4 * blocks / ring - 0.005
@@ -285,8 +292,9 @@ def test_plan_cli_compares_layouts_on_two_nodes(capsys: pytest.CaptureFixture[st
 
 
 def test_plan_cli_one_node_pipeline_and_refused_layout(capsys: pytest.CaptureFixture[str]) -> None:
-    code, out, err = _plan_cli(capsys, "--model", "llama-3.2-1b", "--nodes", "1", "--gpus", "2", "--seq-len", "1024",
-                               "--global-batch", "3", "--hardware", "rtx4090-pcie4", "--cpu-memory", "64GiB")
+    code, out, err = _plan_cli(capsys, "--model", "llama-3.2-1b", "--nodes", "1", "--gpus", "2",
+                               "--seq-len", "1024", "--global-batch", "3", "--hardware", "rtx4090-pcie4",
+                               "--cpu-memory", "64GiB")
     assert code == 0, err
     rows = _rows(out)
     assert "refused: global batch 3 does not split evenly over 2 replicas" in rows["2 x 1 GPU"]
@@ -298,8 +306,8 @@ def test_plan_cli_one_node_pipeline_and_refused_layout(capsys: pytest.CaptureFix
                                "--gpus-per-replica", "1", "--seq-len", "1024", "--global-batch", "12",
                                "--cpu-memory", "64GiB")
     assert code == 2 and out == ""
-    assert err == ("tinypipe plan: error: global batch 12 does not split evenly over 8 replicas: use 1, 2, 3, 4, 6 "
-                   "or 12 replicas, or a global batch that 8 divides (e.g. 16)\n")
+    assert err == ("tinypipe plan: error: global batch 12 does not split evenly over 8 replicas: use 1, 2, "
+                   "3, 4, 6 or 12 replicas, or a global batch that 8 divides (e.g. 16)\n")
 
 
 def test_plan_cli_without_nodes_is_one_plan(capsys: pytest.CaptureFixture[str]) -> None:

@@ -253,8 +253,8 @@ def _links(text: str | None, nodes: int, hardware: Any) -> tuple[float, float]:
         else:
             inter = one
         if is_node_link and nodes > 1:
-            raise ConfigError(f"--interconnect {one} links GPUs within a node; for {nodes} nodes give the link "
-                              f"between them too, e.g. {one},ib200")
+            raise ConfigError(f"--interconnect {one} links GPUs within a node; for {nodes} nodes give the "
+                              f"link between them too, e.g. {one},ib200")
     return interconnect_gbs(intra), interconnect_gbs(inter)
 
 
@@ -270,7 +270,8 @@ def _run_layouts(args: argparse.Namespace, hardware: Any, *, gpus: int, seq: int
                    if args.gpus_per_replica is not None else None)
     intra, inter = _links(args.interconnect, nodes, hardware)
     cluster = Cluster(nodes, gpus, intra, inter, cpu_mem)
-    resident = None if args.resident_packs is None else _nonnegative_int("--resident-packs", args.resident_packs)
+    resident = (None if args.resident_packs is None
+                else _nonnegative_int("--resident-packs", args.resident_packs))
     cmp = compare_layouts(args.model, hardware, cluster, seq=seq, global_batch=batch,
                           gpus_per_replica=per_replica, sharding=args.optimizer_sharding,
                           gpu_memory_bytes=gpu_mem, precision=args.precision, max_grad_norm=clip, lora=lora,

@@ -62,9 +62,10 @@ class LayoutComparison:
     model_name: str = ""
 
 
-def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, cluster: Cluster,
-                layout: Layout, *, seq: int, global_batch: int, sharding: ShardingChoice = "auto",
-                gpu_memory_bytes: int | None = None, **search: object) -> LayoutPlan:
+def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str,
+                cluster: Cluster, layout: Layout, *, seq: int, global_batch: int,
+                sharding: ShardingChoice = "auto", gpu_memory_bytes: int | None = None,
+                **search: object) -> LayoutPlan:
     """``layout``'s per-replica plan under each sharding ``sharding`` allows, and the one chosen.
     ``search``: the rest of :func:`plan_for`'s keywords (precision, max_grad_norm, lora, ...).
     A global batch the replicas do not divide gives a refused row (``refused``: the line why)."""
@@ -84,13 +85,14 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
     budget = cluster.host_bytes_per_node
     options: dict[str, ShardingOption] = {}
     for name in names:
-        opt = ShardingOption(name)  # type: ignore[arg-type]
+        opt = ShardingOption(name)  # type: ignore[arg-type]  # a name from OPTIMIZER_SHARDINGS
         options[name] = opt
         saved = 0 if name == "replicate" else sum(
             8 * (n - shard_numel(n, layout.replicas)) for n in sizes.layer_train_numels)
         try:
-            result = plan_for(cfg, replica_hardware(hw, layout, name), gpus=layout.gpus_per_replica,  # type: ignore[arg-type]
-                              gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=budget // layout.per_node + saved,
+            result = plan_for(cfg, replica_hardware(hw, layout, opt.sharding), gpus=layout.gpus_per_replica,
+                              gpu_memory_bytes=gpu_memory_bytes,
+                              cpu_memory_bytes=budget // layout.per_node + saved,
                               seq=seq, global_batch=batch, **search)  # type: ignore[arg-type]
         except PlanDoesNotFitError as exc:
             opt.why_not = " ".join(str(exc).split())
@@ -130,9 +132,10 @@ def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layo
         opt = ShardingOption(name, plan=plan)  # type: ignore[arg-type]
         options[name] = opt
         if workload:
-            c = evaluate(sizes, replica_hardware(hardware, layout, name), plan, seq=seq,  # type: ignore[arg-type]
-                         global_batch=batch, precision=precision, max_grad_norm=max_grad_norm,  # type: ignore[arg-type]
-                         host_grad_buffers=host_grad_buffers)
+            assert seq is not None and batch is not None
+            c = evaluate(sizes, replica_hardware(hardware, layout, opt.sharding), plan, seq=seq,
+                         global_batch=batch, precision=precision,  # type: ignore[arg-type]
+                         max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers)
             host = dict(c.memory.host)
         else:
             host = host_bytes(sizes, plan, batch=0, seq=0, precision=precision, num_devices=plan.num_devices,
@@ -149,9 +152,9 @@ def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layo
         return LayoutPlan(layout, options, choice, reason)
     rep, sh = options.get("replicate"), options.get("shard")
     if rep is not None and (rep.fits or sh is None):
-        return LayoutPlan(layout, options, rep if rep.fits else None,
-                          f"replicate: fits the host ({gib_text(rep.host_per_node)} of {gib_text(budget)} per "
-                          "node; no workload given, so host memory alone decides)" if rep.fits else rep.why_not)
+        why = (f"replicate: fits the host ({gib_text(rep.host_per_node)} of {gib_text(budget)} per node; "
+               "no workload given, so host memory alone decides)" if rep.fits else rep.why_not)
+        return LayoutPlan(layout, options, rep if rep.fits else None, why)
     assert sh is not None
     return LayoutPlan(layout, options, sh if sh.fits else None,
                       (f"shard: replicated state needs {gib_text(rep.host_per_node)} host per node, have "
@@ -160,8 +163,8 @@ def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layo
                       if sh.fits else sh.why_not)
 
 
-def compare_layouts(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, cluster: Cluster,
-                    *, seq: int, global_batch: int, gpus_per_replica: int | None = None,
+def compare_layouts(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str,
+                    cluster: Cluster, *, seq: int, global_batch: int, gpus_per_replica: int | None = None,
                     sharding: ShardingChoice = "auto", gpu_memory_bytes: int | None = None,
                     **search: object) -> LayoutComparison:
     """Every layout of ``cluster`` (or only ``gpus_per_replica``), each planned, and the fastest that

@@ -67,7 +67,8 @@ class Cluster:
 
     def __post_init__(self) -> None:
         if self.nodes < 1 or self.gpus_per_node < 1:
-            raise ConfigError(f"need >= 1 node and >= 1 GPU per node, got {self.nodes} x {self.gpus_per_node}")
+            raise ConfigError(f"need >= 1 node and >= 1 GPU per node, got {self.nodes} x "
+                              f"{self.gpus_per_node}")
         if not (self.intra_gbs > 0 and self.inter_gbs > 0):
             raise ConfigError("interconnect bandwidths must be positive")
 
@@ -275,7 +276,8 @@ def choose_sharding(options: dict[str, ShardingOption], budget: int) -> tuple[Sh
         (name, only), = options.items()
         if not only.fits:
             return None, only.why_not
-        why = "one replica, nothing to shard" if only.collective_s == 0 and name == "replicate" else "as asked"
+        one = only.collective_s == 0 and name == "replicate"
+        why = "one replica, nothing to shard" if one else "as asked"
         return only, f"{name} ({why}): {gib_text(only.host_per_node)} host per node"
     rep, sh = options["replicate"], options["shard"]
     if rep.fits and (not sh.fits or rep.step_s <= sh.step_s):
