@@ -99,6 +99,9 @@ def test_host_per_node_for_both_shardings() -> None:
         assert shard["master_weights"] == 4 * T  # the whole master copy stays in every replica
         assert shard["optimizer_state"] == 8 * share
         assert shard["gradient_buffers"] == (4 * share if retain else 0)
+        # the embedding stepped on its device: its moments stay whole (8 B x 6400), the others are shared
+        dev = sharded_host(host, sizes, _plan("embed"), 3, retain)
+        assert dev["optimizer_state"] == 8 * (EMBED + 13696 + 13696 + 2155)
         assert host_per_node(shard, 2) == 2 * (4 * T + 8 * share + (4 * share if retain else 0) + others
                                                + HOST_BASELINE_BYTES)
 
@@ -176,7 +179,10 @@ def test_only_sharding_fits_the_host() -> None:
     assert lp.reason.startswith("shard: replicated state needs") and "have 130.0 GiB" in lp.reason
     rep, sh = lp.options["replicate"], lp.options["shard"]
     assert not rep.fits and rep.host_per_node >= 2 * 12 * SEVEN_B
-    assert sh.host["optimizer_state"] == 8 * sum(-(-n // 2) for n in sh.result.sizes.layer_train_numels)
+    plan = sh.plan
+    on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
+    assert sh.host["optimizer_state"] == 8 * sum(n if i in on_device else -(-n // 2)
+                                                 for i, n in enumerate(sh.result.sizes.layer_train_numels))
     assert sh.host_per_node == 2 * (sum(sh.host.values()) + HOST_BASELINE_BYTES) <= budget
     # shard: each rank steps half the parameters with the node's CPU shared by two: the full machine rate
     assert sh.result.hardware.cpu_adamw_gparams_s == HARDWARE["h200-pcie5"].cpu_adamw_gparams_s
@@ -268,8 +274,8 @@ def test_plan_cli_compares_layouts_on_two_nodes(capsys: pytest.CaptureFixture[st
                                "--cpu-memory", "256GiB",
                                "--interconnect", "pcie5,eth25")
     assert code == 0, err
-    assert out.startswith("layouts of 2 nodes x 4 GPUs (h200-pcie5), host 256.0 GiB per node, within a node "
-                          "50 GB/s, between nodes 2.81 GB/s; 16 x 2048 tokens/step in all:")
+    assert out.startswith("layouts of 2 nodes x 4 GPUs (h200-pcie5), host 256.0 GiB per node, 16 x 2048 "
+                          "tokens/step in all\nlinks: within a node 50 GB/s, between nodes 2.81 GB/s\n")
     rows = _rows(out)
     assert list(rows) == ["8 x 1 GPU", "4 x 2 GPUs", "2 x 4 GPUs"]
     best = [name for name, line in rows.items() if line.startswith(" *")]

@@ -5,6 +5,7 @@ and why its sharding, and the chosen per-replica plan in full (:func:`format_pla
 from __future__ import annotations
 
 import dataclasses
+import textwrap
 
 from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.candidate import HOST_BASELINE_BYTES
@@ -32,6 +33,10 @@ def _row(r: LayoutPlan, best: LayoutPlan | None) -> str:
             f"{gib_text(c.result.best.gpu_need):>9} {gib_text(c.host_per_node):>10}  {c.sharding}")
 
 
+def _wrapped(text: str, width: int = 110) -> list[str]:
+    return textwrap.wrap(text, width=width, subsequent_indent="  ", break_on_hyphens=False)
+
+
 def format_comparison(cmp: LayoutComparison, detail: bool = True) -> str:
     """The layouts' table, the choice and (``detail``) the chosen replica's full plan."""
     cl, hw = cmp.cluster, cmp.hardware
@@ -39,24 +44,25 @@ def format_comparison(cmp: LayoutComparison, detail: bool = True) -> str:
         f", between nodes {_link(cl.inter_gbs)}" if cl.nodes > 1 else "")
     lines = [
         f"layouts of {cl.nodes} node{'s' if cl.nodes > 1 else ''} x {cl.gpus_per_node} GPUs ({hw.name}), "
-        f"host {gib_text(cl.host_bytes_per_node)} per node, {links}; {cmp.global_batch} x {cmp.seq} "
-        "tokens/step in all:",
+        f"host {gib_text(cl.host_bytes_per_node)} per node, {cmp.global_batch} x {cmp.seq} tokens/step "
+        "in all",
+        f"links: {links}",
         f"   {'layout':<28} {'tokens/s':>10} {'s/step':>7} {'comm s':>8} {'GPU peak':>9} "
         f"{'host/node':>10}  sharding",
     ]
     lines += [_row(r, cmp.best) for r in cmp.rows]
-    lines.append("   (comm s: the collectives' exposed seconds plus the sharded all-gather; GPU peak: the "
-                 "fullest GPU, NCCL buffers not counted)")
+    lines.append("   (comm s: exposed collectives + the sharded all-gather; GPU peak: the fullest GPU, "
+                 "without NCCL buffers)")
     b = cmp.best
     if b is None or b.choice is None or b.choice.result is None:
         return "\n".join(lines)
     lay, c = b.layout, b.choice
-    lines.append(f"best: {lay.describe()} ({lay.kind}), {lay.per_node} per node: {c.tokens_per_s:,.0f} "
-                 f"tokens/s, {c.step_s:.2f} s/step (replica {c.replica_step_s:.2f} + collectives exposed "
-                 f"{c.exposed_s:.2f} of {c.collective_s:.2f}"
-                 + (f" + all-gather {c.allgather_s:.2f}" if c.sharding == "shard" else "") + ")")
-    lines.append(f"optimizer state: {b.reason}")
-    lines.append(f"plan per replica: {b.plan().describe()}")
+    lines += _wrapped(f"best: {lay.describe()} ({lay.kind}), {lay.per_node} per node: {c.tokens_per_s:,.0f} "
+                      f"tokens/s, {c.step_s:.2f} s/step = replica {c.replica_step_s:.2f} + collectives "
+                      f"{c.exposed_s:.2f} exposed (of {c.collective_s:.2f})"
+                      + (f" + all-gather {c.allgather_s:.2f}" if c.sharding == "shard" else ""))
+    lines += _wrapped(f"optimizer state: {b.reason}")
+    lines += _wrapped(f"plan per replica: {b.plan().describe()}")
     if detail:
         lines.append("")
         lines.append(f"one replica ({lay.gpus_per_replica} GPU{'s' if lay.gpus_per_replica > 1 else ''}, "

@@ -161,13 +161,14 @@ def allgather_bytes(sizes: ModelSizes, plan: Plan, replicas: int) -> float:
 def sharded_host(host: dict[str, int], sizes: ModelSizes, plan: Plan, replicas: int,
                  retain_grads: bool) -> dict[str, int]:
     """One replica's host bytes by category with the optimizer state sharded: the moments (8 B) and
-    retained gradients (4 B) of each layer's 1/R shard; the master copy stays whole."""
+    retained gradients (4 B) of each host-stepped layer's 1/R shard; the master copy stays whole, and
+    so does what the single-replica estimate counts for a layer stepped on its device."""
     out = dict(host)
     R = replicas
     trains = sizes.layer_train_numels
-    out["optimizer_state"] = sum(8 * shard_numel(n, R) for n in trains)
+    stepped = _host_stepped(sizes, plan)
+    out["optimizer_state"] = sum(8 * (shard_numel(n, R) if h else n) for n, h in zip(trains, stepped))
     if retain_grads:
-        stepped = _host_stepped(sizes, plan)
         out["gradient_buffers"] = sum(4 * shard_numel(n, R) for n, h in zip(trains, stepped) if h)
     return out
 
