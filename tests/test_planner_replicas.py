@@ -294,7 +294,8 @@ def test_plan_cli_compares_layouts_on_two_nodes(capsys: pytest.CaptureFixture[st
             assert comm >= (R - 1) / R * 4 * blocks / ring - 0.005
     assert tokens[best[0]] == max(tokens.values())
     assert f"best: {best[0]} " in out and "\noptimizer state: " in out and "\nplan per replica: " in out
-    assert "replicas (optimizer state " in out.split("plan per replica: ")[1].splitlines()[0]
+    replica_plan = " ".join(out.split("plan per replica: ")[1].split("\n\n")[0].split())  # wrapped
+    assert f"{int(best[0].split()[0])} replicas (optimizer state " in replica_plan
 
 
 def test_plan_cli_one_node_pipeline_and_refused_layout(capsys: pytest.CaptureFixture[str]) -> None:
