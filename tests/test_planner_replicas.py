@@ -321,3 +321,38 @@ def test_plan_cli_without_nodes_is_one_plan(capsys: pytest.CaptureFixture[str]) 
     code, out, _ = _plan_cli(capsys, "--model", "llama-3.2-1b", "--gpus", "2", "--seq-len", "1024",
                              "--global-batch", "4", "--cpu-memory", "64GiB")
     assert code == 0 and out.startswith("model: llama-3.2-1b") and "layouts of" not in out
+
+
+def test_plan_cli_json_and_the_pipeline_row_is_the_single_plan(capsys: pytest.CaptureFixture[str],
+                                                                tmp_path) -> None:
+    """One node: the 1 x 2 GPUs row is exactly `tinypipe plan --gpus 2` (no collectives, the whole
+    CPU); every row's step is its replica's plus the exposed collectives plus the all-gather."""
+    import json
+
+    from tinypipe.planner.search import plan_for
+    from tinypipe.schedule.plan import Plan
+
+    saved = tmp_path / "plan.json"
+    code, out, err = _plan_cli(capsys, "--model", "llama-3.2-1b", "--nodes", "1", "--gpus", "2", "--seq-len",
+                               "1024", "--global-batch", "8", "--cpu-memory", "64GiB", "--json",
+                               "--save-plan", str(saved))
+    assert code == 0, err
+    d = json.loads(out)
+    rows = {(r["replicas"], r["gpus_per_replica"]): r for r in d["layouts"]}
+    assert set(rows) == {(2, 1), (1, 2)}
+    single = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpus=2, cpu_memory_bytes=64 * GIB, seq=1024,
+                      global_batch=8).best
+    pipe = rows[(1, 2)]
+    assert pipe["step_s"] == single.time.step_s and pipe["exposed_s"] == pipe["allgather_s"] == 0
+    assert pipe["host_per_node_bytes"] == single.host_need and pipe["sharding"] == "replicate"
+    for r in rows.values():
+        parts = r["replica_step_s"] + r["exposed_s"] + r["allgather_s"]
+        assert r["step_s"] == pytest.approx(parts, rel=1e-12)
+        assert r["tokens_per_s"] == pytest.approx(8 * 1024 / r["step_s"], rel=1e-12)
+    best = rows[(d["best"]["replicas"], d["best"]["gpus_per_replica"])]
+    # the fastest, or within 1 % of it with less host memory per node
+    fastest = max(rows.values(), key=lambda r: r["tokens_per_s"])
+    assert best is fastest or (best["tokens_per_s"] >= 0.99 * fastest["tokens_per_s"]
+                               and best["host_per_node_bytes"] < fastest["host_per_node_bytes"])
+    plan = Plan.load(saved)
+    assert (plan.replicas, plan.optimizer_sharding) == (best["replicas"], best["sharding"])
