@@ -144,8 +144,10 @@ def test_interconnect_presets_and_links() -> None:
 
 def test_layouts_and_the_indivisible_batch() -> None:
     cl = Cluster(2, 4, 50.0, 11.25, 256 * GIB)
+    # on two nodes also one pipeline on one node: what the second node adds
     assert [(x.replicas, x.gpus_per_replica, x.per_node) for x in layouts(cl)] == [(8, 1, 4), (4, 2, 2),
-                                                                                   (2, 4, 1)]
+                                                                                   (2, 4, 1), (1, 4, 1)]
+    assert [x.nodes for x in layouts(cl)] == [2, 2, 2, 1] and len(layouts(cl, 2)) == 1
     assert [x.kind for x in layouts(Cluster(1, 2, 50.0, 1.0, GIB))] == ["data parallel", "pipeline"]
     with pytest.raises(ConfigError, match="does not divide the 4 GPUs of a node"):
         layouts(cl, 3)
@@ -277,7 +279,8 @@ def test_plan_cli_compares_layouts_on_two_nodes(capsys: pytest.CaptureFixture[st
     assert out.startswith("layouts of 2 nodes x 4 GPUs (h200-pcie5), host 256.0 GiB per node, 16 x 2048 "
                           "tokens/step in all\nlinks: within a node 50 GB/s, between nodes 2.81 GB/s\n")
     rows = _rows(out)
-    assert list(rows) == ["8 x 1 GPU", "4 x 2 GPUs", "2 x 4 GPUs"]
+    assert list(rows) == ["8 x 1 GPU", "4 x 2 GPUs", "2 x 4 GPUs", "1 x 4 GPUs"]
+    assert "1 x 4 GPUs (pipeline, 1 node)" in rows["1 x 4 GPUs"]
     best = [name for name, line in rows.items() if line.startswith(" *")]
     assert len(best) == 1
     tokens = {}
@@ -292,10 +295,15 @@ def test_plan_cli_compares_layouts_on_two_nodes(capsys: pytest.CaptureFixture[st
         if sharding == "shard":  # the all-gather alone: (R-1)/R x 4 B of at least the blocks' parameters
             blocks = 32 * (4 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096)
             assert comm >= (R - 1) / R * 4 * blocks / ring - 0.005
-    assert tokens[best[0]] == max(tokens.values())
+    assert tokens[best[0]] >= 0.99 * max(tokens.values())  # the fastest (ties within 1 %: the leanest)
     assert f"best: {best[0]} " in out and "\noptimizer state: " in out and "\nplan per replica: " in out
     replica_plan = " ".join(out.split("plan per replica: ")[1].split("\n\n")[0].split())  # wrapped
-    assert f"{int(best[0].split()[0])} replicas (optimizer state " in replica_plan
+    R = int(best[0].split()[0])
+    if R > 1:
+        assert f"{R} replicas (optimizer state " in replica_plan
+    else:  # 25 GbE: the second node's collectives cost more than its compute saves
+        assert "replicas" not in replica_plan and "on 1 of the 2 nodes" in out
+    assert rows["1 x 4 GPUs"][3:].split(")")[1].split()[2] == "0.00"  # one replica: no collectives
 
 
 def test_plan_cli_one_node_pipeline_and_refused_layout(capsys: pytest.CaptureFixture[str]) -> None:

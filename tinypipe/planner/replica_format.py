@@ -20,16 +20,17 @@ def _link(gbs: float) -> str:
     return f"{gbs:.3g} GB/s"
 
 
-def _row(r: LayoutPlan, best: LayoutPlan | None) -> str:
+def _row(r: LayoutPlan, best: LayoutPlan | None, nodes: int) -> str:
     mark = "*" if r is best else " "
-    name = f"{r.layout.describe()} ({r.layout.kind})"
+    where = f", {r.layout.nodes} node" if r.layout.nodes < nodes else ""
+    name = f"{r.layout.describe()} ({r.layout.kind}{where})"
     if r.refused:
-        return f" {mark} {name:<28} refused: {r.refused}"
+        return f" {mark} {name:<31} refused: {r.refused}"
     c = r.choice
     if c is None or not c.fits or c.result is None:
-        return f" {mark} {name:<28} does not fit: {r.reason}"
+        return f" {mark} {name:<31} does not fit: {r.reason}"
     comm = c.exposed_s + c.allgather_s
-    return (f" {mark} {name:<28} {c.tokens_per_s:>10,.0f} {c.step_s:>7.2f} {comm:>8.2f} "
+    return (f" {mark} {name:<31} {c.tokens_per_s:>10,.0f} {c.step_s:>7.2f} {comm:>8.2f} "
             f"{gib_text(c.result.best.gpu_need):>9} {gib_text(c.host_per_node):>10}  {c.sharding}")
 
 
@@ -47,20 +48,22 @@ def format_comparison(cmp: LayoutComparison, detail: bool = True) -> str:
         f"host {gib_text(cl.host_bytes_per_node)} per node, {cmp.global_batch} x {cmp.seq} tokens/step "
         "in all",
         f"links: {links}",
-        f"   {'layout':<28} {'tokens/s':>10} {'s/step':>7} {'comm s':>8} {'GPU peak':>9} "
+        f"   {'layout':<31} {'tokens/s':>10} {'s/step':>7} {'comm s':>8} {'GPU peak':>9} "
         f"{'host/node':>10}  sharding",
     ]
-    lines += [_row(r, cmp.best) for r in cmp.rows]
+    lines += [_row(r, cmp.best, cl.nodes) for r in cmp.rows]
     lines.append("   (comm s: exposed collectives + the sharded all-gather; GPU peak: the fullest GPU, "
                  "without NCCL buffers)")
     b = cmp.best
     if b is None or b.choice is None or b.choice.result is None:
         return "\n".join(lines)
     lay, c = b.layout, b.choice
-    lines += _wrapped(f"best: {lay.describe()} ({lay.kind}), {lay.per_node} per node: {c.tokens_per_s:,.0f} "
-                      f"tokens/s, {c.step_s:.2f} s/step = replica {c.replica_step_s:.2f} + collectives "
-                      f"{c.exposed_s:.2f} exposed (of {c.collective_s:.2f})"
-                      + (f" + all-gather {c.allgather_s:.2f}" if c.sharding == "shard" else ""))
+    where = f"on {lay.nodes} of the {cl.nodes} nodes" if lay.nodes < cl.nodes else f"{lay.per_node} per node"
+    parts = "" if lay.replicas == 1 else (
+        f" = replica {c.replica_step_s:.2f} + collectives {c.exposed_s:.2f} exposed (of {c.collective_s:.2f})"
+        + (f" + all-gather {c.allgather_s:.2f}" if c.sharding == "shard" else ""))
+    lines += _wrapped(f"best: {lay.describe()} ({lay.kind}), {where}: {c.tokens_per_s:,.0f} tokens/s, "
+                      f"{c.step_s:.2f} s/step{parts}")
     lines += _wrapped(f"optimizer state: {b.reason}")
     lines += _wrapped(f"plan per replica: {b.plan().describe()}")
     if detail:

@@ -94,6 +94,11 @@ class Layout:
             return "pipeline"
         return "data parallel" if self.gpus_per_replica == 1 else "both"
 
+    @property
+    def nodes(self) -> int:
+        """Nodes the layout uses."""
+        return self.replicas // self.per_node
+
     def describe(self) -> str:
         g = self.gpus_per_replica
         return f"{self.replicas} x {g} GPU{'s' if g > 1 else ''}"
@@ -101,7 +106,8 @@ class Layout:
 
 def layouts(cluster: Cluster, gpus_per_replica: int | None = None) -> list[Layout]:
     """Every way to cut each node's GPUs into equal replicas (G divides P), or only ``gpus_per_replica``;
-    a replica's pipeline stays inside one node."""
+    a replica's pipeline stays inside one node. On several nodes also one pipeline on one node (what
+    the other nodes add, or that the network is too slow for them to add anything)."""
     P = cluster.gpus_per_node
     gs = [g for g in range(1, P + 1) if P % g == 0] if gpus_per_replica is None else [gpus_per_replica]
     for g in gs:
@@ -109,7 +115,10 @@ def layouts(cluster: Cluster, gpus_per_replica: int | None = None) -> list[Layou
             raise ConfigError(f"--gpus-per-replica {g} does not divide the {P} GPUs of a node "
                               f"(a replica's pipeline stays in one node): use one of "
                               f"{', '.join(str(d) for d in range(1, P + 1) if P % d == 0)}")
-    return [Layout(cluster.nodes * (P // g), g, P // g) for g in gs]
+    out = [Layout(cluster.nodes * (P // g), g, P // g) for g in gs]
+    if gpus_per_replica is None and cluster.nodes > 1:
+        out.append(Layout(1, P, 1))
+    return out
 
 
 def split_batch(global_batch: int, replicas: int) -> int:
