@@ -34,7 +34,7 @@ from tinypipe.planner.replicas import (
 )
 from tinypipe.planner.sizes import model_sizes
 from tinypipe.schedule.plan import make_plan
-from tinypipe.units import GIB
+from tinypipe.units import GIB, gib_text
 
 H, I, V = 64, 128, 100  # a small Llama: hidden, intermediate, vocabulary
 
@@ -181,6 +181,9 @@ def test_only_sharding_fits_the_host() -> None:
     assert lp.reason.startswith("shard: replicated state needs") and "have 130.0 GiB" in lp.reason
     rep, sh = lp.options["replicate"], lp.options["shard"]
     assert not rep.fits and rep.host_per_node >= 2 * 12 * SEVEN_B
+    # the floor -- masters and both moments in each of the node's two processes -- already exceeds it
+    assert rep.why_not == (f"replicated: needs at least {gib_text(2 * (12 * SEVEN_B + HOST_BASELINE_BYTES))} "
+                           "host per node (2 x (4 + 8) B/param + the process), have 130.0 GiB")
     plan = sh.plan
     on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
     assert sh.host["optimizer_state"] == 8 * sum(n if i in on_device else -(-n // 2)

@@ -13,6 +13,11 @@ planner's host need includes the process itself).
 automatic plan and a hand-set one alike get the offload set (``Plan.offload``) that fits them into
 it, chosen by :class:`~tinypipe.planner.spill.Spill` at the hardware's SSD rates (never measured
 here: the set depends on the budget, the rates only rank plans).
+
+Data-parallel replicas (``resolve_plan(..., replicas=R)``, for the distributed runtime): the plan of
+one replica for ``global_batch / R`` sequences, with ``Plan.replicas`` and
+``Plan.optimizer_sharding`` chosen by :mod:`tinypipe.planner.replica_search`; ``replicas=1`` (the
+default) is the single-engine path above, unchanged.
 """
 
 from __future__ import annotations

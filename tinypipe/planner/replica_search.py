@@ -89,13 +89,20 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
         options[name] = opt
         saved = 0 if name == "replicate" else sum(
             8 * (n - shard_numel(n, layout.replicas)) for n in sizes.layer_train_numels)
+        held = "replicated" if name == "replicate" else "sharded"
+        floor = host_per_node({"state": 12 * sizes.train_total - saved}, layout.per_node)
+        if floor > budget:  # masters and moments (or their shards) alone: no plan can fit
+            per = "4 + 8" if name == "replicate" else f"4 + 8/{layout.replicas}"
+            opt.why_not = (f"{held}: needs at least {gib_text(floor)} host per node ({layout.per_node} x "
+                           f"({per}) B/param + the process), have {gib_text(budget)}")
+            continue
         try:
             result = plan_for(cfg, replica_hardware(hw, layout, opt.sharding), gpus=layout.gpus_per_replica,
                               gpu_memory_bytes=gpu_memory_bytes,
                               cpu_memory_bytes=budget // layout.per_node + saved,
                               seq=seq, global_batch=batch, **search)  # type: ignore[arg-type]
         except PlanDoesNotFitError as exc:
-            opt.why_not = " ".join(str(exc).split())
+            opt.why_not = f"{held}: one replica {' '.join(str(exc).split())}"
             continue
         c = result.best
         opt.result, opt.plan = result, c.plan
@@ -103,14 +110,15 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
                     sharded_host(c.memory.host, sizes, c.plan, layout.replicas, retain))
         opt.host_per_node = host_per_node(opt.host, layout.per_node)
         if opt.host_per_node > budget:
-            opt.why_not = (f"needs {gib_text(opt.host_per_node)} host per node, have {gib_text(budget)}")
+            opt.why_not = (f"{held}: needs {gib_text(opt.host_per_node)} host per node, have "
+                           f"{gib_text(budget)}")
         time_option(opt, sizes, c.plan, c.time.step_s, c.time.backward_s, layout, cluster,
                     global_batch * seq)
     rep, sh = options.get("replicate"), options.get("shard")
     if rep is not None and sh is not None and not rep.host_per_node and sh.result is not None:
         # the replicated search found nothing: say what the sharded plan would need replicated
         rep.host_per_node = host_per_node(dict(sh.result.best.memory.host), layout.per_node)
-    choice, reason = choose_sharding(options, budget)
+    choice, reason = choose_sharding(options, budget, layout.replicas)
     return LayoutPlan(layout, options, choice, reason)
 
 
@@ -148,7 +156,7 @@ def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layo
             time_option(opt, sizes, plan, c.time.step_s, c.time.backward_s, layout, cluster,
                         global_batch * seq)  # type: ignore[operator]
     if workload:
-        choice, reason = choose_sharding(options, budget)
+        choice, reason = choose_sharding(options, budget, layout.replicas)
         return LayoutPlan(layout, options, choice, reason)
     rep, sh = options.get("replicate"), options.get("shard")
     if rep is not None and (rep.fits or sh is None):

@@ -279,15 +279,15 @@ def time_option(opt: ShardingOption, sizes: ModelSizes, plan: Plan, replica_step
     opt.tokens_per_s = global_tokens / opt.step_s
 
 
-def choose_sharding(options: dict[str, ShardingOption], budget: int) -> tuple[ShardingOption | None, str]:
+def choose_sharding(options: dict[str, ShardingOption], budget: int,
+                    replicas: int) -> tuple[ShardingOption | None, str]:
     """Replicate when it fits the host and is not slower, shard otherwise; with the reason (one line).
     ``options`` holds the shardings weighed (one: it was asked for, or there is one replica)."""
     if len(options) == 1:
         (name, only), = options.items()
         if not only.fits:
             return None, only.why_not
-        one = only.collective_s == 0 and name == "replicate"
-        why = "one replica, nothing to shard" if one else "as asked"
+        why = "one replica, nothing to shard" if replicas == 1 else "as asked"
         return only, f"{name} ({why}): {gib_text(only.host_per_node)} host per node"
     rep, sh = options["replicate"], options["shard"]
     if rep.fits and (not sh.fits or rep.step_s <= sh.step_s):
@@ -297,7 +297,7 @@ def choose_sharding(options: dict[str, ShardingOption], budget: int) -> tuple[Sh
         return rep, (f"replicate: fits the host ({gib_text(rep.host_per_node)} of {gib_text(budget)} per "
                      f"node) and is not slower ({rep.step_s:.2f} vs {sh.step_s:.2f} s/step sharded)")
     if not sh.fits:
-        return None, rep.why_not
+        return None, f"{rep.why_not}; {sh.why_not}"
     if not rep.fits:
         need = f"needs {gib_text(rep.host_per_node)} host per node" if rep.host_per_node else rep.why_not
         return sh, (f"shard: replicated state {need}, have {gib_text(budget)}; sharded needs "
