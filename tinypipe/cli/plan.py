@@ -4,6 +4,10 @@ and a machine, offline (no GPU, no weights), in seconds.
     tinypipe plan --model llama-3.1-8b --gpus 2 --gpu-memory 24GiB --cpu-memory 128GiB \\
                   --seq-len 4096 --global-batch 16 [--hardware rtx4090-pcie4|FILE] [--json] \\
                   [--offload-dir DIR] [--ssd-read-gbps X --ssd-write-gbps Y]
+    tinypipe plan --model llama-2-7b --nodes 2 --gpus 4 --interconnect pcie5,eth100 ...
+
+With ``--nodes`` (or ``--gpus-per-replica``) ``--gpus`` counts the GPUs of one node and the plan
+compares data-parallel layouts: R replicas of G GPUs each (:mod:`tinypipe.planner.replica_search`).
 
 Exit status: 0 with the plan printed; 1 when no plan fits (one line saying what the smallest plan
 needs); 2 for bad input (one line).
@@ -40,7 +44,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, metavar="MODEL",
                    help="Hugging Face model directory, a config.json, or a preset (e.g. llama-3.1-8b; "
                         "'--model list' shows them)")
-    p.add_argument("--gpus", default="1", metavar="N", help="number of GPUs (default: 1)")
+    p.add_argument("--gpus", default="1", metavar="N",
+                   help="number of GPUs (with --nodes: per node; default: 1)")
+    p.add_argument("--nodes", default=None, metavar="N",
+                   help="compare data-parallel layouts on N nodes of --gpus GPUs each: R replicas x G GPUs "
+                        "(a pipeline per replica), each with its sharding of the host optimizer state")
+    p.add_argument("--gpus-per-replica", default=None, metavar="G",
+                   help="plan only the layout of G GPUs per replica (implies the layout table; "
+                        "default: every G that divides --gpus)")
+    p.add_argument("--interconnect", default=None, metavar="LINK[,LINK]",
+                   help="links for the gradient collectives, a preset or GB/s: within a node "
+                        "(pcie4|pcie5|nvlink) and/or between nodes (eth25|eth100|ib200|ib400), e.g. "
+                        "nvlink,ib200; one number: within a node on one node, else between nodes "
+                        "(default: the hardware's PCIe within, eth25 between)")
+    p.add_argument("--optimizer-sharding", default="auto", choices=("auto", "replicate", "shard"),
+                   help="with replicas: every replica holds the whole host AdamW state, or 1/R of it "
+                        "(default: auto, the planner chooses and says why)")
     p.add_argument("--gpu-memory", default=None, metavar="SIZE",
                    help="memory per GPU, e.g. 24GiB, 24G, 24000MB (default: the hardware preset's)")
     p.add_argument("--cpu-memory", default=None, metavar="SIZE",
@@ -171,6 +190,14 @@ def run(args: argparse.Namespace) -> int:
             from tinypipe.errors import ConfigError
 
             raise ConfigError("--lora-rank / --lora-targets / --quantize need --lora")
+        if getattr(args, "nodes", None) is not None or getattr(args, "gpus_per_replica", None) is not None:
+            if ssd is not None:
+                from tinypipe.errors import ConfigError
+
+                raise ConfigError("the replica layouts (--nodes / --gpus-per-replica) do not model the SSD "
+                                  "tier yet; plan one replica with --offload-dir instead")
+            return _run_layouts(args, hardware, gpus=gpus, seq=seq, batch=batch, gpu_mem=gpu_mem,
+                                cpu_mem=cpu_mem, clip=clip, lora=lora)
         result = plan_for(args.model, hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
                           cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
@@ -201,6 +228,90 @@ def run(args: argparse.Namespace) -> int:
             raise
         print(f"{PROG}: error: {_one_line(exc)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
+
+
+def _links(text: str | None, nodes: int, hardware: Any) -> tuple[float, float]:
+    """(within a node, between nodes) GB/s from ``--interconnect``: ``A,B``, one preset (its kind says
+    which link), or one number (the link the collectives cross: within a node on one node)."""
+    from tinypipe.errors import ConfigError
+    from tinypipe.planner.hardware import NODE_LINKS, interconnect_gbs, node_link_for
+
+    intra, inter = node_link_for(hardware), "eth25"
+    parts = [t.strip() for t in (text or "").split(",") if t.strip()]
+    if len(parts) > 2:
+        raise ConfigError(f"--interconnect takes one or two links (within,between), got {text!r}")
+    if len(parts) == 2:
+        intra, inter = parts
+        if inter.lower() in NODE_LINKS:
+            raise ConfigError(f"--interconnect {text}: {inter} links GPUs within a node; between nodes give "
+                              "eth25|eth100|ib200|ib400 or GB/s")
+    elif parts:
+        one = parts[0]
+        is_node_link = one.lower() in NODE_LINKS
+        if is_node_link or (nodes == 1 and one.lower() not in ("eth25", "eth100", "ib200", "ib400")):
+            intra = one
+        else:
+            inter = one
+        if is_node_link and nodes > 1:
+            raise ConfigError(f"--interconnect {one} links GPUs within a node; for {nodes} nodes give the "
+                              f"link between them too, e.g. {one},ib200")
+    return interconnect_gbs(intra), interconnect_gbs(inter)
+
+
+def _run_layouts(args: argparse.Namespace, hardware: Any, *, gpus: int, seq: int, batch: int,
+                 gpu_mem: int | None, cpu_mem: int, clip: float | None, lora: Any) -> int:
+    """The data-parallel layouts' table and the choice (``--nodes`` / ``--gpus-per-replica``)."""
+    from tinypipe.planner.replica_format import format_comparison
+    from tinypipe.planner.replica_search import compare_layouts
+    from tinypipe.planner.replicas import Cluster
+
+    nodes = _positive_int("--nodes", args.nodes) if args.nodes is not None else 1
+    per_replica = (_positive_int("--gpus-per-replica", args.gpus_per_replica)
+                   if args.gpus_per_replica is not None else None)
+    intra, inter = _links(args.interconnect, nodes, hardware)
+    cluster = Cluster(nodes, gpus, intra, inter, cpu_mem)
+    resident = (None if args.resident_packs is None
+                else _nonnegative_int("--resident-packs", args.resident_packs))
+    cmp = compare_layouts(args.model, hardware, cluster, seq=seq, global_batch=batch,
+                          gpus_per_replica=per_replica, sharding=args.optimizer_sharding,
+                          gpu_memory_bytes=gpu_mem, precision=args.precision, max_grad_norm=clip, lora=lora,
+                          device_optimizer=args.device_optimizer, resident_packs=resident)
+    if args.save_plan and cmp.best is not None:
+        try:
+            cmp.best.plan().save(args.save_plan)
+        except OSError as exc:
+            from tinypipe.errors import ConfigError
+
+            raise ConfigError(f"cannot write {args.save_plan}: {exc.strerror or exc}") from None
+    if args.json:
+        print(json.dumps(_comparison_dict(cmp), indent=1, default=str))
+    else:
+        print(format_comparison(cmp))
+    return EXIT_OK
+
+
+def _comparison_dict(cmp: Any) -> dict:
+    rows = []
+    for r in cmp.rows:
+        c = r.choice
+        row = {"replicas": r.layout.replicas, "gpus_per_replica": r.layout.gpus_per_replica,
+               "replicas_per_node": r.layout.per_node, "kind": r.layout.kind, "fits": r.fits,
+               "reason": r.reason}
+        if r.fits and c is not None and c.result is not None:
+            row.update(sharding=c.sharding, tokens_per_s=c.tokens_per_s, step_s=c.step_s,
+                       replica_step_s=c.replica_step_s, collective_s=c.collective_s, exposed_s=c.exposed_s,
+                       allgather_s=c.allgather_s, gpu_need_bytes=c.result.best.gpu_need,
+                       host_per_node_bytes=c.host_per_node, plan=r.plan().as_dict())
+        rows.append(row)
+    best = cmp.best
+    return {"nodes": cmp.cluster.nodes, "gpus_per_node": cmp.cluster.gpus_per_node,
+            "intra_node_gbs": cmp.cluster.intra_gbs, "inter_node_gbs": cmp.cluster.inter_gbs,
+            "host_bytes_per_node": cmp.cluster.host_bytes_per_node, "seq": cmp.seq,
+            "global_batch": cmp.global_batch, "layouts": rows,
+            "best": None if best is None else {"replicas": best.layout.replicas,
+                                               "gpus_per_replica": best.layout.gpus_per_replica,
+                                               "sharding": best.choice.sharding if best.choice else None,
+                                               "reason": best.reason}}
 
 
 def _one_line(exc: BaseException) -> str:

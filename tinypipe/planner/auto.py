@@ -13,6 +13,11 @@ planner's host need includes the process itself).
 automatic plan and a hand-set one alike get the offload set (``Plan.offload``) that fits them into
 it, chosen by :class:`~tinypipe.planner.spill.Spill` at the hardware's SSD rates (never measured
 here: the set depends on the budget, the rates only rank plans).
+
+Data-parallel replicas (``resolve_plan(..., replicas=R)``, for the distributed runtime): the plan of
+one replica for ``global_batch / R`` sequences, with ``Plan.replicas`` and
+``Plan.optimizer_sharding`` chosen by :mod:`tinypipe.planner.replica_search`; ``replicas=1`` (the
+default) is the single-engine path above, unchanged.
 """
 
 from __future__ import annotations
@@ -95,21 +100,103 @@ def manual_plan(config: Config, *, num_blocks: int, tied: bool) -> Plan:
 
 
 def resolve_plan(model: nn.Module, config: Config, *, num_blocks: int, tied: bool,
-                 plan: Plan | None = None) -> tuple[Plan, PlanResult | None]:
+                 plan: Plan | None = None, replicas: int = 1, replicas_per_node: int | None = None,
+                 links_gbs: tuple[float, float] | None = None) -> tuple[Plan, PlanResult | None]:
     """The plan the engine runs and the planner's result (None unless the planner chose the plan).
 
     ``plan`` given: that plan. No packing knob set in ``config``: the planner's plan for the
     workload and the budgets. Otherwise the plan of the hand-set knobs, checked against the
     budgets when the workload is given. Raises :class:`PlanDoesNotFitError` when no plan -- or
-    the hand-set one -- fits, ConfigError when the plan does not suit the model or the devices."""
+    the hand-set one -- fits, ConfigError when the plan does not suit the model or the devices.
+
+    ``replicas > 1`` (the distributed runtime: this engine is one of R data-parallel replicas,
+    ``replicas_per_node`` of them per node -- default all -- linked at ``links_gbs`` (within a node,
+    between nodes)): the plan of one replica for ``global_batch / replicas`` sequences with
+    ``Plan.replicas`` and ``Plan.optimizer_sharding`` filled in (:func:`_resolve_replicas`)."""
     result = None
-    if plan is None:
+    if replicas != 1:
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ConfigError(f"replicas must be a positive integer, got {replicas!r}")
+        plan, result = _resolve_replicas(model, config, num_blocks=num_blocks, tied=tied, plan=plan,
+                                        replicas=replicas, replicas_per_node=replicas_per_node or replicas,
+                                        links_gbs=links_gbs)
+    elif plan is None:
         plan, result = _choose(model, config, num_blocks=num_blocks, tied=tied)
     if plan.num_devices != len(config.devices):
         raise ConfigError(f"plan is for {plan.num_devices} devices, config lists {len(config.devices)}")
     if plan.num_blocks != num_blocks:
         raise ConfigError(f"plan covers {plan.num_blocks} blocks, the model has {num_blocks}")
     return plan, result
+
+
+def _resolve_replicas(model: nn.Module, config: Config, *, num_blocks: int, tied: bool, plan: Plan | None,
+                     replicas: int, replicas_per_node: int,
+                     links_gbs: tuple[float, float] | None) -> tuple[Plan, PlanResult | None]:
+    """One of R data-parallel replicas (the distributed runtime calls :func:`resolve_plan` with the
+    replica count): the plan of one replica for 1/R of the global batch, with ``Plan.replicas`` and
+    ``Plan.optimizer_sharding`` filled in, and the planner's result (None unless it chose the plan).
+
+    ``Config.optimizer_sharding="auto"``: replicate when it fits the node's host memory and is not
+    slower, shard otherwise (:func:`~tinypipe.planner.replicas.choose_sharding`); a forced value is
+    kept, and refused (one line) when the automatic plan cannot fit it. The host budget
+    (``Config.cpu_memory_bytes`` or the available RAM) is the node's, shared by ``replicas_per_node``
+    replica processes; the GPU budget is per device, as for one replica. ``links_gbs`` (within a
+    node, between nodes, GB/s) times the collectives (default: the hardware's PCIe generation
+    within, the ``eth25`` preset between -- a slow network; pass the real one).
+
+    Every rank must reach the same plan: ranks on different nodes see different available RAM, so
+    the runtime should pass one budget (``Config.cpu_memory_bytes``) or compare plans across ranks."""
+    from tinypipe.planner.hardware import interconnect_gbs, node_link_for
+    from tinypipe.planner.replica_search import plan_layout, weigh_plan
+    from tinypipe.planner.replicas import Cluster, Layout, split_batch
+
+    if replicas_per_node < 1 or replicas % replicas_per_node:
+        raise ConfigError(f"{replicas} replicas do not spread evenly over nodes of {replicas_per_node}")
+    if config.offload_dir is not None:
+        raise ConfigError("the SSD tier (offload_dir) is not planned for data-parallel replicas yet")
+    if config.global_batch is not None:
+        split_batch(config.global_batch, replicas)  # refuse an uneven split (one line) before planning
+    hw = hardware_for(config)
+    intra, inter = links_gbs or (interconnect_gbs(node_link_for(hw)), interconnect_gbs("eth25"))
+    gpu, host = budgets(config)
+    devices = len(config.devices)
+    cluster = Cluster(replicas // replicas_per_node, replicas_per_node * devices, intra, inter, host)
+    layout = Layout(replicas, devices, replicas_per_node)
+    given = plan is not None
+    have_workload = config.seq_len is not None and config.global_batch is not None
+    cuda = any(d.startswith("cuda") for d in config.devices)
+    backend = not cuda or torch.cuda.is_available()  # else the device backend reports it, in its words
+    planned = config.auto_plan and plan is None and have_workload and backend
+    if planned:
+        assert config.seq_len is not None and config.global_batch is not None
+        lp = plan_layout(model.config, hw, cluster, layout, seq=config.seq_len,
+                         global_batch=config.global_batch, sharding=config.optimizer_sharding,
+                         gpu_memory_bytes=gpu, precision=config.precision,
+                         max_grad_norm=config.max_grad_norm, host_grad_buffers=config.host_grad_buffers,
+                         lora=lora_settings_of(model), device_optimizer=config.device_optimizer,
+                         resident_packs=config.resident_packs)
+        if not lp.fits:
+            raise PlanDoesNotFitError(f"{layout.describe()} replicas: {lp.reason}")
+        chosen = lp.plan()
+        if config.grad_slots is not None:  # a runtime setting the planner leaves alone
+            chosen = dataclasses.replace(chosen, grad_slots=config.grad_slots)
+        assert lp.choice is not None
+        return chosen, lp.choice.result
+    per_replica = config if config.global_batch is None else config.replace(
+        global_batch=config.global_batch // replicas)
+    if plan is None:
+        plan, _ = resolve_plan(model, per_replica, num_blocks=num_blocks, tied=tied)
+    lp = weigh_plan(_sizes_of(model), hw, cluster, layout, plan, seq=config.seq_len,
+                    global_batch=config.global_batch, sharding=config.optimizer_sharding,
+                    precision=config.precision, max_grad_norm=config.max_grad_norm,
+                    host_grad_buffers=config.host_grad_buffers)
+    if lp.choice is None:
+        if given or not have_workload:  # a plan passed in, or nothing to check it with: the leanest
+            lean = "shard" if config.optimizer_sharding != "replicate" else "replicate"
+            return dataclasses.replace(plan, replicas=replicas, optimizer_sharding=lean), None
+        raise PlanDoesNotFitError(f"this plan ({plan.describe()}) as {layout.describe()} replicas: "
+                                  f"{lp.reason}")
+    return lp.plan(), None
 
 
 def _choose(model: nn.Module, config: Config, *, num_blocks: int,

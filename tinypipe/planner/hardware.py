@@ -161,3 +161,51 @@ def load_hardware(spec: str | HardwareSpec) -> HardwareSpec:
             raise ConfigError(f"hardware file {path}: expected a JSON object")
         return _from_dict(d, path.stem)
     raise ConfigError(f"unknown hardware {spec!r}; presets: {', '.join(HARDWARE)} (or a JSON file)")
+
+
+#: Links data-parallel replicas reduce gradients over (``tinypipe plan --interconnect``), GB/s per
+#: direction as a ring collective sees it (its *bus* bandwidth): stated values, not measured here --
+#: give a measured number (nccl-tests ``busbw``) where you have one.
+INTERCONNECTS: dict[str, float] = {
+    # within a node, GPU to GPU
+    # PCIe 4.0 x16: 32 GB/s raw per direction; GPU-to-GPU through the root complex reaches about what
+    # the host link does (the PCIe 4 presets' 22-25 GB/s)
+    "pcie4": 22.0,
+    # PCIe 5.0 x16: 64 GB/s raw; 50 = 90 % of the 55.5 GB/s host link measured on the H200 box (the
+    # h200-pcie5 preset): peer traffic crosses the same root complex
+    "pcie5": 50.0,
+    # NVLink 4 (H100/H200 SXM): 450 GB/s per direction per GPU (NVIDIA: 900 GB/s bidirectional);
+    # 360 = 80 % of it, about what NCCL's all-reduce bus bandwidth reaches on an 8-GPU NVSwitch box
+    "nvlink": 360.0,
+    # between nodes: line rate (Gb/s / 8) x 0.9 for the protocol overhead (RoCE / InfiniBand reach
+    # about this in nccl-tests; NCCL over plain TCP sockets often less -- measure and pass GB/s)
+    "eth25": 25 / 8 * 0.9,
+    "eth100": 100 / 8 * 0.9,
+    "ib200": 200 / 8 * 0.9,  # InfiniBand HDR
+    "ib400": 400 / 8 * 0.9,  # InfiniBand NDR
+}
+#: The presets that connect GPUs inside one node (the others connect nodes).
+NODE_LINKS = ("pcie4", "pcie5", "nvlink")
+
+
+def interconnect_gbs(spec: str | float) -> float:
+    """A link preset name (:data:`INTERCONNECTS`, case-insensitive) or a number in GB/s -> GB/s."""
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        value = float(spec)
+    else:
+        key = str(spec).strip().lower()
+        if key in INTERCONNECTS:
+            return INTERCONNECTS[key]
+        try:
+            value = float(key.removesuffix("gb/s").removesuffix("gbs").strip())
+        except ValueError:
+            raise ConfigError(f"unknown interconnect {spec!r}; presets: {', '.join(INTERCONNECTS)} "
+                              "(or a number in GB/s)") from None
+    if not value > 0 or value != value or value == float("inf"):
+        raise ConfigError(f"interconnect bandwidth must be a positive number of GB/s, got {spec!r}")
+    return value
+
+
+def node_link_for(hw: HardwareSpec) -> str:
+    """The GPU-to-GPU link inside a node to assume for ``hw`` when none is given: its PCIe generation."""
+    return "pcie5" if "pcie5" in hw.name or "h200" in hw.name else "pcie4"

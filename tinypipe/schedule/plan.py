@@ -163,7 +163,8 @@ class Plan:
                 + ("" if not resident else f", first {resident} {packs} resident on the GPU")
                 + self._describe_offload(ssd_bytes)
                 + ("" if self.replicas == 1 else
-                   f", {self.replicas} replicas (optimizer state {self.optimizer_sharding}d)"))
+                   f", {self.replicas} replicas (optimizer state "
+                   f"{'sharded' if self.optimizer_sharding == 'shard' else 'replicated'})"))
 
     def _describe_offload(self, ssd_bytes: int | None) -> str:
         if not self.offload:
