@@ -67,6 +67,14 @@ from tinypipe.storage.scratch import ScratchDir, check_free_space, format_bytes,
 #: Worker threads per store: requests in flight at the device (8 reached the disk's rate above; they
 #: sleep in the syscall, so they cost no CPU while waiting).
 DEFAULT_THREADS = 8
+
+
+def bounce_bytes(threads: int = DEFAULT_THREADS) -> int:
+    """Host bytes a store's workers hold besides the staging pools: two pages each (a partial
+    page's bounce buffer); the planner counts them with the pools."""
+    return threads * 2 * ALIGN
+
+
 #: Largest transfer one worker does at once: small enough that one layer's region (tens to hundreds
 #: of MiB) is spread over all threads, large enough that syscall overhead is nil.
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -380,8 +388,8 @@ class SsdStateStore:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the store itself holds (one bounce page per worker), for the memory report."""
-        return self.threads * 2 * ALIGN
+        """Host memory the store itself holds (bounce pages per worker), for the memory report."""
+        return bounce_bytes(self.threads)
 
     def region_bytes(self, key: Hashable) -> int:
         return self._region(key)[1]
