@@ -40,7 +40,7 @@ class OffloadedState:
 
     def __init__(self, directory: str | os.PathLike, regions: Mapping[Key, tuple[int, torch.dtype]]) -> None:
         self.regions = {k: (int(n), dt) for k, (n, dt) in regions.items() if n > 0}
-        self.swept: list[Leftover] = sweep_stale(directory)  # warned one line each; for reports
+        self.swept: list[Leftover] = sweep_stale(directory)  # one stderr line each; for reports
         nbytes = {k: n * _itemsize(dt) for k, (n, dt) in self.regions.items()}
         self.scratch = ScratchDir(directory, need=sum(-(-b // 4096) * 4096 for b in nbytes.values()))
         try:
