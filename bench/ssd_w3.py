@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> int:
     def phase(name: str) -> None:
         print(f"[{time.perf_counter() - t_start:7.1f} s] {name}", flush=True)
 
+    os.makedirs(a.offload_dir, exist_ok=True)
     devices = a.devices.split(",")
     cuda = devices[0].startswith("cuda")
     if cuda and a.cap_gib > 0:

@@ -2,8 +2,8 @@
 saved with ``save_pretrained`` (fp32 and bf16 on disk), loaded by tinypipe's streaming loader, LoRA
 applied, every layer's frozen weights offloaded -- no scratch byte holds them, nothing is written
 for them, the reads come from the checkpoint (cast to the compute dtype where the file stores
-another), and losses, gradient norms, adapter weights and moments equal the DRAM-only engine's bit
-for bit (fp32 and bf16 compute). A frozen weight changed after loading no longer matches its file:
+another), and losses, gradient norms, adapter weights, moments and the merged model equal the
+DRAM-only engine's bit for bit (fp32 and bf16 compute). A frozen weight changed after loading no longer matches its file:
 that layer keeps a scratch copy, and the run is still exact."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 
 import tinypipe
 from model_zoo import make_batch, make_model
-from tinypipe.lora import LoraSettings, apply_lora
+from tinypipe.lora import LoraSettings, apply_lora, merged_tensors
 from tinypipe.planner.auto import manual_plan
 from tinypipe.train.model_io import load_model
 
@@ -88,6 +88,9 @@ def test_frozen_base_read_from_the_checkpoint_is_exact(tmp_path: Path, stored: t
     ra, rb = _train(dram), _train(tier)
     assert tier.optimizer.tier.last_io.read_bytes > moments  # the base was read (from the checkpoint)
     _same(dram, tier, ra, rb)
+    # the merged model (base + adapters) reads the base back through the same checkpoint regions
+    ma, mb = ({k: v.clone() for k, v in merged_tensors(e.peft_model, e.store)} for e in (dram, tier))
+    assert ma.keys() == mb.keys() and all(torch.equal(ma[k], mb[k]) for k in ma)
     dram.close()
     tier.close()
     assert not list(ssd.iterdir())

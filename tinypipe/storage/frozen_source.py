@@ -13,8 +13,9 @@ round the same way (bf16/fp16 -> fp32 is exact, so fp32 -> compute dtype sees th
 so the bytes are identical. What would break it is a parameter that no longer holds the file's
 value; a parameter is used only when (1) it is the same tensor object the loader filled (marked
 in its own ``__dict__``: a replaced parameter carries no mark), (2) its version counter has not
-moved since (no in-place write through any view), and (3) a sample of its elements (the first :data:`VERIFY_ELEMENTS` and the
-last) read back from the file equals it. Any layer that fails a check keeps the scratch copy.
+moved since (no in-place write through any view), and (3) a sample of its elements (the first
+and the last :data:`VERIFY_ELEMENTS`) read back from the file equals it. Any layer that fails a
+check keeps the scratch copy.
 """
 
 from __future__ import annotations
