@@ -50,38 +50,43 @@ def _scratch(parent: Path) -> list[Path]:
     return sorted(p for p in parent.iterdir() if p.name.startswith(PREFIX))
 
 
-def test_live_run_is_untouched_and_killed_run_is_swept(tmp_path):
+def test_live_run_is_untouched_and_killed_run_is_swept(tmp_path, capfd):
     proc, scratch = store_child(tmp_path, "sleep")
     try:
         assert scratch.is_dir() and (scratch / OWNER).exists()
+        capfd.readouterr()
         with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a live run: no report
+            warnings.simplefilter("error")  # a live run: no report, neither a warning nor a line
             assert sweep_stale(tmp_path) == []
             with SsdStateStore(tmp_path, {"y": 4096}):  # a second run next to it
                 assert len(_scratch(tmp_path)) == 2
+        assert capfd.readouterr().err == ""
         assert _scratch(tmp_path) == [scratch]
     finally:
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         proc.stdout.close()
     assert scratch.is_dir(), "SIGKILL runs no cleanup: the files are left behind"
-    with pytest.warns(RuntimeWarning) as caught:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # reported on stderr, not as a RuntimeWarning
         with ScratchDir(tmp_path) as mine:
             assert _scratch(tmp_path) == [mine.path]
-    reports = [str(w.message) for w in caught]
-    assert len(reports) == 1 and "\n" not in reports[0]
-    assert reports[0].startswith(f"removed SSD scratch left by a killed run: {scratch} (pid {proc.pid} on ")
+    reports = capfd.readouterr().err.splitlines()
+    assert len(reports) == 1  # one line
+    assert reports[0].startswith(f"tinypipe: removed SSD scratch left by a killed run: {scratch} "
+                                 f"(pid {proc.pid} on ")
     assert "1.0 MiB" in reports[0]
     assert _scratch(tmp_path) == []
 
 
-def test_sweep_returns_what_it_removed(tmp_path):
+def test_sweep_returns_what_it_removed(tmp_path, capfd):
     proc, scratch = store_child(tmp_path, "sleep")
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     proc.stdout.close()
-    with pytest.warns(RuntimeWarning, match="left by a killed run"):
-        (found,) = sweep_stale(tmp_path)
+    capfd.readouterr()
+    (found,) = sweep_stale(tmp_path)
+    assert "tinypipe: removed SSD scratch left by a killed run" in capfd.readouterr().err
     assert found.path == scratch and found.owner["pid"] == proc.pid and found.nbytes >= 1 << 20
     assert not scratch.exists()
 
@@ -93,7 +98,7 @@ def test_normal_exit_removes_the_scratch(tmp_path):
     assert not scratch.exists() and list(tmp_path.iterdir()) == []
 
 
-def test_half_created_and_ownerless_leftovers(tmp_path):
+def test_half_created_and_ownerless_leftovers(tmp_path, capfd):
     young = tmp_path / f"{NEW_PREFIX}young"
     young.mkdir()  # a run creating its directory right now: left alone
     old = tmp_path / f"{NEW_PREFIX}old"
@@ -105,10 +110,11 @@ def test_half_created_and_ownerless_leftovers(tmp_path):
     (ownerless / "state-1.bin").write_bytes(b"x" * 10)
     unrelated = tmp_path / "checkpoint-100"
     unrelated.mkdir()
-    with pytest.warns(RuntimeWarning) as caught:
-        found = sweep_stale(tmp_path)
+    capfd.readouterr()
+    found = sweep_stale(tmp_path)
     assert sorted(f.path.name for f in found) == sorted([old.name, ownerless.name])
-    assert len(caught) == 2 and all("an unknown run" in str(w.message) for w in caught)
+    lines = capfd.readouterr().err.splitlines()
+    assert len(lines) == 2 and all(x.startswith("tinypipe: ") and "an unknown run" in x for x in lines)
     assert young.is_dir() and unrelated.is_dir() and not old.exists() and not ownerless.exists()
 
 

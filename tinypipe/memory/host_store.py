@@ -16,7 +16,9 @@ allocated here: its :class:`LayerState` field is a placeholder on the ``meta`` d
 shape and dtype, no memory; any use fails loudly), the master weights and frozen weights are
 written to the scratch file at construction (one layer buffer at a time), and the model's
 parameters of those layers become meta tensors -- read them with :meth:`HostStore.state_dict`
-or :meth:`HostStore.iter_layers`, which read the SSD.
+or :meth:`HostStore.iter_layers`, which read the SSD. Frozen weights of a model streamed from
+safetensors are not copied at all: their region is the checkpoint's own byte ranges
+(:mod:`tinypipe.storage.frozen_source`).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from tinypipe.errors import ConfigError
 from tinypipe.memory.offload import REGIONS_OF, OffloadedState
 from tinypipe.models.decompose import Decomposition, LayerSpec, ParamSlice
 from tinypipe.models.placement import IN_PLACE_MARK, zero_gaps
+from tinypipe.storage.frozen_source import ExternalRegion, FileHandles, frozen_region
 
 
 @dataclass
@@ -114,20 +117,23 @@ class HostStore:
         if regions:  # (kinds a layer does not have -- a gradient not retained -- take no region)
             if offload_dir is None:
                 raise ValueError("offloaded state needs an offload directory")
-            self.offload = OffloadedState(offload_dir, regions)
+            from_files = _checkpoint_regions(decomposition, named, regions, frozen_dtype)
+            self.offload = OffloadedState(offload_dir, regions, from_files)
+        external = set(self.offload.external) if self.offload is not None else set()
         spill = _SpillBuffers()
         self.layers: list[LayerState] = []
         for i, spec in enumerate(decomposition.layers):
             off = self.offload
             off_master = off is not None and off.has(i, "master")
             off_frozen = off is not None and off.has(i, "frozen")
+            in_checkpoint = (i, "frozen") in external  # read from the model's own files: no copy at all
             # adopt a loader's buffers only for fully trainable layers (LoRA splits frozen weights out)
             master = _in_place_master(spec, named) if in_place and not spec.frozen_numel else None
             frozen = None
             if master is None:
                 master = spill.get("master", spec.train_numel, torch.float32) if off_master else (
                     aligned_empty(spec.train_numel, torch.float32))
-                if spec.frozen_numel:
+                if spec.frozen_numel and not in_checkpoint:
                     frozen = spill.get("frozen", spec.frozen_numel, frozen_dtype) if off_frozen else (
                         aligned_empty(spec.frozen_numel, frozen_dtype))
                 with torch.no_grad():
@@ -136,8 +142,9 @@ class HostStore:
                 off.write((i, "master"), master)
                 _params_to_meta(spec, named, trainable=True)
                 master = _placeholder(spec.train_numel, torch.float32)
-            if off is not None and off_frozen and frozen is not None:
-                off.write((i, "frozen"), frozen)
+            if off is not None and off_frozen and (frozen is not None or in_checkpoint):
+                if not in_checkpoint:
+                    off.write((i, "frozen"), frozen)
                 _params_to_meta(spec, named, trainable=False)
                 frozen = _placeholder(spec.frozen_numel, frozen_dtype)
             if spec.train_numel and master.device.type == "cpu":
@@ -241,17 +248,19 @@ class HostStore:
 
 def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec,
           named: dict[str, nn.Parameter]) -> None:
-    """Copy the model's parameters into the layer's buffers and re-point them at their views."""
+    """Copy the model's parameters into the layer's buffers and re-point them at their views
+    (``frozen`` None: the frozen ones are left alone -- read from the checkpoint)."""
     base = {True: (master, 0), False: (frozen, spec.train_numel)}
     end = {True: 0, False: spec.train_numel}
-    for p in spec.params:  # zero only the alignment gaps: the copies fill the rest
+    params = [p for p in spec.params if p.trainable or frozen is not None]
+    for p in params:  # zero only the alignment gaps: the copies fill the rest
         buf, shift = base[p.trainable]
         buf[end[p.trainable] - shift : p.offset - shift].zero_()  # type: ignore[index]
         end[p.trainable] = p.offset + p.numel
     master[end[True]:].zero_()
     if frozen is not None:
         frozen[end[False] - spec.train_numel :].zero_()
-    for p in spec.params:
+    for p in params:
         param = named[p.name]
         buf, shift = base[p.trainable]
         view = buf[p.offset - shift : p.offset - shift + p.numel].view(p.shape)  # type: ignore[index]
@@ -263,6 +272,27 @@ def _fill(master: torch.Tensor, frozen: torch.Tensor | None, spec: LayerSpec,
             continue
         view.copy_(param.detach())
         param.data = view  # the model now reads the host copy; its old storage is freed
+
+
+def _checkpoint_regions(dec: Decomposition, named: Mapping[str, torch.Tensor],
+                        regions: Mapping[tuple[int, str], tuple[int, torch.dtype]],
+                        frozen_dtype: torch.dtype) -> dict[tuple[int, str], ExternalRegion]:
+    """The offloaded frozen regions that can be read from the model's own safetensors files (a
+    model from tinypipe's streaming loader whose frozen parameters still hold the file's values;
+    :mod:`tinypipe.storage.frozen_source`); the others get a scratch copy."""
+    wanted = [layer for layer, name in regions if name == "frozen"]
+    if not wanted:
+        return {}
+    files = FileHandles()
+    try:
+        out = {}
+        for layer in wanted:
+            ext = frozen_region(dec.layers[layer], named, frozen_dtype, files)
+            if ext is not None:
+                out[(layer, "frozen")] = ext
+        return out
+    finally:
+        files.close()
 
 
 def offload_regions(dec: Decomposition, offload: Mapping[int, frozenset[str]], frozen_dtype: torch.dtype,

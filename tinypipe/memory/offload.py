@@ -24,6 +24,7 @@ import torch
 
 from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.storage import ScratchDir, SsdStateStore
+from tinypipe.storage.frozen_source import ExternalRegion
 from tinypipe.storage.scratch import Leftover, sweep_stale
 
 #: The store's regions per plan kind (names of :class:`~tinypipe.memory.host_store.LayerState`
@@ -38,17 +39,20 @@ Key = tuple[int, str]
 class OffloadedState:
     """The SSD regions of one engine: ``regions`` maps (layer, name) to (numel, dtype)."""
 
-    def __init__(self, directory: str | os.PathLike, regions: Mapping[Key, tuple[int, torch.dtype]]) -> None:
+    def __init__(self, directory: str | os.PathLike, regions: Mapping[Key, tuple[int, torch.dtype]],
+                 external: Mapping[Key, ExternalRegion] | None = None) -> None:
+        """``external``: regions read from the model's own checkpoint (never in the scratch file)."""
         self.regions = {k: (int(n), dt) for k, (n, dt) in regions.items() if n > 0}
-        self.swept: list[Leftover] = sweep_stale(directory)  # warned one line each; for reports
-        nbytes = {k: n * _itemsize(dt) for k, (n, dt) in self.regions.items()}
+        self.external = dict(external or {})
+        self.swept: list[Leftover] = sweep_stale(directory)  # one stderr line each; for reports
+        nbytes = {k: n * _itemsize(dt) for k, (n, dt) in self.regions.items() if k not in self.external}
         self.scratch = ScratchDir(directory, need=sum(-(-b // 4096) * 4096 for b in nbytes.values()))
         try:
-            self.ssd = SsdStateStore(self.scratch, nbytes)
+            self.ssd = SsdStateStore(self.scratch, nbytes, external=self.external)
         except BaseException:
             self.scratch.close()
             raise
-        self._written: set[Key] = set()
+        self._written: set[Key] = set(self.external)  # the checkpoint holds their values already
         self._lock = threading.Lock()
 
     # -- facts ------------------------------------------------------------------------------------

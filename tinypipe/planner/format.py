@@ -4,7 +4,7 @@ time-memory trade-offs."""
 
 from __future__ import annotations
 
-from tinypipe.planner.offload import disk_bytes, staging_pool, summary
+from tinypipe.planner.offload import disk_bytes, staging_shape, summary
 from tinypipe.planner.search import HOST_BASELINE_BYTES, PlanResult
 from tinypipe.planner.spill import HIDDEN_SHARE
 from tinypipe.units import fmt_bytes, gib_text
@@ -79,10 +79,13 @@ def ssd_lines(result: PlanResult) -> list[str]:
     for k in summary(result.sizes, b.plan, result.precision, retain_grads=result.retain_grads):
         lines.append(f"  {k.kind:<9} {f'{k.on_ssd} of {k.layers}':>14} {gib_text(k.ssd_bytes):>12} "
                      f"{gib_text(k.dram_bytes):>12}")
-    slots, slot = staging_pool(result.sizes, b.plan, precision=result.precision)
+    pools = staging_shape(result.sizes, b.plan, precision=result.precision)
     disk = disk_bytes(result.sizes, b.plan.offload, result.precision)
     free = "" if ssd.free_bytes is None else f" of {gib_text(ssd.free_bytes)} free"
-    lines.append(f"  staging pool {slots} x {fmt_bytes(slot)} = {gib_text(slots * slot)} (host memory, "
+    parts = [f"{n} x {fmt_bytes(size)} ({what})" for n, size, what in (
+        (pools.upload_slots, pools.upload_slot_bytes, "uploads"),
+        (pools.update_slots, pools.update_slot_bytes, "optimizer steps")) if n]
+    lines.append(f"  staging pools {' + '.join(parts)} = {gib_text(pools.nbytes)} (host memory, "
                  f"counted above); scratch file {gib_text(disk)}{free}")
     lines.append(f"  per step: read {gib_text(t.ssd_read_bytes)} ({t.ssd_read_s:.1f} s), write "
                  f"{gib_text(t.ssd_write_bytes)} ({t.ssd_write_s:.1f} s); the step is bound by {t.limit}")

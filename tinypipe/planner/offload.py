@@ -10,12 +10,16 @@ step and in which phase of the step. Pure functions of the sizes and the plan (n
 (:func:`disk_bytes`, as ``SsdStateStore`` lays them out).
 
 **Host need with offload** (:func:`tinypipe.planner.estimate.host_bytes`): every DRAM category
-loses the bytes of its offloaded regions, and ``ssd_staging`` is added: a uniform
-:class:`~tinypipe.storage.StagingPool` of ``(depth + 1) x k`` slots of ``s`` bytes, where ``k`` is
-the most regions one layer has on the SSD, ``s`` the largest offloaded region rounded up to a page,
-and ``depth`` = :func:`staging_depth` = the plan's layer slots per device (largest pack + prefetch
-window) times the devices: the layers whose uploads and optimizer steps can be in flight at once;
-the ``+ 1`` is the layer whose write-back is landing (see ``tinypipe.storage.stager``).
+loses the bytes of its offloaded regions, and ``ssd_staging`` is added: the two staging pools the
+runtime allocates (:func:`tinypipe.schedule.staging.staging_pools`, which walks a schedule), counted
+here in closed form (:func:`staging_shape`, the same numbers: ``tests/test_ssd_staging.py`` checks
+them against running engines). The upload pool holds a layer's master/frozen regions for each
+layer the uploads prefetch plus the one being copied; the update pool ``read_ahead + 1`` layers'
+optimizer state (moments, gradient, master of layers without a backward upload) plus, when
+backward uploads read masters, a pack's masters and the prefetch window's; the store's workers add
+their bounce pages (:func:`tinypipe.storage.store.bounce_bytes`, 64 KiB). Until session 5 the
+planner counted one uniform pool of ``(slots per device x devices + 1) x (most regions of a
+layer)`` slots of the largest region: 12.1 GiB for W3 at pack 6 where the runtime takes 4.5 GiB.
 
 **The order** (:func:`offload_order`): kinds in :data:`OFFLOAD_ORDER` -- moments first (read and
 written once per step, needed only by the host AdamW, which runs during the backward), then
@@ -51,7 +55,9 @@ from tinypipe.devices.host_buffers import PAGE
 from tinypipe.errors import ConfigError
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.schedule.plan import OFFLOAD_KINDS, OffloadKind, Plan
+from tinypipe.schedule.staging import DEFAULT_READ_AHEAD, PoolShape
 from tinypipe.storage.direct import align_up
+from tinypipe.storage.store import bounce_bytes
 
 #: The order in which kinds of state move to the SSD (see the module documentation).
 OFFLOAD_ORDER: tuple[OffloadKind, ...] = ("moments", "grad", "master", "frozen")
@@ -119,36 +125,85 @@ def offload_order(sizes: ModelSizes, plan: Plan, *, retain_grads: bool) -> list[
         if kind == "grad" and not retain_grads:
             continue
         for layer in layers:
-            has = numels[layer] - trains[layer] if kind == "frozen" else trains[layer]
-            if has:
+            frozen = numels[layer] - trains[layer]
+            if kind == "master" and frozen:  # LoRA: the adapters' masters stay in DRAM (runtime/build.py)
+                continue
+            if frozen if kind == "frozen" else trains[layer]:
                 out.append((layer, kind))
     return out
 
 
-def staging_depth(plan: Plan) -> int:
-    """Layers whose staged state is in use at once: the plan's layer slots per device (largest
-    pack + prefetch window) on every device; the pool holds one layer more (the write-back landing)."""
-    return plan.param_slots() * plan.num_devices
+#: The host store's region names of each kind (``tinypipe.memory.host_store.REGIONS_OF``).
+REGION_NAMES = {"master": ("master",), "moments": ("exp_avg", "exp_avg_sq"), "grad": ("grad",),
+                "frozen": ("frozen",)}
+_UPDATE_NAMES = ("master", "exp_avg", "exp_avg_sq", "grad")  # tinypipe.schedule.staging.UPDATE_NAMES
 
 
-def staging_pool(sizes: ModelSizes, plan: Plan, offload: Iterable[tuple[int, str]] | None = None,
-                 precision: str = "bf16") -> tuple[int, int]:
-    """(slots, page-rounded slot bytes) of the staging pool for ``offload`` (default: the plan's);
-    (0, 0) when nothing is offloaded."""
-    items = list(plan.offload if offload is None else offload)
-    if not items:
-        return 0, 0
-    per_layer: dict[int, int] = {}
-    largest = 0
-    for layer, kind in items:
-        per_layer[layer] = per_layer.get(layer, 0) + REGIONS[kind]
-        largest = max(largest, region_bytes(sizes, layer, kind, precision))
-    return (staging_depth(plan) + 1) * max(per_layer.values()), -(-largest // PAGE) * PAGE
+def backward_upload_layers(plan: Plan) -> frozenset[int]:
+    """Layers uploaded again for the backward: the blocks of every swapped pack except the last
+    when its forward and backward share a device (its slots carry over; ``schedule/builder.py``)."""
+    P = plan.num_packs
+    carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]
+    return frozenset(b + 1 for q in range(plan.resident_packs, P) if not (carry and q == P - 1)
+                     for b in plan.packs[q])
+
+
+def _page(nbytes: int) -> int:
+    return -(-nbytes // PAGE) * PAGE
+
+
+class _PoolCount:
+    """The staging pools' shape, grown one (layer, kind) at a time (each layer's share only grows
+    as kinds join it, so the maxima accumulate)."""
+
+    def __init__(self, sizes: ModelSizes, plan: Plan, precision: str, read_ahead: int) -> None:
+        self.sizes, self.plan, self.precision, self.read_ahead = sizes, plan, precision, read_ahead
+        self.backward = backward_upload_layers(plan)
+        self.names: dict[int, set[str]] = {}
+        self.upload = self.upload_bytes = self.state = self.update_bytes = self.leftover = 0
+        self.masters = False
+
+    def add(self, layer: int, kind: str) -> None:
+        nbytes = region_bytes(self.sizes, layer, kind, self.precision)
+        if not nbytes:  # a kind the layer does not have takes no region
+            return
+        names = self.names.setdefault(layer, set())
+        names.update(REGION_NAMES[kind])
+        if kind in ("master", "frozen"):
+            self.upload = max(self.upload, sum(n in names for n in ("master", "frozen")))
+            self.upload_bytes = max(self.upload_bytes, nbytes)
+        if kind != "frozen":
+            self.update_bytes = max(self.update_bytes, nbytes)
+            shared = layer in self.backward and "master" in names  # its master has a set of its own
+            self.masters = self.masters or shared
+            own = sum(n in names for n in _UPDATE_NAMES if not (shared and n == "master"))
+            self.state = max(self.state, own)
+            self.leftover = max(self.leftover, sum(n in names for n in _UPDATE_NAMES))
+
+    def shape(self) -> PoolShape:
+        plan = self.plan
+        window = max(1, plan.prefetch_window)
+        up = self.upload * (window * plan.num_devices + 1)
+        masters = max(map(len, plan.packs)) + window if self.masters else 0
+        upd = max(self.state * (self.read_ahead + 1) + masters, self.leftover)
+        return PoolShape(up, _page(self.upload_bytes) if up else 0,
+                         upd, _page(self.update_bytes) if upd else 0)
+
+
+def staging_shape(sizes: ModelSizes, plan: Plan, offload: Iterable[tuple[int, str]] | None = None,
+                  precision: str = "bf16", read_ahead: int = DEFAULT_READ_AHEAD) -> PoolShape:
+    """The staging pools the runtime allocates for ``offload`` (default: the plan's); empty when
+    nothing is offloaded (see the module documentation)."""
+    count = _PoolCount(sizes, plan, precision, read_ahead)
+    for layer, kind in plan.offload if offload is None else offload:
+        count.add(layer, kind)
+    return count.shape()
 
 
 def staging_bytes(sizes: ModelSizes, plan: Plan, precision: str) -> int:
-    slots, slot = staging_pool(sizes, plan, precision=precision)
-    return slots * slot
+    """Host bytes of the SSD tier beside the store: its staging pools and the store's bounce pages
+    (``ssd_staging_pool`` in the engine's memory report); 0 without offload."""
+    return staging_shape(sizes, plan, precision=precision).nbytes + (bounce_bytes() if plan.offload else 0)
 
 
 def apply_offload(cats: dict[str, int], sizes: ModelSizes, plan: Plan, precision: str) -> dict[str, int]:
@@ -176,17 +231,12 @@ def choose_offload(sizes: ModelSizes, plan: Plan, host: dict[str, int], budget: 
     if need <= budget:
         return ()
     order = offload_order(sizes, plan, retain_grads=retain_grads)
-    slots_of = staging_depth(plan) + 1
-    per_layer: dict[int, int] = {}
-    most = largest = freed = 0
+    count = _PoolCount(sizes, plan, precision, DEFAULT_READ_AHEAD)
+    freed = 0
     for i, (layer, kind) in enumerate(order):
-        region = region_bytes(sizes, layer, kind, precision)
-        freed += REGIONS[kind] * region
-        largest = max(largest, region)
-        per_layer[layer] = per_layer.get(layer, 0) + REGIONS[kind]
-        most = max(most, per_layer[layer])
-        pool = slots_of * most * (-(-largest // PAGE) * PAGE)
-        if need - freed + pool <= budget:
+        freed += kind_bytes(sizes, layer, kind, precision)
+        count.add(layer, kind)
+        if need - freed + count.shape().nbytes + bounce_bytes() <= budget:
             return tuple(sorted(order[: i + 1]))
     return None
 
@@ -196,15 +246,11 @@ def least_host_need(sizes: ModelSizes, plan: Plan, host: dict[str, int], *, prec
     """The smallest host need of any prefix of the order (for the message when none fits)."""
     order = offload_order(sizes, plan, retain_grads=retain_grads)
     need = best = sum(host.values())
-    per_layer: dict[int, int] = {}
-    most = largest = 0
+    count = _PoolCount(sizes, plan, precision, DEFAULT_READ_AHEAD)
     for layer, kind in order:
-        region = region_bytes(sizes, layer, kind, precision)
-        need -= REGIONS[kind] * region
-        largest = max(largest, region)
-        per_layer[layer] = per_layer.get(layer, 0) + REGIONS[kind]
-        most = max(most, per_layer[layer])
-        best = min(best, need + (staging_depth(plan) + 1) * most * (-(-largest // PAGE) * PAGE))
+        need -= kind_bytes(sizes, layer, kind, precision)
+        count.add(layer, kind)
+        best = min(best, need + count.shape().nbytes + bounce_bytes())
     return best
 
 

@@ -29,7 +29,7 @@ from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search
 )
 from tinypipe.planner.cost import REFERENCE_TOKENS
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
-from tinypipe.planner.offload import disk_bytes, staging_pool, summary
+from tinypipe.planner.offload import disk_bytes, staging_shape, summary
 from tinypipe.planner.options import (
     WINDOWS,
     device_optimizer_options,
@@ -98,13 +98,13 @@ class PlanResult:
         """What goes where (per kind: layers, bytes on the SSD and in DRAM), the staging pool, the
         disk space, the SSD bytes per step, the bound and the batch that hides the I/O."""
         c = candidate or self.best
-        slots, slot = staging_pool(self.sizes, c.plan, precision=self.precision)
+        pools = staging_shape(self.sizes, c.plan, precision=self.precision)
         kinds = summary(self.sizes, c.plan, self.precision, retain_grads=self.retain_grads)
         return {
             "ssd": self.ssd.as_dict() if self.ssd else None,
             "kinds": [dataclasses.asdict(k) for k in kinds],
-            "staging_slots": slots,
-            "staging_slot_bytes": slot,
+            "staging_pools": dataclasses.asdict(pools),
+            "staging_bytes": pools.nbytes,
             "disk_bytes": disk_bytes(self.sizes, c.plan.offload, self.precision),
             "read_bytes_per_step": c.time.ssd_read_bytes,
             "write_bytes_per_step": c.time.ssd_write_bytes,

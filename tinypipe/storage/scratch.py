@@ -8,7 +8,9 @@ hidden temporary name, locked, and only then renamed into place, so a visible sc
 is locked from its first instant and another run's sweep can never mistake it for a leftover.
 
 Scratch is never a checkpoint: it is removed at close, at normal interpreter exit (a finalizer),
-and by the next run's sweep after a crash; nothing in it is ever read back across runs.
+and by the next run's sweep after a crash; nothing in it is ever read back across runs. The sweep
+reports each leftover it removes (or cannot remove) in one ``tinypipe:`` line on stderr -- a
+notice for the person running, not a RuntimeWarning that filters hide or tests turn into errors.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import json
 import os
 import secrets
 import socket
+import sys
 import time
 import warnings
 import weakref
@@ -33,6 +36,11 @@ OWNER = "owner.json"
 #: A half-created directory (no owner file yet) older than this is a leftover, not a run starting.
 NEW_GRACE_S = 60.0
 _MEMORY_FILESYSTEMS = ("tmpfs", "ramfs")
+
+
+def notice(line: str) -> None:
+    """One ``tinypipe:`` line on stderr (what the sweep found)."""
+    print(f"tinypipe: {' '.join(line.split())}", file=sys.stderr, flush=True)
 
 
 def format_bytes(n: int | float) -> str:
@@ -183,7 +191,8 @@ def _claim_if_stale(path: Path) -> tuple[int, dict] | None:
 
 
 def sweep_stale(parent: str | os.PathLike) -> list[Leftover]:
-    """Remove the scratch directories under ``parent`` whose owner died; warn one line for each.
+    """Remove the scratch directories under ``parent`` whose owner died; one ``tinypipe:`` line
+    on stderr for each.
 
     A live run's directory is never touched (its owner holds the lock). Directories whose owner
     cannot be proven dead (another host, on a filesystem without locks) are left alone."""
@@ -206,14 +215,13 @@ def sweep_stale(parent: str | os.PathLike) -> list[Leftover]:
         try:
             nbytes = _remove_tree(path)
         except OSError as e:
-            warnings.warn(f"SSD scratch left by a killed run at {path} could not be removed: "
-                          f"{e.strerror or e}", RuntimeWarning, stacklevel=2)
+            notice(f"SSD scratch left by a killed run at {path} could not be removed: {e.strerror or e}")
             continue
         finally:
             if fd >= 0:
                 os.close(fd)
         leftover = Leftover(path, owner, nbytes)
-        warnings.warn(leftover.describe(), RuntimeWarning, stacklevel=2)
+        notice(leftover.describe())
         found.append(leftover)
     return found
 

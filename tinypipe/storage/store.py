@@ -61,12 +61,21 @@ import torch
 from tinypipe.errors import StorageError
 from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.storage.direct import ALIGN, ScratchFile, align_up, open_scratch_file, read_into, write_from
+from tinypipe.storage.frozen_source import ExternalRegion, FileHandles
 from tinypipe.storage.io_stats import IoRecord, IoStats
 from tinypipe.storage.scratch import ScratchDir, check_free_space, format_bytes, free_bytes
 
 #: Worker threads per store: requests in flight at the device (8 reached the disk's rate above; they
 #: sleep in the syscall, so they cost no CPU while waiting).
 DEFAULT_THREADS = 8
+
+
+def bounce_bytes(threads: int = DEFAULT_THREADS) -> int:
+    """Host bytes a store's workers hold besides the staging pools: two pages each (a partial
+    page's bounce buffer); the planner counts them with the pools."""
+    return threads * 2 * ALIGN
+
+
 #: Largest transfer one worker does at once: small enough that one layer's region (tens to hundreds
 #: of MiB) is spread over all threads, large enough that syscall overhead is nil.
 DEFAULT_CHUNK_BYTES = 16 << 20
@@ -135,11 +144,14 @@ class _Core:
     that dropping the store runs its finalizer)."""
 
     def __init__(self, file: ScratchFile, scratch: ScratchDir | None, layout: dict[Hashable, tuple[int, int]],
-                 threads: int, chunk_bytes: int) -> None:
+                 threads: int, chunk_bytes: int, external: Mapping[Hashable, ExternalRegion]) -> None:
         self.file, self.scratch, self.layout = file, scratch, layout
+        self.external = dict(external)  # read-only regions in the model's checkpoint files
+        self.files = FileHandles()
         self.chunk_bytes = chunk_bytes
         self.stats = IoStats()
         self.state: dict[Hashable, str] = dict.fromkeys(layout, _EMPTY)
+        self.state.update(dict.fromkeys(self.external, _VALID))
         self.tails: dict[Hashable, IoHandle] = {}
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
@@ -172,6 +184,15 @@ class _Core:
         if self.cancelled:
             self.finish(handle, "cancelled")
             return
+        ext = self.external.get(key)
+        if ext is not None:  # a checkpoint's tensors: one task per tensor, one for the gaps
+            if handle.op == "write":
+                self.finish(handle, "the region is the model's own checkpoint (read-only)")
+                return
+            handle._pending = ext.parts
+            for part in range(ext.parts):
+                self.tasks.put((handle, part, 0))
+            return
         if handle.op == "write":
             self.state[key] = _WRITING
         nbytes = handle.nbytes
@@ -189,9 +210,10 @@ class _Core:
         offset, nbytes = self.layout[key]
         if error is not None:
             verb = "read of" if handle.op == "read" else "write to"
-            handle.error = StorageError(f"SSD {verb} {key!r} ({nbytes} bytes at {self.file.path}:{offset}) "
-                                        f"failed: {error}")
-        if handle.op == "write":
+            where = (f"{self.file.path}:{offset}" if key not in self.external
+                     else f"the checkpoint {', '.join(self.external[key].paths)}")
+            handle.error = StorageError(f"SSD {verb} {key!r} ({nbytes} bytes at {where}) failed: {error}")
+        if handle.op == "write" and key not in self.external:
             self.state[key] = _VALID if error is None else f"invalid: its last write failed ({error})"
         started = handle._started if handle._started is not None else now
         record = IoRecord(handle.op, key, nbytes, handle.submitted, started, now, error)
@@ -256,6 +278,11 @@ class _Core:
             self.run_due()
 
     def transfer(self, handle: IoHandle, start: int, length: int, bounce: torch.Tensor) -> None:
+        ext = self.external.get(handle.key)
+        if ext is not None:  # ``start`` is the part
+            assert handle._tensor is not None
+            ext.read_part(start, handle._tensor, self.files)
+            return
         file_offset = self.layout[handle.key][0] + start
         address = handle._address + start
         move = read_into if handle.op == "read" else write_from
@@ -301,6 +328,7 @@ class _Core:
         for t in self.workers:
             if t is not threading.current_thread():
                 t.join(timeout=30)
+        self.files.close()
         try:
             os.close(self.file.fd)
         except OSError:
@@ -319,12 +347,15 @@ class SsdStateStore:
     ``directory`` is the offload directory (a scratch directory is created in it, after sweeping
     leftovers of killed runs, and removed at close) or a :class:`ScratchDir` to share. ``regions``
     maps each key to its size in bytes; their extents are laid out in the mapping's order, each
-    starting on a page boundary, and preallocated so that a full disk fails here.
+    starting on a page boundary, and preallocated so that a full disk fails here. ``external``
+    regions are read-only and live elsewhere (LoRA's frozen base in the model's own safetensors,
+    :mod:`tinypipe.storage.frozen_source`): read by the same workers, never in the scratch file.
     """
 
     def __init__(self, directory: str | os.PathLike | ScratchDir, regions: Mapping[Hashable, int], *,
                  threads: int = DEFAULT_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 direct: bool = True, preallocate: bool = True) -> None:
+                 direct: bool = True, preallocate: bool = True,
+                 external: Mapping[Hashable, ExternalRegion] | None = None) -> None:
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
@@ -336,7 +367,12 @@ class SsdStateStore:
                 raise ValueError(f"region {key!r} has negative size {nbytes}")
             layout[key] = (offset, int(nbytes))
             offset += align_up(int(nbytes))
-        self.nbytes = offset
+        self.nbytes = offset  # the scratch file (external regions take none of it)
+        external = dict(external or {})
+        for key, ext in external.items():
+            if key in layout:
+                raise ValueError(f"region {key!r} is both in the scratch file and external")
+            layout[key] = (-1, ext.nbytes)
         owned = not isinstance(directory, ScratchDir)
         if isinstance(directory, ScratchDir):
             scratch = directory
@@ -368,7 +404,7 @@ class SsdStateStore:
         if preallocate and not file.preallocated:
             warnings.warn(f"offload directory {scratch.parent} cannot preallocate: a disk that fills up will "
                           "fail mid-run (one-line error) instead of now", RuntimeWarning, stacklevel=2)
-        self._core = _Core(file, scratch if owned else None, layout, threads, chunk_bytes)
+        self._core = _Core(file, scratch if owned else None, layout, threads, chunk_bytes, external)
         self._finalizer = weakref.finalize(self, self._core.shutdown)
         self.threads = threads
         self.chunk_bytes = chunk_bytes
@@ -380,8 +416,8 @@ class SsdStateStore:
 
     @property
     def host_bytes(self) -> int:
-        """Host memory the store itself holds (one bounce page per worker), for the memory report."""
-        return self.threads * 2 * ALIGN
+        """Host memory the store itself holds (bounce pages per worker), for the memory report."""
+        return bounce_bytes(self.threads)
 
     def region_bytes(self, key: Hashable) -> int:
         return self._region(key)[1]

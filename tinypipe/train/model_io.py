@@ -257,9 +257,21 @@ def _load_hf_dir(folder: Path, want_tokenizer: bool = True, quantize: QuantSpec 
     if not files:  # pytorch_model.bin checkpoints: transformers' loader (the whole model at once)
         return _load_hf_dir_whole(folder), tokenizer
     model, mat = _skeleton(config, folder)
-    _fill_from_safetensors(mat, files, folder)
+    stored = _fill_from_safetensors(mat, files, folder)
+    _record_source(model, stored)
     _take_generation_config(model, folder)
     return model, tokenizer
+
+
+def _record_source(model: nn.Module, stored: dict) -> None:  # stored: model key -> TensorEntry
+    """Mark each parameter with where its values are stored, so that an SSD tier can read a LoRA
+    base from these files instead of a scratch copy (:mod:`tinypipe.storage.frozen_source`)."""
+    from tinypipe.storage.frozen_source import record_stored
+
+    params = dict(model.named_parameters(remove_duplicate=False))
+    for key, entry in stored.items():
+        if key in params:
+            record_stored(params[key], entry)
 
 
 def _bnb_checkpoint(config) -> bool:  # noqa: ANN001
@@ -305,8 +317,9 @@ def _skeleton(config, where: Path):  # noqa: ANN001, ANN202
     return model, LayerMaterialiser(model, decompose_skeleton(model))
 
 
-def _fill_from_safetensors(mat, files: list[Path], folder: Path) -> None:  # noqa: ANN001
-    """Read every tensor the model needs, one at a time, into its place in the master buffers."""
+def _fill_from_safetensors(mat, files: list[Path], folder: Path) -> dict:  # noqa: ANN001
+    """Read every tensor the model needs, one at a time, into its place in the master buffers;
+    returns model key -> the TensorEntry it was filled from (the last, for a key stored twice)."""
     from tinypipe.models.safetensors_stream import SafetensorsError, read_header, read_tensor
     from tinypipe.models.skeleton import fill, plan_checkpoint_keys
 
@@ -321,6 +334,7 @@ def _fill_from_safetensors(mat, files: list[Path], folder: Path) -> None:  # noq
                 raise ModelFilesError(f"{folder}: weight {e.name!r} is stored twice ({seen[e.name].name}, "
                                       f"{e.file.name})")
             seen[e.name] = e.file
+    stored = {}
     try:
         wanted = plan_checkpoint_keys(mat, list(seen), str(folder))
         for file, entries in zip(files, per_file):
@@ -334,8 +348,10 @@ def _fill_from_safetensors(mat, files: list[Path], folder: Path) -> None:  # noq
                     if tensor is not None:
                         fill(target, tensor, e.name, f"{file}")
                         del tensor
+                    stored[model_key] = e
     except (ValueError, OSError) as exc:
         raise ModelFilesError(_one_line(exc, 300)) from None
+    return stored
 
 
 def _take_generation_config(model: nn.Module, folder: Path) -> None:
