@@ -26,7 +26,9 @@ case "${1:-}" in
     timeout 560 python3 bench/qlora_bench.py --runs 70b-shape-nf4 --dequant --steps 2 --json "$OUT/qlora_70b.json" \
       2>&1 | tail -20 ;;
   ssd-w3)
-    timeout 560 python3 bench/ssd_w3.py --json "$OUT/ssd_w3.json" ${SSD_ARGS:-} 2>&1 | tail -30 ;;
+    # one engine per batch, each a raw JSON (s5_ssd_w3_b<N>.json) written as it finishes; table last
+    timeout 580 python3 bench/ssd_w3.py --offload-dir /tmp/tp-ssd --batches ${SSD_BATCHES:-16,128} \
+      --ssd-read-gbps 1.6 --ssd-write-gbps 2.4 --time-limit 560 --json-dir "$OUT" ${SSD_ARGS:-} 2>&1 | tail -30 ;;
   gpu-tests)
     # int8 in a process of its own: a failed bitsandbytes kernel can leave the CUDA context broken
     timeout ${GPU_TESTS_S:-420} python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gpu.py \
