@@ -105,6 +105,15 @@ class Config:
       forward micro-batch (not of thread timing or the number of devices). None: drawn from
       torch's global generator when the engine is built (``torch.manual_seed`` first to repeat).
 
+    Optimizer:
+
+    * ``weight_decay`` / ``decay_all`` -- AdamW's decoupled weight decay, applied as Hugging Face
+      Trainer applies it: not to biases and normalization weights (LayerNorm/RMSNorm, any
+      parameter whose name says ``norm``; see :mod:`tinypipe.runtime.optim.decay`), to everything
+      else, embeddings and the output embedding included. ``decay_all=True`` decays every
+      parameter, as plain ``torch.optim.AdamW(model.parameters())`` does.
+      Checkpoints record the grouping; loading one made with another grouping is refused.
+
     Planning inputs (used by the automatic plan, and to check a hand-set plan when the workload
     is given):
 
@@ -139,6 +148,7 @@ class Config:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    decay_all: bool = False
     max_grad_norm: float | None = None
     stash: StashPlace | Sequence[StashPlace] | None = None
     device_optimizer: DeviceOptimizer | None = None
@@ -182,6 +192,8 @@ class Config:
         ):
             raise ConfigError(f"stash must be one of {', '.join(STASH_PLACES)} or a list of them, "
                               f"got {self.stash!r}")
+        if not isinstance(self.decay_all, bool):
+            raise ConfigError(f"decay_all must be true or false, got {self.decay_all!r}")
         for name in ("precision", "pin_memory", "nonfinite", "compile_blocks"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")

@@ -31,7 +31,7 @@ from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import resolve_plan
 from tinypipe.runtime.build import EngineBuilder
-from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
 from tinypipe.runtime.context import TaskTiming
 from tinypipe.runtime.inputs import StepInputs, prepare_inputs
 from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report, ssd_timings, timeline_events
@@ -321,15 +321,42 @@ class Engine:
 
     def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
         """Atomically write master weights, AdamW state and step counts (+ ``extra``, e.g. the data
-        position and RNG states) so :meth:`load_checkpoint` resumes exactly."""
+        position and RNG states) so :meth:`load_checkpoint` resumes exactly; the optimizer settings
+        (:meth:`checkpoint_settings`) are recorded with them."""
         # whether the last step clipped decides how the next one steps (speculate or defer); the
         # two paths round differently, so a resumed run must take the same one
         self.synchronize()
-        meta = dict(extra or {}, **{_ENGINE_KEY: {"last_clipped": self.optimizer.last_clipped}})
+        own = {"last_clipped": self.optimizer.last_clipped, "settings": self.checkpoint_settings()}
+        meta = dict(extra or {}, **{_ENGINE_KEY: own})
         return save_checkpoint(self.store, self.step_count, path, meta)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``."""
+    def checkpoint_settings(self) -> dict[str, object]:
+        """What a checkpoint records of how this engine steps (compared on load): precision, AdamW's
+        betas, eps and weight decay, the weight-decay grouping, clipping."""
+        cfg, groups = self.config, self.optimizer.adamw.groups
+        grouping = ("every parameter decayed" if groups.rule == "all" else
+                    f"HF rule, {len(groups.names)} parameters not decayed ({groups.record()['digest']})")
+        return {"precision": cfg.precision, "betas": list(cfg.betas), "eps": cfg.eps,
+                "weight decay": cfg.weight_decay, "weight-decay grouping": grouping,
+                "max grad norm": cfg.max_grad_norm}
+
+    def checkpoint_differences(self, path: str | os.PathLike) -> list[str]:
+        """How the checkpoint at ``path`` was made differently from this engine (one phrase each;
+        empty when it matches or predates the record). A checkpoint of another model or LoRA
+        setting is a ConfigError here already."""
+        _, state = check_layout(self.store, path)
+        recorded = state.get("extra", {}).get(_ENGINE_KEY, {}).get("settings", {})
+        return setting_differences(recorded, self.checkpoint_settings())
+
+    def load_checkpoint(self, path: str | os.PathLike, force: bool = False) -> dict:
+        """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``.
+
+        A checkpoint made with other optimizer settings (:meth:`checkpoint_differences`, e.g.
+        another weight-decay grouping) is refused with one line unless ``force``."""
+        differences = self.checkpoint_differences(path)
+        if differences and not force:
+            raise ConfigError(f"{path}: checkpoint made with other settings: {'; '.join(differences)} "
+                              "(force=True / --force to load it anyway)")
         self.synchronize()  # the next step loads any device-side state from the checkpoint
         self.optimizer.step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
