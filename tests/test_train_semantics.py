@@ -274,3 +274,77 @@ def test_undo_honours_the_no_decay_runs() -> None:
     ulps = float(((s.master - before[0]).abs() / (ULP * scale).clamp_min(1e-38)).max())
     assert ulps <= 4, ulps
     assert float((s.exp_avg_sq - before[2]).norm() / before[2].norm()) <= 1e-6
+
+
+# ---------------------------------------------------------------------------------- nonfinite="raise"
+
+def _embedding_grad_inf(engine: tinypipe.Engine):  # type: ignore[no-untyped-def]
+    """Only the embedding's gradient becomes non-finite (the loss stays finite): the head and every
+    block have been stepped by the time it shows up."""
+    def fault(t) -> None:  # type: ignore[no-untyped-def]
+        if t.id == "dl/L0":
+            engine.devices[0].pool.grads(0, None)[0] = float("inf")
+    return fault
+
+
+def _raise_run(tmp_path, clip: float | None):  # type: ignore[no-untyped-def]
+    model = make_model("llama", layers=4)
+    randomize_biases(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    batches = [make_batch(BATCH, SEQ, seed=i) for i in range(3)]
+    ref = train_reference(model, [batches[0], batches[2]], lr=LR, eps=EPS, weight_decay=WD,
+                          max_grad_norm=clip)
+    cfg = tinypipe.Config(devices=["cpu"], pack_size=1, micro_batch_size=2, lr=LR, eps=EPS, weight_decay=WD,
+                          max_grad_norm=clip, nonfinite="raise", head_chunk_tokens=7)
+    engine = tinypipe.Engine(model, cfg)
+    engine.step(batches[0])
+    engine.save_checkpoint(tmp_path / "ckpt")
+    before = {k: v.clone() for k, v in engine.state_dict().items()}
+    engine.fault = _embedding_grad_inf(engine)
+    with pytest.raises(tinypipe.NonFiniteError) as info:
+        engine.step(batches[1])
+    engine.fault = None
+    assert engine.step_count == 1
+    return engine, ref, init, before, " ".join(str(info.value).split())
+
+
+def test_raise_with_retained_gradients_rolls_back_and_goes_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine, ref, init, before, msg = _raise_run(tmp_path, clip=100.0)  # never clips: it speculates
+    assert "embed" in msg and "rolled back" in msg, msg
+    for k, v in engine.state_dict().items():
+        torch.testing.assert_close(v, before[k], rtol=1e-6, atol=1e-9)
+    assert [s.step for s in engine.store.layers] == [1] * len(engine.store.layers)
+    engine.step(make_batch(BATCH, SEQ, seed=2))  # as if the bad batch had never been seen
+    worst, update_err = compare(engine.state_dict(), ref.model, init)
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine.close()
+
+
+def test_raise_without_retained_gradients_refuses_a_mixed_state(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    engine, ref, init, before, msg = _raise_run(tmp_path, clip=None)
+    assert "head" in msg and "already took this step's update" in msg and "load_checkpoint" in msg, msg
+    changed = [k for k, v in engine.state_dict().items() if not torch.equal(v, before[k])]
+    assert changed and not any(k.startswith("model.embed") for k in changed)  # what the message says
+    with pytest.raises(tinypipe.NonFiniteError, match="mixes two steps"):
+        engine.step(make_batch(BATCH, SEQ, seed=2))
+    with pytest.raises(tinypipe.NonFiniteError, match="refusing to checkpoint"):
+        engine.save_checkpoint(tmp_path / "ckpt")
+    engine.load_checkpoint(tmp_path / "ckpt")  # consistent again: training goes on exactly
+    engine.step(make_batch(BATCH, SEQ, seed=2))
+    worst, update_err = compare(engine.state_dict(), ref.model, init)
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine.close()
+
+
+def test_raise_on_a_nonfinite_loss_updates_nothing_and_stays_usable() -> None:
+    engine = tinypipe.Engine(make_model("llama", layers=2),
+                             tinypipe.Config(devices=["cpu"], pack_size=1, micro_batch_size=2, lr=LR))
+    engine.step(make_batch(4, 8))
+    with torch.no_grad():
+        engine.state_dict()["model.layers.1.mlp.down_proj.weight"][0, 0] = float("inf")
+    with pytest.raises(tinypipe.NonFiniteError, match="no layer was updated"):
+        engine.step(make_batch(4, 8, seed=1))
+    with torch.no_grad():
+        engine.state_dict()["model.layers.1.mlp.down_proj.weight"][0, 0] = 0.0
+    assert engine.step(make_batch(4, 8, seed=1)).step == 2
+    engine.close()

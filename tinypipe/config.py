@@ -88,11 +88,19 @@ class Config:
       CUDA and eager on CPU; ``"off"`` always eager; any other value names a torch.compile
       backend (e.g. ``"aot_eager"``). Compiled blocks are ~25% faster on an H200; the first
       step pays a one-off compile (~15 s for a Llama block).
-    * ``nonfinite`` -- a NaN/inf loss or gradient: ``"raise"`` stops with NonFiniteError (layers
-      already stepped are rolled back algebraically, within float rounding); ``"skip"`` drops
-      the step and leaves weights and AdamW state bit-identical. To make that exact, every
-      layer's update waits for the end of the backward (as under clipping; it then overlaps the
-      next step's forward): measured on W1 (3B, H200) ~2.9 s/step instead of ~2.0 s.
+    * ``nonfinite`` -- a NaN/inf loss or gradient: ``"raise"`` stops with NonFiniteError;
+      ``"skip"`` drops the step and leaves weights and AdamW state bit-identical. To make that
+      exact, every layer's update waits for the end of the backward (as under clipping; it then
+      overlaps the next step's forward): measured on W1 (3B, H200) ~2.9 s/step instead of ~2.0 s.
+      Under ``"raise"`` a non-finite loss is seen before any layer is updated; a non-finite
+      gradient is seen when its layer's turn comes, after the layers before it in the backward
+      were stepped (speculatively, overlapped with the backward). With retained gradients
+      (``max_grad_norm`` set) those steps are undone algebraically (within float rounding) and
+      the engine can go on. Without them (the default: retaining would cost 4 bytes/parameter of
+      host memory, deferring every update ~45% of step time, for an event that ends the run
+      anyway) nothing can undo them: the error names the layers that kept the update, and the
+      engine refuses further steps and checkpoints -- it never continues from, or saves, a state
+      that mixes two steps -- until ``load_checkpoint`` restores a consistent one.
 
     Training semantics:
 

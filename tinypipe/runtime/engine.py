@@ -144,6 +144,9 @@ class Engine:
         self._schedules: dict[int, Schedule] = {}
         self._traffic_cache: dict[tuple[int, int], Traffic] = {}
         self._broken: str | None = None
+        # set when a non-finite step left some layers updated (nothing to undo them from): the
+        # state mixes two steps, so steps and checkpoints are refused until load_checkpoint
+        self._mixed: str | None = None
         self._last: StepTimeline | None = None
         self._rss = RssPeak()
         self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
@@ -212,12 +215,7 @@ class Engine:
         loss = ctx.loss_value if ctx.loss_value is not None else float("nan")
         result = self._result(outcome, inputs, sched, loss, lr, t0, ctx.timings)
         if outcome.nonfinite is not None and self.config.nonfinite == "raise":
-            rolled_back = retains_gradients(self.config.max_grad_norm, self.config.nonfinite)
-            raise NonFiniteError(
-                f"step {self.step_count + 1}: non-finite {outcome.nonfinite} (loss={loss}); "
-                "layers after it were not updated"
-                + (" and earlier ones were rolled back" if rolled_back else "")
-            )
+            raise NonFiniteError(self._nonfinite_message(outcome, loss))
         return result
 
     def _sync_devices(self) -> None:
@@ -227,7 +225,24 @@ class Engine:
             except Exception:  # noqa: BLE001 - a broken device: nothing copies out of a slot then
                 pass
 
+    def _nonfinite_message(self, outcome: StepOutcome, loss: float) -> str:
+        """What a non-finite step under ``nonfinite="raise"`` did to the state (see Config)."""
+        head = f"step {self.step_count + 1}: non-finite {outcome.nonfinite} (loss={loss}); "
+        if not outcome.not_rolled_back:
+            rolled = retains_gradients(self.config.max_grad_norm, self.config.nonfinite)
+            return head + "no layer was updated" + (" (those already stepped were rolled back)" if rolled else "")
+        names = [self.store.layers[layer].spec.name for layer in outcome.not_rolled_back]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        self._mixed = (f"step {self.step_count + 1} was non-finite after {shown} had been updated, and "
+                       "nothing retained their gradients to undo it")
+        return (head + f"{shown} already took this step's update (without max_grad_norm no gradient is "
+                "retained to undo it from); the engine refuses further steps and checkpoints until "
+                "load_checkpoint restores a consistent state")
+
     def _check_usable(self) -> None:
+        if self._mixed is not None:
+            raise NonFiniteError(f"engine state mixes two steps: {self._mixed}; restore it with "
+                                 "load_checkpoint (the CLI: --resume)")
         if self._broken is not None:
             raise WorkerError(f"engine unusable: {self._broken}; create a new Engine (from the last "
                               "checkpoint)")
@@ -323,6 +338,8 @@ class Engine:
         """Atomically write master weights, AdamW state and step counts (+ ``extra``, e.g. the data
         position and RNG states) so :meth:`load_checkpoint` resumes exactly; the optimizer settings
         (:meth:`checkpoint_settings`) are recorded with them."""
+        if self._mixed is not None:  # never write a state that mixes two steps
+            raise NonFiniteError(f"refusing to checkpoint: {self._mixed}")
         # whether the last step clipped decides how the next one steps (speculate or defer); the
         # two paths round differently, so a resumed run must take the same one
         self.synchronize()
@@ -361,6 +378,7 @@ class Engine:
         self.optimizer.step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
         self.optimizer.last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
+        self._mixed = None  # the state is the checkpoint's, consistent again
         return extra
 
     def save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
