@@ -230,7 +230,7 @@ class Engine:
         head = f"step {self.step_count + 1}: non-finite {outcome.nonfinite} (loss={loss}); "
         if not outcome.not_rolled_back:
             rolled = retains_gradients(self.config.max_grad_norm, self.config.nonfinite)
-            return head + "no layer was updated" + (" (those already stepped were rolled back)" if rolled else "")
+            return head + "no layer was updated" + (" (those stepped were rolled back)" if rolled else "")
         names = [self.store.layers[layer].spec.name for layer in outcome.not_rolled_back]
         shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
         self._mixed = (f"step {self.step_count + 1} was non-finite after {shown} had been updated, and "
