@@ -148,7 +148,7 @@ def test_decay_all_matches_one_group_and_the_groups_are_distinguishable() -> Non
     assert worst > 1e-4, worst
 
 
-def test_checkpoint_records_the_grouping_and_refuses_another(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_checkpoint_records_the_grouping_and_refuses_another(tmp_path) -> None:  # type: ignore
     cfg = dict(devices=["cpu"], pack_size=2, micro_batch_size=2, lr=LR, weight_decay=WD)
     with tinypipe.Engine(make_model("gpt2", layers=2), tinypipe.Config(**cfg)) as engine:
         engine.step(make_batch(4, 8))
@@ -308,7 +308,7 @@ def _raise_run(tmp_path, clip: float | None):  # type: ignore[no-untyped-def]
     return engine, ref, init, before, " ".join(str(info.value).split())
 
 
-def test_raise_with_retained_gradients_rolls_back_and_goes_on(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_raise_with_retained_gradients_rolls_back_and_goes_on(tmp_path) -> None:  # type: ignore
     engine, ref, init, before, msg = _raise_run(tmp_path, clip=100.0)  # never clips: it speculates
     assert "embed" in msg and "rolled back" in msg, msg
     for k, v in engine.state_dict().items():
@@ -320,7 +320,7 @@ def test_raise_with_retained_gradients_rolls_back_and_goes_on(tmp_path) -> None:
     engine.close()
 
 
-def test_raise_without_retained_gradients_refuses_a_mixed_state(tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_raise_without_retained_gradients_refuses_a_mixed_state(tmp_path) -> None:  # type: ignore
     engine, ref, init, before, msg = _raise_run(tmp_path, clip=None)
     assert "head" in msg and "already took this step's update" in msg and "load_checkpoint" in msg, msg
     changed = [k for k, v in engine.state_dict().items() if not torch.equal(v, before[k])]

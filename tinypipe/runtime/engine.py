@@ -33,6 +33,7 @@ from tinypipe.planner.auto import resolve_plan
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
 from tinypipe.runtime.context import TaskTiming
+from tinypipe.runtime.evaluate import EvalResult, Evaluator
 from tinypipe.runtime.inputs import StepInputs, prepare_inputs
 from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report, ssd_timings, timeline_events
 from tinypipe.runtime.optim.background import BackgroundUpdates
@@ -141,6 +142,7 @@ class Engine:
         # abort the process ("terminate called without an active exception")
         weakref.finalize(self, _stop, self.optimizer.background, self.resources.workers, self.store)
         self._runner = StepRunner(self.resources)
+        self._evaluator = Evaluator(self.resources, self.plan)
         self._schedules: dict[int, Schedule] = {}
         self._traffic_cache: dict[tuple[int, int], Traffic] = {}
         self._broken: str | None = None
@@ -238,6 +240,15 @@ class Engine:
         return (head + f"{shown} already took this step's update (without max_grad_norm no gradient is "
                 "retained to undo it from); the engine refuses further steps and checkpoints until "
                 "load_checkpoint restores a consistent state")
+
+    def evaluate(self, batch: Mapping[str, torch.Tensor]) -> EvalResult:
+        """The loss of ``batch`` (same keys as :meth:`step`) with the current weights, forward only:
+        no optimizer step, no stash, no gradients (:mod:`tinypipe.runtime.evaluate`). Equals the
+        model's own ``model(**batch, labels=...).loss`` (fp32: to float rounding). Batches are
+        combined with ``sum(r.loss_sum) / sum(r.tokens)``."""
+        if self._broken is not None:
+            self._check_usable()
+        return self._evaluator.evaluate(self._inputs(batch))
 
     def _check_usable(self) -> None:
         if self._mixed is not None:
