@@ -11,6 +11,7 @@ import torch
 
 import tinypipe
 from model_zoo import make_batch, make_model
+from test_cli import tiny_model_dir  # noqa: F401 - the fixture
 from tinypipe.lora import LoraSettings, apply_lora
 
 LR = 1e-3
@@ -96,3 +97,78 @@ def test_evaluate_rejects_a_malformed_batch() -> None:
                                                                         micro_batch_size=2)) as engine:
         with pytest.raises(tinypipe.BatchError):
             engine.evaluate({"input_ids": torch.zeros(2, 1, dtype=torch.long)})
+
+
+# ---------------------------------------------------------------------------------- in the training loop
+
+def test_split_is_seeded_disjoint_and_complete() -> None:
+    from tinypipe.train.data import PackedDataset
+    from tinypipe.train.evaluation import split_eval
+
+    ids = torch.arange(50 * 4).view(50, 4)
+    ds = PackedDataset(ids, ids.clone())
+    train_a, held_a = split_eval(ds, 0.1, seed=3)
+    train_b, held_b = split_eval(ds, 0.1, seed=3)
+    _, held_c = split_eval(ds, 0.1, seed=4)
+    assert len(held_a) == 5 and len(train_a) == 45
+    assert torch.equal(held_a.input_ids, held_b.input_ids) and torch.equal(train_a.input_ids, train_b.input_ids)
+    assert not torch.equal(held_a.input_ids, held_c.input_ids)
+    rows = sorted(int(r[0]) for r in torch.cat([train_a.input_ids, held_a.input_ids]))
+    assert rows == [4 * i for i in range(50)]
+    assert torch.equal(train_a.input_ids[:, 0], train_a.input_ids[:, 0].sort().values)  # order kept
+    with pytest.raises(tinypipe.ConfigError):
+        split_eval(ds, 1.0, seed=0)
+
+
+def test_finetune_reports_the_held_out_loss(capsys, tiny_model_dir, tmp_path) -> None:  # type: ignore # noqa: F811
+    """--eval-split / --eval-every: eval fields in metrics.jsonl at every Nth and the last step, on
+    the progress line and in the summary; the final value is the saved model's own HF loss over
+    the held-out rows."""
+    import transformers
+
+    from _data_helpers import CORPUS, write_jsonl
+    from test_cli import run_cli
+    from tinypipe.train.data import load_dataset
+    from tinypipe.train.evaluation import eval_batches, split_eval
+    from tinypipe.train.loop import read_metrics
+
+    data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
+    out = tmp_path / "out"
+    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data, "--output", out,
+                                "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--steps", "5",
+                                "--lr", "1e-3", "--devices", "cpu", "--eval-split", "0.25", "--eval-every", "2")
+    assert code == 0, err
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 5]
+    assert all("eval_loss" not in r for r in records if r["step"] in (1, 3))
+    last = records[-1]
+    assert "eval=" in err  # the progress bar (stderr) carries the held-out loss
+    assert f"held-out: loss {last['eval_loss']:.4f}" in stdout and "rows held out" in stdout
+
+    model = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    tok = transformers.AutoTokenizer.from_pretrained(out)
+    full, _ = load_dataset(data, tok, 16)
+    _, held = split_eval(full, 0.25, seed=0)
+    loss_sum, tokens = 0.0, 0
+    with torch.no_grad():
+        for b in eval_batches(held, 4):
+            n = int((b["labels"][:, 1:] != -100).sum())
+            loss_sum += float(model(**b).loss) * n
+            tokens += n
+    assert last["eval_tokens"] == tokens
+    assert abs(last["eval_loss"] - loss_sum / tokens) <= 1e-5 * last["eval_loss"]
+
+
+def test_eval_flags_are_checked(capsys, tiny_model_dir, tmp_path) -> None:  # type: ignore # noqa: F811
+    from _data_helpers import CORPUS, write_jsonl
+    from test_cli import assert_one_line_error, run_cli
+
+    data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
+    base = ["finetune", "--model", tiny_model_dir, "--data", data, "--output", tmp_path / "o", "--devices", "cpu"]
+    for flags, needle in ((["--eval-every", "2"], "eval_every needs held-out data"),
+                          (["--eval-split", "1.5"], "eval_split must be in (0, 1)"),
+                          (["--eval-split", "0.1", "--eval-data", data], "not both"),
+                          (["--eval-data", tmp_path / "missing.jsonl"], "missing.jsonl")):
+        code, _, err = run_cli(capsys, *base, *flags)
+        assert code == 2, flags
+        assert_one_line_error(err, needle)

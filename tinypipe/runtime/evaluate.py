@@ -152,7 +152,8 @@ class Evaluator:
         with dev.backend.use_stream(h2d):
             if prev is not None:
                 dev.backend.wait_event(h2d, freed.get(prev))
-            upload_layer(self.res.store, self.res.optimizer, dev, st.layer, dev.pool.params(st.layer, st.slot))
+            dst = dev.pool.params(st.layer, st.slot)
+            upload_layer(self.res.store, self.res.optimizer, dev, st.layer, dst)
             ready[i] = dev.backend.record_event(h2d)
 
     def _bind(self, st: _Stage) -> None:
