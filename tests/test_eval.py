@@ -111,7 +111,8 @@ def test_split_is_seeded_disjoint_and_complete() -> None:
     train_b, held_b = split_eval(ds, 0.1, seed=3)
     _, held_c = split_eval(ds, 0.1, seed=4)
     assert len(held_a) == 5 and len(train_a) == 45
-    assert torch.equal(held_a.input_ids, held_b.input_ids) and torch.equal(train_a.input_ids, train_b.input_ids)
+    assert torch.equal(held_a.input_ids, held_b.input_ids)
+    assert torch.equal(train_a.input_ids, train_b.input_ids)
     assert not torch.equal(held_a.input_ids, held_c.input_ids)
     rows = sorted(int(r[0]) for r in torch.cat([train_a.input_ids, held_a.input_ids]))
     assert rows == [4 * i for i in range(50)]
@@ -120,7 +121,8 @@ def test_split_is_seeded_disjoint_and_complete() -> None:
         split_eval(ds, 1.0, seed=0)
 
 
-def test_finetune_reports_the_held_out_loss(capsys, tiny_model_dir, tmp_path) -> None:  # type: ignore # noqa: F811
+def test_finetune_reports_the_held_out_loss(capsys, tiny_model_dir,  # type: ignore # noqa: F811
+                                            tmp_path) -> None:
     """--eval-split / --eval-every: eval fields in metrics.jsonl at every Nth and the last step, on
     the progress line and in the summary; the final value is the saved model's own HF loss over
     the held-out rows."""
@@ -134,9 +136,10 @@ def test_finetune_reports_the_held_out_loss(capsys, tiny_model_dir, tmp_path) ->
 
     data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
     out = tmp_path / "out"
-    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data, "--output", out,
-                                "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--steps", "5",
-                                "--lr", "1e-3", "--devices", "cpu", "--eval-split", "0.25", "--eval-every", "2")
+    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data,
+                                "--output", out, "--seq-len", "16", "--global-batch", "4", "--micro-batch",
+                                "2", "--steps", "5", "--lr", "1e-3", "--devices", "cpu", "--eval-split",
+                                "0.25", "--eval-every", "2")
     assert code == 0, err
     records = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in records if "eval_loss" in r] == [2, 4, 5]
@@ -164,7 +167,8 @@ def test_eval_flags_are_checked(capsys, tiny_model_dir, tmp_path) -> None:  # ty
     from test_cli import assert_one_line_error, run_cli
 
     data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
-    base = ["finetune", "--model", tiny_model_dir, "--data", data, "--output", tmp_path / "o", "--devices", "cpu"]
+    base = ["finetune", "--model", tiny_model_dir, "--data", data, "--output", tmp_path / "o",
+            "--devices", "cpu"]
     for flags, needle in ((["--eval-every", "2"], "eval_every needs held-out data"),
                           (["--eval-split", "1.5"], "eval_split must be in (0, 1)"),
                           (["--eval-split", "0.1", "--eval-data", data], "not both"),

@@ -19,7 +19,8 @@ COMMON = ["--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--lr"
 
 
 @pytest.fixture(scope="module")
-def checkpointed(tmp_path_factory: pytest.TempPathFactory, tiny_model_dir: Path) -> tuple[Path, Path]:  # noqa: F811
+def checkpointed(tmp_path_factory: pytest.TempPathFactory,
+                 tiny_model_dir: Path) -> tuple[Path, Path]:  # noqa: F811
     """A finished 2-step run with its checkpoint: (data file, output directory)."""
     root = tmp_path_factory.mktemp("resume")
     data = write_jsonl(root / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
@@ -74,8 +75,8 @@ CHANGES = {
 
 
 @pytest.mark.parametrize("name", list(CHANGES))
-def test_a_changed_setting_is_refused_and_named(name: str, capsys, tiny_model_dir, checkpointed,  # type: ignore
-                                                tmp_path) -> None:
+def test_a_changed_setting_is_refused_and_named(name: str, capsys, tiny_model_dir,  # type: ignore
+                                                checkpointed, tmp_path) -> None:
     data, out = checkpointed
     flags, needle = CHANGES[name]
     code, _, err = _resume(capsys, tiny_model_dir, data, _copy(out, tmp_path), *flags)
@@ -109,7 +110,8 @@ def test_changed_data_file_is_refused(capsys, tiny_model_dir, checkpointed, tmp_
     assert "data content" not in line
 
 
-def test_changed_model_and_lora_are_refused(capsys, tiny_model_dir, checkpointed, tmp_path) -> None:  # type: ignore
+def test_changed_model_and_lora_are_refused(capsys, tiny_model_dir, checkpointed,  # type: ignore
+                                            tmp_path) -> None:
     data, out = checkpointed
     target = _copy(out, tmp_path)
     other = tmp_path / "model_copy"

@@ -26,8 +26,9 @@ def test_finetune_logs_every_metric_and_the_eval_loss(capsys, tiny_model_dir,  #
                                                       tmp_path) -> None:
     data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
     out = tmp_path / "out"
-    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data, "--output", out,
-                                "--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--steps", "4",
+    code, stdout, err = run_cli(capsys, "finetune", "--model", tiny_model_dir, "--data", data,
+                                "--output", out, "--seq-len", "16", "--global-batch", "4",
+                                "--micro-batch", "2", "--steps", "4",
                                 "--devices", "cpu", "--eval-split", "0.2", "--eval-every", "2",
                                 "--max-grad-norm", "1.0", "--report-to", "tensorboard", "--no-progress")
     assert code == 0, err
