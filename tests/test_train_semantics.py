@@ -348,3 +348,34 @@ def test_raise_on_a_nonfinite_loss_updates_nothing_and_stays_usable() -> None:
         engine.state_dict()["model.layers.1.mlp.down_proj.weight"][0, 0] = 0.0
     assert engine.step(make_batch(4, 8, seed=1)).step == 2
     engine.close()
+
+
+def test_engine_rollback_at_a_later_step_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three unclipped steps, then a step whose norm just exceeds the threshold: nearly every layer
+    was stepped speculatively at step 4 (moments from three real steps) and is undone and redone
+    clipped. Weights match torch's clipped AdamW to the usual tolerance."""
+    model = make_model("llama", layers=4)
+    randomize_biases(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    first = [make_batch(BATCH, SEQ, seed=i) for i in range(3)]
+    for seed in range(3, 40):  # a fourth batch whose gradient norm tops the first three's
+        batches = first + [make_batch(BATCH, SEQ, seed=seed)]
+        norms = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD).grad_norms
+        if norms[3] * 0.99 > max(norms[:3]):
+            break
+    else:
+        pytest.fail("no fourth batch with a larger gradient norm")
+    undone: list[int] = []
+    real = ChunkedAdamW.undo
+
+    def counting(self, state, *args, **kwargs):  # type: ignore[no-untyped-def]
+        undone.append(state.spec.index)
+        return real(self, state, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkedAdamW, "undo", counting)
+    cfg = dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=0.99 * norms[3])
+    engine, ref = train_both(model, model, batches, cfg, lr=LR, eps=EPS, weight_decay=WD)
+    worst, update_err = compare(engine.state_dict(), ref.model, init)  # waits for the redo
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    assert len(set(undone)) >= 4, undone  # the rollback ran at step 4, over most layers
+    engine.close()
