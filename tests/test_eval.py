@@ -177,3 +177,31 @@ def test_eval_flags_are_checked(capsys, tiny_model_dir, tmp_path) -> None:  # ty
         code, _, err = run_cli(capsys, *base, *flags)
         assert code == 2, flags
         assert_one_line_error(err, needle)
+
+
+def test_eval_data_file_and_epochs_count_only_the_training_rows(  # type: ignore
+        capsys, tiny_model_dir, tmp_path) -> None:  # noqa: F811
+    import re
+
+    from _data_helpers import CORPUS, write_jsonl
+    from test_cli import run_cli
+    from tinypipe.train.loop import read_metrics
+
+    data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
+    held = write_jsonl(tmp_path / "held.jsonl", [{"text": CORPUS[(i + 3) % len(CORPUS)]} for i in range(6)])
+    base = ["finetune", "--model", tiny_model_dir, "--data", data, "--seq-len", "16", "--global-batch", "4",
+            "--micro-batch", "2", "--devices", "cpu", "--no-progress"]
+    code, stdout, err = run_cli(capsys, *base, "--output", tmp_path / "a", "--eval-data", held,
+                                "--steps", "2")
+    assert code == 0, err
+    assert f"eval: {held}" in stdout
+    records = read_metrics(tmp_path / "a" / "metrics.jsonl")
+    assert [r["step"] for r in records if "eval_loss" in r] == [2]
+    code, stdout, err = run_cli(capsys, *base, "--output", tmp_path / "b", "--eval-split", "0.5",
+                                "--epochs", "1")
+    assert code == 0, err
+    held_rows = int(re.search(r"eval: (\d+) rows held out", stdout).group(1))
+    total_rows = int(re.search(r"-> (\d+) rows of 16", stdout).group(1))
+    per_epoch = int(re.search(r"(\d+) steps per epoch", stdout).group(1))
+    assert per_epoch == (total_rows - held_rows) // 4
+    assert len(read_metrics(tmp_path / "b" / "metrics.jsonl")) == per_epoch

@@ -46,8 +46,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     torch.manual_seed(s["seed"])
     model, tokenizer = _load_model(s["model"], lora)
-    dataset, seq_len, steps = _load_data(s, data_path, tokenizer, model)
-    dataset, eval_set = _eval_data(s, dataset, tokenizer, seq_len)
+    (dataset, eval_set), seq_len, steps = _load_data(s, data_path, tokenizer, model)
     if any(d.startswith("cuda") for d in config.devices) and s["gpu_memory_bytes"]:
         _cap_gpu_memory(config.devices, s["gpu_memory_bytes"])
     if auto or s["gpu_memory_bytes"] or s["cpu_memory_bytes"]:  # plan for (or check the plan against) it
@@ -184,8 +183,10 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -> tuple[Any, int, int]:
-    """The tokenized dataset, the sequence length and the number of optimizer steps, reported."""
+def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any,
+               model: Any) -> tuple[tuple[Any, Any], int, int]:
+    """The tokenized training rows and held-out rows (None without --eval-*), the sequence length
+    and the number of optimizer steps, reported."""
     from tinypipe.train.data import load_dataset
 
     max_pos = getattr(model.config, "max_position_embeddings", None)
@@ -195,6 +196,7 @@ def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -
     packing = s["packing"] == "on" and _document_masks(model)
     dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"],
                                   packing=packing)
+    dataset, held = _eval_data(s, dataset, tokenizer, seq_len)  # a held-out split leaves fewer rows
     per_epoch = dataset.num_batches(s["global_batch"])
     if per_epoch == 0:
         raise ConfigError(
@@ -205,7 +207,7 @@ def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -
     _say(f"data: {data_path} ({stats.format}, {stats.records} records, {stats.tokens} tokens -> "
          f"{stats.describe()} of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
          + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
-    return dataset, seq_len, steps
+    return (dataset, held), seq_len, steps
 
 
 def _document_masks(model: Any) -> bool:
@@ -229,8 +231,9 @@ def _eval_data(s: dict[str, Any], dataset: Any, tokenizer: Any, seq_len: int) ->
     if s["eval_split"] is not None:
         from tinypipe.train.evaluation import split_eval
 
+        full = len(dataset)
         dataset, held = split_eval(dataset, s["eval_split"], s["seed"])
-        if dataset.num_batches(s["global_batch"]) == 0:
+        if full >= s["global_batch"] and dataset.num_batches(s["global_batch"]) == 0:
             raise ConfigError(f"--eval-split {s['eval_split']:g} leaves {len(dataset)} training rows, fewer "
                               f"than one global batch of {s['global_batch']}")
         _say(f"eval: {len(held)} rows held out ({s['eval_split']:g} of the data, seed {s['seed']})")
