@@ -10,15 +10,26 @@ realistic scales (gradients ~1e-3, moments from several real steps) to tight rel
 
 from __future__ import annotations
 
+import copy
+from dataclasses import replace
+
 import pytest
 import torch
 import torch.optim.adamw as torch_adamw
 
 import tinypipe
 from model_zoo import FAMILIES, make_batch, make_model
-from reference import compare, hf_decay_parameter_names, randomize_biases, train_both, train_reference
+from reference import (
+    assert_steps_match,
+    compare,
+    hf_decay_parameter_names,
+    randomize_biases,
+    train_both,
+    train_reference,
+)
 from tinypipe.lora import LoraSettings, apply_lora
 from tinypipe.models.decompose import Decomposition
+from tinypipe.planner.auto import manual_plan
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.decay import DecayGroups, hf_decay_names
 
@@ -379,3 +390,81 @@ def test_engine_rollback_at_a_later_step_matches_torch(monkeypatch: pytest.Monke
     assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
     assert len(set(undone)) >= 4, undone  # the rollback ran at step 4, over most layers
     engine.close()
+
+
+# ---------------------------------------------------------------------------------- with the SSD tier
+
+def _ssd_run(model: torch.nn.Module, cfg: tinypipe.Config, kinds: tuple[str, ...],
+             batches: list[dict]) -> tuple[tinypipe.Engine, list]:
+    """An engine whose plan puts ``kinds`` of every layer on the SSD (none: all in DRAM), stepped
+    over ``batches``."""
+    plan = manual_plan(cfg, num_blocks=4, tied=bool(model.config.tie_word_embeddings))
+    plan = replace(plan, offload=tuple((layer, k) for layer in range(6) for k in kinds))
+    engine = tinypipe.Engine(model, cfg, plan=plan)
+    return engine, [engine.step(b) for b in batches]
+
+
+@pytest.mark.parametrize("kinds", [("moments",), ("master", "moments", "grad")], ids="+".join)
+def test_decay_groups_undo_and_checkpoints_with_state_on_the_ssd(tmp_path, kinds, monkeypatch) -> None:  # type: ignore
+    """Masters, moments and retained gradients on the SSD (the optimizer steps staging buffers):
+    the no-decay groups give torch's two-group AdamW, the undo at step 4 (three real steps of
+    moments, read back from the SSD) honours them, every number equals the DRAM engine's bit for
+    bit, and a checkpoint of the SSD engine records the grouping (another one is refused)."""
+    model = make_model("llama", layers=4)
+    randomize_biases(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    first = [make_batch(BATCH, SEQ, seed=i) for i in range(3)]
+    for seed in range(3, 40):  # a fourth batch whose gradient norm tops the first three's
+        batches = first + [make_batch(BATCH, SEQ, seed=seed)]
+        norms = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD).grad_norms
+        if norms[3] * 0.99 > max(norms[:3]):
+            break
+    else:
+        pytest.fail("no fourth batch with a larger gradient norm")
+    clip = 0.99 * norms[3]
+    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=clip)
+    undone: list[int] = []
+    real = ChunkedAdamW.undo
+
+    def counting(self, state, *args, **kwargs):  # type: ignore[no-untyped-def]
+        undone.append(state.spec.index)
+        return real(self, state, *args, **kwargs)
+
+    monkeypatch.setattr(ChunkedAdamW, "undo", counting)
+    cfg = tinypipe.Config(devices=["cpu"], pack_size=2, micro_batch_size=2, lr=LR, eps=EPS, weight_decay=WD,
+                          max_grad_norm=clip, head_chunk_tokens=7)
+    ssd_cfg = cfg.replace(offload_dir=str(tmp_path / "scratch"))
+    (tmp_path / "scratch").mkdir()
+    dram, rd = _ssd_run(copy.deepcopy(model), cfg, (), batches)
+    undone.clear()
+    ssd, rs = _ssd_run(copy.deepcopy(model), ssd_cfg, kinds, batches)
+    try:
+        assert sum(r.ssd_read_bytes for r in rs) > 0 and all(r.ssd_read_bytes == 0 for r in rd)
+        assert_steps_match(rs, ref, clip)
+        assert rs[3].clipped and len(set(undone)) >= 4, undone  # the rollback ran at step 4, from the SSD
+        assert ssd.optimizer.adamw.groups.no_decay  # biases and norm weights: runs without decay
+        worst, update_err = compare(ssd.state_dict(), ref.model, init)
+        assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+        assert [(r.loss, r.grad_norm) for r in rs] == [(r.loss, r.grad_norm) for r in rd]
+        sd, ss = dram.state_dict(), ssd.state_dict()
+        assert all(torch.equal(ss[k], sd[k]) for k in sd)
+        od, oss = dram.optimizer_state(), ssd.optimizer_state()
+        for name in od:
+            assert torch.equal(od[name]["exp_avg"], oss[name]["exp_avg"]), name
+            assert torch.equal(od[name]["exp_avg_sq"], oss[name]["exp_avg_sq"]), name
+        ssd.save_checkpoint(tmp_path / "ckpt")
+    finally:
+        dram.close()
+        ssd.close()
+    other_cfg = ssd_cfg.replace(decay_all=True)
+    other, _ = _ssd_run(make_model("llama", layers=4), other_cfg, kinds, [])
+    with other:
+        with pytest.raises(tinypipe.ConfigError, match="weight-decay grouping"):
+            other.load_checkpoint(tmp_path / "ckpt")
+    same, _ = _ssd_run(make_model("llama", layers=4), ssd_cfg, kinds, [])
+    with same:
+        assert same.checkpoint_differences(tmp_path / "ckpt") == []
+        same.load_checkpoint(tmp_path / "ckpt")
+        loaded = same.state_dict()
+        assert all(torch.equal(loaded[k], ss[k]) for k in ss)
+    assert not list((tmp_path / "scratch").iterdir()), "scratch left behind after close"

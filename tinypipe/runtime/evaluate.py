@@ -7,7 +7,13 @@ micro-batches while it is on its device, so every layer is uploaded once per eva
 CUDA the next layers' uploads (as many as the device has slots) run on the upload stream while a
 layer computes. The head computes the token cross-entropy in chunks (no full logits, no
 gradients). A layer whose last update is still running in the background (clipping) is waited
-for, exactly as the next step's upload would.
+for, exactly as the next step's upload would. A master (or frozen base) on the SSD is read
+through the SSD tier's upload pool, one upload at a time; a QLoRA base arrives as its quantized
+bytes, rebuilt by the shell's binding as in training.
+
+Semantics: eval mode on every shell (no dropout; a training-mode engine gets training mode back
+afterwards), and the batch's position ids as the training forward passes them, so packed rows
+attend within their documents and a document's last token predicts nothing of the next one.
 
 Activations: the batch's hidden states (rows x tokens x hidden, compute precision) stay on the
 device from one layer to the next, at most one pack boundary's worth of what a training step with
@@ -89,8 +95,8 @@ class Evaluator:
         """The batch's loss; returns once every device is idle again (the next step may reuse the
         slots at once)."""
         t0 = time.perf_counter()
-        shells = [d.shell.model for d in self.res.devices]
-        modes = [m.training for m in shells]
+        shells = [d.shell for d in self.res.devices]
+        modes = [sh.dropout for sh in shells]
         out: dict[str, object] = {}
         first = self.res.devices[self.plan.embed_device]
 
@@ -103,17 +109,20 @@ class Evaluator:
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
                 out["error"] = exc
 
-        for m in shells:
-            m.eval()  # no dropout: the model's own evaluation loss
+        for sh in shells:
+            sh.set_dropout(False)  # eval mode, no dropout: the model's own evaluation loss
         try:
             # on the first device's compute lane thread, where a step's compute runs: on a shared
             # 2-core CPU the caller's thread took 3-15 s per 4 x 128-token batch, the lane 1.9 s
             self.res.workers.submit(first.compute_lane, work).wait()
         finally:
-            for m, mode in zip(shells, modes):
-                m.train(mode)
+            for sh, mode in zip(shells, modes):
+                sh.set_dropout(mode)  # training mode again where the engine trains with dropout
             for d in self.res.devices:
                 d.backend.synchronize()
+            tier = self.res.optimizer.tier
+            if tier is not None:  # the evaluation's SSD reads are no part of the next step's trace
+                tier.off.ssd.stats.take_records()
         if "error" in out:
             raise out["error"]  # type: ignore[misc]
         loss_sum = float(out["loss_sum"])  # type: ignore[arg-type]
@@ -192,7 +201,9 @@ class Evaluator:
         ids = inputs.input_ids.to(dev.device, non_blocking=True)
         mask = inputs.attention_mask
         mask = mask.to(dev.device, non_blocking=True) if mask is not None else None
-        h, block_calls = dev.shell.embed_forward(ids, mask)
+        pos = inputs.position_ids  # packed rows: positions restart per document, as in training
+        pos = pos.to(dev.device, non_blocking=True) if pos is not None else None
+        h, block_calls = dev.shell.embed_forward(ids, mask, pos)
         return h.to(self.res.compute_dtype), block_calls
 
     def _block(self, st: _Stage, hidden: list[torch.Tensor], rows: list[tuple[int, int]], calls: list,
