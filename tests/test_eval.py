@@ -343,7 +343,8 @@ def test_evaluate_on_packed_rows_is_the_documents_loss() -> None:
             if p.ndim == 2:
                 p.mul_(5.0)
     expected = _per_document_loss(model, docs)
-    cfg = tinypipe.Config(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2, lr=0.0, head_chunk_tokens=7)
+    cfg = tinypipe.Config(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2, lr=0.0,
+                          head_chunk_tokens=7)
     batch = ds.row_batch(slice(None))
     with tinypipe.Engine(model, cfg) as engine:
         packed = engine.evaluate(batch).loss

@@ -59,3 +59,15 @@ def test_a_resumed_run_purges_the_steps_it_redoes(tmp_path) -> None:  # type: ig
         resumed.write({"step": step, "loss": 10.0 + step})
     resumed.close()
     assert _scalars(log)["train/loss"] == [(1, 1.0), (2, 2.0), (3, 13.0), (4, 14.0)]
+
+
+def test_ssd_rates_are_logged_when_the_records_have_them(tmp_path) -> None:  # type: ignore
+    """With the SSD tier the records carry its GB/s (tinypipe.train.loop); they become scalars."""
+    log = tmp_path / "runs"
+    reporter = TensorBoardReporter(log)
+    reporter.write({"step": 1, "loss": 2.0, "ssd_read_gbs": 1.5, "ssd_write_gbs": 0.75})
+    reporter.write({"step": 2, "loss": 1.5})  # a record without them (no tier): nothing logged
+    reporter.close()
+    scalars = _scalars(log)
+    assert scalars["perf/ssd_read_GBps"] == [(1, 1.5)] and scalars["perf/ssd_write_GBps"] == [(1, 0.75)]
+    assert scalars["train/loss"] == [(1, 2.0), (2, 1.5)]

@@ -405,7 +405,8 @@ def _ssd_run(model: torch.nn.Module, cfg: tinypipe.Config, kinds: tuple[str, ...
 
 
 @pytest.mark.parametrize("kinds", [("moments",), ("master", "moments", "grad")], ids="+".join)
-def test_decay_groups_undo_and_checkpoints_with_state_on_the_ssd(tmp_path, kinds, monkeypatch) -> None:  # type: ignore
+def test_decay_groups_undo_and_checkpoints_with_state_on_the_ssd(  # type: ignore
+        tmp_path, kinds, monkeypatch) -> None:
     """Masters, moments and retained gradients on the SSD (the optimizer steps staging buffers):
     the no-decay groups give torch's two-group AdamW, the undo at step 4 (three real steps of
     moments, read back from the SSD) honours them, every number equals the DRAM engine's bit for

@@ -3,9 +3,9 @@ resumed run is the same run.
 
 A changed learning rate, schedule, step count, data file, model, LoRA setting (QLoRA's
 quantization included), packing, dropout, held-out split, seed or global batch -- and, recorded
-by the engine itself, precision, AdamW settings and the weight-decay grouping -- would silently continue a different run from the checkpoint. Each is
-recorded; a resume that differs stops with one line naming every difference, unless ``--force``
-(which says what it overrides).
+by the engine itself, precision, AdamW settings and the weight-decay grouping -- would silently
+continue a different run from the checkpoint. Each is recorded; a resume that differs stops with
+one line naming every difference, unless ``--force`` (which says what it overrides).
 """
 
 from __future__ import annotations

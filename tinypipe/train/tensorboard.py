@@ -23,6 +23,8 @@ TAGS = {
     "seconds": "perf/step_seconds",
     "h2d_gbs": "perf/h2d_GBps",
     "d2h_gbs": "perf/d2h_GBps",
+    "ssd_read_gbs": "perf/ssd_read_GBps",  # the SSD tier (--offload-dir)
+    "ssd_write_gbs": "perf/ssd_write_GBps",
     "rss_bytes": "memory/host_rss_bytes",
     "gpu_peak_allocated": "memory/gpu_peak_allocated_bytes",
     "gpu_peak_reserved": "memory/gpu_peak_reserved_bytes",
