@@ -243,9 +243,10 @@ class Engine:
 
     def evaluate(self, batch: Mapping[str, torch.Tensor]) -> EvalResult:
         """The loss of ``batch`` (same keys as :meth:`step`) with the current weights, forward only:
-        no optimizer step, no stash, no gradients (:mod:`tinypipe.runtime.evaluate`). Equals the
-        model's own ``model(**batch, labels=...).loss`` (fp32: to float rounding). Batches are
-        combined with ``sum(r.loss_sum) / sum(r.tokens)``."""
+        no optimizer step, no stash, no gradients (:mod:`tinypipe.runtime.evaluate`), in eval mode
+        (no dropout), packed rows per document, offloaded masters read from the SSD. Equals the
+        model's own ``model(**batch, labels=...).loss`` in eval mode (fp32: to float rounding).
+        Batches are combined with ``sum(r.loss_sum) / sum(r.tokens)``."""
         if self._broken is not None:
             self._check_usable()
         return self._evaluator.evaluate(self._inputs(batch))
