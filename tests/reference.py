@@ -15,16 +15,35 @@ class RefRun:
     grad_norms: list[float]
 
 
+def hf_decay_parameter_names(model: torch.nn.Module) -> set[str]:
+    """The parameters Hugging Face Trainer decays, from the installed transformers' own method
+    (it does not use ``self``)."""
+    from transformers.trainer import Trainer
+
+    return set(Trainer.get_decay_parameter_names(None, model))  # type: ignore[arg-type]
+
+
+def hf_param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool = False) -> list[dict]:
+    """torch.optim param groups as HF Trainer builds them: decay / no decay (or one group)."""
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if decay_all:
+        return [{"params": [p for _, p in params], "weight_decay": weight_decay}]
+    decay = hf_decay_parameter_names(model)
+    return [{"params": [p for n, p in params if n in decay], "weight_decay": weight_decay},
+            {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
+
+
 def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, eps: float, weight_decay: float,
                     betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None,
-                    device: str = "cpu") -> RefRun:
+                    decay_all: bool = False, device: str = "cpu") -> RefRun:
     """Whole model on one ``device`` (the returned model on the CPU), torch.optim.AdamW over the
-    trainable parameters (all of them for full fine-tuning, the adapters under LoRA), loss from the
-    HF model."""
+    trainable parameters (all of them for full fine-tuning, the adapters under LoRA) in HF Trainer's
+    two groups (biases and norm weights not decayed; ``decay_all``: one group), loss from the HF
+    model."""
     model = copy.deepcopy(model).to(device)
     _move_int8_statistics(model, device)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=lr, eps=eps, betas=betas, weight_decay=weight_decay)
+    opt = torch.optim.AdamW(hf_param_groups(model, weight_decay, decay_all), lr=lr, eps=eps, betas=betas)
     losses, norms = [], []
     for b in batches:
         b = {k: v.to(device) for k, v in b.items()}
@@ -85,7 +104,8 @@ def train_both(engine_model: torch.nn.Module, ref_model: torch.nn.Module, batche
     import tinypipe
 
     clip = cfg.get("max_grad_norm")
-    ref = train_reference(ref_model, batches, lr=lr, eps=eps, weight_decay=weight_decay, max_grad_norm=clip)
+    ref = train_reference(ref_model, batches, lr=lr, eps=eps, weight_decay=weight_decay, max_grad_norm=clip,
+                          decay_all=cfg.get("decay_all", False))
     engine = tinypipe.Engine(engine_model, tinypipe.Config(lr=lr, eps=eps, weight_decay=weight_decay,
                                                            head_chunk_tokens=head_chunk_tokens, **cfg))
     assert_steps_match([engine.step(b) for b in batches], ref, clip)

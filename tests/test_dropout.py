@@ -23,7 +23,7 @@ import transformers
 
 import tinypipe
 from model_zoo import make_batch, make_config
-from reference import RefRun, assert_steps_match, compare, randomize_biases, train_reference
+from reference import RefRun, assert_steps_match, compare, hf_param_groups, randomize_biases, train_reference
 from tinypipe.lora import LoraSettings, apply_lora
 from tinypipe.runtime.rng import EMBED, PACK, derive_seed, replay_pieces
 
@@ -112,7 +112,7 @@ def reference_run(model: torch.nn.Module, batches: list[dict], packs: list[int],
     gen = generator or torch.default_generator
     trunk, blocks, norm, head = _parts(model)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD)
+    opt = torch.optim.AdamW(hf_param_groups(model, WD), lr=LR, eps=EPS)  # HF Trainer's decay groups
     losses, norms = [], []
     for step, b in enumerate(batches):
         ids = b["input_ids"]

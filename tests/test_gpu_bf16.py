@@ -1,11 +1,11 @@
 """bf16 on CUDA (the default on GPUs) against plain PyTorch autocast training (skipped without a GPU).
 
 The reference is what Hugging Face Trainer's ``bf16=True`` does: fp32 weights, ``torch.autocast``
-in bf16, fp32 gradients, ``torch.optim.AdamW`` on the whole batch at once. tinypipe computes with a
-bf16 copy of the fp32 master weights, in micro-batches, accumulating fp32 gradients. The two differ
-by bf16 rounding only, so they agree to a stated tolerance -- and the tolerance is checked to be
-tight enough: the same comparison against a reference that saw only half of each batch (what a
-dropped micro-batch would give) must fail it by a wide margin.
+in bf16, fp32 gradients, ``torch.optim.AdamW`` (HF's decay / no-decay groups) on the whole batch at
+once. tinypipe computes with a bf16 copy of the fp32 master weights, in micro-batches, accumulating
+fp32 gradients. The two differ by bf16 rounding only, so they agree to a stated tolerance -- and the
+tolerance is checked to be tight enough: the same comparison against a reference that saw only half
+of each batch (what a dropped micro-batch would give) must fail it by a wide margin.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import torch
 
 import tinypipe
 from model_zoo import make_batch, make_model
-from reference import randomize_biases
+from reference import hf_param_groups, randomize_biases
 
 pytestmark = pytest.mark.gpu
 
@@ -31,8 +31,8 @@ UPDATE_RTOL = 0.1
 
 def _autocast_reference(model: torch.nn.Module, batches: list[dict], rows: slice | None = None) -> tuple:
     ref = copy.deepcopy(model).cuda()
-    params = [p for p in ref.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=LR, eps=EPS, weight_decay=WD, fused=True)
+    # HF Trainer's groups: no decay on biases and norm weights (tinypipe's default too)
+    opt = torch.optim.AdamW(hf_param_groups(ref, WD), lr=LR, eps=EPS, fused=True)
     losses = []
     for b in batches:
         ids = b["input_ids"][rows] if rows is not None else b["input_ids"]

@@ -88,11 +88,19 @@ class Config:
       CUDA and eager on CPU; ``"off"`` always eager; any other value names a torch.compile
       backend (e.g. ``"aot_eager"``). Compiled blocks are ~25% faster on an H200; the first
       step pays a one-off compile (~15 s for a Llama block).
-    * ``nonfinite`` -- a NaN/inf loss or gradient: ``"raise"`` stops with NonFiniteError (layers
-      already stepped are rolled back algebraically, within float rounding); ``"skip"`` drops
-      the step and leaves weights and AdamW state bit-identical. To make that exact, every
-      layer's update waits for the end of the backward (as under clipping; it then overlaps the
-      next step's forward): measured on W1 (3B, H200) ~2.9 s/step instead of ~2.0 s.
+    * ``nonfinite`` -- a NaN/inf loss or gradient: ``"raise"`` stops with NonFiniteError;
+      ``"skip"`` drops the step and leaves weights and AdamW state bit-identical. To make that
+      exact, every layer's update waits for the end of the backward (as under clipping; it then
+      overlaps the next step's forward): measured on W1 (3B, H200) ~2.9 s/step instead of ~2.0 s.
+      Under ``"raise"`` a non-finite loss is seen before any layer is updated; a non-finite
+      gradient is seen when its layer's turn comes, after the layers before it in the backward
+      were stepped (speculatively, overlapped with the backward). With retained gradients
+      (``max_grad_norm`` set) those steps are undone algebraically (within float rounding) and
+      the engine can go on. Without them (the default: retaining would cost 4 bytes/parameter of
+      host memory, deferring every update ~45% of step time, for an event that ends the run
+      anyway) nothing can undo them: the error names the layers that kept the update, and the
+      engine refuses further steps and checkpoints -- it never continues from, or saves, a state
+      that mixes two steps -- until ``load_checkpoint`` restores a consistent one.
 
     Training semantics:
 
@@ -104,6 +112,15 @@ class Config:
     * ``dropout_seed`` -- the masks are a function of this seed, the step count, the pack and the
       forward micro-batch (not of thread timing or the number of devices). None: drawn from
       torch's global generator when the engine is built (``torch.manual_seed`` first to repeat).
+
+    Optimizer:
+
+    * ``weight_decay`` / ``decay_all`` -- AdamW's decoupled weight decay, applied as Hugging Face
+      Trainer applies it: not to biases and normalization weights (LayerNorm/RMSNorm, any
+      parameter whose name says ``norm``; see :mod:`tinypipe.runtime.optim.decay`), to everything
+      else, embeddings and the output embedding included. ``decay_all=True`` decays every
+      parameter, as plain ``torch.optim.AdamW(model.parameters())`` does.
+      Checkpoints record the grouping; loading one made with another grouping is refused.
 
     Planning inputs (used by the automatic plan, and to check a hand-set plan when the workload
     is given):
@@ -139,6 +156,7 @@ class Config:
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
     weight_decay: float = 0.0
+    decay_all: bool = False
     max_grad_norm: float | None = None
     stash: StashPlace | Sequence[StashPlace] | None = None
     device_optimizer: DeviceOptimizer | None = None
@@ -182,6 +200,8 @@ class Config:
         ):
             raise ConfigError(f"stash must be one of {', '.join(STASH_PLACES)} or a list of them, "
                               f"got {self.stash!r}")
+        if not isinstance(self.decay_all, bool):
+            raise ConfigError(f"decay_all must be true or false, got {self.decay_all!r}")
         for name in ("precision", "pin_memory", "nonfinite", "compile_blocks"):
             if not isinstance(getattr(self, name), str):
                 raise ConfigError(f"{name} must be a string, got {getattr(self, name)!r}")

@@ -17,9 +17,13 @@ from tinypipe.cli.output import _count, _loss_summary, _prepare_output, _process
 DEMO_PROMPT = "The Python language"
 DEMO_NEW_TOKENS = 40
 # Sized for a 2-core CPU, where a step of 2 x 128 tokens through the 135 M-parameter model
-# (forward, recomputed forward, backward: ~280 GFLOP) takes ~4 s: 12 steps keep the whole run,
-# model load included, well under two minutes, and already move the held-out loss from ~2.90 to
-# ~2.61 (16 steps: 2.59; a higher lr learns no faster and garbles the samples). A GPU takes seconds.
+# (forward, recomputed forward, backward: ~280 GFLOP) takes ~2.4 s with the cores free (4-5 s
+# while other processes use them): 12 steps keep the whole run, model load included, well under
+# two minutes, and already move the held-out loss from ~2.90 to ~2.61 (16 steps: 2.59; a higher
+# lr learns no faster and garbles the samples). A GPU takes seconds. Measured (`time:` line), the
+# cores free: load 4 s, samples 4.7 s, held-out evaluations 2.5 s, training 30 s, saving 2 s --
+# 45 s in all (47 s before the GGUF header was parsed once and faster and the evaluation moved
+# to the engine's compute lane; 63 s against 75 s with another process busy on both cores).
 DEMO_SEQ_LEN = 128
 DEMO_GLOBAL_BATCH = 2
 DEMO_STEPS = 12
@@ -50,22 +54,10 @@ def _generate(model: Any, tokenizer: Any, prompt: str, new_tokens: int) -> str:
     return tokenizer.decode(out[0], skip_special_tokens=True)
 
 
-def _split_held_out(dataset: Any, rows: int) -> tuple[Any, dict[str, Any]]:
-    """The last ``rows`` rows as a fixed evaluation batch; the rest to train on."""
-    from tinypipe.train.data import PackedDataset
-
-    train_set = PackedDataset(dataset.input_ids[:-rows], dataset.labels[:-rows])
-    return train_set, {"input_ids": dataset.input_ids[-rows:], "labels": dataset.labels[-rows:]}
-
-
-def _eval_loss(model: Any, batch: dict[str, Any]) -> float:
-    """Mean next-token loss of ``model`` on ``batch`` (the Hugging Face model itself: after the
-    engine is built its parameters are views of the engine's master weights)."""
-    import torch
-
-    model.eval()
-    with torch.no_grad():
-        return float(model(input_ids=batch["input_ids"], labels=batch["labels"]).loss)
+def _split_held_out(dataset: Any, rows: int) -> tuple[Any, Any]:
+    """The last ``rows`` rows as a fixed evaluation set; the rest to train on (whole rows, with
+    their position ids)."""
+    return dataset.select(slice(None, -rows)), dataset.select(slice(-rows, None))
 
 
 def _indent(text: str) -> str:
@@ -105,6 +97,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from tinypipe.runtime.engine import Engine
     from tinypipe.train.data import load_dataset
+    from tinypipe.train.evaluation import evaluate_dataset
     from tinypipe.train.loop import train
     from tinypipe.train.model_io import load_model
 
@@ -131,12 +124,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     before = _generate(model, tokenizer, demo_prompt, demo_new_tokens)
     _say(f"sample BEFORE training (greedy, {demo_new_tokens} new tokens):")
     _say(_indent(before))
-    eval_before = _eval_loss(model, held_out)
-    lap("samples+eval")
+    lap("samples")
 
     torch.manual_seed(0)
     engine = Engine(model, config)  # the model's parameters now view the engine's fp32 master weights
+    lap("engine")
     try:
+        # the held-out loss through the engine, forward only (what finetune --eval-split reports)
+        eval_before = evaluate_dataset(engine, held_out, demo_eval_rows)["eval_loss"]
+        lap("eval")
         _say(f"plan: {engine.plan.describe()}")
         _say(f"training: {args.steps} steps x {demo_global_batch} rows x {demo_seq_len} tokens, "
              f"AdamW lr {demo_lr:g} (cosine, {min(demo_warmup, args.steps - 1)} warm-up steps)")
@@ -144,21 +140,24 @@ def cmd_demo(args: argparse.Namespace) -> int:
         records = train(
             engine, dataset, steps=args.steps, global_batch=demo_global_batch, lr=demo_lr,
             warmup_steps=min(demo_warmup, args.steps - 1), schedule="cosine", min_lr_ratio=0.1,
-            seed=0, log_path=metrics, progress=not args.no_progress,
+            seed=0, log_path=metrics, progress=not args.no_progress, eval_dataset=held_out,
+            eval_batch=demo_eval_rows,
         )
+        eval_after = records[-1]["eval_loss"]  # evaluated after the last step, in metrics.jsonl too
+        phases["eval"] += records[-1]["eval_seconds"]
         lap("training")
+        phases["training"] -= records[-1]["eval_seconds"]
         for r in records:
             _say(f"  step {r['step']:>3}  loss {r['loss']:.4f}  lr {r['lr']:.2e}  "
                  f"{r['tokens_per_s']:.0f} tokens/s  {r['seconds']:.2f} s")
         _say(_loss_summary(records))
-        eval_after = _eval_loss(model, held_out)
         _say(f"held-out loss ({demo_eval_rows} rows never trained on): {eval_before:.4f} before -> "
              f"{eval_after:.4f} after training")
 
         after = _generate(model, tokenizer, demo_prompt, demo_new_tokens)
         _say(f"sample AFTER training (greedy, {demo_new_tokens} new tokens):")
         _say(_indent(after))
-        lap("samples+eval")
+        lap("samples")
         _say(engine.memory_report().to_text())
         metrics, png = _save_outputs(engine, tokenizer, records, out)
         lap("saving")

@@ -18,7 +18,16 @@ from tinypipe.cli.options import (
     _positive,
     _resolve_settings,
 )
-from tinypipe.cli.output import PROG, _count, _loss_summary, _prepare_output, _save_outputs, _say
+from tinypipe.cli.output import (
+    PROG,
+    _count,
+    _eval_summary,
+    _loss_summary,
+    _prepare_output,
+    _save_outputs,
+    _say,
+)
+from tinypipe.cli.resume import refuse_or_override, resume_differences, run_settings
 from tinypipe.errors import ConfigError
 
 
@@ -37,7 +46,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     torch.manual_seed(s["seed"])
     model, tokenizer = _load_model(s["model"], lora)
-    dataset, seq_len, steps = _load_data(s, data_path, tokenizer, model)
+    (dataset, eval_set), seq_len, steps = _load_data(s, data_path, tokenizer, model)
     if any(d.startswith("cuda") for d in config.devices) and s["gpu_memory_bytes"]:
         _cap_gpu_memory(config.devices, s["gpu_memory_bytes"])
     if auto or s["gpu_memory_bytes"] or s["cpu_memory_bytes"]:  # plan for (or check the plan against) it
@@ -47,7 +56,8 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         _say(_plan_line(engine))
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({config.precision}), lr {s['lr']:g} "
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps)")
-        records = _train(engine, dataset, steps, s, out, progress=not args.no_progress)
+        run = run_settings(s, data_path, steps, lora)
+        records = _train(engine, (dataset, eval_set), steps, s, out, run, progress=not args.no_progress)
         if records is None:
             return 130
         # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
@@ -76,6 +86,15 @@ def _check_settings(s: dict[str, Any]) -> None:
         raise ConfigError(f"epochs must be > 0, got {s['epochs']}")
     if not 0.0 <= s["min_lr_ratio"] <= 1.0:
         raise ConfigError(f"min_lr_ratio must be in [0, 1], got {s['min_lr_ratio']}")
+    _positive("eval_every", s["eval_every"], 0)
+    if s["eval_split"] is not None and not 0.0 < s["eval_split"] < 1.0:
+        raise ConfigError(f"eval_split must be in (0, 1), got {s['eval_split']}")
+    if s["eval_split"] is not None and s["eval_data"]:
+        raise ConfigError("give --eval-data or --eval-split, not both")
+    if s["eval_every"] and s["eval_split"] is None and not s["eval_data"]:
+        raise ConfigError("eval_every needs held-out data: --eval-data FILE or --eval-split X")
+    if s["force"] and not s["resume"]:
+        raise ConfigError("--force only applies to --resume")
     for o in FINETUNE_OPTIONS:
         if o.choices and s[o.dest] is not None and s[o.dest] not in o.choices:
             raise ConfigError(f"{o.key} must be one of {', '.join(o.choices)}, got {s[o.dest]!r}")
@@ -96,6 +115,7 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         precision=s["precision"] or ("bf16" if cuda else "fp32"),
         lr=s["lr"],
         weight_decay=s["weight_decay"],
+        decay_all=s["decay_all"],
         max_grad_norm=s["max_grad_norm"],
         device_optimizer=s["device_optimizer"],
         resident_packs=s["resident_packs"],
@@ -131,6 +151,8 @@ def _check_inputs(s: dict[str, Any]) -> tuple[Path, Path]:
     resolve_model_path(s["model"])
     data_path = Path(s["data"]).expanduser()
     read_records(data_path, skip_bad_lines=s["skip_bad_lines"])
+    if s["eval_data"]:
+        read_records(Path(s["eval_data"]).expanduser(), skip_bad_lines=s["skip_bad_lines"])
     return data_path, _prepare_output(s["output"])
 
 
@@ -161,8 +183,10 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     return model, tokenizer
 
 
-def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -> tuple[Any, int, int]:
-    """The tokenized dataset, the sequence length and the number of optimizer steps, reported."""
+def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any,
+               model: Any) -> tuple[tuple[Any, Any], int, int]:
+    """The tokenized training rows and held-out rows (None without --eval-*), the sequence length
+    and the number of optimizer steps, reported."""
     from tinypipe.train.data import load_dataset
 
     max_pos = getattr(model.config, "max_position_embeddings", None)
@@ -172,6 +196,7 @@ def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -
     packing = s["packing"] == "on" and _document_masks(model)
     dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"],
                                   packing=packing)
+    dataset, held = _eval_data(s, dataset, tokenizer, seq_len)  # a held-out split leaves fewer rows
     per_epoch = dataset.num_batches(s["global_batch"])
     if per_epoch == 0:
         raise ConfigError(
@@ -182,7 +207,7 @@ def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any, model: Any) -
     _say(f"data: {data_path} ({stats.format}, {stats.records} records, {stats.tokens} tokens -> "
          f"{stats.describe()} of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
          + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
-    return dataset, seq_len, steps
+    return (dataset, held), seq_len, steps
 
 
 def _document_masks(model: Any) -> bool:
@@ -201,21 +226,56 @@ def _document_masks(model: Any) -> bool:
     return False
 
 
-def _train(engine: Any, dataset: Any, steps: int, s: dict[str, Any], out: Path,
-           progress: bool) -> list | None:
+def _eval_data(s: dict[str, Any], dataset: Any, tokenizer: Any, seq_len: int) -> tuple[Any, Any]:
+    """(training rows, held-out rows or None): ``--eval-split`` of the rows, or ``--eval-data``."""
+    if s["eval_split"] is not None:
+        from tinypipe.train.evaluation import split_eval
+
+        full = len(dataset)
+        dataset, held = split_eval(dataset, s["eval_split"], s["seed"])
+        if full >= s["global_batch"] and dataset.num_batches(s["global_batch"]) == 0:
+            raise ConfigError(f"--eval-split {s['eval_split']:g} leaves {len(dataset)} training rows, fewer "
+                              f"than one global batch of {s['global_batch']}")
+        _say(f"eval: {len(held)} rows held out ({s['eval_split']:g} of the data, seed {s['seed']})")
+        return dataset, held
+    if not s["eval_data"]:
+        return dataset, None
+    from tinypipe.train.data import load_dataset
+
+    path = Path(s["eval_data"]).expanduser()
+    # packed (position ids restarting per document) or padded, as the training rows are
+    held, stats = load_dataset(path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"],
+                               packing=dataset.position_ids is not None)
+    if len(held) == 0:
+        raise ConfigError(f"{path}: {stats.tokens} tokens is less than one row of {seq_len}")
+    _say(f"eval: {path} ({stats.records} records -> {len(held)} rows of {seq_len})")
+    return dataset, held
+
+
+def _train(engine: Any, data: tuple[Any, Any], steps: int, s: dict[str, Any], out: Path,
+           run: dict[str, Any], progress: bool) -> list | None:
     """Train (from the checkpoint with --resume) and return the whole run's metrics records; None
     when a signal stopped it (a final checkpoint was written)."""
     from tinypipe.train.loop import TrainingInterrupted, read_metrics, train
 
     metrics = out / "metrics.jsonl"
     ckpt_dir = out / "checkpoint"
-    start = _resume(engine, s, ckpt_dir, metrics) if s["resume"] else 0
+    start = _resume(engine, s, ckpt_dir, metrics, run) if s["resume"] else 0
+    reporters = ()
+    if s["report_to"] == "tensorboard":
+        from tinypipe.train.tensorboard import TensorBoardReporter
+
+        reporters = (TensorBoardReporter(out / "runs", start_step=start),)
+        _say(f"tensorboard: logging to {out / 'runs'} (tensorboard --logdir {out / 'runs'})")
+    dataset, eval_set = data
     try:
         records = train(
             engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
             warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
             seed=s["seed"], log_path=metrics, progress=progress, append=bool(s["resume"]),
             start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"],
+            checkpoint_extra={"run": run}, eval_dataset=eval_set, eval_every=s["eval_every"],
+            reporters=reporters,
         )
     except TrainingInterrupted as stop:
         print(f"{PROG}: {stop}; continue with the same command plus --resume", file=sys.stderr, flush=True)
@@ -223,14 +283,19 @@ def _train(engine: Any, dataset: Any, steps: int, s: dict[str, Any], out: Path,
     return read_metrics(metrics) if s["resume"] else records  # resumed: the whole run's curve
 
 
-def _resume(engine: Any, s: dict[str, Any], ckpt_dir: Path, metrics: Path) -> int:
-    """Load the checkpoint (made with the same seed and global batch) and drop the metrics lines
-    of steps after it (they will be redone); returns the step to continue from."""
+def _resume(engine: Any, s: dict[str, Any], ckpt_dir: Path, metrics: Path, run: dict[str, Any]) -> int:
+    """Load the checkpoint -- made by the same run (:mod:`tinypipe.cli.resume`; ``--force``
+    overrides, saying what it overrides) -- and drop the metrics lines of steps after it (they
+    will be redone); returns the step to continue from."""
+    from tinypipe.runtime.checkpoint import read_extra
     from tinypipe.train.loop import read_metrics
 
-    extra = engine.load_checkpoint(ckpt_dir)
-    if extra.get("seed") != s["seed"] or extra.get("global_batch") != s["global_batch"]:
-        raise ConfigError(f"{ckpt_dir}: checkpoint was made with another --seed/--global-batch")
+    differences = engine.checkpoint_differences(ckpt_dir)  # another model or LoRA: ConfigError here
+    differences = resume_differences(read_extra(ckpt_dir), run, s["seed"], s["global_batch"]) + differences
+    override = refuse_or_override(ckpt_dir, differences, s["force"])
+    if override is not None:
+        _say(override)
+    extra = engine.load_checkpoint(ckpt_dir, force=True)
     start = int(extra["step"])
     _say(f"resuming at step {start} from {ckpt_dir}")
     if metrics.exists():
@@ -244,6 +309,9 @@ def _save(engine: Any, tokenizer: Any, records: list, out: Path, merge: bool,
     """Report the run, save the model (or adapter), tokenizer and plots, and with ``merge`` the
     merged model (in ``merged_dtype``, default fp32); returns the metrics and loss-plot paths."""
     _say(_loss_summary(records))
+    held = _eval_summary(records)
+    if held:
+        _say(held)
     _say(engine.memory_report().to_text())
     metrics, png = _save_outputs(engine, tokenizer, records, out)
     if merge:

@@ -158,7 +158,10 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("schedule", _str, "cosine", "learning-rate decay after warm-up (default: cosine)",
            None, SCHEDULES),
     Option("min-lr-ratio", _float, 0.1, "final learning rate as a fraction of --lr (default: 0.1)", "X"),
-    Option("weight-decay", _float, 0.0, "AdamW weight decay (default: 0)", "X"),
+    Option("weight-decay", _float, 0.0, "AdamW weight decay, not applied to biases and normalization "
+           "weights, as in HF Trainer (default: 0)", "X"),
+    Option("decay-all", _bool, False, "apply --weight-decay to every parameter, biases and norm weights "
+           "included", flag=True),
     Option("device-optimizer", _str, None, "keep the embedding's / head's AdamW state on the GPU and step "
            "it there: 12 bytes/parameter of GPU memory, less link traffic and no host AdamW tail (default: "
            "the planner's choice on CUDA, off on cpu)", None, DEVICE_OPTIMIZER_CHOICES),
@@ -185,6 +188,15 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "(default: off)", "N"),
     Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result "
            "equals an uninterrupted run", flag=True),
+    Option("force", _bool, False, "with --resume: continue even though the checkpoint was made with other "
+           "settings (they are listed)", flag=True),
+    Option("eval-data", _str, None, "held-out data (same formats as --data) to evaluate the loss on", "FILE"),
+    Option("eval-split", _float, None, "hold out this fraction of the training rows (seeded) to evaluate "
+           "on, e.g. 0.02", "X"),
+    Option("eval-every", _int, 0, "evaluate the held-out loss every N steps (default: after the last "
+           "step only)", "N"),
+    Option("report-to", _str, None, "also log the metrics to TensorBoard (OUTPUT/runs)", None,
+           ("none", "tensorboard")),
     Option("lora", _bool, False, "train LoRA adapters only (base weights frozen, kept at the compute "
            "precision); OUTPUT gets a PEFT adapter", flag=True),
     Option("lora-rank", _int, None, "LoRA rank r (default: 8)", "R"),

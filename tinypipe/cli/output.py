@@ -46,6 +46,17 @@ def _loss_summary(records: list[dict]) -> str:
     )
 
 
+def _eval_summary(records: list[dict]) -> str | None:
+    """The last held-out evaluation of the run, or None when it had none."""
+    held = [r for r in records if "eval_loss" in r]
+    if not held:
+        return None
+    last = held[-1]
+    trend = f" (first, after step {held[0]['step']}: {held[0]['eval_loss']:.4f})" if len(held) > 1 else ""
+    return (f"held-out: loss {last['eval_loss']:.4f}, perplexity {last['eval_perplexity']:.2f} over "
+            f"{last['eval_tokens']} tokens after step {last['step']}{trend}")
+
+
 def _save_outputs(engine: Any, tokenizer: Any, records: list[dict], out: Path) -> tuple[Path, Path]:
     """The model (or adapter), tokenizer and plots: ``loss.png`` and ``timeline.png`` (memory and
     link traffic per step, the last step's lanes)."""

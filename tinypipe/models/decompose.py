@@ -455,11 +455,15 @@ class Shell:
         """Training mode (``True``) or eval mode for every module, e.g. eval for a forward-only
         evaluation; compiled blocks compile one more graph per mode. Quantized base layers (QLoRA)
         stay in eval mode: they are frozen, and bitsandbytes' int8 kernel differs in training mode."""
-        self.model.train(enabled)
+        # the blocks left the module tree when the capture wrappers replaced them: set them too
+        parts = [self.model, *getattr(self, "blocks", ())]
+        for part in parts:
+            part.train(enabled)
         if self._packed:
             from tinypipe.quant.shell import freeze_quantized_modes
 
-            freeze_quantized_modes(self.model)
+            for part in parts:
+                freeze_quantized_modes(part)
 
     def compile_blocks(self, backend: str, replay_random: bool = False) -> None:
         """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py);

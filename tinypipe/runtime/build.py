@@ -22,6 +22,7 @@ from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
 from tinypipe.models.placement import IN_PLACE_MARK
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
+from tinypipe.runtime.optim.decay import DecayGroups, hf_decay_names
 from tinypipe.runtime.optim.device_state import DeviceOptimizerState
 from tinypipe.runtime.optim.path import OptimizerPath, retains_gradients
 from tinypipe.runtime.optim.ssd_tier import SsdTier
@@ -198,9 +199,16 @@ class EngineBuilder:
         tier = None
         if store.offload is not None:
             tier = SsdTier(store, self.plan, self.dec.tied, self.pinner, read_ahead=self._read_ahead())
-        return OptimizerPath(store, ChunkedAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay),
+        adamw = ChunkedAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, self.decay_groups())
+        return OptimizerPath(store, adamw,
                              max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
                              device_states=device_states, pin=self.pinner.pin, threads=threads, tier=tier)
+
+    def decay_groups(self) -> DecayGroups:
+        """What AdamW decays: HF Trainer's rule (no biases, no norm weights) unless ``decay_all``."""
+        if self.config.decay_all:
+            return DecayGroups()
+        return DecayGroups.build(self.dec.layers, hf_decay_names(self.model))
 
     def resources(self, store: HostStore, devices: list[DeviceRuntime], optimizer: OptimizerPath,
                   hidden_size: int, head_chunk_tokens: int) -> EngineResources:

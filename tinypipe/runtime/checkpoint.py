@@ -140,8 +140,9 @@ def find_checkpoint(path: str | os.PathLike) -> Path | None:
     return None
 
 
-def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
-    """Restore ``store`` from a checkpoint; returns (step_count, extra)."""
+def check_layout(store: HostStore, path: str | os.PathLike) -> tuple[Path, dict[str, Any]]:
+    """The checkpoint at ``path`` (its directory and state.json) if it holds ``store``'s layers;
+    one-line ConfigError if it is missing, unreadable, or for another model or LoRA setting."""
     found = find_checkpoint(path)
     if found is None:
         raise ConfigError(f"{path}: no checkpoint here (no state.json)")
@@ -161,6 +162,12 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
                               f"(layer {s.spec.name}: {trained} trained elements), this run is "
                               f"{kind[s.spec.frozen_numel > 0]} ({s.spec.train_numel}): same --lora settings "
                               "needed")
+    return found, state
+
+
+def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dict[str, Any]]:
+    """Restore ``store`` from a checkpoint; returns (step_count, extra)."""
+    found, state = check_layout(store, path)
     for i, (s, entry) in enumerate(zip(store.layers, state["layers"])):
         try:
             tensors = load_file(str(found / entry["file"]))
@@ -171,3 +178,39 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
         store.restore_layer(i, tensors["master"], tensors["exp_avg"], tensors["exp_avg_sq"])
         s.step = int(entry["step"])
     return int(state["step_count"]), dict(state.get("extra", {}))
+
+
+def read_extra(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``extra`` a checkpoint was saved with (its state.json only; no tensors are read)."""
+    found = find_checkpoint(path)
+    if found is None:
+        raise ConfigError(f"{path}: no checkpoint here (no state.json)")
+    try:
+        return dict(json.loads((found / "state.json").read_text()).get("extra", {}))
+    except (OSError, ValueError) as exc:
+        raise ConfigError(f"{found}/state.json: unreadable checkpoint ({exc})") from exc
+
+
+def _canonical(value: Any) -> Any:
+    """JSON's view of ``value`` (tuples become lists), so a loaded setting compares equal."""
+    return json.loads(json.dumps(value))
+
+
+def setting_differences(recorded: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """``"name: A in the checkpoint, B now"`` for every setting both record with different values
+    (a setting an older checkpoint did not record is not compared)."""
+    out = []
+    for name, now in current.items():
+        if name in recorded and _canonical(recorded[name]) != _canonical(now):
+            out.append(f"{name}: {_show(recorded[name])} in the checkpoint, {_show(now)} now")
+    return out
+
+
+def _show(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ",".join(_show(v) for v in value)
+    if isinstance(value, dict):
+        return " ".join(f"{k}={_show(v)}" for k, v in value.items())
+    return str(value)

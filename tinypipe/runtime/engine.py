@@ -31,8 +31,9 @@ from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import resolve_plan
 from tinypipe.runtime.build import EngineBuilder
-from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
 from tinypipe.runtime.context import TaskTiming
+from tinypipe.runtime.evaluate import EvalResult, Evaluator
 from tinypipe.runtime.inputs import StepInputs, prepare_inputs
 from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report, ssd_timings, timeline_events
 from tinypipe.runtime.optim.background import BackgroundUpdates
@@ -141,9 +142,13 @@ class Engine:
         # abort the process ("terminate called without an active exception")
         weakref.finalize(self, _stop, self.optimizer.background, self.resources.workers, self.store)
         self._runner = StepRunner(self.resources)
+        self._evaluator = Evaluator(self.resources, self.plan)
         self._schedules: dict[int, Schedule] = {}
         self._traffic_cache: dict[tuple[int, int], Traffic] = {}
         self._broken: str | None = None
+        # set when a non-finite step left some layers updated (nothing to undo them from): the
+        # state mixes two steps, so steps and checkpoints are refused until load_checkpoint
+        self._mixed: str | None = None
         self._last: StepTimeline | None = None
         self._rss = RssPeak()
         self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
@@ -212,12 +217,7 @@ class Engine:
         loss = ctx.loss_value if ctx.loss_value is not None else float("nan")
         result = self._result(outcome, inputs, sched, loss, lr, t0, ctx.timings)
         if outcome.nonfinite is not None and self.config.nonfinite == "raise":
-            rolled_back = retains_gradients(self.config.max_grad_norm, self.config.nonfinite)
-            raise NonFiniteError(
-                f"step {self.step_count + 1}: non-finite {outcome.nonfinite} (loss={loss}); "
-                "layers after it were not updated"
-                + (" and earlier ones were rolled back" if rolled_back else "")
-            )
+            raise NonFiniteError(self._nonfinite_message(outcome, loss))
         return result
 
     def _sync_devices(self) -> None:
@@ -227,7 +227,34 @@ class Engine:
             except Exception:  # noqa: BLE001 - a broken device: nothing copies out of a slot then
                 pass
 
+    def _nonfinite_message(self, outcome: StepOutcome, loss: float) -> str:
+        """What a non-finite step under ``nonfinite="raise"`` did to the state (see Config)."""
+        head = f"step {self.step_count + 1}: non-finite {outcome.nonfinite} (loss={loss}); "
+        if not outcome.not_rolled_back:
+            rolled = retains_gradients(self.config.max_grad_norm, self.config.nonfinite)
+            return head + "no layer was updated" + (" (those stepped were rolled back)" if rolled else "")
+        names = [self.store.layers[layer].spec.name for layer in outcome.not_rolled_back]
+        shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+        self._mixed = (f"step {self.step_count + 1} was non-finite after {shown} had been updated, and "
+                       "nothing retained their gradients to undo it")
+        return (head + f"{shown} already took this step's update (without max_grad_norm no gradient is "
+                "retained to undo it from); the engine refuses further steps and checkpoints until "
+                "load_checkpoint restores a consistent state")
+
+    def evaluate(self, batch: Mapping[str, torch.Tensor]) -> EvalResult:
+        """The loss of ``batch`` (same keys as :meth:`step`) with the current weights, forward only:
+        no optimizer step, no stash, no gradients (:mod:`tinypipe.runtime.evaluate`), in eval mode
+        (no dropout), packed rows per document, offloaded masters read from the SSD. Equals the
+        model's own ``model(**batch, labels=...).loss`` in eval mode (fp32: to float rounding).
+        Batches are combined with ``sum(r.loss_sum) / sum(r.tokens)``."""
+        if self._broken is not None:
+            self._check_usable()
+        return self._evaluator.evaluate(self._inputs(batch))
+
     def _check_usable(self) -> None:
+        if self._mixed is not None:
+            raise NonFiniteError(f"engine state mixes two steps: {self._mixed}; restore it with "
+                                 "load_checkpoint (the CLI: --resume)")
         if self._broken is not None:
             raise WorkerError(f"engine unusable: {self._broken}; create a new Engine (from the last "
                               "checkpoint)")
@@ -321,19 +348,49 @@ class Engine:
 
     def save_checkpoint(self, path: str | os.PathLike, extra: dict | None = None) -> Path:
         """Atomically write master weights, AdamW state and step counts (+ ``extra``, e.g. the data
-        position and RNG states) so :meth:`load_checkpoint` resumes exactly."""
+        position and RNG states) so :meth:`load_checkpoint` resumes exactly; the optimizer settings
+        (:meth:`checkpoint_settings`) are recorded with them."""
+        if self._mixed is not None:  # never write a state that mixes two steps
+            raise NonFiniteError(f"refusing to checkpoint: {self._mixed}")
         # whether the last step clipped decides how the next one steps (speculate or defer); the
         # two paths round differently, so a resumed run must take the same one
         self.synchronize()
-        meta = dict(extra or {}, **{_ENGINE_KEY: {"last_clipped": self.optimizer.last_clipped}})
+        own = {"last_clipped": self.optimizer.last_clipped, "settings": self.checkpoint_settings()}
+        meta = dict(extra or {}, **{_ENGINE_KEY: own})
         return save_checkpoint(self.store, self.step_count, path, meta)
 
-    def load_checkpoint(self, path: str | os.PathLike) -> dict:
-        """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``."""
+    def checkpoint_settings(self) -> dict[str, object]:
+        """What a checkpoint records of how this engine steps (compared on load): precision, AdamW's
+        betas, eps and weight decay, the weight-decay grouping, clipping."""
+        cfg, groups = self.config, self.optimizer.adamw.groups
+        grouping = ("every parameter decayed" if groups.rule == "all" else
+                    f"HF rule, {len(groups.names)} parameters not decayed ({groups.record()['digest']})")
+        return {"precision": cfg.precision, "betas": list(cfg.betas), "eps": cfg.eps,
+                "weight decay": cfg.weight_decay, "weight-decay grouping": grouping,
+                "max grad norm": cfg.max_grad_norm}
+
+    def checkpoint_differences(self, path: str | os.PathLike) -> list[str]:
+        """How the checkpoint at ``path`` was made differently from this engine (one phrase each;
+        empty when it matches or predates the record). A checkpoint of another model or LoRA
+        setting is a ConfigError here already."""
+        _, state = check_layout(self.store, path)
+        recorded = state.get("extra", {}).get(_ENGINE_KEY, {}).get("settings", {})
+        return setting_differences(recorded, self.checkpoint_settings())
+
+    def load_checkpoint(self, path: str | os.PathLike, force: bool = False) -> dict:
+        """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``.
+
+        A checkpoint made with other optimizer settings (:meth:`checkpoint_differences`, e.g.
+        another weight-decay grouping) is refused with one line unless ``force``."""
+        differences = self.checkpoint_differences(path)
+        if differences and not force:
+            raise ConfigError(f"{path}: checkpoint made with other settings: {'; '.join(differences)} "
+                              "(force=True / --force to load it anyway)")
         self.synchronize()  # the next step loads any device-side state from the checkpoint
         self.optimizer.step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
         self.optimizer.last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
+        self._mixed = None  # the state is the checkpoint's, consistent again
         return extra
 
     def save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:

@@ -18,6 +18,7 @@ from tinypipe.runtime.optim.messages import GradChunk, GradEnd, GradNorm
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.rng import EMBED, HEAD, PACK, TaskRng, replay_pieces
 from tinypipe.runtime.stash_io import StashIO
+from tinypipe.runtime.upload import upload_layer
 from tinypipe.schedule.ids import Kind, head_id
 from tinypipe.schedule.tasks import COMPUTE_KINDS, Task
 
@@ -133,41 +134,8 @@ class TaskHandlers:
 
     def _upload(self, task: Task, dev: DeviceRuntime) -> None:
         layer = task.layers[0]
-        self.optim.wait_layer(layer, self.ctx.abort)  # the last step's clipped update of this layer
-        src, frozen = self.store.layers[layer].master, self.store.layers[layer].frozen
-        tier = self.optim.tier
-        if tier is None:
-            self._copy_layer(task, dev, layer, src, frozen)
-            return
-        # state on the SSD: copy out of its staging slots, which go back once the copy is done
-        src, frozen, staged = tier.upload_sources(task.id, layer, src, frozen)
-        self._copy_layer(task, dev, layer, src, frozen)
-        if staged is not None:
-            dev.backend.sync_event(dev.backend.record_event(dev.streams["h2d"]))
-            tier.uploaded(task.id, staged)
-
-    def _copy_layer(self, task: Task, dev: DeviceRuntime, layer: int, src: torch.Tensor,
-                    frozen: torch.Tensor | None) -> None:
-        """Upload ``layer`` (master ``src``, frozen weights ``frozen``) into its device buffer."""
         dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
-        # stepped on the device: loaded (master and moments) once, resident from then on
-        on_device = self.optim.on_device(layer)
-        if on_device and not self.optim.load_on_device(layer, dst):
-            return
-        staging = dev.pool.staging
-        n = src.numel()
-        if frozen is not None:  # already at the compute precision: one plain copy after the prefix
-            dst[n : n + frozen.numel()].copy_(frozen, non_blocking=True)
-        if on_device:
-            return
-        if staging is None:
-            dst[:n].copy_(src, non_blocking=True)
-            return
-        span = staging.numel()
-        for lo in range(0, n, span):
-            hi = min(n, lo + span)
-            staging[: hi - lo].copy_(src[lo:hi], non_blocking=True)
-            dst[lo:hi].copy_(staging[: hi - lo])
+        upload_layer(self.store, self.optim, dev, layer, dst, self.ctx.abort, task_id=task.id)
 
     def _embed_fwd(self, task: Task, dev: DeviceRuntime) -> None:
         self._bind(dev, 0, None, grad=False)

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import IO, TYPE_CHECKING, Any, Literal
+from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 import psutil
 
@@ -30,6 +30,15 @@ if TYPE_CHECKING:
     from tinypipe.train.data import PackedDataset
 
 __all__ = ["SCHEDULES", "lr_at", "plot_metrics", "read_metrics", "train"]
+
+class Reporter(Protocol):
+    """Somewhere the records go besides metrics.jsonl (TensorBoard:
+    :class:`~tinypipe.train.tensorboard.TensorBoardReporter`)."""
+
+    def write(self, record: dict) -> None: ...
+
+    def close(self) -> None: ...
+
 
 Schedule = Literal["cosine", "linear", "constant"]
 SCHEDULES: tuple[str, ...] = ("cosine", "linear", "constant")
@@ -150,6 +159,11 @@ def train(
     start_step: int = 0,
     checkpoint_dir: str | os.PathLike[str] | None = None,
     checkpoint_every: int = 0,
+    checkpoint_extra: dict | None = None,
+    eval_dataset: PackedDataset | None = None,
+    eval_every: int = 0,
+    eval_batch: int | None = None,
+    reporters: tuple[Reporter, ...] = (),
 ) -> list[dict]:
     """Run ``steps`` optimizer steps of ``global_batch`` rows each; return one record per step.
 
@@ -165,15 +179,25 @@ def train(
     Resuming: ``start_step`` continues a run at that global step (data position and learning rate
     follow from it); with ``checkpoint_dir`` and ``checkpoint_every`` K, an atomic checkpoint is
     written every K steps and after the last one (``engine.load_checkpoint`` returns
-    ``{"step": ...}``), so a resumed run reproduces the uninterrupted one.
+    ``{"step": ...}`` plus ``checkpoint_extra``, e.g. the run's settings), so a resumed run
+    reproduces the uninterrupted one.
+
+    Evaluation: with ``eval_dataset``, the held-out loss over all of it (forward only,
+    :meth:`~tinypipe.Engine.evaluate`, ``eval_batch`` rows at a time, default ``global_batch``)
+    every ``eval_every`` steps and after the last one; that step's record gets ``eval_loss``,
+    ``eval_perplexity``, ``eval_tokens`` and ``eval_seconds`` (not counted in ``seconds``).
+    ``reporters`` get every record too (TensorBoard).
     """
     _check(steps, global_batch, lr, warmup_steps, schedule, min_lr_ratio)
+    if eval_every < 0:
+        raise ConfigError(f"eval_every must be >= 0, got {eval_every}")
     _check_vocabulary(engine, dataset)
     batches = _batches(dataset, global_batch, seed, start_step)
     log = _open_log(Path(log_path), append) if log_path is not None else None
     bar = _progress_bar(steps, start_step) if progress else None
     proc = psutil.Process()
     records: list[dict] = []
+    last_eval: float | None = None  # the latest held-out loss, kept on the progress line
     try:
         with _stop_requests() as stop:
             for i in range(start_step, steps):
@@ -181,20 +205,30 @@ def train(
                 step_lr = lr_at(i, lr=lr, total_steps=steps, warmup_steps=warmup_steps,
                                 schedule=schedule, min_lr_ratio=min_lr_ratio)
                 record = _run_step(engine, batch, step_lr, i, epoch, proc)
+                due_eval = i + 1 == steps or (eval_every > 0 and (i + 1) % eval_every == 0)
+                if eval_dataset is not None and due_eval:
+                    from tinypipe.train.evaluation import evaluate_dataset  # torch: not at import
+
+                    record.update(evaluate_dataset(engine, eval_dataset, eval_batch or global_batch))
+                    last_eval = record["eval_loss"]
                 records.append(record)
+                for reporter in reporters:
+                    reporter.write(record)
                 if log is not None:
                     _write_record(log, record, i)
                 if bar is not None:
-                    _show_progress(bar, record)
+                    _show_progress(bar, record, last_eval)
                 due = checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps)
                 if checkpoint_dir is not None and (due or stop["stop"]):
-                    engine.save_checkpoint(checkpoint_dir,
-                                           extra={"step": i + 1, "seed": seed, "global_batch": global_batch})
+                    extra = dict(checkpoint_extra or {}, step=i + 1, seed=seed, global_batch=global_batch)
+                    engine.save_checkpoint(checkpoint_dir, extra=extra)
                 if stop["stop"] and i + 1 < steps:
                     where = Path(checkpoint_dir) if checkpoint_dir is not None else None
                     raise TrainingInterrupted(i + 1, where)
     finally:
         _close(bar, log)
+        for reporter in reporters:
+            reporter.close()
     engine.synchronize()  # the model the caller holds reflects every step
     return records
 
@@ -257,13 +291,14 @@ def _write_record(log: IO[str], record: dict, i: int) -> None:
         raise _write_error(Path(log.name), exc, i) from exc
 
 
-def _show_progress(bar: Any, record: dict) -> None:
+def _show_progress(bar: Any, record: dict, last_eval: float | None = None) -> None:
     link = (f" up={record['h2d_gbs']:.1f}GB/s down={record['d2h_gbs']:.1f}GB/s"
             f" gpu={_fmt_bytes(record['gpu_peak_reserved'])}") if record["gpu_peak_reserved"] else ""
     if "ssd_read_bytes" in record:
         link += f" ssd r={record['ssd_read_gbs']:.1f} w={record['ssd_write_gbs']:.1f}GB/s"
+    held = f" eval={last_eval:.4f}" if last_eval is not None else ""
     bar.set_postfix_str(
-        f"loss={record['loss']:.4f} lr={record['lr']:.2e} "
+        f"loss={record['loss']:.4f}{held} lr={record['lr']:.2e} "
         f"tok/s={record['tokens_per_s']:.0f}{link} host={_fmt_bytes(record['rss_bytes'])}",
         refresh=False,
     )

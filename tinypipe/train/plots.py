@@ -25,15 +25,21 @@ def _figure(width: float, height: float):  # noqa: ANN202 - matplotlib types
 
 
 def plot_metrics(records: list[dict], out_png: str | os.PathLike[str]) -> Path:
-    """Loss and tokens/s per step into ``out_png``."""
+    """Loss (with the held-out loss where it was evaluated) and tokens/s per step into ``out_png``."""
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     steps = [r["step"] for r in records]
     fig = _figure(9, 3.6)
     ax_loss, ax_tps = fig.subplots(1, 2)
-    ax_loss.plot(steps, [r["loss"] for r in records], marker="o", markersize=3, color="tab:blue")
+    ax_loss.plot(steps, [r["loss"] for r in records], marker="o", markersize=3, color="tab:blue",
+                 label="training")
+    held = [(r["step"], r["eval_loss"]) for r in records if "eval_loss" in r]
+    if held:
+        ax_loss.plot([s for s, _ in held], [v for _, v in held], marker="s", markersize=5,
+                     color="tab:red", label="held-out")
+        ax_loss.legend()
     ax_loss.set_xlabel("step")
-    ax_loss.set_ylabel("training loss")
+    ax_loss.set_ylabel("loss")
     ax_loss.set_title("loss")
     ax_loss.grid(True, alpha=0.3)
     ax_tps.plot(steps, [r["tokens_per_s"] for r in records], marker="o", markersize=3, color="tab:green")

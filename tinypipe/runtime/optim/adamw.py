@@ -4,6 +4,12 @@ The step is torch's own fused AdamW (``torch.optim.adamw.adamw(fused=True)``), a
 slices of a layer's flat master/moment buffers: AdamW is elementwise, so stepping a layer in
 chunks as its gradient chunks arrive equals stepping it whole.
 
+Weight decay follows :class:`~tinypipe.runtime.optim.decay.DecayGroups` (HF Trainer's rule: no
+decay on biases and normalization weights). A chunk that mixes both kinds is stepped with two
+fused calls -- the decayed runs as one tensor list, the others as another with
+``weight_decay=0`` -- so a layer steps in at most two calls per chunk, and in one (as before)
+when it has no such run or ``weight_decay`` is 0.
+
 The inverse exists for exact global-norm clipping with overlap: a layer is stepped as soon as
 its gradients arrive (speculating that clipping will not trigger); if the global norm turns out
 to exceed ``max_grad_norm``, each speculative step is undone algebraically (in place, from the
@@ -16,6 +22,7 @@ import torch
 import torch.optim.adamw as _adamw
 
 from tinypipe.memory.host_store import LayerState
+from tinypipe.runtime.optim.decay import DecayGroups
 
 
 class ChunkedAdamW:
@@ -23,24 +30,40 @@ class ChunkedAdamW:
     (as gradient chunks arrive) and the device copies of
     :class:`~tinypipe.runtime.optim.device_state.DeviceOptimizerState` alike."""
 
-    def __init__(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    def __init__(self, lr: float, betas: tuple[float, float], eps: float, weight_decay: float,
+                 groups: DecayGroups | None = None) -> None:
         self.lr = lr
         self.beta1, self.beta2 = betas
         self.eps = eps
         self.weight_decay = weight_decay
+        self.groups = groups or DecayGroups()  # default: every parameter decayed
+
+    def _pieces(self, state: LayerState, lo: int, hi: int) -> list[tuple[int, int, bool]]:
+        if not self.weight_decay or not self.groups.no_decay:  # the common case: one run
+            return [(lo, hi, True)]
+        return self.groups.pieces(state.spec.index, lo, hi)
 
     def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float) -> None:
         """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``."""
         if step == 1:  # moments start at zero; they were left uninitialised at allocation
             state.exp_avg[lo:hi].zero_()
             state.exp_avg_sq[lo:hi].zero_()
-        # the step count as a tensor on the buffers' device (fused CUDA wants it there)
-        steps = [torch.tensor(float(step - 1), device=state.master.device)]
+        pieces = self._pieces(state, lo, hi)
+        for decayed in (True, False):
+            runs = [(a, b) for a, b, d in pieces if d == decayed]
+            if runs:
+                self._fused(state, runs, lo, grad, step, lr, self.weight_decay if decayed else 0.0)
+
+    def _fused(self, state: LayerState, runs: list[tuple[int, int]], lo: int, grad: torch.Tensor,
+               step: int, lr: float, weight_decay: float) -> None:
+        """One fused AdamW call over the element ranges ``runs`` (``grad`` starts at ``lo``)."""
+        # the step count as a tensor on the buffers' device (fused CUDA wants it there), one per tensor
+        steps = [torch.tensor(float(step - 1), device=state.master.device) for _ in runs]
         _adamw.adamw(
-            [state.master[lo:hi]],
-            [grad],
-            [state.exp_avg[lo:hi]],
-            [state.exp_avg_sq[lo:hi]],
+            [state.master[a:b] for a, b in runs],
+            [grad[a - lo : b - lo] for a, b in runs],
+            [state.exp_avg[a:b] for a, b in runs],
+            [state.exp_avg_sq[a:b] for a, b in runs],
             [],
             steps,
             fused=True,
@@ -48,7 +71,7 @@ class ChunkedAdamW:
             beta1=self.beta1,
             beta2=self.beta2,
             lr=lr,
-            weight_decay=self.weight_decay,
+            weight_decay=weight_decay,
             eps=self.eps,
             maximize=False,
         )
@@ -69,7 +92,9 @@ class ChunkedAdamW:
         denom = v.sqrt().div_(bc2**0.5).add_(self.eps)
         p.addcdiv_(m, denom, value=lr / bc1)
         if self.weight_decay:
-            p.div_(1.0 - lr * self.weight_decay)
+            for a, b, decayed in self._pieces(state, lo, hi):
+                if decayed:
+                    state.master[a:b].div_(1.0 - lr * self.weight_decay)
         del denom
         if step == 1:
             m.zero_()

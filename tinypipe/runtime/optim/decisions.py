@@ -49,6 +49,9 @@ class StepOutcome:
     clip_coef: float = 1.0
     #: (layer, start, end) of the previous step's leftover updates that ran during this step
     background_timings: list[tuple[int, float, float]] = field(default_factory=list)
+    #: a non-finite step's layers that were already stepped and could not be rolled back (no
+    #: retained gradients to undo them from): they keep the step's update
+    not_rolled_back: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -110,7 +113,8 @@ class StepDecisions:
                     self.work.append((layer, functools.partial(self._undo, layer, state.step)))
                     state.step -= 1
             self.work.sort(key=lambda item: self._upload_rank(item[0]))
-            return StepOutcome(total, False, True, self.nonfinite)
+            kept = [] if self.retained is not None else list(self.stepped)
+            return StepOutcome(total, False, True, self.nonfinite, not_rolled_back=kept)
         coef = 1.0
         if self.max_grad_norm is not None:
             coef = min(1.0, self.max_grad_norm / (total + 1e-6))

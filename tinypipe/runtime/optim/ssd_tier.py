@@ -226,6 +226,26 @@ class SsdTier:
             frozen = self._view(sl, layer, "frozen")
         return master, frozen, sl
 
+    def sources_outside_step(self, layer: int, master: torch.Tensor, frozen: torch.Tensor | None,
+                             abort: Abort | None = None
+                             ) -> tuple[torch.Tensor, torch.Tensor | None, StagedLayer | None]:
+        """:meth:`upload_sources` for an upload no step schedules (an evaluation): ``layer``'s
+        offloaded master and frozen weights read into upload-pool slots, once landed (release the
+        set after the copy); the DRAM tensors for what is not offloaded."""
+        names = [n for n in ("master", "frozen") if self.off.has(layer, n)]
+        if not names:
+            return master, frozen, None
+        if self._step is not None or self.upload_pool is None:
+            raise RuntimeError("an upload outside a step needs the upload pool free (no step staging)")
+        keys = [(layer, n) for n in names]
+        sl = self._stage(self.upload_pool, keys, keys, self._checker(abort))
+        sl.wait(self._checker(abort))
+        if "master" in names:
+            master = self._view(sl, layer, "master")
+        if "frozen" in names:
+            frozen = self._view(sl, layer, "frozen")
+        return master, frozen, sl
+
     def uploaded(self, task_id: str, sl: StagedLayer) -> None:
         """The upload's copies out of ``sl`` are complete: its slots go back to the pool."""
         st = self._current()
