@@ -38,6 +38,8 @@ from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report,
 from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepOutcome
 from tinypipe.runtime.optim.path import retains_gradients
+from tinypipe.runtime.replica_setup import (check_replicas_agree, join_replicas, local_batch, local_devices,
+                                            replica_plan)
 from tinypipe.runtime.step import StepRunner
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.workers import LaneWorkers
@@ -123,9 +125,16 @@ class Engine:
         # (one line) when it cannot fit
         self.plan, self.plan_result = resolve_plan(given, cfg, num_blocks=dec.num_blocks, tied=dec.tied,
                                                    plan=plan)
-        self.backends = [make_backend(d) for d in cfg.devices]
+        # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs
+        # this engine on its rows of each global batch; None alone
+        self.replicas = join_replicas(cfg)
+        if self.replicas is not None:
+            self.plan = replica_plan(self.plan, self.replicas)
+            check_replicas_agree(self.replicas, cfg, self.plan, model)
+        topo = self.replicas.topology if self.replicas is not None else None
+        self.backends = [make_backend(d) for d in local_devices(cfg, topo)]
         self.dtype = _DTYPES[cfg.precision]
-        build = EngineBuilder(model, cfg, self.plan, dec, self.backends, self.dtype)
+        build = EngineBuilder(model, cfg, self.plan, dec, self.backends, self.dtype, self.replicas)
         self._any_cuda = build.any_cuda
         self.pinner = build.pinner
         self.store = build.host_store()
@@ -171,7 +180,9 @@ class Engine:
         attention_mask and labels; labels default to input_ids with padding ignored)."""
         self._check_usable()
         t0 = time.perf_counter()
-        inputs = self._inputs(batch)
+        inputs = self._inputs(batch if self.replicas is None else local_batch(batch, self.replicas))
+        if self.replicas is not None:  # the loss is normalised by the whole global batch's tokens
+            inputs.denom = self.replicas.total_tokens(inputs.denom)
         sched = self.schedule_for(inputs.batch)
         self.resources.host_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype)
         lr = self.config.lr if lr is None else float(lr)
@@ -249,7 +260,8 @@ class Engine:
         io = tier.last_io if tier is not None else IoTotals()
         return StepResult(
             loss=loss, grad_norm=outcome.grad_norm, clipped=outcome.clipped, skipped=outcome.skipped,
-            tokens=int(inputs.batch * inputs.seq), seconds=time.perf_counter() - t0,
+            tokens=int(inputs.batch * inputs.seq) * (1 if self.replicas is None else self.replicas.size),
+            seconds=time.perf_counter() - t0,
             step=self.step_count, lr=lr, timings=timings,
             h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
             device_peak_allocated=max((st.get("peak_allocated", 0) for st in stats), default=0),
@@ -374,6 +386,8 @@ class Engine:
             self.optimizer.tier.close()
         self.store.close()  # the SSD tier's scratch files
         self.pinner.release()
+        if self.replicas is not None:
+            self.replicas.close()  # the watchdog says this rank left on purpose
 
     def __enter__(self) -> "Engine":
         return self

@@ -1,0 +1,70 @@
+"""Joining data-parallel replicas at engine construction (torch.distributed already initialised):
+the replicas' groups, the plan they all run (``Plan.replicas``, ``Plan.optimizer_sharding``), this
+rank's local devices, the start-up consistency check, and this rank's rows of a global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from tinypipe.config import Config
+from tinypipe.distributed.consistency import check_consistent, fingerprint, weights_checksum
+from tinypipe.distributed.group import Replicas, replicas_from_environment, resolve_sharding
+from tinypipe.distributed.topology import Topology
+from tinypipe.schedule.plan import Plan
+
+#: ``Config.extra`` knobs of the replicas (see :func:`join_replicas`)
+SHARE_KEY, TIMEOUT_KEY, HEARTBEAT_KEY = "dp_share_devices", "dp_timeout_s", "dp_heartbeat_s"
+
+
+def join_replicas(config: Config) -> Replicas | None:
+    """This rank's replicas (None without an initialised multi-rank default group).
+
+    ``Config.extra``: ``dp_share_devices`` (several ranks on one GPU: gloo, device names kept),
+    ``dp_timeout_s`` (every collective's timeout, default 60 s), ``dp_heartbeat_s`` (a silent peer
+    ends this process after it, default 30 s; 0: no watchdog)."""
+    topo = Topology.from_process_group()
+    if topo is None:
+        return None
+    extra = config.extra
+    share = bool(extra.get(SHARE_KEY, False))
+    heartbeat = float(extra.get(HEARTBEAT_KEY, 30.0))
+    return replicas_from_environment(local_devices(config, topo), share=share,
+                                     sharding=resolve_sharding(config.optimizer_sharding, topo.world_size),
+                                     timeout_s=float(extra.get(TIMEOUT_KEY, 60.0)),
+                                     heartbeat_s=heartbeat if heartbeat > 0 else None)
+
+
+def local_devices(config: Config, topo: Topology | None) -> list[str]:
+    """The devices this rank's engine drives (see :meth:`Topology.local_devices`)."""
+    if topo is None:
+        return list(config.devices)
+    return topo.local_devices(list(config.devices), share=bool(config.extra.get(SHARE_KEY, False)))
+
+
+def replica_plan(plan: Plan, replicas: Replicas) -> Plan:
+    """The plan every replica runs: ``plan`` with the replica count and the sharding choice."""
+    return dataclasses.replace(plan, replicas=replicas.size, optimizer_sharding=replicas.sharding)
+
+
+def check_replicas_agree(replicas: Replicas, config: Config, plan: Plan, model: nn.Module) -> None:
+    """Refuse (ConfigError on every rank, naming the field) ranks that would train different
+    things: config as given, plan, model class/config, initial weights."""
+    weights = weights_checksum([p.detach() for p in model.parameters()])
+    model_config = model.config.to_json_string() if hasattr(model, "config") else ""
+    mine = fingerprint(config, plan.to_json(),
+                       type(model).__name__, model_config, weights, replicas.size)
+    check_consistent(replicas.host, mine)
+
+
+def local_batch(batch: Mapping[str, torch.Tensor], replicas: Replicas) -> Mapping[str, torch.Tensor]:
+    """This replica's rows of a global ``batch`` (every tensor split on dim 0; anything malformed is
+    left for the batch validation to name)."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+        return batch
+    lo, hi = replicas.local_rows(int(ids.shape[0]))
+    return {k: v[lo:hi] if isinstance(v, torch.Tensor) and v.ndim >= 1 else v for k, v in batch.items()}
