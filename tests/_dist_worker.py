@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import signal
 import socket
 import sys
 import traceback
@@ -86,9 +87,10 @@ def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         engine = tinypipe.Engine(model, config)
         results = []
         for i, b in enumerate(batches(spec)):
-            if spec.get("hang_rank") == rank and i == spec.get("hang_step", 1):
+            if spec.get("fault_rank") == rank and i == spec.get("fault_step", 1):
                 Path(out + ".ready").write_text("x")
-                os.kill(os.getpid(), 19)  # SIGSTOP: a hung rank (its heartbeat stops too)
+                # SIGKILL: a dead rank; SIGSTOP: a hung one (its heartbeat stops too)
+                os.kill(os.getpid(), signal.SIGSTOP if spec.get("fault") == "hang" else signal.SIGKILL)
             results.append(engine.step(b))
         state = {k: v.clone() for k, v in engine.state_dict().items()}
         torch.save({"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],

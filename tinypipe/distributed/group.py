@@ -70,9 +70,29 @@ class Replicas:
         the replicas' gradients sum to the global batch's gradient."""
         return int(self.host.sum_scalar(float(tokens), torch.int64))
 
+    def explain_failure(self, exc: BaseException) -> str | None:
+        """A step failed with ``exc``: when a collective failed (a peer's connection dropped, a
+        timeout), give the watchdog its timeout to name the peer that died or hangs -- by default it
+        ends this process with that line; returns the line when ``on_dead`` does not exit."""
+        if self.watchdog is None or not is_collective_error(exc):
+            return None
+        return self.watchdog.await_verdict()
+
     def close(self) -> None:
         if self.watchdog is not None:
             self.watchdog.stop()
+
+
+def is_collective_error(exc: BaseException) -> bool:
+    """Whether ``exc`` (or its cause chain) came out of a collective: torch.distributed's errors, or
+    gloo's / NCCL's RuntimeErrors."""
+    seen: BaseException | None = exc
+    while seen is not None:
+        text = str(seen)
+        if isinstance(seen, dist.DistError) or any(w in text for w in ("gloo", "NCCL", "Connection")):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _group(backend: str, timeout: datetime.timedelta, topo: Topology) -> Collectives:

@@ -88,6 +88,14 @@ class Watchdog:
                         f"killed, stopped or hung); rank {self.rank} stops")
         return None
 
+    def await_verdict(self) -> str | None:
+        """Wait up to one timeout (plus a few beats) for a dead peer to be named; the message, or
+        None if every peer kept beating (the failure was this rank's own)."""
+        deadline = time.monotonic() + self.timeout_s + 3 * self.interval_s
+        while self.dead is None and time.monotonic() < deadline and not self._stop.is_set():
+            time.sleep(self.interval_s / 4)
+        return self.dead
+
     def _run(self) -> None:
         while not self._stop.wait(self.interval_s):
             message = self.check()

@@ -195,6 +195,11 @@ class Engine:
             self.optimizer.start_staging(sched, ctx.abort, self.resources.workers)
             self._runner.run(ctx)
         except (WorkerError, StorageError) as exc:
+            if self.replicas is not None:  # a peer died or hangs: the watchdog names it (and exits)
+                verdict = self.replicas.explain_failure(exc)
+                if verdict is not None:
+                    self._broken = verdict
+                    raise WorkerError(verdict) from exc
             # no lane thread outlives a failed step (a stuck one is abandoned)
             self.resources.workers.shutdown()
             self.optimizer.abandon_step(self._sync_devices)
