@@ -21,7 +21,8 @@ BASE = dict(family="llama", batch=4, steps=3, heartbeat=8.0,
 @pytest.mark.parametrize("fault,victim", [("kill", 1), ("hang", 1), ("kill", 0)])
 def test_dead_or_hung_rank_ends_the_others(fault: str, victim: int, tmp_path: Path) -> None:
     world = 3 if victim == 0 else 2
-    procs, outs = launch(dict(BASE, fault=fault, fault_rank=victim, fault_step=1), world, tmp_path)
+    spec = dict(BASE, batch=2 * world, fault=fault, fault_rank=victim, fault_step=1)
+    procs, outs = launch(spec, world, tmp_path)
     ready = Path(str(outs[victim]) + ".ready")
     deadline = time.monotonic() + 120
     while not ready.exists():

@@ -177,7 +177,20 @@ class Engine:
 
     def step(self, batch: Mapping[str, torch.Tensor], lr: float | None = None) -> StepResult:
         """One optimizer step over the global ``batch`` (dict with input_ids, optional
-        attention_mask and labels; labels default to input_ids with padding ignored)."""
+        attention_mask and labels; labels default to input_ids with padding ignored). With
+        replicas, every rank passes the same global batch and trains its rows of it."""
+        if self.replicas is None:
+            return self._step(batch, lr)
+        try:
+            return self._step(batch, lr)
+        except Exception as exc:  # a collective failed: a peer died or hangs -- the watchdog names it
+            verdict = self.replicas.explain_failure(exc)
+            if verdict is None:
+                raise
+            self._broken = verdict
+            raise WorkerError(verdict) from exc
+
+    def _step(self, batch: Mapping[str, torch.Tensor], lr: float | None) -> StepResult:
         self._check_usable()
         t0 = time.perf_counter()
         inputs = self._inputs(batch if self.replicas is None else local_batch(batch, self.replicas))
@@ -195,11 +208,6 @@ class Engine:
             self.optimizer.start_staging(sched, ctx.abort, self.resources.workers)
             self._runner.run(ctx)
         except (WorkerError, StorageError) as exc:
-            if self.replicas is not None:  # a peer died or hangs: the watchdog names it (and exits)
-                verdict = self.replicas.explain_failure(exc)
-                if verdict is not None:
-                    self._broken = verdict
-                    raise WorkerError(verdict) from exc
             # no lane thread outlives a failed step (a stuck one is abandoned)
             self.resources.workers.shutdown()
             self.optimizer.abandon_step(self._sync_devices)
