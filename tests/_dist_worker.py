@@ -86,12 +86,21 @@ def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
                                  head_chunk_tokens=7, extra=extra, **cfg)
         engine = tinypipe.Engine(model, config)
         results = []
+        start = 0
+        if spec.get("resume"):
+            start = engine.load_checkpoint(spec["ckpt"])["next"]
         for i, b in enumerate(batches(spec)):
+            if i < start:
+                continue
             if spec.get("fault_rank") == rank and i == spec.get("fault_step", 1):
                 Path(out + ".ready").write_text("x")
                 # SIGKILL: a dead rank; SIGSTOP: a hung one (its heartbeat stops too)
                 os.kill(os.getpid(), signal.SIGSTOP if spec.get("fault") == "hang" else signal.SIGKILL)
             results.append(engine.step(b))
+            if spec.get("save_at") == i + 1 and not spec.get("resume"):
+                engine.save_checkpoint(spec["ckpt"], extra={"next": i + 1})
+        if spec.get("pretrained"):
+            engine.save_pretrained(spec["pretrained"])
         state = {k: v.clone() for k, v in engine.state_dict().items()}
         torch.save({"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
                     "clipped": [r.clipped for r in results], "state": state,

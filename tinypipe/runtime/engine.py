@@ -32,6 +32,7 @@ from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import resolve_plan
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import load_checkpoint, save_checkpoint
+from tinypipe.runtime.checkpoint_sharded import load_replicas, save_replicas
 from tinypipe.runtime.context import TaskTiming
 from tinypipe.runtime.inputs import StepInputs, prepare_inputs
 from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report, ssd_timings, timeline_events
@@ -351,12 +352,17 @@ class Engine:
         # two paths round differently, so a resumed run must take the same one
         self.synchronize()
         meta = dict(extra or {}, **{_ENGINE_KEY: {"last_clipped": self.optimizer.last_clipped}})
+        if self.replicas is not None:  # every rank calls this: its shard, or rank 0 the replicated state
+            return save_replicas(self.store, self.optimizer, self.replicas, self.step_count, path, meta)
         return save_checkpoint(self.store, self.step_count, path, meta)
 
     def load_checkpoint(self, path: str | os.PathLike) -> dict:
         """Restore the state written by :meth:`save_checkpoint`; returns its ``extra``."""
         self.synchronize()  # the next step loads any device-side state from the checkpoint
-        self.optimizer.step_count, extra = load_checkpoint(self.store, path)
+        if self.replicas is not None:
+            self.optimizer.step_count, extra = load_replicas(self.store, self.optimizer, self.replicas, path)
+        else:
+            self.optimizer.step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
         self.optimizer.last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
         return extra
@@ -368,6 +374,16 @@ class Engine:
         (``PeftModel.from_pretrained(base, out_dir)`` loads it); merged weights:
         :func:`tinypipe.lora.save_merged`."""
         self.synchronize()
+        if self.replicas is not None and not self.replicas.is_main:  # every rank's masters are whole:
+            self.replicas.host.barrier()  # rank 0 writes them; the others wait until it has
+            return Path(out_dir)
+        try:
+            return self._save_pretrained(out_dir, dtype)
+        finally:
+            if self.replicas is not None:
+                self.replicas.host.barrier()
+
+    def _save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None) -> Path:
         if self.peft_model is not None:
             return save_adapter(self.peft_model, out_dir)
 
