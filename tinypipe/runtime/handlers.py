@@ -375,7 +375,9 @@ class TaskHandlers:
         # the retained buffer (clipping / skip) is created here, before the norm tells the update
         # task to look for it: created by both lanes at once, the chunks would land in the other one
         keep = None if on_device else self.optim.retain_buffer(layer)
-        red = self.ctx.reductions.pop(layer, None)  # replicas: the summed gradient (or this rank's shard)
+        # replicas: the summed gradient (or this rank's shard); left in the context until the step
+        # ends, so its norm tensor outlives the reads queued on this stream
+        red = self.ctx.reductions.get(layer)
         if red is not None:
             red.wait()
         lo, hi = (0, n) if red is None else (red.lo, red.hi)
