@@ -1,7 +1,8 @@
 """Checkpoints of replicas: a sharded checkpoint (each rank's shard + rank 0's manifest, committed
 once every rank wrote) resumed by the same world size continues bit-identically to the run that
 was never interrupted (clipping on, so the resumed step must also take the saved speculation
-path); a replicated one likewise; save_pretrained writes once (rank 0), the whole model."""
+path); a replicated one likewise; another world size is refused; save_pretrained writes once
+(rank 0), the whole model."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from _dist_run import run
+from _dist_run import finish, launch, run
 
 
 @pytest.mark.parametrize("sharding", ["shard", "replicate"])
@@ -27,23 +28,15 @@ def test_resume_is_bit_identical(sharding: str, tmp_path: Path) -> None:
         assert a["losses"][2:] == b["losses"] and a["norms"][2:] == b["norms"]
         for k, v in a["state"].items():
             assert torch.equal(v, b["state"][k]), k
-    if sharding == "shard":  # the saved model is every rank's (gathered) weights
-        from safetensors.torch import load_file
-
-        saved = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
-        for k, v in saved.items():
-            assert torch.equal(v, whole[0]["state"][k]), k
-
-
-def test_sharded_checkpoint_needs_the_same_world_size(tmp_path: Path) -> None:
-    ckpt = tmp_path / "ckpt"
-    spec = dict(family="llama", batch=6, steps=1, ckpt=str(ckpt), save_at=1,
-                cfg=dict(pack_size=2, micro_batch_size=2, optimizer_sharding="shard"))
-    run(spec, 2, tmp_path / "a")
-    from _dist_run import finish, launch
-
-    procs, outs = launch(dict(spec, resume=True), 3, tmp_path / "b")
+    if sharding != "shard":
+        return
+    procs, outs = launch(dict(spec, batch=6, resume=True), 3, tmp_path / "three")  # another world size
     finish(procs, 120)
     for o in outs:
         line = Path(str(o) + ".err").read_text().splitlines()[0]
         assert "saved by 2 ranks, this run has 3: resume a sharded checkpoint with the same world size" in line
+    from safetensors.torch import load_file  # the saved model: every rank's (gathered) weights
+
+    saved = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))
+    for k, v in saved.items():
+        assert torch.equal(v, whole[0]["state"][k]), k
