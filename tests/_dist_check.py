@@ -22,7 +22,8 @@ def errors(spec: dict, results: list[dict]) -> dict[str, float]:
     inner = model.base_model.model if spec.get("lora") else model
     init = {k: v.clone() for k, v in inner.state_dict().items()}
     clip = spec.get("cfg", {}).get("max_grad_norm")
-    ref = train_reference(inner, batches(spec), lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=clip)
+    used = [b for i, b in enumerate(batches(spec)) if i not in spec.get("skip_steps", ())]
+    ref = train_reference(inner, used, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=clip)
     names = trainable_names(spec)
     out = {"loss": 0.0, "norm": 0.0, "weights": 0.0, "update": 0.0, "clip_mismatch": 0.0}
     for r in results:

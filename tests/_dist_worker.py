@@ -85,6 +85,14 @@ def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         config = tinypipe.Config(devices=cfg.pop("devices", ["cpu"]), lr=LR, eps=EPS, weight_decay=WD,
                                  head_chunk_tokens=7, extra=extra, **cfg)
         engine = tinypipe.Engine(model, config)
+        poison = spec.get("poison")  # (rank, step, layer): NaN into that rank's local gradient
+        steps_run = [0]
+        if poison is not None and poison[0] == rank:
+            def fault(task):  # type: ignore[no-untyped-def]
+                if steps_run[0] == poison[1] and task.id == f"red/L{poison[2]}":
+                    slot = task.grad_slots[0] if task.grad_slots else None
+                    engine.devices[task.device].pool.grads(poison[2], slot)[:5].fill_(float("nan"))
+            engine.fault = fault
         results = []
         start = 0
         if spec.get("resume"):
@@ -97,6 +105,7 @@ def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
                 # SIGKILL: a dead rank; SIGSTOP: a hung one (its heartbeat stops too)
                 os.kill(os.getpid(), signal.SIGSTOP if spec.get("fault") == "hang" else signal.SIGKILL)
             results.append(engine.step(b))
+            steps_run[0] += 1
             if spec.get("save_at") == i + 1 and not spec.get("resume"):
                 engine.save_checkpoint(spec["ckpt"], extra={"next": i + 1})
         if spec.get("pretrained"):
@@ -104,6 +113,7 @@ def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         state = {k: v.clone() for k, v in engine.state_dict().items()}
         torch.save({"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
                     "clipped": [r.clipped for r in results], "state": state,
+                    "skipped": [r.skipped for r in results],
                     "rss_optimizer": engine.store.optimizer_bytes,
                     "trace": sorted({e["lane"] for e in engine.step_timeline()})}, out)
         engine.close()

@@ -34,7 +34,8 @@ def test_resume_is_bit_identical(sharding: str, tmp_path: Path) -> None:
     finish(procs, 120)
     for o in outs:
         line = Path(str(o) + ".err").read_text().splitlines()[0]
-        assert "saved by 2 ranks, this run has 3: resume a sharded checkpoint with the same world size" in line
+        assert ("saved by 2 ranks, this run has 3: resume a sharded checkpoint with the same world "
+                "size") in line
     from safetensors.torch import load_file  # the saved model: every rank's (gathered) weights
 
     saved = load_file(str(next((tmp_path / "hf").glob("*.safetensors"))))

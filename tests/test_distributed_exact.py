@@ -28,8 +28,8 @@ CASES = {
                                    cfg=dict(pack_size=1, micro_batch_size=1, max_grad_norm=0.05,
                                             optimizer_sharding="shard"))),
     "r3_replicate_full_two_devices": (3, dict(family="gpt2", batch=3, steps=2,
-                                              cfg=dict(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=1,
-                                                       optimizer_sharding="replicate"))),
+                                              cfg=dict(devices=["cpu", "cpu"], pack_size=2,
+                                                       micro_batch_size=1, optimizer_sharding="replicate"))),
 }
 
 
@@ -56,3 +56,4 @@ def test_replicas_equal_one_process(name: str, tmp_path: Path) -> None:
     sharded = spec["cfg"]["optimizer_sharding"] == "shard"
     for rank, r in enumerate(results):  # sharded: 1/R of the moments per rank (4 + 8/R B/param)
         assert r["rss_optimizer"] == _moment_bytes(spec, world, rank, sharded)
+

@@ -60,7 +60,8 @@ def test_mismatched_configs_are_refused_on_every_rank(tmp_path: Path) -> None:
 def test_mismatched_models_are_refused_on_every_rank(tmp_path: Path) -> None:
     spec = dict(BASE, steps=1, seed_of={1: 1})
     for line in _refused(spec, 2, tmp_path):
-        assert line.startswith("ConfigError: replicas disagree on initial weights checksum: rank 0 has "), line
+        assert line.startswith("ConfigError: replicas disagree on initial weights checksum: rank 0 "
+                               "has "), line
 
 
 def test_global_batch_that_does_not_divide_is_refused(tmp_path: Path) -> None:
