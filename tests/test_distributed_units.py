@@ -60,3 +60,17 @@ def test_the_schedule_reduces_each_layer_before_its_download() -> None:
         assert red.lane == f"dev{red.device}:collective"
         assert sched.tasks[download_id(layer)].deps == (red.id,)
     assert len([t for t in sched.tasks.values() if t.kind is Kind.REDUCE]) == len(layers)
+
+
+def test_a_replicas_plan_without_replicas_is_refused() -> None:
+    import dataclasses
+
+    import tinypipe
+    from model_zoo import make_model
+
+    plan = make_plan(4, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1, num_devices=1,
+                     prefetch_window=1, stash="device", tied=False)
+    with pytest.raises(tinypipe.ConfigError, match="the plan is for 2 data-parallel replicas, but "
+                                                   "torch.distributed is not initialised"):
+        tinypipe.Engine(make_model("llama"), tinypipe.Config(devices=["cpu"]),
+                        plan=dataclasses.replace(plan, replicas=2))

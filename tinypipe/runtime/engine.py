@@ -1,5 +1,11 @@
 """The Engine: a Hugging Face causal LM trained through Tiny-Pipe swapping on 1..N devices.
 
+With ``torch.distributed`` initialised over several ranks (``torchrun``), each rank's engine is
+one data-parallel replica (:mod:`tinypipe.runtime.replica_setup`, :mod:`tinypipe.distributed`):
+it trains its rows of every global batch, each layer's gradient is summed across the replicas on
+a collective lane before its download, and with ``Plan.optimizer_sharding == "shard"`` it steps
+only its shard of the host optimizer state (:mod:`~tinypipe.runtime.optim.sharded`).
+
 Construction builds, in order: the host store (one copy of the training state; with
 ``Plan.offload`` part of it in a scratch file under ``Config.offload_dir``), each device's runtime
 (slots, resident layers, host gradient pool, model shell), the optimizer path (with its SSD tier,
@@ -129,8 +135,8 @@ class Engine:
         # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs
         # this engine on its rows of each global batch; None alone
         self.replicas = join_replicas(cfg)
+        self.plan = replica_plan(self.plan, self.replicas)
         if self.replicas is not None:
-            self.plan = replica_plan(self.plan, self.replicas)
             check_replicas_agree(self.replicas, cfg, self.plan, model)
         topo = self.replicas.topology if self.replicas is not None else None
         self.backends = [make_backend(d) for d in local_devices(cfg, topo)]

@@ -14,6 +14,7 @@ from tinypipe.config import Config
 from tinypipe.distributed.consistency import check_consistent, fingerprint, weights_checksum
 from tinypipe.distributed.group import Replicas, replicas_from_environment, resolve_sharding
 from tinypipe.distributed.topology import Topology
+from tinypipe.errors import ConfigError
 from tinypipe.schedule.plan import Plan
 
 #: ``Config.extra`` knobs of the replicas (see :func:`join_replicas`)
@@ -45,8 +46,15 @@ def local_devices(config: Config, topo: Topology | None) -> list[str]:
     return topo.local_devices(list(config.devices), share=bool(config.extra.get(SHARE_KEY, False)))
 
 
-def replica_plan(plan: Plan, replicas: Replicas) -> Plan:
-    """The plan every replica runs: ``plan`` with the replica count and the sharding choice."""
+def replica_plan(plan: Plan, replicas: Replicas | None) -> Plan:
+    """The plan every replica runs: ``plan`` with the replica count and the sharding choice (alone:
+    ``plan``, which must not ask for replicas)."""
+    if replicas is None:
+        if plan.replicas > 1:
+            raise ConfigError(f"the plan is for {plan.replicas} data-parallel replicas, but "
+                              "torch.distributed is not initialised with several ranks: launch with torchrun "
+                              f"--nproc-per-node {plan.replicas} (or init_process_group first)")
+        return plan
     return dataclasses.replace(plan, replicas=replicas.size, optimizer_sharding=replicas.sharding)
 
 
