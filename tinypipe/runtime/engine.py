@@ -46,7 +46,7 @@ from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepOutcome
 from tinypipe.runtime.optim.path import retains_gradients
 from tinypipe.runtime.replica_setup import (check_replicas_agree, join_replicas, local_batch, local_devices,
-                                            replica_plan)
+                                            planning_config, replica_plan)
 from tinypipe.runtime.step import StepRunner
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.workers import LaneWorkers
@@ -130,12 +130,12 @@ class Engine:
         self.decomposition = dec = Decomposition(model)
         # the plan given, else the hand-set knobs' or (none set) the planner's; PlanDoesNotFitError
         # (one line) when it cannot fit
-        self.plan, self.plan_result = resolve_plan(given, cfg, num_blocks=dec.num_blocks, tied=dec.tied,
-                                                   plan=plan)
         # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs
         # this engine on its rows of each global batch; None alone
         self.replicas = join_replicas(cfg)
-        self.plan = replica_plan(self.plan, self.replicas)
+        self.plan, self.plan_result = resolve_plan(given, planning_config(cfg, self.replicas),
+                                                   num_blocks=dec.num_blocks, tied=dec.tied, plan=plan)
+        self.plan = replica_plan(self.plan, self.replicas, adopt_rank0=plan is None)
         if self.replicas is not None:
             check_replicas_agree(self.replicas, cfg, self.plan, model)
         topo = self.replicas.topology if self.replicas is not None else None

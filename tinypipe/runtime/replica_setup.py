@@ -25,7 +25,8 @@ def join_replicas(config: Config) -> Replicas | None:
     """This rank's replicas (None without an initialised multi-rank default group).
 
     ``Config.extra``: ``dp_share_devices`` (several ranks on one GPU: gloo, device names kept),
-    ``dp_timeout_s`` (every collective's timeout, default 60 s), ``dp_heartbeat_s`` (a silent peer
+    ``dp_timeout_s`` (every collective's timeout, default 30 min: long saves happen between
+    barriers; the watchdog ends a run with a dead or hung peer long before), ``dp_heartbeat_s`` (a silent peer
     ends this process after it, default 30 s; 0: no watchdog)."""
     topo = Topology.from_process_group()
     if topo is None:
@@ -35,7 +36,7 @@ def join_replicas(config: Config) -> Replicas | None:
     heartbeat = float(extra.get(HEARTBEAT_KEY, 30.0))
     return replicas_from_environment(local_devices(config, topo), share=share,
                                      sharding=resolve_sharding(config.optimizer_sharding, topo.world_size),
-                                     timeout_s=float(extra.get(TIMEOUT_KEY, 60.0)),
+                                     timeout_s=float(extra.get(TIMEOUT_KEY, 1800.0)),
                                      heartbeat_s=heartbeat if heartbeat > 0 else None)
 
 
@@ -46,15 +47,30 @@ def local_devices(config: Config, topo: Topology | None) -> list[str]:
     return topo.local_devices(list(config.devices), share=bool(config.extra.get(SHARE_KEY, False)))
 
 
-def replica_plan(plan: Plan, replicas: Replicas | None) -> Plan:
+def planning_config(config: Config, replicas: Replicas | None) -> Config:
+    """What the planner plans for on this rank: its own local devices and, when the workload is
+    given, its share of the global batch."""
+    if replicas is None:
+        return config
+    changes: dict[str, object] = {"devices": local_devices(config, replicas.topology)}
+    if config.global_batch is not None and config.global_batch % replicas.size == 0:
+        changes["global_batch"] = config.global_batch // replicas.size
+    return config.replace(**changes)
+
+
+def replica_plan(plan: Plan, replicas: Replicas | None, adopt_rank0: bool = False) -> Plan:
     """The plan every replica runs: ``plan`` with the replica count and the sharding choice (alone:
-    ``plan``, which must not ask for replicas)."""
+    ``plan``, which must not ask for replicas). ``adopt_rank0``: the planner chose it -- take rank
+    0's (a planner probing free memory or rates may choose differently per rank); a plan the user
+    gave must agree on every rank instead (:func:`check_replicas_agree`)."""
     if replicas is None:
         if plan.replicas > 1:
             raise ConfigError(f"the plan is for {plan.replicas} data-parallel replicas, but "
                               "torch.distributed is not initialised with several ranks: launch with torchrun "
                               f"--nproc-per-node {plan.replicas} (or init_process_group first)")
         return plan
+    if adopt_rank0:
+        plan = Plan.from_json(str(replicas.host.all_gather_object(plan.to_json())[0]))
     return dataclasses.replace(plan, replicas=replicas.size, optimizer_sharding=replicas.sharding)
 
 
