@@ -26,6 +26,14 @@ from tinypipe.runtime.optim.decisions import StepDecisions
 from tinypipe.runtime.optim.path import OptimizerPath
 
 
+@dataclasses.dataclass
+class ShardState(LayerState):
+    """One rank's shard of a layer's state: offsets in it are relative to ``base``, the shard's start
+    in the layer's flat buffer (what anything keyed by layer offsets -- parameter boundaries -- adds)."""
+
+    base: int = 0
+
+
 class ShardView:
     """The host store as one rank's optimizer sees it: each sharded layer's state is its shard
     (a view of the master, shard-sized moments); unsharded layers (frozen ones, layers stepped on
@@ -44,9 +52,9 @@ class ShardView:
             sh = replicas.shard(n)
             s.exp_avg = torch.empty(sh.numel, dtype=torch.float32)
             s.exp_avg_sq = torch.empty(sh.numel, dtype=torch.float32)
-            self.layers.append(LayerState(spec=dataclasses.replace(s.spec, train_numel=sh.numel),
+            self.layers.append(ShardState(spec=dataclasses.replace(s.spec, train_numel=sh.numel),
                                           master=s.master[sh.lo : sh.hi], exp_avg=s.exp_avg,
-                                          exp_avg_sq=s.exp_avg_sq, step=s.step))
+                                          exp_avg_sq=s.exp_avg_sq, step=s.step, base=sh.lo))
             self.shards[i] = sh
 
     def offloaded(self, layer: int, name: str) -> bool:
