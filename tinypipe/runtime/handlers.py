@@ -363,6 +363,8 @@ class TaskHandlers:
         assert rep is not None, "a reduce task without replicas"
         acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)
         n = self._spec(layer).train_numel
+        if n == 0:  # a frozen layer (LoRA base): nothing to sum, on every rank alike
+            return
         shard = self.optim.shard(layer)
         self.ctx.reductions[layer] = reduce_gradient(rep.grads[dev.index], acc, n, shard, _chunked_norm)
 
