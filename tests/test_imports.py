@@ -21,6 +21,8 @@ Each layer is placed by what it needs, never by what needs it:
 - ``schedule``: the :class:`~tinypipe.schedule.plan.Plan` and the schedule built from it, as data
   (needs only errors: the planner, the config and the runtime all speak it).
 - ``config``: the user's settings; its choice sets are the Plan's, so it sits above schedule.
+- ``distributed``: data-parallel replicas over torch.distributed -- topology, collectives, shard
+  arithmetic, the start-up fingerprint check (of a Config, so above config) and the watchdog.
 - ``lora``: PEFT adapters on a model; merging reads the host store (memory) and saving takes a
   trainer through a Protocol, so lora never imports the engine above it.
 - ``planner``: sizes (of LoRA models too), memory estimate, cost model, search; plans for a Config.
@@ -53,6 +55,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("memory", "storage"),
     ("schedule",),
     ("config",),
+    ("distributed",),
     ("lora",),
     ("planner",),
     ("runtime",),

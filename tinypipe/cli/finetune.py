@@ -42,8 +42,10 @@ def cmd_finetune(args: argparse.Namespace) -> int:
 
     import torch
 
+    from tinypipe.distributed.launch import init_from_environment, shutdown
     from tinypipe.runtime.engine import Engine
 
+    init_from_environment()  # torchrun: every rank trains its rows of each global batch; rank 0 reports
     torch.manual_seed(s["seed"])
     model, tokenizer = _load_model(s["model"], lora)
     (dataset, eval_set), seq_len, steps = _load_data(s, data_path, tokenizer, model)
@@ -66,6 +68,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
                              merged_dtype=torch.bfloat16 if quantized else torch.float32)
     finally:
         engine.close()
+        shutdown()
     what = "LoRA adapter (PeftModel.from_pretrained loads it)" if lora is not None else "model"
     _say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; plots -> {png} , "
          f"{out / 'timeline.png'}")
@@ -308,6 +311,9 @@ def _save(engine: Any, tokenizer: Any, records: list, out: Path, merge: bool,
           merged_dtype: Any = None) -> tuple[Path, Path]:
     """Report the run, save the model (or adapter), tokenizer and plots, and with ``merge`` the
     merged model (in ``merged_dtype``, default fp32); returns the metrics and loss-plot paths."""
+    if engine.replicas is not None and not engine.replicas.is_main:  # rank 0 writes; the others wait
+        engine.save_pretrained(out)
+        return out / "metrics.jsonl", out / "loss.png"
     _say(_loss_summary(records))
     held = _eval_summary(records)
     if held:

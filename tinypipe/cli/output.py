@@ -87,6 +87,8 @@ def _process_seconds() -> float | None:
 
 
 def _say(*parts: object) -> None:
+    if os.environ.get("RANK", "0") != "0":  # torchrun: only rank 0 reports (errors go to every stderr)
+        return
     print(*parts, flush=True)
 
 

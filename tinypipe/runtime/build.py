@@ -12,6 +12,8 @@ from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.devices.backend import Backend, HostPinner
+from tinypipe.distributed.group import Replicas
+from tinypipe.distributed.shards import padded_numel
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.memory.budget import check_host_memory
 from tinypipe.memory.device_pool import DevicePool
@@ -25,6 +27,7 @@ from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.decay import DecayGroups, hf_decay_names
 from tinypipe.runtime.optim.device_state import DeviceOptimizerState
 from tinypipe.runtime.optim.path import OptimizerPath, retains_gradients
+from tinypipe.runtime.optim.sharded import ShardedOptimizerPath, ShardView
 from tinypipe.runtime.optim.ssd_tier import SsdTier
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.rng import DropoutRng
@@ -45,9 +48,11 @@ class EngineBuilder:
     """What an engine is built from (model, config, plan, devices, precision), and the steps."""
 
     def __init__(self, model: nn.Module, config: Config, plan: Plan, decomposition: Decomposition,
-                 backends: list[Backend], dtype: torch.dtype) -> None:
+                 backends: list[Backend], dtype: torch.dtype, replicas: Replicas | None = None) -> None:
         self.model, self.config, self.plan, self.dec = model, config, plan, decomposition
         self.backends, self.dtype = backends, dtype
+        self.replicas = replicas  # data-parallel replicas (None: this engine alone)
+        self.sharded = replicas is not None and plan.optimizer_sharding == "shard"
         self.any_cuda = any(b.is_cuda for b in backends)
         self.pinner = HostPinner(enabled=self.any_cuda and config.pin_memory == "register")
         self.retain = retains_gradients(config.max_grad_norm, config.nonfinite)
@@ -61,8 +66,11 @@ class EngineBuilder:
         # what the store still allocates: AdamW moments, the fp32 master unless a loader already
         # placed it (tinypipe.load_model), the retained gradient, frozen weights at compute precision
         per = 8 + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (4 if self.retain else 0)
+        if self.sharded and self.replicas is not None:  # moments and retained gradient: this rank's shard
+            per = 8 / self.replicas.size + (0 if model.__dict__.get(IN_PLACE_MARK) else 4) + (
+                4 / self.replicas.size if self.retain else 0)
         # frozen bytes as laid out (QLoRA's packed payload is far smaller than the dense count)
-        need = per * trainable + sum(s.frozen_numel for s in self.dec.layers) * self.dtype.itemsize
+        need = int(per * trainable) + sum(s.frozen_numel for s in self.dec.layers) * self.dtype.itemsize
         offload = self._offload()
         if offload:
             regions = offload_regions(self.dec, offload, self.dtype, self.retain)
@@ -85,6 +93,9 @@ class EngineBuilder:
         offload = self.plan.offloaded()
         if not offload:
             return offload
+        if self.sharded:
+            raise ConfigError("sharded optimizer state across replicas and the SSD tier are not combined "
+                              "yet: use Config(optimizer_sharding='replicate') or no offload")
         if self.config.offload_dir is None:
             raise ConfigError("the plan offloads training state to the SSD but no offload directory is "
                               "set: give Config(offload_dir=...) / --offload-dir DIR")
@@ -137,6 +148,7 @@ class EngineBuilder:
         cfg, dec, plan = self.config, self.dec, self.plan
         slot_numel = max(layer.numel for layer in dec.blocks)
         grad_numel = max(layer.train_numel for layer in dec.blocks)  # frozen parameters: no gradients
+        pad = self._grad_room  # sharded: room for an equal-pieces reduce-scatter
         has_packs = i in plan.fwd_device or i in plan.bwd_device
         resident = self._resident_layers(i)
         try:
@@ -148,8 +160,8 @@ class EngineBuilder:
                 plan.grad_slot_count() if has_packs else 0,
                 {layer: s.numel for layer, s in resident.items()},
                 staging_numel=min(slot_numel, STAGING_MAX),
-                grad_numel=grad_numel,
-                resident_grad={layer: s.train_numel for layer, s in resident.items()},
+                grad_numel=pad(grad_numel),
+                resident_grad={layer: pad(s.train_numel) for layer, s in resident.items()},
             )
         except torch.OutOfMemoryError as exc:
             raise self._no_room(i, exc) from exc
@@ -170,6 +182,10 @@ class EngineBuilder:
         except torch.OutOfMemoryError as exc:
             raise self._no_room(i, exc) from exc
         return runtime, state
+
+    def _grad_room(self, n: int) -> int:
+        """Gradient accumulator elements for a layer of ``n``: padded to R equal shards when sharded."""
+        return padded_numel(n, self.replicas.size) if self.sharded and self.replicas is not None else n
 
     def _resident_layers(self, i: int) -> dict[int, LayerSpec]:
         """The layers resident on device ``i``: the embedding, the head, the resident packs'
@@ -200,8 +216,13 @@ class EngineBuilder:
         if store.offload is not None:
             tier = SsdTier(store, self.plan, self.dec.tied, self.pinner, read_ahead=self._read_ahead())
         adamw = ChunkedAdamW(cfg.lr, cfg.betas, cfg.eps, cfg.weight_decay, self.decay_groups())
-        return OptimizerPath(store, adamw,
-                             max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
+        if self.sharded and self.replicas is not None:
+            on_device = frozenset(layer for st in device_states.values() for layer in st.states)
+            view = ShardView(store, self.replicas, on_device)
+            return ShardedOptimizerPath(view, self.replicas, adamw=adamw, max_grad_norm=cfg.max_grad_norm,
+                                        nonfinite=cfg.nonfinite, device_states=device_states,
+                                        pin=self.pinner.pin, threads=threads)
+        return OptimizerPath(store, adamw, max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
                              device_states=device_states, pin=self.pinner.pin, threads=threads, tier=tier)
 
     def decay_groups(self) -> DecayGroups:
@@ -221,4 +242,5 @@ class EngineBuilder:
             optimizer_threads=optimizer.threads, trace=cfg.trace, check_finite=cfg.check_finite,
             stall_timeout_s=cfg.stall_timeout_s,
             rng=DropoutRng.from_seed(cfg.dropout_seed) if cfg.dropout else None,
+            replicas=self.replicas,
         )

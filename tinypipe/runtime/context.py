@@ -14,6 +14,7 @@ from typing import Callable
 
 import torch
 
+from tinypipe.distributed.reduce import Reduction
 from tinypipe.runtime.buffers import RowBuffer
 from tinypipe.runtime.inputs import StepInputs
 from tinypipe.runtime.optim.messages import GradStream
@@ -54,3 +55,4 @@ class StepContext:
     side_streams: dict[str, list[object]] = field(default_factory=dict)  # lane -> its task's side streams
     current: dict[str, str] = field(default_factory=dict)  # lane -> the task it runs (stall reports)
     stuck: str = ""  # lanes still inside a task when the step gave up on them
+    reductions: dict[int, Reduction] = field(default_factory=dict)  # layer -> its replicas' reduction

@@ -12,9 +12,10 @@ from tinypipe.memory.grad_pool import HostGradPool
 from tinypipe.models.decompose import Shell
 from tinypipe.schedule.ids import Lane
 
-#: Streams per device: the three lanes' (compute, uploads, gradient downloads) and the two side
-#: streams host-stashed activations move on (so compute never waits for a stash transfer)
-STREAMS = ("compute", "h2d", "d2h", "stash_in", "stash_out")
+#: Streams per device: the lanes' (compute, uploads, gradient downloads, replicas' gradient
+#: collectives) and the two side streams host-stashed activations move on (so compute never waits
+#: for a stash transfer)
+STREAMS = ("compute", "h2d", "d2h", "collective", "stash_in", "stash_out")
 
 
 @dataclass

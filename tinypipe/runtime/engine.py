@@ -1,5 +1,11 @@
 """The Engine: a Hugging Face causal LM trained through Tiny-Pipe swapping on 1..N devices.
 
+With ``torch.distributed`` initialised over several ranks (``torchrun``), each rank's engine is
+one data-parallel replica (:mod:`tinypipe.runtime.replica_setup`, :mod:`tinypipe.distributed`):
+it trains its rows of every global batch, each layer's gradient is summed across the replicas on
+a collective lane before its download, and with ``Plan.optimizer_sharding == "shard"`` it steps
+only its shard of the host optimizer state (:mod:`~tinypipe.runtime.optim.sharded`).
+
 Construction builds, in order: the host store (one copy of the training state; with
 ``Plan.offload`` part of it in a scratch file under ``Config.offload_dir``), each device's runtime
 (slots, resident layers, host gradient pool, model shell), the optimizer path (with its SSD tier,
@@ -32,6 +38,7 @@ from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import resolve_plan
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
+from tinypipe.runtime.checkpoint_sharded import find_sharded, load_replicas, save_replicas, sharded_extra
 from tinypipe.runtime.context import TaskTiming
 from tinypipe.runtime.evaluate import EvalResult, Evaluator
 from tinypipe.runtime.inputs import StepInputs, prepare_inputs
@@ -39,6 +46,8 @@ from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report,
 from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepOutcome
 from tinypipe.runtime.optim.path import retains_gradients
+from tinypipe.runtime.replica_setup import (check_replicas_agree, join_replicas, local_batch, local_devices,
+                                            planning_config, replica_plan)
 from tinypipe.runtime.step import StepRunner
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.workers import LaneWorkers
@@ -122,11 +131,18 @@ class Engine:
         self.decomposition = dec = Decomposition(model)
         # the plan given, else the hand-set knobs' or (none set) the planner's; PlanDoesNotFitError
         # (one line) when it cannot fit
-        self.plan, self.plan_result = resolve_plan(given, cfg, num_blocks=dec.num_blocks, tied=dec.tied,
-                                                   plan=plan)
-        self.backends = [make_backend(d) for d in cfg.devices]
+        # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs
+        # this engine on its rows of each global batch; None alone
+        self.replicas = join_replicas(cfg)
+        self.plan, self.plan_result = resolve_plan(given, planning_config(cfg, self.replicas),
+                                                   num_blocks=dec.num_blocks, tied=dec.tied, plan=plan)
+        self.plan = replica_plan(self.plan, self.replicas, adopt_rank0=plan is None)
+        if self.replicas is not None:
+            check_replicas_agree(self.replicas, cfg, self.plan, model)
+        topo = self.replicas.topology if self.replicas is not None else None
+        self.backends = [make_backend(d) for d in local_devices(cfg, topo)]
         self.dtype = _DTYPES[cfg.precision]
-        build = EngineBuilder(model, cfg, self.plan, dec, self.backends, self.dtype)
+        build = EngineBuilder(model, cfg, self.plan, dec, self.backends, self.dtype, self.replicas)
         self._any_cuda = build.any_cuda
         self.pinner = build.pinner
         self.store = build.host_store()
@@ -173,10 +189,25 @@ class Engine:
 
     def step(self, batch: Mapping[str, torch.Tensor], lr: float | None = None) -> StepResult:
         """One optimizer step over the global ``batch`` (dict with input_ids, optional
-        attention_mask and labels; labels default to input_ids with padding ignored)."""
+        attention_mask and labels; labels default to input_ids with padding ignored). With
+        replicas, every rank passes the same global batch and trains its rows of it."""
+        if self.replicas is None:
+            return self._step(batch, lr)
+        try:
+            return self._step(batch, lr)
+        except Exception as exc:  # a collective failed: a peer died or hangs -- the watchdog names it
+            verdict = self.replicas.explain_failure(exc)
+            if verdict is None:
+                raise
+            self._broken = verdict
+            raise WorkerError(verdict) from exc
+
+    def _step(self, batch: Mapping[str, torch.Tensor], lr: float | None) -> StepResult:
         self._check_usable()
         t0 = time.perf_counter()
-        inputs = self._inputs(batch)
+        inputs = self._inputs(batch if self.replicas is None else local_batch(batch, self.replicas))
+        if self.replicas is not None:  # the loss is normalised by the whole global batch's tokens
+            inputs.denom = self.replicas.total_tokens(inputs.denom)
         sched = self.schedule_for(inputs.batch)
         self.resources.host_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype)
         lr = self.config.lr if lr is None else float(lr)
@@ -276,7 +307,8 @@ class Engine:
         io = tier.last_io if tier is not None else IoTotals()
         return StepResult(
             loss=loss, grad_norm=outcome.grad_norm, clipped=outcome.clipped, skipped=outcome.skipped,
-            tokens=int(inputs.batch * inputs.seq), seconds=time.perf_counter() - t0,
+            tokens=int(inputs.batch * inputs.seq) * (1 if self.replicas is None else self.replicas.size),
+            seconds=time.perf_counter() - t0,
             step=self.step_count, lr=lr, timings=timings,
             h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
             device_peak_allocated=max((st.get("peak_allocated", 0) for st in stats), default=0),
@@ -357,6 +389,8 @@ class Engine:
         self.synchronize()
         own = {"last_clipped": self.optimizer.last_clipped, "settings": self.checkpoint_settings()}
         meta = dict(extra or {}, **{_ENGINE_KEY: own})
+        if self.replicas is not None:  # every rank calls this: its shard, or rank 0 the replicated state
+            return save_replicas(self.store, self.optimizer, self.replicas, self.step_count, path, meta)
         return save_checkpoint(self.store, self.step_count, path, meta)
 
     def checkpoint_settings(self) -> dict[str, object]:
@@ -373,8 +407,10 @@ class Engine:
         """How the checkpoint at ``path`` was made differently from this engine (one phrase each;
         empty when it matches or predates the record). A checkpoint of another model or LoRA
         setting is a ConfigError here already."""
-        _, state = check_layout(self.store, path)
-        recorded = state.get("extra", {}).get(_ENGINE_KEY, {}).get("settings", {})
+        extra = sharded_extra(path) if self.replicas is not None else None
+        if extra is None:  # an ordinary checkpoint (a sharded run refuses it when loading)
+            extra = check_layout(self.store, path)[1].get("extra", {}) if find_sharded(path) is None else {}
+        recorded = extra.get(_ENGINE_KEY, {}).get("settings", {})
         return setting_differences(recorded, self.checkpoint_settings())
 
     def load_checkpoint(self, path: str | os.PathLike, force: bool = False) -> dict:
@@ -387,7 +423,10 @@ class Engine:
             raise ConfigError(f"{path}: checkpoint made with other settings: {'; '.join(differences)} "
                               "(force=True / --force to load it anyway)")
         self.synchronize()  # the next step loads any device-side state from the checkpoint
-        self.optimizer.step_count, extra = load_checkpoint(self.store, path)
+        if self.replicas is not None:
+            self.optimizer.step_count, extra = load_replicas(self.store, self.optimizer, self.replicas, path)
+        else:
+            self.optimizer.step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
         self.optimizer.last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
         self._mixed = None  # the state is the checkpoint's, consistent again
@@ -400,6 +439,16 @@ class Engine:
         (``PeftModel.from_pretrained(base, out_dir)`` loads it); merged weights:
         :func:`tinypipe.lora.save_merged`."""
         self.synchronize()
+        if self.replicas is not None and not self.replicas.is_main:  # every rank's masters are whole:
+            self.replicas.host.barrier()  # rank 0 writes them; the others wait until it has
+            return Path(out_dir)
+        try:
+            return self._save_pretrained(out_dir, dtype)
+        finally:
+            if self.replicas is not None:
+                self.replicas.host.barrier()
+
+    def _save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None) -> Path:
         if self.peft_model is not None:
             return save_adapter(self.peft_model, out_dir)
 
@@ -431,6 +480,8 @@ class Engine:
             self.optimizer.tier.close()
         self.store.close()  # the SSD tier's scratch files
         self.pinner.release()
+        if self.replicas is not None:
+            self.replicas.close()  # the watchdog says this rank left on purpose
 
     def __enter__(self) -> "Engine":
         return self

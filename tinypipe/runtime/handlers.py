@@ -9,6 +9,7 @@ from typing import Callable
 
 import torch
 
+from tinypipe.distributed.reduce import reduce_gradient
 from tinypipe.errors import NonFiniteError
 from tinypipe.models.decompose import LayerSpec, map_tensors, slice_rows
 from tinypipe.models.head import autograd_head_chunk, fused_head_chunk, is_plain_linear
@@ -46,6 +47,7 @@ class TaskHandlers:
             Kind.HEAD: self._head,
             Kind.BWD: self._bwd,
             Kind.EMBED_BWD: self._embed_bwd,
+            Kind.REDUCE: self._reduce,
             Kind.DOWNLOAD: self._download,
             Kind.UPDATE: self._update,
         }
@@ -322,6 +324,18 @@ class TaskHandlers:
         ctx.grads[0].free()
         ctx.acts[0].free()
 
+    def _reduce(self, task: Task, dev: DeviceRuntime) -> None:
+        """Replicas: sum ``layer``'s gradient across them (async; its download waits on it)."""
+        layer = task.layers[0]
+        rep = self.res.replicas
+        assert rep is not None, "a reduce task without replicas"
+        acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)
+        n = self._spec(layer).train_numel
+        if n == 0:  # a frozen layer (LoRA base): nothing to sum, on every rank alike
+            return
+        shard = self.optim.shard(layer)
+        self.ctx.reductions[layer] = reduce_gradient(rep.grads[dev.index], acc, n, shard, _chunked_norm)
+
     def _download(self, task: Task, dev: DeviceRuntime) -> None:
         layer = task.layers[0]
         n = self._spec(layer).train_numel
@@ -331,25 +345,31 @@ class TaskHandlers:
         # the retained buffer (clipping / skip) is created here, before the norm tells the update
         # task to look for it: created by both lanes at once, the chunks would land in the other one
         keep = None if on_device else self.optim.retain_buffer(layer)
-        # fp32 norms of in-place chunks, combined in fp64: no full-size copy on the device (an fp64
-        # reduction materialised an 8 B/element copy -- 3 GB of a 3B model's peak)
-        norms = [torch.linalg.vector_norm(acc[lo : lo + NORM_CHUNK]) for lo in range(0, n, NORM_CHUNK)]
-        norm = torch.linalg.vector_norm(torch.stack(norms or [acc.sum()]).double())
+        # replicas: the summed gradient (or this rank's shard); left in the context until the step
+        # ends, so its norm tensor outlives the reads queued on this stream
+        red = self.ctx.reductions.get(layer)
+        if red is not None:
+            red.wait()
+        lo, hi = (0, n) if red is None else (red.lo, red.hi)
+        if red is not None and red.norm_sq is not None:
+            norm = red.norm_sq.sqrt()  # the whole layer's, summed over the shards
+        else:
+            norm = _chunked_norm(acc)
         d2h = dev.streams["d2h"]
         stream.put(GradNorm(norm, dev.backend.record_event(d2h), dev.backend))
         if on_device:  # stepped where it is: only the norm leaves the device
             stream.put(GradEnd())
             return
         pool = dev.grad_pool
-        for lo in range(0, n, pool.chunk):
-            hi = min(n, lo + pool.chunk)
+        for a in range(lo, hi, pool.chunk):  # chunk offsets relative to the shard (all of it: lo = 0)
+            b = min(hi, a + pool.chunk)
             if keep is not None:
-                keep[lo:hi].copy_(acc[lo:hi], non_blocking=True)
+                keep[a - lo : b - lo].copy_(acc[a:b], non_blocking=True)
                 buf = None
             else:
                 buf = pool.acquire(self.ctx.abort)
-                buf[: hi - lo].copy_(acc[lo:hi], non_blocking=True)
-            stream.put(GradChunk(lo, hi, buf, dev.backend.record_event(d2h), dev.backend, pool))
+                buf[: b - a].copy_(acc[a:b], non_blocking=True)
+            stream.put(GradChunk(a - lo, b - lo, buf, dev.backend.record_event(d2h), dev.backend, pool))
         stream.put(GradEnd())
 
     def _update(self, task: Task, dev: None) -> None:
@@ -363,4 +383,15 @@ class TaskHandlers:
         ctx = self.ctx
         ctx.signals[head_id(len(ctx.schedule.fwd_rows()) - 1)].synchronize(ctx.abort)
         ctx.loss_value = float(ctx.loss_sum.item()) if ctx.loss_sum is not None else 0.0
+        if self.res.replicas is not None:  # the global batch's loss: one skip decision on every rank
+            ctx.loss_value = self.res.replicas.host.sum_scalar(ctx.loss_value)
         return bool(torch.isfinite(torch.tensor(ctx.loss_value)))
+
+
+def _chunked_norm(flat: torch.Tensor) -> torch.Tensor:
+    """fp64 norm of a flat fp32 range: fp32 norms of in-place chunks, combined in fp64 -- no
+    full-size copy on the device (an fp64 reduction materialised an 8 B/element copy: 3 GB of a 3B
+    model's peak)."""
+    n = flat.numel()
+    norms = [torch.linalg.vector_norm(flat[lo : lo + NORM_CHUNK]) for lo in range(0, n, NORM_CHUNK)]
+    return torch.linalg.vector_norm(torch.stack(norms or [flat.sum()]).double())

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tinypipe.distributed.group import Replicas
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.path import OptimizerPath
@@ -37,3 +38,4 @@ class EngineResources:
     check_finite: bool  # stop at the first task whose output holds NaN/inf (syncs)
     stall_timeout_s: float  # no task finished for this long: the watchdog aborts the step
     rng: DropoutRng | None = None  # training-mode randomness replayed by the recompute (None: dropout off)
+    replicas: Replicas | None = None  # data-parallel replicas (torch.distributed); None: this one only

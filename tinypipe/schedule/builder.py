@@ -25,6 +25,7 @@ from tinypipe.schedule.ids import (
     download_id,
     fwd_id,
     head_id,
+    reduce_id,
     resident_upload_id,
     update_id,
     upload_id,
@@ -165,8 +166,12 @@ class _Builder:
 
     def _download_and_update(self, layer: int, device: int, grad_slot: int | None, after: str) -> None:
         dl = download_id(layer)
-        self._add(Task(dl, Kind.DOWNLOAD, device, layers=(layer,),
-                       grad_slots=(grad_slot,) if grad_slot is not None else (), deps=(after,)))
+        slots = (grad_slot,) if grad_slot is not None else ()
+        if self.plan.replicas > 1:  # summed across the replicas first; the download waits for it
+            self._add(Task(reduce_id(layer), Kind.REDUCE, device, layers=(layer,), grad_slots=slots,
+                           deps=(after,)))
+            after = reduce_id(layer)
+        self._add(Task(dl, Kind.DOWNLOAD, device, layers=(layer,), grad_slots=slots, deps=(after,)))
         self.grad_rings[device].release(grad_slot, dl)
         self._add(Task(update_id(layer), Kind.UPDATE, -1, layers=(layer,), deps=(dl,)))
 

@@ -23,12 +23,13 @@ class Kind(str, enum.Enum):
     HEAD = "head"  # final norm + lm_head + loss, forward and backward fused, one micro-batch
     BWD = "bwd"  # one pack x one backward micro-batch: recompute from the stash, then backward
     EMBED_BWD = "embed_bwd"  # embedding backward over the whole batch
+    REDUCE = "reduce"  # data-parallel replicas: a layer's gradient summed across them (async collective)
     DOWNLOAD = "download"  # a layer's accumulated gradients -> host, chunk by chunk
     UPDATE = "update"  # AdamW on the host as the gradient chunks arrive (streams from its DOWNLOAD)
 
 
 Phase = Literal["f", "b"]  # which pass an upload serves: forward or backward
-Stream = Literal["compute", "h2d", "d2h"]  # the device streams that are lanes
+Stream = Literal["compute", "h2d", "d2h", "collective"]  # the device streams that are lanes
 
 #: ``TaskId.layer`` of the head's resident upload (``ru/H``: its index depends on the model)
 HEAD = -1
@@ -58,6 +59,10 @@ def head_id(mb: int) -> str:
     return f"head/{mb}"
 
 
+def reduce_id(layer: int) -> str:
+    return f"red/L{layer}"
+
+
 def download_id(layer: int) -> str:
     return f"dl/L{layer}"
 
@@ -74,6 +79,7 @@ _PATTERNS: tuple[tuple[Kind, re.Pattern[str]], ...] = (
     (Kind.HEAD, re.compile(r"head/(?P<mb>\d+)")),
     (Kind.BWD, re.compile(r"bwd/(?P<pack>\d+)/(?P<mb>\d+)")),
     (Kind.EMBED_BWD, re.compile(EMBED_BWD_ID)),
+    (Kind.REDUCE, re.compile(r"red/L(?P<layer>\d+)")),
     (Kind.DOWNLOAD, re.compile(r"dl/L(?P<layer>\d+)")),
     (Kind.UPDATE, re.compile(r"upd/L(?P<layer>\d+)")),
 )
@@ -105,6 +111,8 @@ class TaskId:
             return bwd_id(_need(self.pack), _need(self.mb))
         if k is Kind.EMBED_BWD:
             return EMBED_BWD_ID
+        if k is Kind.REDUCE:
+            return reduce_id(_need(self.layer))
         if k is Kind.DOWNLOAD:
             return download_id(_need(self.layer))
         return update_id(_need(self.layer))
@@ -167,4 +175,6 @@ def lane_of(kind: Kind, device: int) -> str:
         return str(Lane(device, "h2d"))
     if kind is Kind.DOWNLOAD:
         return str(Lane(device, "d2h"))
+    if kind is Kind.REDUCE:  # replicas' gradient collectives: their own lane, ordered after the backward
+        return str(Lane(device, "collective"))
     return str(Lane(device, "compute"))

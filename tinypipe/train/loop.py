@@ -193,8 +193,11 @@ def train(
         raise ConfigError(f"eval_every must be >= 0, got {eval_every}")
     _check_vocabulary(engine, dataset)
     batches = _batches(dataset, global_batch, seed, start_step)
-    log = _open_log(Path(log_path), append) if log_path is not None else None
-    bar = _progress_bar(steps, start_step) if progress else None
+    # data-parallel replicas: every rank trains (its rows of the same global batches); rank 0 logs
+    replicas = engine.replicas
+    main = replicas is None or replicas.is_main
+    log = _open_log(Path(log_path), append) if log_path is not None and main else None
+    bar = _progress_bar(steps, start_step) if progress and main else None
     proc = psutil.Process()
     records: list[dict] = []
     last_eval: float | None = None  # the latest held-out loss, kept on the progress line
@@ -219,6 +222,8 @@ def train(
                 if bar is not None:
                     _show_progress(bar, record, last_eval)
                 due = checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps)
+                if replicas is not None:  # one stop decision for every rank (the checkpoint is collective)
+                    stop["stop"] = replicas.host.any_flag(stop["stop"])
                 if checkpoint_dir is not None and (due or stop["stop"]):
                     extra = dict(checkpoint_extra or {}, step=i + 1, seed=seed, global_batch=global_batch)
                     engine.save_checkpoint(checkpoint_dir, extra=extra)

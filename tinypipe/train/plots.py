@@ -12,7 +12,8 @@ from pathlib import Path
 GIB = 1024**3
 #: Lane kinds in the order they are drawn, with their colours.
 LANE_COLOURS = (("compute", "tab:blue"), ("h2d", "tab:green"), ("d2h", "tab:orange"),
-                ("optimizer", "tab:red"), ("ssd:read", "tab:purple"), ("ssd:write", "tab:brown"))
+                ("optimizer", "tab:red"), ("ssd:read", "tab:purple"), ("ssd:write", "tab:brown"),
+                ("collective", "tab:cyan"))
 
 
 def _figure(width: float, height: float):  # noqa: ANN202 - matplotlib types

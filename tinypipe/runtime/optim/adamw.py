@@ -41,7 +41,10 @@ class ChunkedAdamW:
     def _pieces(self, state: LayerState, lo: int, hi: int) -> list[tuple[int, int, bool]]:
         if not self.weight_decay or not self.groups.no_decay:  # the common case: one run
             return [(lo, hi, True)]
-        return self.groups.pieces(state.spec.index, lo, hi)
+        # a sharded rank's state holds one slice of the layer: its offsets start at the slice's
+        # ``base`` (runtime/optim/sharded.py), the decay groups' at the layer's first element
+        base = getattr(state, "base", 0)
+        return [(a - base, b - base, d) for a, b, d in self.groups.pieces(state.spec.index, lo + base, hi + base)]
 
     def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float) -> None:
         """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``."""

@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 
 from tinypipe.devices.host_buffers import aligned_empty, registrable
+from tinypipe.distributed.shards import Shard
 from tinypipe.memory.host_store import HostStore, LayerState
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.background import BackgroundUpdates
@@ -146,6 +147,7 @@ class OptimizerPath:
         outcome = dec.finalize()
         outcome.background_timings = ran
         work = dec.work if self.tier is None else self.tier.background(dec.work, dec.staged)
+        work = self.leftover(work, dec)
         # what still has to wait for the global norm runs while the next step starts (its uploads
         # wait per layer); synchronize() waits for all of it
         self.background.start(work, workers, self.threads)
@@ -157,6 +159,15 @@ class OptimizerPath:
         self.step_count += 0 if outcome.skipped else 1
         self._step = None
         return outcome
+
+    def leftover(self, work: list[tuple[int, Callable[[], None]]],
+                 dec: StepDecisions) -> list[tuple[int, Callable[[], None]]]:
+        """The background work of the step ``dec`` closes (a sharded path adds its all-gathers)."""
+        return work
+
+    def shard(self, layer: int) -> Shard | None:
+        """The part of ``layer``'s gradient this rank steps (None: all of it)."""
+        return None
 
     def _current(self) -> StepDecisions:
         if self._step is None:

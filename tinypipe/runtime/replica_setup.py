@@ -1,0 +1,94 @@
+"""Joining data-parallel replicas at engine construction (torch.distributed already initialised):
+the replicas' groups, the plan they all run (``Plan.replicas``, ``Plan.optimizer_sharding``), this
+rank's local devices, the start-up consistency check, and this rank's rows of a global batch."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from tinypipe.config import Config
+from tinypipe.distributed.consistency import check_consistent, fingerprint, weights_checksum
+from tinypipe.distributed.group import Replicas, replicas_from_environment, resolve_sharding
+from tinypipe.distributed.topology import Topology
+from tinypipe.errors import ConfigError
+from tinypipe.schedule.plan import Plan
+
+#: ``Config.extra`` knobs of the replicas (see :func:`join_replicas`)
+SHARE_KEY, TIMEOUT_KEY, HEARTBEAT_KEY = "dp_share_devices", "dp_timeout_s", "dp_heartbeat_s"
+
+
+def join_replicas(config: Config) -> Replicas | None:
+    """This rank's replicas (None without an initialised multi-rank default group).
+
+    ``Config.extra``: ``dp_share_devices`` (several ranks on one GPU: gloo, device names kept),
+    ``dp_timeout_s`` (every collective's timeout, default 30 min: long saves happen between
+    barriers; the watchdog ends a run with a dead or hung peer long before), ``dp_heartbeat_s`` (a silent peer
+    ends this process after it, default 30 s; 0: no watchdog)."""
+    topo = Topology.from_process_group()
+    if topo is None:
+        return None
+    extra = config.extra
+    share = bool(extra.get(SHARE_KEY, False))
+    heartbeat = float(extra.get(HEARTBEAT_KEY, 30.0))
+    return replicas_from_environment(local_devices(config, topo), share=share,
+                                     sharding=resolve_sharding(config.optimizer_sharding, topo.world_size),
+                                     timeout_s=float(extra.get(TIMEOUT_KEY, 1800.0)),
+                                     heartbeat_s=heartbeat if heartbeat > 0 else None)
+
+
+def local_devices(config: Config, topo: Topology | None) -> list[str]:
+    """The devices this rank's engine drives (see :meth:`Topology.local_devices`)."""
+    if topo is None:
+        return list(config.devices)
+    return topo.local_devices(list(config.devices), share=bool(config.extra.get(SHARE_KEY, False)))
+
+
+def planning_config(config: Config, replicas: Replicas | None) -> Config:
+    """What the planner plans for on this rank: its own local devices and, when the workload is
+    given, its share of the global batch."""
+    if replicas is None:
+        return config
+    changes: dict[str, object] = {"devices": local_devices(config, replicas.topology)}
+    if config.global_batch is not None and config.global_batch % replicas.size == 0:
+        changes["global_batch"] = config.global_batch // replicas.size
+    return config.replace(**changes)
+
+
+def replica_plan(plan: Plan, replicas: Replicas | None, adopt_rank0: bool = False) -> Plan:
+    """The plan every replica runs: ``plan`` with the replica count and the sharding choice (alone:
+    ``plan``, which must not ask for replicas). ``adopt_rank0``: the planner chose it -- take rank
+    0's (a planner probing free memory or rates may choose differently per rank); a plan the user
+    gave must agree on every rank instead (:func:`check_replicas_agree`)."""
+    if replicas is None:
+        if plan.replicas > 1:
+            raise ConfigError(f"the plan is for {plan.replicas} data-parallel replicas, but "
+                              "torch.distributed is not initialised with several ranks: launch with torchrun "
+                              f"--nproc-per-node {plan.replicas} (or init_process_group first)")
+        return plan
+    if adopt_rank0:
+        plan = Plan.from_json(str(replicas.host.all_gather_object(plan.to_json())[0]))
+    return dataclasses.replace(plan, replicas=replicas.size, optimizer_sharding=replicas.sharding)
+
+
+def check_replicas_agree(replicas: Replicas, config: Config, plan: Plan, model: nn.Module) -> None:
+    """Refuse (ConfigError on every rank, naming the field) ranks that would train different
+    things: config as given, plan, model class/config, initial weights."""
+    weights = weights_checksum([p.detach() for p in model.parameters()])
+    model_config = model.config.to_json_string() if hasattr(model, "config") else ""
+    mine = fingerprint(config, plan.to_json(),
+                       type(model).__name__, model_config, weights, replicas.size)
+    check_consistent(replicas.host, mine)
+
+
+def local_batch(batch: Mapping[str, torch.Tensor], replicas: Replicas) -> Mapping[str, torch.Tensor]:
+    """This replica's rows of a global ``batch`` (every tensor split on dim 0; anything malformed is
+    left for the batch validation to name)."""
+    ids = batch.get("input_ids") if isinstance(batch, Mapping) else None
+    if not isinstance(ids, torch.Tensor) or ids.ndim != 2:
+        return batch
+    lo, hi = replicas.local_rows(int(ids.shape[0]))
+    return {k: v[lo:hi] if isinstance(v, torch.Tensor) and v.ndim >= 1 else v for k, v in batch.items()}
