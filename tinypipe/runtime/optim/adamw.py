@@ -44,7 +44,8 @@ class ChunkedAdamW:
         # a sharded rank's state holds one slice of the layer: its offsets start at the slice's
         # ``base`` (runtime/optim/sharded.py), the decay groups' at the layer's first element
         base = getattr(state, "base", 0)
-        return [(a - base, b - base, d) for a, b, d in self.groups.pieces(state.spec.index, lo + base, hi + base)]
+        pieces = self.groups.pieces(state.spec.index, lo + base, hi + base)
+        return [(a - base, b - base, d) for a, b, d in pieces]
 
     def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float) -> None:
         """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``."""
