@@ -115,20 +115,9 @@ class EngineBuilder:
     def compile_backend(self) -> str | None:
         """The torch.compile backend for the decoder blocks (None: eager)."""
         backend = resolve_backend(self.config.compile_blocks, self.any_cuda)
-        if backend is not None and self.any_cuda and self._quantized_schemes() & {"int8"}:
-            # LLM.int8()'s matmul is a dynamo-disabled op whose backward a compiled block fails to
-            # trace (bitsandbytes 0.50.2 on an H200, session 4): int8 bases run eager blocks
-            if self.config.compile_blocks != "auto":
-                raise ConfigError(f"an int8 quantized base runs eager blocks on CUDA; drop "
-                                  f"compile_blocks={self.config.compile_blocks!r} (or use nf4/fp4)")
-            return None
         if backend is not None and backend not in torch._dynamo.list_backends(exclude_tags=()):
             raise ConfigError(f"compile_blocks: unknown torch.compile backend {backend!r}")
         return backend
-
-    def _quantized_schemes(self) -> set[str]:
-        """The quantization schemes of the frozen base (empty without QLoRA)."""
-        return {p.packed.scheme for s in self.dec.layers for p in s.params if p.packed is not None}
 
     def devices(self, store: HostStore,
                 compile_backend: str | None) -> tuple[list[DeviceRuntime], dict[int, DeviceOptimizerState]]:
