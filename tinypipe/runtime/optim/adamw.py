@@ -29,8 +29,12 @@ class ChunkedAdamW:
         self.eps = eps
         self.weight_decay = weight_decay
 
-    def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float) -> None:
-        """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``."""
+    def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float,
+             grad_scale: torch.Tensor | None = None) -> None:
+        """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``; ``grad_scale``
+        (a one-element fp32 tensor on the buffers' device): the kernel divides the gradient by it
+        and writes the quotient back into ``grad`` in the same pass (clipping without a pass of
+        its own, :meth:`StepDecisions._redo`)."""
         if step == 1:  # moments start at zero; they were left uninitialised at allocation
             state.exp_avg[lo:hi].zero_()
             state.exp_avg_sq[lo:hi].zero_()
@@ -44,6 +48,7 @@ class ChunkedAdamW:
             [],
             steps,
             fused=True,
+            grad_scale=grad_scale,
             amsgrad=False,
             beta1=self.beta1,
             beta2=self.beta2,
