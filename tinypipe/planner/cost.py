@@ -339,8 +339,8 @@ def _race_uploads(packs: _Packs, dev: _OnDevice) -> list[RaceUpload]:
     plan, sizes, trains = packs.plan, packs.sizes, packs.sizes.layer_train_numels
     out: list[RaceUpload] = []
     if not dev.embed:
-        out.append(RaceUpload(plan.embed_device, None, trains[0], packs.layer_up(sizes.embed_numel, trains[0]),
-                              gates_forward=True))
+        out.append(RaceUpload(plan.embed_device, None, trains[0],
+                              packs.layer_up(sizes.embed_numel, trains[0]), gates_forward=True))
     for q in range(plan.resident_packs, plan.num_packs):
         for b in plan.packs[q]:
             numel, train = sizes.block_numels[b], trains[1 + b]
@@ -348,8 +348,9 @@ def _race_uploads(packs: _Packs, dev: _OnDevice) -> list[RaceUpload]:
         if q == plan.resident_packs and not dev.head:
             out.append(RaceUpload(plan.head_device, None, trains[-1],
                                   packs.layer_up(sizes.head_numel, trains[-1])))
-    if plan.resident_packs == plan.num_packs and not dev.head:
-        out.append(RaceUpload(plan.head_device, None, trains[-1], packs.layer_up(sizes.head_numel, trains[-1])))
+    if plan.resident_packs == plan.num_packs and not dev.head:  # no streamed pack: the head alone
+        out.append(RaceUpload(plan.head_device, None, trains[-1],
+                              packs.layer_up(sizes.head_numel, trains[-1])))
     return out
 
 
@@ -429,9 +430,11 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         no_opt, host_pass = ssd.clipped(no_opt, host_pass, f_terms)
         clipped = fill + max(forward, host_pass) + head + no_opt + last_chunk
     else:
-        race = race_forward_end(_race_uploads(packs, dev), [
-            (fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0]) * slowdown / n for q in range(P)],
-            slots=plan.param_slots(), devices=n, h2d=rates.h2d, adamw_rate=clip_rate)
+        # each pack's forward compute, the N devices' share of it as in the forward phase
+        pack_fwd = [(fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0]) * slowdown / n
+                    for q in range(P)]
+        race = race_forward_end(_race_uploads(packs, dev), pack_fwd, slots=plan.param_slots(), devices=n,
+                                h2d=rates.h2d, adamw_rate=clip_rate)
         clipped = (max(fill + forward, race.forward_end_s) + head + no_opt + last_chunk
                    + dev.train * DEVICE_ADAMW_S_PER_PARAM)
     return StepTime(
