@@ -51,6 +51,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--max-grad-norm", type=float, default=None, help="global-norm clipping (default: off)")
+    ap.add_argument("--optimizer-threads", type=int, default=None,
+                    help="OpenMP threads of the host optimizer lanes (default: the engine's, cores - 1 - GPUs)")
     ap.add_argument("--clip-compare", action="store_true",
                     help="run without clipping, then with --max-grad-norm (default 1.0); print both")
     ap.add_argument("--pin", default="register", choices=PIN_MODES)
@@ -148,7 +150,7 @@ def run(a: argparse.Namespace) -> dict:
         cfg = tinypipe.Config(
             devices=devices, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=a.pin,
-            max_grad_norm=a.max_grad_norm,
+            max_grad_norm=a.max_grad_norm, optimizer_threads=a.optimizer_threads,
             trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks, **knobs,
         )
         t0 = time.perf_counter()
