@@ -435,7 +435,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
                     for q in range(P)]
         race = race_forward_end(_race_uploads(packs, dev), pack_fwd, slots=plan.param_slots(), devices=n,
                                 h2d=rates.h2d, adamw_rate=clip_rate)
-        clipped = (max(fill + forward, race.forward_end_s) + head + no_opt + last_chunk
+        # the head runs once the forward is done and its own update and upload are
+        clipped = (max(fill + forward, race.forward_end_s, race.uploads_end_s) + head + no_opt + last_chunk
                    + dev.train * DEVICE_ADAMW_S_PER_PARAM)
     return StepTime(
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,

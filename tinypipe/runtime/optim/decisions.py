@@ -169,7 +169,7 @@ class StepDecisions:
         state, grad = self._views(layer)
         scale = None
         if coef != 1.0:
-            scale = torch.tensor(1.0 / coef, dtype=torch.float32, device=state.master.device)
+            scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=state.master.device)
         for lo, hi in self._chunks(layer):
             g = grad[lo:hi]
             if undo:
