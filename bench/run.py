@@ -52,7 +52,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--max-grad-norm", type=float, default=None, help="global-norm clipping (default: off)")
     ap.add_argument("--optimizer-threads", type=int, default=None,
-                    help="OpenMP threads of the host optimizer lanes (default: the engine's, cores - 1 - GPUs)")
+                    help="OpenMP threads of the host optimizer lanes (default: cores - 1 - GPUs)")
     ap.add_argument("--clip-compare", action="store_true",
                     help="run without clipping, then with --max-grad-norm (default 1.0); print both")
     ap.add_argument("--pin", default="register", choices=PIN_MODES)
@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prediction(engine: tinypipe.Engine, model: torch.nn.Module, w) -> tuple[float, float]:
-    """(unclipped, clipped) predicted s/step of the plan the engine runs: the planner's own numbers
+def _prediction(engine: tinypipe.Engine, model: torch.nn.Module, w) -> tuple[float, float | None]:
+    """(unclipped, clipped: None without max_grad_norm) predicted s/step of the plan the engine runs:
+    the planner's own numbers
     when it chose the plan, else the time model for the hand-set plan on the engine's hardware."""
     planned = engine.plan_result.best if engine.plan_result is not None else None
     if planned is None:
@@ -159,8 +160,9 @@ def run(a: argparse.Namespace) -> dict:
         phase(f"engine ready ({t_engine:.1f} s)")
         planned = engine.plan_result.best if engine.plan_result is not None else None
         pred_s, pred_clip_s = _prediction(engine, model, w)
+        clip_text = "" if pred_clip_s is None else f", {pred_clip_s:.3f} where clipping triggers"
         print(f"plan{' (the planner chose it)' if planned else ''}: {engine.plan.describe()}"
-              f" (predicted {pred_s:.3f} s/step, {pred_clip_s:.3f} where clipping triggers)", flush=True)
+              f" (predicted {pred_s:.3f} s/step{clip_text})", flush=True)
         batch = make_batch(w)
         for i in range(a.warmup + a.steps):
             r = engine.step(batch)
@@ -197,7 +199,8 @@ def run(a: argparse.Namespace) -> dict:
         "clipped_steps": sum(bool(r.clipped) for r in timed),
     }
     # the prediction for what the timed steps did: the clipped step's when most of them clipped
-    out["predicted_s"] = pred_clip_s if out["clipped_steps"] * 2 > len(timed) else pred_s
+    out["predicted_s"] = pred_clip_s if pred_clip_s is not None and out["clipped_steps"] * 2 > len(timed) \
+        else pred_s
     print(report.to_text())
     bound = None
     if rates is not None:

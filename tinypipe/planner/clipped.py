@@ -19,7 +19,7 @@ upload of the next forward waits for its own layer's update, so two pipelines ra
 
 from __future__ import annotations
 
-import heapq
+from collections import deque
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -53,43 +53,48 @@ def race_forward_end(uploads: Sequence[RaceUpload], pack_forward_s: Sequence[flo
     """Simulate the race (module docstring). ``uploads`` in upload order, ``pack_forward_s[q]`` the
     forward compute of pack ``q`` (all its micro-batches), ``h2d`` bytes/s per device link,
     ``adamw_rate`` parameters/s of the host pass. Packs with no uploads in ``uploads`` are resident:
-    ready at the start."""
+    ready at the start.
+
+    A device's slots are reused first-released-first (the builder's ring) and packs release theirs
+    in order, so each ring is a FIFO of release times."""
     num_packs = len(pack_forward_s)
     remaining = [0] * num_packs
     for u in uploads:
         if u.pack is not None:
             remaining[u.pack] += 1
-    ring = [[0.0] * slots for _ in range(devices)]  # per device: release times (a heap)
+    ring = [deque([0.0] * slots) for _ in range(devices)]  # per device: release times, earliest first
     link = [0.0] * devices
     ready = [0.0] * num_packs
-    held: list[list[tuple[int, float]]] = [[] for _ in range(num_packs)]
+    held: list[list[int]] = [[] for _ in range(num_packs)]  # devices of each pack's slots
     host = first_ready = last_up = forward = 0.0
     done = 0  # packs whose forward is computed, in order
-
-    def run_ready_packs() -> None:
-        nonlocal forward, done
-        while done < num_packs and remaining[done] == 0:
-            forward = max(forward, ready[done], first_ready) + pack_forward_s[done]
-            for dev, _ in held[done]:
-                heapq.heappush(ring[dev], forward)  # the pack's slots free when its forward ends
-            done += 1
-
     for u in uploads:
         host += u.host_numel / adamw_rate
         if u.pack is None and not u.up_bytes:
             continue
-        start = max(host, link[u.device])
+        dev = u.device
+        start = host if host > link[dev] else link[dev]
         if u.pack is not None:
-            run_ready_packs()  # earlier packs' forwards release the slots this upload may need
-            start = max(start, heapq.heappop(ring[u.device]))
-        link[u.device] = start + u.up_bytes / h2d
-        last_up = max(last_up, link[u.device])
+            while done < num_packs and remaining[done] == 0:  # earlier forwards free the slots needed
+                forward = max(forward, ready[done], first_ready) + pack_forward_s[done]
+                for d in held[done]:
+                    ring[d].append(forward)
+                done += 1
+            free = ring[dev].popleft()
+            if free > start:
+                start = free
+        end = link[dev] = start + u.up_bytes / h2d
+        if end > last_up:
+            last_up = end
         if u.pack is None:
-            if u.gates_forward:
-                first_ready = max(first_ready, link[u.device])
+            if u.gates_forward and end > first_ready:
+                first_ready = end
             continue
-        held[u.pack].append((u.device, link[u.device]))
-        ready[u.pack] = max(ready[u.pack], link[u.device])
+        held[u.pack].append(dev)
+        if end > ready[u.pack]:
+            ready[u.pack] = end
         remaining[u.pack] -= 1
-    run_ready_packs()
+    while done < num_packs:
+        forward = max(forward, ready[done], first_ready) + pack_forward_s[done]
+        done += 1
     return RaceResult(forward_end_s=forward, host_pass_s=host, uploads_end_s=last_up)

@@ -121,7 +121,9 @@ class StepTime:
     upload_s: float  # busiest device's link, both passes
     download_s: float
     optimizer_s: float  # all parameters through the CPU optimizer
-    clipped_step_s: float  # when global-norm clipping triggers (every host AdamW step waits for the norm)
+    # when global-norm clipping triggers (every host AdamW step waits for the norm); None: not asked
+    # for (``predict_step_time(clipping=False)``: the race costs the search as much as the rest)
+    clipped_step_s: float | None
     forward_limit: str
     backward_limit: str
     # the SSD tier (plan.offload): bytes per step and their seconds at the hardware's SSD rates
@@ -332,26 +334,40 @@ def _on_device(packs: _Packs) -> _OnDevice:
     return _OnDevice(embed, head, resident_train, train)
 
 
-def _race_uploads(packs: _Packs, dev: _OnDevice) -> list[RaceUpload]:
+def _race_uploads(packs: _Packs, dev: _OnDevice) -> tuple[RaceUpload, ...]:
     """The next step's upload order as the clipped race sees it (:mod:`tinypipe.planner.clipped`):
     the embedding, the resident packs (stepped on their device: nothing), the first streamed pack,
     the head (behind the first pack's uploads, as the builder orders it), the other packs."""
-    plan, sizes, trains = packs.plan, packs.sizes, packs.sizes.layer_train_numels
+    plan = packs.plan
+    return _race_order(packs.sizes, plan.packs, plan.fwd_device, plan.embed_device, plan.head_device,
+                       plan.resident_packs, dev.embed, dev.head, packs.frozen_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _race_order(sizes: ModelSizes, pack_list: tuple[tuple[int, ...], ...], fwd_device: tuple[int, ...],
+                embed_device: int, head_device: int, resident: int, embed_on_device: bool,
+                head_on_device: bool, frozen_bytes: int) -> tuple[RaceUpload, ...]:
+    """:func:`_race_uploads` by what it depends on (cached: the search's plans share a few packings)."""
+    trains = sizes.layer_train_numels
+
+    def up(n: int, t: int) -> int:
+        return t * UPLOAD_BYTES + (n - t) * frozen_bytes
+
+    head: tuple[RaceUpload, ...] = ()
+    if not head_on_device:
+        head = (RaceUpload(head_device, None, trains[-1], up(sizes.head_numel, trains[-1])),)
     out: list[RaceUpload] = []
-    if not dev.embed:
-        out.append(RaceUpload(plan.embed_device, None, trains[0],
-                              packs.layer_up(sizes.embed_numel, trains[0]), gates_forward=True))
-    for q in range(plan.resident_packs, plan.num_packs):
-        for b in plan.packs[q]:
-            numel, train = sizes.block_numels[b], trains[1 + b]
-            out.append(RaceUpload(plan.fwd_device[q], q, train, packs.layer_up(numel, train)))
-        if q == plan.resident_packs and not dev.head:
-            out.append(RaceUpload(plan.head_device, None, trains[-1],
-                                  packs.layer_up(sizes.head_numel, trains[-1])))
-    if plan.resident_packs == plan.num_packs and not dev.head:  # no streamed pack: the head alone
-        out.append(RaceUpload(plan.head_device, None, trains[-1],
-                              packs.layer_up(sizes.head_numel, trains[-1])))
-    return out
+    if not embed_on_device:
+        out.append(RaceUpload(embed_device, None, trains[0], up(sizes.embed_numel, trains[0]),
+                              gates_forward=True))
+    for q in range(resident, len(pack_list)):
+        for b in pack_list[q]:
+            out.append(RaceUpload(fwd_device[q], q, trains[1 + b], up(sizes.block_numels[b], trains[1 + b])))
+        if q == resident:
+            out.extend(head)
+    if resident == len(pack_list):  # no streamed pack: the head alone
+        out.extend(head)
+    return tuple(out)
 
 
 def _forward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, float]:
@@ -373,8 +389,9 @@ def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates, overlappable:
 
 
 def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
-                      precision: str = "bf16") -> StepTime:
-    """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens."""
+                      precision: str = "bf16", clipping: bool = True) -> StepTime:
+    """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens (``clipping``:
+    also of a step where global-norm clipping triggers, ``StepTime.clipped_step_s``)."""
     n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
     tokens = batch * seq
     rates = _rates(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
@@ -425,11 +442,12 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     # clipping triggers: the host AdamW of every host-stepped layer waits for the global norm and
     # runs in the background ahead of the next forward, which follows it layer by layer
     clip_rate = rates.adamw * CLIPPED_ADAMW_EFFICIENCY
-    if ssd.on:  # the SSD's lanes beside the pass (see _SsdLanes.clipped)
+    clipped: float | None = None
+    if clipping and ssd.on:  # the SSD's lanes beside the pass (see _SsdLanes.clipped)
         host_pass = (sizes.train_total - dev.train) / clip_rate
         no_opt, host_pass = ssd.clipped(no_opt, host_pass, f_terms)
         clipped = fill + max(forward, host_pass) + head + no_opt + last_chunk
-    else:
+    elif clipping:
         # each pack's forward compute, the N devices' share of it as in the forward phase
         pack_fwd = [(fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0]) * slowdown / n
                     for q in range(P)]

@@ -187,7 +187,10 @@ def ranking_seconds(c: Candidate, clipping: bool) -> float:
     triggers -- at HF Trainer's default of 1.0 fine-tuning clips on nearly every step, and the
     host AdamW pass it defers (:mod:`tinypipe.planner.clipped`) is what plans differ in most
     then -- otherwise the plain step."""
-    return c.time.clipped_step_s if clipping else c.time.step_s
+    if clipping:
+        assert c.time.clipped_step_s is not None  # evaluate() predicts it under max_grad_norm
+        return c.time.clipped_step_s
+    return c.time.step_s
 
 
 def _pareto(cands: list[Candidate], clipping: bool = False) -> list[Candidate]:
