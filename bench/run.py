@@ -2,9 +2,14 @@
 """Run a named workload through tinypipe and print tokens/s, memory, losses and the bound analysis.
 
     python bench/run.py W1 --devices cuda:0 --cap-gib 24 --pack-size 1 --micro-batch 2
+    python bench/run.py W1 --auto --clip-compare --max-grad-norm 1.0 --json w1_clip.json
 
 Prints a table last; ``--json FILE`` writes everything, ``--trace FILE`` the last step's
-Chrome/Perfetto timeline (per device stream and host worker).
+Chrome/Perfetto timeline (per device stream and host worker). Each run prints the planner's
+prediction for the plan it ran (the clipped step's when its timed steps clipped). ``--clip-compare``
+runs the workload twice in one call, without clipping and then with ``--max-grad-norm`` (default
+1.0; each with its own plan under ``--auto``), and prints both with their predictions and the ratio
+(JSON: ``runs``, one entry each).
 """
 
 from __future__ import annotations
@@ -46,6 +51,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--lr", type=float, default=1e-5)
     ap.add_argument("--max-grad-norm", type=float, default=None, help="global-norm clipping (default: off)")
+    ap.add_argument("--optimizer-threads", type=int, default=None,
+                    help="OpenMP threads of the host optimizer lanes (default: cores - 1 - GPUs)")
+    ap.add_argument("--clip-compare", action="store_true",
+                    help="run without clipping, then with --max-grad-norm (default 1.0); print both")
     ap.add_argument("--pin", default="register", choices=PIN_MODES)
     ap.add_argument("--device-optimizer", default="off", choices=DEVICE_OPTIMIZER_CHOICES,
                     help="resident layers stepped on the GPU (default: off)")
@@ -67,6 +76,48 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if a.watchdog > 0:
         faulthandler.dump_traceback_later(a.watchdog, exit=True)
+    if not a.clip_compare:
+        run(a)
+        return 0
+    clip = a.max_grad_norm if a.max_grad_norm is not None else 1.0
+    runs = [run(argparse.Namespace(**{**vars(a), "max_grad_norm": m, "json": None, "trace": None}))
+            for m in (None, clip)]
+    print(f"\n=== {a.workload}: clipping (max_grad_norm={clip}) vs none ===")
+    print("| run | plan | predicted s/step | measured s/step | tokens/s | clipped steps |")
+    for r in runs:
+        pred = f"{r['predicted_s']:.3f}" if r["predicted_s"] is not None else "-"
+        print(f"| {'clip ' + str(clip) if r['clipping'] else 'no clip'} | {r['plan_text']} | {pred} | "
+              f"{r['seconds_per_step']:.3f} | {r['tokens_per_s']:,.0f} | "
+              f"{r['clipped_steps']}/{r['timed_steps']} |")
+    ratio = runs[1]["tokens_per_s"] / runs[0]["tokens_per_s"]
+    pr = [r["predicted_s"] for r in runs]
+    print(f"clipped / unclipped tokens/s: measured {ratio:.3f}"
+          + (f", predicted {pr[0] / pr[1]:.3f}" if None not in pr else ""))
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"workload": a.workload, "max_grad_norm": clip, "ratio": ratio, "runs": runs}, f,
+                      indent=1, default=str)
+    return 0
+
+
+def _prediction(engine: tinypipe.Engine, model: torch.nn.Module, w) -> tuple[float, float | None]:
+    """(unclipped, clipped: None without max_grad_norm) predicted s/step of the plan the engine runs:
+    the planner's own numbers
+    when it chose the plan, else the time model for the hand-set plan on the engine's hardware."""
+    planned = engine.plan_result.best if engine.plan_result is not None else None
+    if planned is None:
+        from tinypipe.planner.auto import hardware_for
+        from tinypipe.planner.candidate import evaluate
+        from tinypipe.planner.sizes import model_sizes
+
+        planned = evaluate(model_sizes(model.config), hardware_for(engine.config), engine.plan, seq=w.seq,
+                           global_batch=w.batch, precision=engine.config.precision,
+                           max_grad_norm=engine.config.max_grad_norm)
+    return planned.time.step_s, planned.time.clipped_step_s
+
+
+def run(a: argparse.Namespace) -> dict:
+    """One run of the workload as ``a`` says; prints as it goes and returns the JSON record."""
     w = WORKLOADS[a.workload]
     t_start = time.perf_counter()
 
@@ -100,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = tinypipe.Config(
             devices=devices, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=a.pin,
-            max_grad_norm=a.max_grad_norm,
+            max_grad_norm=a.max_grad_norm, optimizer_threads=a.optimizer_threads,
             trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks, **knobs,
         )
         t0 = time.perf_counter()
@@ -108,8 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         t_engine = time.perf_counter() - t0
         phase(f"engine ready ({t_engine:.1f} s)")
         planned = engine.plan_result.best if engine.plan_result is not None else None
+        pred_s, pred_clip_s = _prediction(engine, model, w)
+        clip_text = "" if pred_clip_s is None else f", {pred_clip_s:.3f} where clipping triggers"
         print(f"plan{' (the planner chose it)' if planned else ''}: {engine.plan.describe()}"
-              + (f" (predicted {planned.time.step_s:.3f} s/step)" if planned else ""), flush=True)
+              f" (predicted {pred_s:.3f} s/step{clip_text})", flush=True)
         batch = make_batch(w)
         for i in range(a.warmup + a.steps):
             r = engine.step(batch)
@@ -141,7 +194,13 @@ def main(argv: list[str] | None = None) -> int:
         "memory_report": report.as_dict(), "torch": torch.__version__,
         "plan": engine.plan.as_dict(), "plan_text": engine.plan.describe(), "planned": planned is not None,
         "predicted_s": planned.time.step_s if planned is not None else None,
+        "predicted_step_s": pred_s, "predicted_clipped_step_s": pred_clip_s,
+        "clipping": a.max_grad_norm is not None, "timed_steps": len(timed),
+        "clipped_steps": sum(bool(r.clipped) for r in timed),
     }
+    # the prediction for what the timed steps did: the clipped step's when most of them clipped
+    out["predicted_s"] = pred_clip_s if pred_clip_s is not None and out["clipped_steps"] * 2 > len(timed) \
+        else pred_s
     print(report.to_text())
     bound = None
     if rates is not None:
@@ -174,8 +233,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| workload | tokens/s | s/step | peak GPU reserved | peak GPU allocated | peak host RSS |")
     print(f"| {w.name} | {tps:,.0f} | {sec:.3f} | {peaks.get('peak_reserved', 0) / gib:.2f} GiB | "
           f"{peaks.get('peak_allocated', 0) / gib:.2f} GiB | {rss.peak / gib:.2f} GiB |")
+    print(f"predicted {out['predicted_s']:.3f} s/step for these steps ({out['clipped_steps']} of "
+          f"{len(timed)} clipped): measured/predicted = {sec / out['predicted_s']:.3f}")
     engine.close()
-    return 0
+    return out
 
 
 if __name__ == "__main__":

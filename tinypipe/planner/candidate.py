@@ -73,5 +73,6 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     mem = estimate_memory(sizes, plan, batch=global_batch, seq=seq, precision=precision, devices=devices,
                           host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
                           act_per_token=act)
-    t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision)
+    t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision,
+                          clipping=max_grad_norm is not None)
     return Candidate(plan, mem, t, gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)

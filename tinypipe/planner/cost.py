@@ -21,6 +21,13 @@ at the start and an exposed tail at the end::
   backward (plus one gradient chunk's download). With ``device_optimizer`` the embedding / head
   are stepped on their device instead (no upload, download or host AdamW for them).
 
+* **clipped step** (``StepTime.clipped_step_s``): when global-norm clipping triggers, every
+  host-stepped layer's AdamW runs after the backward, in the next step's upload order, racing the
+  next forward layer by layer (:mod:`tinypipe.planner.clipped`); its backward has no host AdamW
+  to hide and no tail. Layers stepped on their device (resident packs, ``device_optimizer``)
+  take no host time, which is why the search, ranking by this time under clipping, keeps more on
+  the GPU.
+
 * **SSD** (``plan.offload``, :mod:`tinypipe.planner.offload`): reads and writes are two more lanes
   at ``HardwareSpec.ssd_read_gbps`` / ``ssd_write_gbps``, beside the phase the runtime moves them
   in (:class:`_SsdLanes`); ``StepTime.ssd_*`` holds the bytes and their seconds per step.
@@ -49,6 +56,7 @@ from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from tinypipe.errors import ConfigError
+from tinypipe.planner.clipped import RaceUpload, race_forward_end
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 
@@ -84,11 +92,14 @@ PROFILE_IN_PIPELINE = 1.136
 #: copy written) at ~2 TB/s achieved. Milliseconds for an embedding -- only its order matters.
 DEVICE_ADAMW_S_PER_PARAM = 1.5e-11
 #: Host AdamW rate of a clipped step's leftover pass (every host-stepped layer waits for the global
-#: norm, then runs in the background ahead of the next forward) relative to the profiled rate: the
-#: pass shares DRAM with the uploads and the cores with the lanes. Fitted on one H200 run (W1, pack
-#: 2 / micro-batch 4 / window 2 / host stash, embedding on the GPU, clipping every step: 2.674
-#: s/step); the same run without the device optimizer is then predicted at 2.875 s (measured 2.873).
-CLIPPED_ADAMW_EFFICIENCY = 0.544
+#: norm, then runs in the background ahead of the next forward, :mod:`tinypipe.planner.clipped`)
+#: relative to the profiled rate: the pass moves the retained gradient too and shares DRAM with the
+#: uploads and the cores with the lanes. Fitted on two H200 runs (W1, pack 2 / micro-batch 4 /
+#: window 2 / host stash, clipping every step, torch 2.11: 2.674 s/step with the embedding on the
+#: GPU, 2.873 s without; bench/results/s3_w1_clip_overlap*.json): predicted 2.690 and 2.855. Their
+#: lanes' busy time says the same: 1.254 s for 2.82 G parameters, 1.202 s for 3.21 G (0.53 and 0.64
+#: of the profiled 4.20 G/s).
+CLIPPED_ADAMW_EFFICIENCY = 0.552
 #: Bytes per parameter moved each way (fp32 master weights up, fp32 gradients down).
 UPLOAD_BYTES = 4
 DOWNLOAD_BYTES = 4
@@ -110,7 +121,9 @@ class StepTime:
     upload_s: float  # busiest device's link, both passes
     download_s: float
     optimizer_s: float  # all parameters through the CPU optimizer
-    clipped_step_s: float  # when global-norm clipping triggers (every host AdamW step waits for the norm)
+    # when global-norm clipping triggers (every host AdamW step waits for the norm); None: not asked
+    # for (``predict_step_time(clipping=False)``: the race costs the search as much as the rest)
+    clipped_step_s: float | None
     forward_limit: str
     backward_limit: str
     # the SSD tier (plan.offload): bytes per step and their seconds at the hardware's SSD rates
@@ -321,6 +334,42 @@ def _on_device(packs: _Packs) -> _OnDevice:
     return _OnDevice(embed, head, resident_train, train)
 
 
+def _race_uploads(packs: _Packs, dev: _OnDevice) -> tuple[RaceUpload, ...]:
+    """The next step's upload order as the clipped race sees it (:mod:`tinypipe.planner.clipped`):
+    the embedding, the resident packs (stepped on their device: nothing), the first streamed pack,
+    the head (behind the first pack's uploads, as the builder orders it), the other packs."""
+    plan = packs.plan
+    return _race_order(packs.sizes, plan.packs, plan.fwd_device, plan.embed_device, plan.head_device,
+                       plan.resident_packs, dev.embed, dev.head, packs.frozen_bytes)
+
+
+@lru_cache(maxsize=1024)
+def _race_order(sizes: ModelSizes, pack_list: tuple[tuple[int, ...], ...], fwd_device: tuple[int, ...],
+                embed_device: int, head_device: int, resident: int, embed_on_device: bool,
+                head_on_device: bool, frozen_bytes: int) -> tuple[RaceUpload, ...]:
+    """:func:`_race_uploads` by what it depends on (cached: the search's plans share a few packings)."""
+    trains = sizes.layer_train_numels
+
+    def up(n: int, t: int) -> int:
+        return t * UPLOAD_BYTES + (n - t) * frozen_bytes
+
+    head: tuple[RaceUpload, ...] = ()
+    if not head_on_device:
+        head = (RaceUpload(head_device, None, trains[-1], up(sizes.head_numel, trains[-1])),)
+    out: list[RaceUpload] = []
+    if not embed_on_device:
+        out.append(RaceUpload(embed_device, None, trains[0], up(sizes.embed_numel, trains[0]),
+                              gates_forward=True))
+    for q in range(resident, len(pack_list)):
+        for b in pack_list[q]:
+            out.append(RaceUpload(fwd_device[q], q, trains[1 + b], up(sizes.block_numels[b], trains[1 + b])))
+        if q == resident:
+            out.extend(head)
+    if resident == len(pack_list):  # no streamed pack: the head alone
+        out.extend(head)
+    return tuple(out)
+
+
 def _forward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, float]:
     """The forward pass's limits: the busiest device's compute, uploads, stash writes, both links."""
     return {"compute": max(lanes.f_comp) * slowdown, "upload": max(lanes.f_up) / rates.h2d,
@@ -340,8 +389,9 @@ def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates, overlappable:
 
 
 def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
-                      precision: str = "bf16") -> StepTime:
-    """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens."""
+                      precision: str = "bf16", clipping: bool = True) -> StepTime:
+    """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens (``clipping``:
+    also of a step where global-norm clipping triggers, ``StepTime.clipped_step_s``)."""
     n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
     tokens = batch * seq
     rates = _rates(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
@@ -353,7 +403,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     trains = sizes.layer_train_numels
     lora = bool(sizes.frozen_total)
 
-    lanes = _pack_work(packs, fwd_flops, rates, lora, _dequant_work(sizes, plan, batch, hw))
+    dequant = _dequant_work(sizes, plan, batch, hw)
+    lanes = _pack_work(packs, fwd_flops, rates, lora, dequant)
     _add_stash_traffic(lanes, plan, stash_bytes=tokens * sizes.hidden * (2 if precision == "bf16" else 4))
     dev = _on_device(packs)
     lanes.down[plan.embed_device] += 0 if dev.embed else trains[0] * DOWNLOAD_BYTES
@@ -390,10 +441,21 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     step = fill + forward + head + backward + tail
     # clipping triggers: the host AdamW of every host-stepped layer waits for the global norm and
     # runs in the background ahead of the next forward, which follows it layer by layer
-    host_pass = (sizes.train_total - dev.train) / (rates.adamw * CLIPPED_ADAMW_EFFICIENCY)
-    if ssd.on:
+    clip_rate = rates.adamw * CLIPPED_ADAMW_EFFICIENCY
+    clipped: float | None = None
+    if clipping and ssd.on:  # the SSD's lanes beside the pass (see _SsdLanes.clipped)
+        host_pass = (sizes.train_total - dev.train) / clip_rate
         no_opt, host_pass = ssd.clipped(no_opt, host_pass, f_terms)
-    clipped = fill + max(forward, host_pass) + head + no_opt + last_chunk
+        clipped = fill + max(forward, host_pass) + head + no_opt + last_chunk
+    elif clipping:
+        # each pack's forward compute, the N devices' share of it as in the forward phase
+        pack_fwd = [(fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0]) * slowdown / n
+                    for q in range(P)]
+        race = race_forward_end(_race_uploads(packs, dev), pack_fwd, slots=plan.param_slots(), devices=n,
+                                h2d=rates.h2d, adamw_rate=clip_rate)
+        # the head runs once the forward is done and its own update and upload are
+        clipped = (max(fill + forward, race.forward_end_s, race.uploads_end_s) + head + no_opt + last_chunk
+                   + dev.train * DEVICE_ADAMW_S_PER_PARAM)
     return StepTime(
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
         tokens_per_s=tokens / step, compute_s=sum(lanes.f_comp) + sum(lanes.b_comp) + head,

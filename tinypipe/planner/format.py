@@ -56,9 +56,11 @@ def format_plan(result: PlanResult) -> str:
     lines.append("tinypipe.Config(" + ", ".join(f"{k}={v!r}" for k, v in kw.items()) + ")")
     if len(result.pareto) > 1:
         lines.append("")
-        lines.append(f"time-memory trade-offs ({result.fitting} of {result.considered} plans fit):")
+        clip = " (steps where clipping triggers)" if result.max_grad_norm is not None else ""
+        lines.append(f"time-memory trade-offs{clip} ({result.fitting} of {result.considered} plans fit):")
         for c in result.pareto:
-            lines.append(f"  {c.time.step_s:6.2f} s/step {c.tokens_per_s:>9,.0f} tok/s  "
+            sec = result.seconds(c)
+            lines.append(f"  {sec:6.2f} s/step {result.global_batch * result.seq / sec:>9,.0f} tok/s  "
                          f"GPU {gib_text(c.gpu_need):>9}  host {gib_text(c.host_need):>9}  {c.describe()}")
     for note in result.notes:
         lines.append(f"note: {note}")

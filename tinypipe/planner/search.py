@@ -78,6 +78,11 @@ class PlanResult:
     def retain_grads(self) -> bool:
         return self.max_grad_norm is not None
 
+    def seconds(self, candidate: Candidate | None = None) -> float:
+        """The step time the search ranked ``candidate`` (default: the best plan) by: the clipped
+        step under ``max_grad_norm`` (:func:`ranking_seconds`)."""
+        return ranking_seconds(candidate or self.best, self.max_grad_norm is not None)
+
     def config_kwargs(self, candidate: Candidate | None = None) -> dict:
         """``tinypipe.Config`` fields that realise ``candidate`` (default: the best plan); or pass
         the plan itself: ``Engine(model, config, plan=candidate.plan)``. A plan with state on the
@@ -177,10 +182,22 @@ def _with_resident_packs(seeds: list[Candidate], evaluate_plan: Evaluate,
     return out, fits
 
 
-def _pareto(cands: list[Candidate]) -> list[Candidate]:
-    """Plans no other plan beats on both step time and GPU need (fastest first)."""
+def ranking_seconds(c: Candidate, clipping: bool) -> float:
+    """The step time the search ranks by: under clipping (``max_grad_norm`` set) the step where it
+    triggers -- at HF Trainer's default of 1.0 fine-tuning clips on nearly every step, and the
+    host AdamW pass it defers (:mod:`tinypipe.planner.clipped`) is what plans differ in most
+    then -- otherwise the plain step."""
+    if clipping:
+        assert c.time.clipped_step_s is not None  # evaluate() predicts it under max_grad_norm
+        return c.time.clipped_step_s
+    return c.time.step_s
+
+
+def _pareto(cands: list[Candidate], clipping: bool = False) -> list[Candidate]:
+    """Plans no other plan beats on both step time and GPU need (fastest first; ``clipping``:
+    by :func:`ranking_seconds`)."""
     front: list[Candidate] = []
-    for c in sorted(cands, key=lambda c: (c.time.step_s, c.gpu_need, c.host_need)):
+    for c in sorted(cands, key=lambda c: (ranking_seconds(c, clipping), c.gpu_need, c.host_need)):
         if not front or c.gpu_need < front[-1].gpu_need:
             front.append(c)
     return front
@@ -247,6 +264,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         notes.append("activation sizes come from a generic formula (the probe model could not be built)")
 
     mbs = micro_batch_options(global_batch)
+    clipping = max_grad_norm is not None  # rank by the clipped step (ranking_seconds)
     # a measured profile knows the rate up to its largest micro-batch: search up to there
     plateau = REFERENCE_TOKENS
     if hw.layer_profile is not None and hw.layer_profile.precision == precision:
@@ -302,12 +320,13 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         raise PlanDoesNotFitError((spill.why_not() if gpu_ok else None)
                                   or _why_not(cands, gpu_mem, cpu_memory_bytes, gpus, ssd is not None))
     if resident_packs is None:  # spend what GPU memory the fastest plans leave on resident packs
-        more, more_fits = _with_resident_packs(_pareto(fits)[:RESIDENT_SEEDS], ev, settle, gpu_mem)
+        more, more_fits = _with_resident_packs(_pareto(fits, clipping)[:RESIDENT_SEEDS], ev, settle, gpu_mem)
         cands += more
         fits += more_fits
-    front = _pareto(fits)
-    fastest = front[0].time.step_s
-    best = min((c for c in front if c.time.step_s <= fastest * (1 + NEAR_FASTEST)), key=lambda c: c.gpu_need)
+    front = _pareto(fits, clipping)
+    fastest = ranking_seconds(front[0], clipping)
+    best = min((c for c in front if ranking_seconds(c, clipping) <= fastest * (1 + NEAR_FASTEST)),
+               key=lambda c: c.gpu_need)
     hiding = None
     if ssd is not None and best.plan.offload and hiding_search:
         fresh = Spill(sizes, ssd, cpu_memory_bytes, precision=precision,

@@ -47,8 +47,12 @@ class ChunkedAdamW:
         pieces = self.groups.pieces(state.spec.index, lo + base, hi + base)
         return [(a - base, b - base, d) for a, b, d in pieces]
 
-    def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float) -> None:
-        """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``."""
+    def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float,
+             grad_scale: torch.Tensor | None = None) -> None:
+        """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``; ``grad_scale``
+        (a one-element fp32 tensor on the buffers' device): the kernel divides the gradient by it
+        and writes the quotient back into ``grad`` in the same pass (clipping without a pass of
+        its own, :meth:`StepDecisions._redo`)."""
         if step == 1:  # moments start at zero; they were left uninitialised at allocation
             state.exp_avg[lo:hi].zero_()
             state.exp_avg_sq[lo:hi].zero_()
@@ -71,6 +75,7 @@ class ChunkedAdamW:
             [],
             steps,
             fused=True,
+            grad_scale=grad_scale,
             amsgrad=False,
             beta1=self.beta1,
             beta2=self.beta2,

@@ -31,7 +31,7 @@ from tinypipe.memory.host_store import HostStore, LayerState
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 
 _NO_GRAD = torch.empty(0)
-REDO_CHUNK = 1 << 22  # 16 MiB of fp32 gradient: scaled, then stepped while in cache
+REDO_CHUNK = 1 << 22  # 16 MiB of fp32 gradient: undone, then stepped while in cache
 
 #: What happens to a layer's gradient as it arrives: stepped at once (speculating that clipping
 #: will not trigger), deferred to the end of the step, skipped (non-finite), or left to its device.
@@ -164,14 +164,18 @@ class StepDecisions:
     def _redo(self, layer: int, coef: float, step: int, undo: bool) -> None:
         """Step ``layer`` with its gradient scaled by ``coef`` (after undoing the speculative step).
 
-        Chunk by chunk, so the gradient chunk is still in cache for the step; the retained
-        gradient is scaled in place (it is rewritten by the next step anyway) -- a temporary per
-        chunk cost a page-faulting allocation each time."""
+        Chunk by chunk (the undo's chunk is still in cache for the step). The clip coefficient goes
+        into the fused kernel as ``grad_scale = 1 / coef`` (it divides the gradient as it reads
+        it and writes the quotient back into the retained gradient, which the next step rewrites
+        anyway): no separate ``g.mul_(coef)`` pass over the gradient. Dividing by the rounded
+        reciprocal differs from multiplying by ``coef`` (torch's ``clip_grad_norm_``) by at most
+        about one float32 rounding of the gradient; bench/clip_bench.py times both."""
         state, grad = self._views(layer)
+        scale = None
+        if coef != 1.0:
+            scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=state.master.device)
         for lo, hi in self._chunks(layer):
             g = grad[lo:hi]
             if undo:
                 self.adamw.undo(state, lo, hi, g, step, self.lr)
-            if coef != 1.0:
-                g.mul_(coef)
-            self.adamw.step(state, lo, hi, g, step, self.lr)
+            self.adamw.step(state, lo, hi, g, step, self.lr, grad_scale=scale)

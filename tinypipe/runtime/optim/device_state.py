@@ -79,10 +79,13 @@ class DeviceOptimizerState:
             grad, params = self.pool.grads(layer, None), self.pool.params(layer, None)
             dev = self.states[layer]
             n = dev.master.numel()
-            g = grad[:n]
+            # the clip coefficient as the kernel's grad_scale, as the host's deferred steps take it
+            # (StepDecisions._redo): a layer stepped here and on the host get the same bits; the
+            # kernel writes the scaled gradient back, and the accumulator is zeroed before reuse
+            scale = None
             if coef != 1.0:
-                g.mul_(coef)  # the accumulator is zeroed before the next step uses it
-            adamw.step(dev, 0, n, g, step, lr)
+                scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=grad.device)
+            adamw.step(dev, 0, n, grad[:n], step, lr, grad_scale=scale)
             params[:n].copy_(dev.master)
         self.host_current = False
 
