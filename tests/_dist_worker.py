@@ -114,7 +114,8 @@ def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         torch.save({"losses": [r.loss for r in results], "norms": [r.grad_norm for r in results],
                     "clipped": [r.clipped for r in results], "state": state,
                     "skipped": [r.skipped for r in results],
-                    "rss_optimizer": engine.store.optimizer_bytes,
+                    "rss_optimizer": engine.store.optimizer_bytes, "sharding": engine.plan.optimizer_sharding,
+                    "plan": engine.plan.to_json(),
                     "trace": sorted({e["lane"] for e in engine.step_timeline()})}, out)
         engine.close()
         dist.barrier()

@@ -33,8 +33,10 @@ CASES = {
 }
 
 
-def _moment_bytes(spec: dict, world: int, rank: int, sharded: bool) -> int:
-    """Bytes of AdamW moments a rank should hold: every layer's, or its ceil(n/R) shard of each."""
+def _moment_bytes(spec: dict, world: int, rank: int, sharded: bool,
+                  on_device: frozenset[int] = frozenset()) -> int:
+    """Bytes of AdamW moments a rank should hold: every layer's, or its ceil(n/R) shard of each
+    (a layer stepped on its device, ``on_device``, keeps whole moments there)."""
     from _dist_worker import make
 
     from tinypipe.distributed.shards import Shard
@@ -42,7 +44,8 @@ def _moment_bytes(spec: dict, world: int, rank: int, sharded: bool) -> int:
     from tinypipe.models.decompose import Decomposition
 
     layers = Decomposition(split_peft(make(spec))[1]).layers
-    sizes = [Shard(s.train_numel, world, rank).numel if sharded else s.train_numel for s in layers]
+    sizes = [Shard(s.train_numel, world, rank).numel if sharded and i not in on_device else s.train_numel
+             for i, s in enumerate(layers)]
     return 8 * sum(sizes)
 
 
@@ -57,3 +60,46 @@ def test_replicas_equal_one_process(name: str, tmp_path: Path) -> None:
     for rank, r in enumerate(results):  # sharded: 1/R of the moments per rank (4 + 8/R B/param)
         assert r["rss_optimizer"] == _moment_bytes(spec, world, rank, sharded)
 
+
+
+def _planner_sharding(spec: dict, budget: int) -> str | None:
+    """What the planner chooses for 2 replicas of ``spec`` with ``budget`` bytes of host memory
+    (None: nothing fits)."""
+    from _dist_worker import make
+
+    import tinypipe
+    from tinypipe.lora.hooks import split_peft
+    from tinypipe.models.decompose import Decomposition
+    from tinypipe.planner.auto import resolve_plan
+
+    model = make(spec)
+    dec = Decomposition(split_peft(model)[1])
+    cfg = tinypipe.Config(devices=["cpu"], cpu_memory_bytes=budget, **spec["cfg"])
+    try:
+        plan, _ = resolve_plan(model, cfg, num_blocks=dec.num_blocks, tied=dec.tied, replicas=2)
+    except tinypipe.PlanDoesNotFitError:
+        return None
+    return plan.optimizer_sharding
+
+
+def test_auto_sharding_at_run_time_is_the_planners_choice(tmp_path: Path) -> None:
+    """``optimizer_sharding="auto"`` with the workload given: the ranks ask the planner (here, on a
+    CPU whose host AdamW is the slow part, sharding halves it and fits: "shard"; without the
+    workload "auto" replicates) -- and training stays exact."""
+    from _dist_worker import SEQ
+
+    spec = dict(family="llama", batch=6, steps=2,
+                cfg=dict(seq_len=SEQ, global_batch=6, max_grad_norm=0.5, optimizer_sharding="auto"))
+    budget = 16 << 30
+    assert _planner_sharding(spec, budget) == "shard"
+    spec["cfg"]["cpu_memory_bytes"] = budget
+    results = run(spec, 2, tmp_path)
+    assert [r["sharding"] for r in results] == ["shard", "shard"]
+    assert_exact(spec, results)
+    from tinypipe.schedule.plan import Plan
+
+    plan = Plan.from_json(results[0]["plan"])
+    on_device = frozenset().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
+    for rank, r in enumerate(results):
+        assert r["plan"] == results[0]["plan"]
+        assert r["rss_optimizer"] == _moment_bytes(spec, 2, rank, True, on_device)

@@ -27,9 +27,9 @@ Sharding = Literal["replicate", "shard"]
 
 
 def resolve_sharding(choice: str, replicas: int) -> Sharding:
-    """``Config.optimizer_sharding`` -> the plan's. "auto" resolves to "replicate" here until the
-    planner's choice (branch dp-planner: planner/replicas.py, planner/auto.py) replaces this one
-    function."""
+    """``Config.optimizer_sharding`` -> the sharding the replicas start with. "auto" starts as
+    "replicate"; with the workload given the planner's choice replaces it
+    (runtime/replica_setup.py: ``resolve_replica_plan``)."""
     if choice == "shard" and replicas > 1:
         return "shard"
     return "replicate"

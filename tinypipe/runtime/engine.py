@@ -35,7 +35,6 @@ from tinypipe.memory.report import MemoryReport
 from tinypipe.models.decompose import Decomposition
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
-from tinypipe.planner.auto import resolve_plan
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
 from tinypipe.runtime.checkpoint_sharded import find_sharded, load_replicas, save_replicas, sharded_extra
@@ -47,7 +46,7 @@ from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepOutcome
 from tinypipe.runtime.optim.path import retains_gradients
 from tinypipe.runtime.replica_setup import (check_replicas_agree, join_replicas, local_batch, local_devices,
-                                            planning_config, replica_plan)
+                                            replica_plan, resolve_replica_plan)
 from tinypipe.runtime.step import StepRunner
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.workers import LaneWorkers
@@ -134,8 +133,8 @@ class Engine:
         # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs
         # this engine on its rows of each global batch; None alone
         self.replicas = join_replicas(cfg)
-        self.plan, self.plan_result = resolve_plan(given, planning_config(cfg, self.replicas),
-                                                   num_blocks=dec.num_blocks, tied=dec.tied, plan=plan)
+        self.plan, self.plan_result = resolve_replica_plan(given, cfg, self.replicas, num_blocks=dec.num_blocks,
+                                                           tied=dec.tied, plan=plan)
         self.plan = replica_plan(self.plan, self.replicas, adopt_rank0=plan is None)
         if self.replicas is not None:
             check_replicas_agree(self.replicas, cfg, self.plan, model)

@@ -15,6 +15,8 @@ from tinypipe.distributed.consistency import check_consistent, fingerprint, weig
 from tinypipe.distributed.group import Replicas, replicas_from_environment, resolve_sharding
 from tinypipe.distributed.topology import Topology
 from tinypipe.errors import ConfigError
+from tinypipe.planner.auto import resolve_plan
+from tinypipe.planner.search import PlanResult
 from tinypipe.schedule.plan import Plan
 
 #: ``Config.extra`` knobs of the replicas (see :func:`join_replicas`)
@@ -47,6 +49,26 @@ def local_devices(config: Config, topo: Topology | None) -> list[str]:
     return topo.local_devices(list(config.devices), share=bool(config.extra.get(SHARE_KEY, False)))
 
 
+def resolve_replica_plan(model: nn.Module, config: Config, replicas: Replicas | None, *, num_blocks: int,
+                         tied: bool, plan: Plan | None) -> tuple[Plan, PlanResult | None]:
+    """The plan this rank resolves (before :func:`replica_plan` makes every rank run rank 0's).
+
+    With ``optimizer_sharding="auto"`` and the workload given, the planner weighs replicating the
+    host optimizer state against sharding it for this node's host memory (planner/auto.py:
+    ``resolve_plan(..., replicas=R)``) and its choice becomes ``replicas.sharding``; otherwise the
+    plan of this rank's devices and batch share, with the sharding given ("auto": replicate)."""
+    if replicas is None:
+        return resolve_plan(model, config, num_blocks=num_blocks, tied=tied, plan=plan)
+    if config.optimizer_sharding == "auto" and config.seq_len is not None and config.global_batch is not None:
+        local = config.replace(devices=local_devices(config, replicas.topology))
+        chosen, result = resolve_plan(model, local, num_blocks=num_blocks, tied=tied, plan=plan,
+                                      replicas=replicas.size,
+                                      replicas_per_node=replicas.topology.local_world_size)
+        replicas.sharding = chosen.optimizer_sharding
+        return chosen, result
+    return resolve_plan(model, planning_config(config, replicas), num_blocks=num_blocks, tied=tied, plan=plan)
+
+
 def planning_config(config: Config, replicas: Replicas | None) -> Config:
     """What the planner plans for on this rank: its own local devices and, when the workload is
     given, its share of the global batch."""
@@ -71,6 +93,8 @@ def replica_plan(plan: Plan, replicas: Replicas | None, adopt_rank0: bool = Fals
         return plan
     if adopt_rank0:
         plan = Plan.from_json(str(replicas.host.all_gather_object(plan.to_json())[0]))
+        if plan.replicas == replicas.size:  # the planner weighed the sharding too: rank 0's choice
+            replicas.sharding = plan.optimizer_sharding
     return dataclasses.replace(plan, replicas=replicas.size, optimizer_sharding=replicas.sharding)
 
 

@@ -60,10 +60,10 @@ class ChunkedAdamW:
         for decayed in (True, False):
             runs = [(a, b) for a, b, d in pieces if d == decayed]
             if runs:
-                self._fused(state, runs, lo, grad, step, lr, self.weight_decay if decayed else 0.0)
+                self._fused(state, runs, lo, grad, step, lr, self.weight_decay if decayed else 0.0, grad_scale)
 
     def _fused(self, state: LayerState, runs: list[tuple[int, int]], lo: int, grad: torch.Tensor,
-               step: int, lr: float, weight_decay: float) -> None:
+               step: int, lr: float, weight_decay: float, grad_scale: torch.Tensor | None) -> None:
         """One fused AdamW call over the element ranges ``runs`` (``grad`` starts at ``lo``)."""
         # the step count as a tensor on the buffers' device (fused CUDA wants it there), one per tensor
         steps = [torch.tensor(float(step - 1), device=state.master.device) for _ in runs]
