@@ -5,6 +5,7 @@
 #   bash bench/gpu_calls.sh qlora70b     # the 70B-shape QLoRA run (a call of its own: ~6 min)
 #   bash bench/gpu_calls.sh ssd-w3       # W3 with the SSD tier (bench/ssd_w3.py)
 #   bash bench/gpu_calls.sh gpu-tests    # every GPU-marked test (QLoRA 1/2 entries, int8, bf16, dropout)
+#   bash bench/gpu_calls.sh clip-dp      # W1 with/without clipping (auto plans) + 2 replicas sharing the GPU
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -37,5 +38,10 @@ case "${1:-}" in
     timeout 120 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gpu.py -k int8 \
       > "$OUT/gpu_tests_int8.log" 2>&1
     grep -hE "update error|^(FAILED|ERROR)|passed|failed" "$OUT/gpu_tests.log" "$OUT/gpu_tests_int8.log" | tail -30 ;;
+  clip-dp)
+    timeout 270 python3 bench/run.py W1 --devices cuda:0 --cap-gib 24 --auto --clip-compare --max-grad-norm 1.0 \
+      --json "$OUT/w1_clip_compare.json" 2>&1 | tail -8
+    timeout 290 python3 bench/dp_bench.py --mode share --workloads W1 --sharding shard --steps 3 --warmup 1 \
+      --cap-gib 24 --out "$OUT/dp" --json "$OUT/dp_share_w1.json" 2>&1 | tail -8 ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac
