@@ -6,6 +6,7 @@
 #   bash bench/gpu_calls.sh ssd-w3       # W3 with the SSD tier (bench/ssd_w3.py)
 #   bash bench/gpu_calls.sh gpu-tests    # every GPU-marked test (QLoRA 1/2 entries, int8, bf16, dropout)
 #   bash bench/gpu_calls.sh clip-dp      # W1 with/without clipping (auto plans) + 2 replicas sharing the GPU
+#   bash bench/gpu_calls.sh clip-w1      # W1 clipped: the unclipped plan, 4 resident packs, the planner's own
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -43,5 +44,13 @@ case "${1:-}" in
       --json "$OUT/w1_clip_compare.json" 2>&1 | tail -8
     timeout 290 python3 bench/dp_bench.py --mode share --workloads W1 --sharding shard --steps 3 --warmup 1 \
       --cap-gib 24 --out "$OUT/dp" --json "$OUT/dp_share_w1.json" 2>&1 | tail -8 ;;
+  clip-w1)
+    W1="python3 bench/run.py W1 --devices cuda:0 --cap-gib 24 --max-grad-norm 1.0 --steps 4 --warmup 1"
+    timeout 110 $W1 --pack-size 1,3,3,3,3,3,3,3,3,3 --micro-batch 4 --window 3 --stash host \
+      --device-optimizer embed --json "$OUT/w1_clip_unclipped_plan.json" > "$OUT/w1_clip_a.log" 2>&1
+    timeout 110 $W1 --pack-size 1 --micro-batch 4 --window 1 --stash host --device-optimizer embed \
+      --resident-packs 4 --json "$OUT/w1_clip_resident4.json" > "$OUT/w1_clip_b.log" 2>&1
+    timeout 120 $W1 --auto --json "$OUT/w1_clip_auto.json" > "$OUT/w1_clip_c.log" 2>&1
+    for f in a b c; do echo "== $f"; tail -4 "$OUT/w1_clip_$f.log"; done ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac
