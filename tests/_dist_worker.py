@@ -38,12 +38,9 @@ def make(spec: dict) -> torch.nn.Module:
     from tinypipe.lora import LoraSettings, apply_lora
 
     pm = apply_lora(model, LoraSettings(rank=4, alpha=8.0))
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return pm
+    from test_lora import randomize_lora_b
+
+    return randomize_lora_b(pm)
 
 
 def batches(spec: dict) -> list[dict]:

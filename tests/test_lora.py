@@ -43,6 +43,11 @@ def lora_model(family: str, layers: int = 4, rank: int = 4, targets: list[str] |
     """A zoo model with LoRA adapters whose B matrices are random too (PEFT starts B at zero, which
     would make the first step's A-gradients vanish and hide errors)."""
     pm = apply_lora(make_model(family, layers=layers, tied=tied), LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets))
+    return randomize_lora_b(pm)
+
+
+def randomize_lora_b(pm: peft.PeftModel) -> peft.PeftModel:
+    """Give every LoRA B matrix seeded random values (PEFT's zeros hide A-gradient errors)."""
     g = torch.Generator().manual_seed(7)
     with torch.no_grad():
         for name, p in pm.named_parameters():

@@ -55,12 +55,9 @@ def qlora_model(family: str, spec: QuantSpec, layers: int = 4, rank: int = 4,
     settings = LoraSettings(rank=rank, alpha=2.0 * rank, targets=targets, quantize=spec.scheme,
                             double_quant=spec.double_quant, compute_dtype=_precision(spec))
     pm = apply_lora(make_model(family, layers=layers), settings)
-    g = torch.Generator().manual_seed(7)
-    with torch.no_grad():
-        for name, p in pm.named_parameters():
-            if "lora_B" in name:
-                p.copy_(torch.randn(p.shape, generator=g) * 0.05)
-    return pm
+    from test_lora import randomize_lora_b
+
+    return randomize_lora_b(pm)
 
 
 def _precision(spec: QuantSpec) -> str:
