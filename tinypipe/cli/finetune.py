@@ -127,6 +127,7 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         gpu_memory_bytes=s["gpu_memory_bytes"],
         cpu_memory_bytes=s["cpu_memory_bytes"],
         offload_dir=str(Path(s["offload_dir"]).expanduser()) if s["offload_dir"] else None,
+        optimizer_sharding=s["optimizer_sharding"],
     )
     _check_devices(config.devices)
     return config, auto

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
-from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PRECISIONS
+from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, OPTIMIZER_SHARDING_CHOICES, PRECISIONS
 from tinypipe.errors import ConfigError
 from tinypipe.train.loop import SCHEDULES
 from tinypipe.units import parse_bytes
@@ -168,6 +168,10 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("resident-packs", _int, None, "keep the first N packs on the GPU for the whole run, stepped "
            "there: 18 bytes/parameter of GPU memory (bf16), no swapping or host AdamW for them (default: "
            "the planner's choice on CUDA, 0 on cpu)", "N"),
+    Option("optimizer-sharding", _str, "auto", "with data-parallel replicas (torchrun): each replica keeps "
+           "the whole host AdamW state (replicate) or only its 1/R shard (shard: less host memory, one "
+           "all-gather of the updated weights per layer) (default: auto, the planner's choice)", None,
+           OPTIMIZER_SHARDING_CHOICES),
     Option("max-grad-norm", _optional_float, None, "clip the global gradient norm to this (default: off; "
            "costs one fp32 gradient copy in host memory)", "X"),
     Option("seed", _int, 0, "seed for the data order and the dropout masks (default: 0)", "N"),

@@ -60,7 +60,8 @@ class ChunkedAdamW:
         for decayed in (True, False):
             runs = [(a, b) for a, b, d in pieces if d == decayed]
             if runs:
-                self._fused(state, runs, lo, grad, step, lr, self.weight_decay if decayed else 0.0, grad_scale)
+                decay = self.weight_decay if decayed else 0.0
+                self._fused(state, runs, lo, grad, step, lr, decay, grad_scale)
 
     def _fused(self, state: LayerState, runs: list[tuple[int, int]], lo: int, grad: torch.Tensor,
                step: int, lr: float, weight_decay: float, grad_scale: torch.Tensor | None) -> None:
