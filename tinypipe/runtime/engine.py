@@ -133,8 +133,8 @@ class Engine:
         # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs
         # this engine on its rows of each global batch; None alone
         self.replicas = join_replicas(cfg)
-        self.plan, self.plan_result = resolve_replica_plan(given, cfg, self.replicas,
-                                                           num_blocks=dec.num_blocks, tied=dec.tied, plan=plan)
+        self.plan, self.plan_result = resolve_replica_plan(
+            given, cfg, self.replicas, num_blocks=dec.num_blocks, tied=dec.tied, plan=plan)
         self.plan = replica_plan(self.plan, self.replicas, adopt_rank0=plan is None)
         if self.replicas is not None:
             check_replicas_agree(self.replicas, cfg, self.plan, model)
