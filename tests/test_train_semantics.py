@@ -361,21 +361,20 @@ def test_raise_on_a_nonfinite_loss_updates_nothing_and_stays_usable() -> None:
     engine.close()
 
 
-def test_engine_rollback_at_a_later_step_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Three unclipped steps, then a step whose norm just exceeds the threshold: nearly every layer
-    was stepped speculatively at step 4 (moments from three real steps) and is undone and redone
-    clipped. Weights match torch's clipped AdamW to the usual tolerance."""
-    model = make_model("llama", layers=4)
-    randomize_biases(model)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
+def _batches_clipping_at_step_4(model: torch.nn.Module) -> tuple[list[dict], list[float]]:
+    """Four batches, the fourth's reference gradient norm above the first three's (a clip threshold
+    of 0.99 x it triggers only there), and the reference norms."""
     first = [make_batch(BATCH, SEQ, seed=i) for i in range(3)]
-    for seed in range(3, 40):  # a fourth batch whose gradient norm tops the first three's
+    for seed in range(3, 40):
         batches = first + [make_batch(BATCH, SEQ, seed=seed)]
         norms = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD).grad_norms
         if norms[3] * 0.99 > max(norms[:3]):
-            break
-    else:
-        pytest.fail("no fourth batch with a larger gradient norm")
+            return batches, norms
+    pytest.fail("no fourth batch with a larger gradient norm")
+
+
+def _count_undos(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layer of every ChunkedAdamW.undo call from now on (the calls still run)."""
     undone: list[int] = []
     real = ChunkedAdamW.undo
 
@@ -384,6 +383,18 @@ def test_engine_rollback_at_a_later_step_matches_torch(monkeypatch: pytest.Monke
         return real(self, state, *args, **kwargs)
 
     monkeypatch.setattr(ChunkedAdamW, "undo", counting)
+    return undone
+
+
+def test_engine_rollback_at_a_later_step_matches_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Three unclipped steps, then a step whose norm just exceeds the threshold: nearly every layer
+    was stepped speculatively at step 4 (moments from three real steps) and is undone and redone
+    clipped. Weights match torch's clipped AdamW to the usual tolerance."""
+    model = make_model("llama", layers=4)
+    randomize_biases(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    batches, norms = _batches_clipping_at_step_4(model)
+    undone = _count_undos(monkeypatch)
     cfg = dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=0.99 * norms[3])
     engine, ref = train_both(model, model, batches, cfg, lr=LR, eps=EPS, weight_decay=WD)
     worst, update_err = compare(engine.state_dict(), ref.model, init)  # waits for the redo
@@ -414,24 +425,10 @@ def test_decay_groups_undo_and_checkpoints_with_state_on_the_ssd(  # type: ignor
     model = make_model("llama", layers=4)
     randomize_biases(model)
     init = {k: v.clone() for k, v in model.state_dict().items()}
-    first = [make_batch(BATCH, SEQ, seed=i) for i in range(3)]
-    for seed in range(3, 40):  # a fourth batch whose gradient norm tops the first three's
-        batches = first + [make_batch(BATCH, SEQ, seed=seed)]
-        norms = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD).grad_norms
-        if norms[3] * 0.99 > max(norms[:3]):
-            break
-    else:
-        pytest.fail("no fourth batch with a larger gradient norm")
+    batches, norms = _batches_clipping_at_step_4(model)
     clip = 0.99 * norms[3]
     ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=clip)
-    undone: list[int] = []
-    real = ChunkedAdamW.undo
-
-    def counting(self, state, *args, **kwargs):  # type: ignore[no-untyped-def]
-        undone.append(state.spec.index)
-        return real(self, state, *args, **kwargs)
-
-    monkeypatch.setattr(ChunkedAdamW, "undo", counting)
+    undone = _count_undos(monkeypatch)
     cfg = tinypipe.Config(devices=["cpu"], pack_size=2, micro_batch_size=2, lr=LR, eps=EPS, weight_decay=WD,
                           max_grad_norm=clip, head_chunk_tokens=7)
     ssd_cfg = cfg.replace(offload_dir=str(tmp_path / "scratch"))
