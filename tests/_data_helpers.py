@@ -77,3 +77,22 @@ def write_jsonl(path: Path, records: Iterable[Any]) -> Path:
     lines = [r if isinstance(r, str) else json.dumps(r) for r in records]
     path.write_text("\n".join(lines) + "\n", encoding="utf-8")
     return path
+
+
+def tiny_llama_and_corpus(tmp_path: Path) -> tuple[Path, Path]:
+    """A saved 2-layer Llama with this tokenizer (``tmp_path/base``) and 40 corpus rows as
+    ``tmp_path/train.jsonl``: what the ``finetune`` command tests train on."""
+    import torch
+    import transformers
+
+    tok = make_tokenizer()
+    model_dir = tmp_path / "base"
+    cfg = transformers.LlamaConfig(
+        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
+    tok.save_pretrained(model_dir)
+    data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
+    return model_dir, data

@@ -32,12 +32,7 @@ BATCH, SEQ, STEPS = 5, 12, 3
 SEED = 1234
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def gpt2_with_dropout(p: float = 0.1, layers: int = 4) -> torch.nn.Module:

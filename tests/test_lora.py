@@ -247,19 +247,10 @@ def test_settings_are_validated() -> None:
 
 
 def test_finetune_lora_merge_cli(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from _data_helpers import CORPUS, make_tokenizer, write_jsonl
+    from _data_helpers import make_tokenizer, tiny_llama_and_corpus
     from tinypipe import cli
 
-    tok = make_tokenizer()
-    model_dir = tmp_path / "base"
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
+    model_dir, data = tiny_llama_and_corpus(tmp_path)
     settings = tmp_path / "lora.toml"
     settings.write_text('lora = true\nlora_rank = 4\nlora_alpha = 8\nlora_targets = ["q_proj", "v_proj", "down_proj"]\n')
     out = tmp_path / "out"
@@ -285,7 +276,7 @@ def test_finetune_lora_merge_cli(capsys: pytest.CaptureFixture[str], tmp_path: P
     assert "LoRA: rank 4" in stdout and "frozen_weights" in stdout
     adapter_cfg = json.loads((out / "adapter_config.json").read_text())
     assert sorted(adapter_cfg["target_modules"]) == ["down_proj", "q_proj", "v_proj"]
-    ids = torch.randint(0, len(tok), (2, 12), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, len(make_tokenizer()), (2, 12), generator=torch.Generator().manual_seed(0))
     original = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     before = _logits(original, ids)
     with_adapter = _logits(peft.PeftModel.from_pretrained(original, out), ids)

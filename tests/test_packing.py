@@ -28,12 +28,7 @@ LR, EPS, WD = 1e-3, 1e-6, 0.1
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # OPT: see test_opt_refuses_packed_rows
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def _segments(positions: list[int]) -> list[tuple[int, int]]:

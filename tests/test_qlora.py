@@ -41,12 +41,7 @@ FP32 = torch.float32
 MB = 1e6
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def qlora_model(family: str, spec: QuantSpec, layers: int = 4, rank: int = 4,
@@ -428,19 +423,10 @@ def test_adapter_loads_over_transformers_4bit_base_and_merge(tmp_path: Path) -> 
 
 
 def test_finetune_cli_qlora_merge(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
-    from _data_helpers import CORPUS, make_tokenizer, write_jsonl
+    from _data_helpers import tiny_llama_and_corpus
     from tinypipe import cli
 
-    tok = make_tokenizer()
-    model_dir = tmp_path / "base"
-    cfg = transformers.LlamaConfig(
-        vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=128, tie_word_embeddings=True,
-        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(cfg).save_pretrained(model_dir)
-    tok.save_pretrained(model_dir)
-    data = write_jsonl(tmp_path / "train.jsonl", [{"text": CORPUS[i % len(CORPUS)]} for i in range(40)])
+    model_dir, data = tiny_llama_and_corpus(tmp_path)
     out = tmp_path / "out"
     base = ["finetune", "--model", model_dir, "--data", data, "--seq-len", "16", "--global-batch", "4",
             "--micro-batch", "2", "--lr", "1e-2", "--devices", "cpu", "--no-progress", "--output", out]
