@@ -61,8 +61,14 @@ class Collectives:
         return Pending([dist.reduce_scatter_tensor(out, full, group=self.group, async_op=True)])
 
     def all_gather(self, out: torch.Tensor, mine: torch.Tensor) -> Pending:
-        """``out`` (R equal pieces) gets every rank's ``mine`` in rank order."""
-        return Pending([dist.all_gather_single(out, mine, group=self.group, async_op=True)])
+        """``out`` (R equal pieces) gets every rank's ``mine`` in rank order.
+
+        NCCL: one all-gather into the flat buffer. gloo: the list form into ``out``'s R contiguous
+        views (the flat-buffer call is not in every torch's gloo)."""
+        if self.backend == "nccl":
+            return Pending([dist.all_gather_into_tensor(out, mine, group=self.group, async_op=True)])
+        pieces = list(out.view(self.world_size, -1).unbind(0))
+        return Pending([dist.all_gather(pieces, mine, group=self.group, async_op=True)])
 
     def all_gather_object(self, obj: object) -> list[object]:
         """Every rank's picklable ``obj`` (blocking; start-up only)."""
