@@ -344,3 +344,15 @@ def test_forked_child_leaves_the_parents_files_alone(tmp_path):
     store.read("x", aligned_empty(1024))  # still usable in the parent
     store.close()
     assert _scratch_dirs(tmp_path) == []
+
+
+def test_measure_rates_mixed(tmp_path):
+    """Reads and writes in flight together: both rates and the drive's throughput under the mix."""
+    rates = measure_rates(tmp_path, 16 << 20, region_bytes=4 << 20, threads=2, chunk_bytes=1 << 20, mixed=True)
+    assert rates["mixed_read_gbps"] > 0 and rates["mixed_write_gbps"] > 0
+    # two regions read and two written: the throughput counts both, over the longer of the two waits
+    slowest = min(rates["mixed_read_gbps"], rates["mixed_write_gbps"])
+    assert slowest <= rates["mixed_gbps"] <= 2 * max(rates["mixed_read_gbps"], rates["mixed_write_gbps"])
+    assert list(tmp_path.iterdir()) == []
+    assert "mixed_gbps" not in measure_rates(tmp_path, 8 << 20, region_bytes=4 << 20, threads=2,
+                                             chunk_bytes=1 << 20)
