@@ -78,7 +78,9 @@ def _train(case: dict, replicas: bool, *, start: int = 0, ckpt: str | None = Non
            "state": {k: v.detach().cpu().clone() for k, v in engine.state_dict().items()},
            "sharding": engine.plan.optimizer_sharding,
            "lanes": sorted({e["lane"] for e in engine.step_timeline()}),
-           "optimizer_bytes": engine.store.optimizer_bytes}
+           "optimizer_bytes": engine.store.optimizer_bytes,
+           "backends": [] if engine.replicas is None else
+           [c.backend for _, c in sorted(engine.replicas.grads.items())]}
     engine.close()
     return out
 

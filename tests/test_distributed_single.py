@@ -95,13 +95,15 @@ def check_case(name: str, case: dict, r: dict) -> None:
     assert any(lane.endswith(":collective") for lane in rep["lanes"]), rep["lanes"]  # the reductions ran
     assert not any(lane.endswith(":collective") for lane in plain["lanes"]), plain["lanes"]
     assert rep["sharding"] == case["cfg"]["optimizer_sharding"]
+    devices = case["cfg"].get("devices", ["cpu"])
+    assert rep["backends"] == ["nccl" if d.startswith("cuda") else "gloo" for d in devices], rep["backends"]
     assert rep["optimizer_bytes"] == plain["optimizer_bytes"]  # one shard: the whole state
-    if "plain_again" in r and differences(r["plain_again"], plain):  # the device is not deterministic
+    compare = differences  # bit for bit, unless the device itself is not (then to float rounding)
+    if "plain_again" in r and differences(r["plain_again"], plain):
         warnings.warn(f"{name}: the plain engine is not bit-reproducible on this device "
                       f"({differences(r['plain_again'], plain)[:3]}); the replica checked to float rounding")
-        assert not beyond_rounding(rep, plain), beyond_rounding(rep, plain)
-    else:
-        assert not differences(rep, plain), differences(rep, plain)
+        compare = beyond_rounding
+    assert not compare(rep, plain), compare(rep, plain)
     if case.get("poison") is not None:
         assert rep["skipped"] == [i == case["poison"][0] for i in range(case["steps"])], rep["skipped"]
     if case.get("save_at"):
@@ -109,7 +111,7 @@ def check_case(name: str, case: dict, r: dict) -> None:
         if want is not None:
             assert r["ckpt_files"] == want, r["ckpt_files"]
         tail = {k: rep[k][case["save_at"]:] for k in ("losses", "norms", "clipped", "skipped")}
-        assert not differences(r["resumed"], dict(rep, **tail)), differences(r["resumed"], dict(rep, **tail))
+        assert not compare(r["resumed"], dict(rep, **tail)), compare(r["resumed"], dict(rep, **tail))
 
 
 def test_one_rank_gloo_equals_no_replicas(tmp_path: Path) -> None:
