@@ -26,12 +26,13 @@ from tinypipe.distributed.watchdog import Watchdog
 Sharding = Literal["replicate", "shard"]
 
 
-def resolve_sharding(choice: str, replicas: int) -> Sharding:
+def resolve_sharding(choice: str) -> Sharding:
     """``Config.optimizer_sharding`` -> the sharding the replicas start with. "auto" starts as
     "replicate"; with the workload given the planner's choice replaces it
-    (runtime/replica_setup.py: ``resolve_replica_plan``). "shard" is kept for one replica too
-    (a one-rank group, ``single_rank``: one shard, the whole buffer, through the same collectives)."""
-    return "shard" if choice == "shard" and replicas >= 1 else "replicate"
+    (runtime/replica_setup.py: ``resolve_replica_plan``). "shard" holds for any replica count, one
+    too (a one-rank group, ``single_rank``: one shard, the whole buffer, through the same
+    collectives)."""
+    return "shard" if choice == "shard" else "replicate"
 
 
 @dataclass

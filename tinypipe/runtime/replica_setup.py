@@ -41,7 +41,7 @@ def join_replicas(config: Config) -> Replicas | None:
     share = bool(extra.get(SHARE_KEY, False))
     heartbeat = float(extra.get(HEARTBEAT_KEY, 30.0))
     return replicas_from_environment(local_devices(config, topo), share=share,
-                                     sharding=resolve_sharding(config.optimizer_sharding, topo.world_size),
+                                     sharding=resolve_sharding(config.optimizer_sharding),
                                      timeout_s=float(extra.get(TIMEOUT_KEY, 1800.0)),
                                      heartbeat_s=heartbeat if heartbeat > 0 else None, single_rank=single)
 
