@@ -68,6 +68,9 @@ def _sabotage(kind: str) -> None:
 def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
     """Train ``spec`` as rank ``rank`` of ``world``; write this rank's results to ``out``."""
     torch.set_num_threads(1)
+    if spec.get("cuda"):  # fp32 matmuls, as the CPU reference computes them
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     import tinypipe
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world,
@@ -78,7 +81,8 @@ def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         model = make(dict(spec, seed=spec.get("seed_of", {}).get(rank, spec.get("seed", 0))))
         cfg = dict(spec.get("cfg", {}))
         cfg.update(spec.get("cfg_of", {}).get(rank, {}))
-        extra = {"dp_heartbeat_s": spec.get("heartbeat", 10.0), "dp_timeout_s": spec.get("timeout", 60.0)}
+        extra = {"dp_heartbeat_s": spec.get("heartbeat", 10.0), "dp_timeout_s": spec.get("timeout", 60.0),
+                 **spec.get("extra", {})}
         config = tinypipe.Config(devices=cfg.pop("devices", ["cpu"]), lr=LR, eps=EPS, weight_decay=WD,
                                  head_chunk_tokens=7, extra=extra, **cfg)
         engine = tinypipe.Engine(model, config)

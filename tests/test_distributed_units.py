@@ -1,6 +1,7 @@
 """The replicas' arithmetic without processes: shards tile each buffer exactly, the global batch
 splits evenly (or is refused naming what would), CUDA device names map to each local rank's GPUs,
-the schedule gains one reduction per layer on a collective lane, before that layer's download."""
+the schedule gains one reduction per layer on a collective lane, before that layer's download
+(with replicas, or a one-rank group that asks for them)."""
 
 from __future__ import annotations
 
@@ -60,6 +61,9 @@ def test_the_schedule_reduces_each_layer_before_its_download() -> None:
         assert red.lane == f"dev{red.device}:collective"
         assert sched.tasks[download_id(layer)].deps == (red.id,)
     assert len([t for t in sched.tasks.values() if t.kind is Kind.REDUCE]) == len(layers)
+    one = build_schedule(plan, 3, tied=False, reduce=True)  # a one-rank group: the same reductions
+    validate(one)
+    assert {t.id: t.deps for t in one.tasks.values()} == {t.id: t.deps for t in sched.tasks.values()}
 
 
 def test_a_replicas_plan_without_replicas_is_refused() -> None:

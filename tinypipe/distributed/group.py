@@ -26,13 +26,13 @@ from tinypipe.distributed.watchdog import Watchdog
 Sharding = Literal["replicate", "shard"]
 
 
-def resolve_sharding(choice: str, replicas: int) -> Sharding:
+def resolve_sharding(choice: str) -> Sharding:
     """``Config.optimizer_sharding`` -> the sharding the replicas start with. "auto" starts as
     "replicate"; with the workload given the planner's choice replaces it
-    (runtime/replica_setup.py: ``resolve_replica_plan``)."""
-    if choice == "shard" and replicas > 1:
-        return "shard"
-    return "replicate"
+    (runtime/replica_setup.py: ``resolve_replica_plan``). "shard" holds for any replica count, one
+    too (a one-rank group, ``single_rank``: one shard, the whole buffer, through the same
+    collectives)."""
+    return "shard" if choice == "shard" else "replicate"
 
 
 @dataclass
@@ -101,13 +101,15 @@ def _group(backend: str, timeout: datetime.timedelta, topo: Topology) -> Collect
 
 
 def replicas_from_environment(devices: list[str], *, sharding: Sharding, share: bool = False,
-                              timeout_s: float = 60.0, heartbeat_s: float | None = 30.0) -> Replicas | None:
-    """The replicas of the initialised default process group (None: not initialised, or one rank).
+                              timeout_s: float = 60.0, heartbeat_s: float | None = 30.0,
+                              single_rank: bool = False) -> Replicas | None:
+    """The replicas of the initialised default process group (None: not initialised, or one rank
+    unless ``single_rank``: see :meth:`Topology.from_process_group`).
 
     Every rank must call this in the same order with the same ``devices`` (new groups are
     collective). ``timeout_s``: every collective's timeout; ``heartbeat_s``: a peer silent for this
     long ends this process (None: no watchdog)."""
-    topo = Topology.from_process_group()
+    topo = Topology.from_process_group(single_rank)
     if topo is None:
         return None
     timeout = datetime.timedelta(seconds=timeout_s)

@@ -22,15 +22,18 @@ class Topology:
     local_world_size: int = 1
 
     @classmethod
-    def from_process_group(cls) -> Topology | None:
+    def from_process_group(cls, single_rank: bool = False) -> Topology | None:
         """The default group's view (None when torch.distributed is not initialised or has one rank).
 
+        ``single_rank``: a one-rank group is one replica too -- the whole replica machinery (the
+        reduction lanes, the sharded optimizer's collectives, the sharded checkpoint) runs over it,
+        which is how one GPU exercises the NCCL path (NCCL refuses two ranks on one GPU).
         LOCAL_RANK / LOCAL_WORLD_SIZE come from torchrun; without them (a hand-started group) every
         rank is taken to be on its own node, which only matters for CUDA device numbering."""
         if not dist.is_available() or not dist.is_initialized():
             return None
         world = dist.get_world_size()
-        if world == 1:
+        if world == 1 and not single_rank:
             return None
         rank = dist.get_rank()
         local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -169,7 +169,8 @@ class Engine:
         self.fault: Callable[[Task], None] | None = None  # test hook: called before every task
         if self._any_cuda:
             _prefer_expandable_segments()
-        validate(build_schedule(self.plan, 1, dec.tied))  # an unschedulable plan fails here, not at step 1
+        # an unschedulable plan fails here, not at step 1
+        validate(build_schedule(self.plan, 1, dec.tied, reduce=self.replicas is not None))
 
     # ------------------------------------------------------------------ training
 
@@ -181,7 +182,8 @@ class Engine:
     def schedule_for(self, batch: int) -> Schedule:
         """The (validated) schedule for a global batch of ``batch`` sequences."""
         if batch not in self._schedules:
-            sched = build_schedule(self.plan, batch, self.decomposition.tied)
+            sched = build_schedule(self.plan, batch, self.decomposition.tied,
+                                   reduce=self.replicas is not None)
             validate(sched)
             self._schedules[batch] = sched
         return self._schedules[batch]

@@ -21,6 +21,7 @@ from tinypipe.schedule.plan import Plan
 
 #: ``Config.extra`` knobs of the replicas (see :func:`join_replicas`)
 SHARE_KEY, TIMEOUT_KEY, HEARTBEAT_KEY = "dp_share_devices", "dp_timeout_s", "dp_heartbeat_s"
+SINGLE_KEY = "dp_single_rank"
 
 
 def join_replicas(config: Config) -> Replicas | None:
@@ -28,18 +29,21 @@ def join_replicas(config: Config) -> Replicas | None:
 
     ``Config.extra``: ``dp_share_devices`` (several ranks on one GPU: gloo, device names kept),
     ``dp_timeout_s`` (every collective's timeout, default 30 min: long saves happen between
-    barriers; the watchdog ends a run with a dead or hung peer long before), ``dp_heartbeat_s`` (a silent peer
-    ends this process after it, default 30 s; 0: no watchdog)."""
-    topo = Topology.from_process_group()
+    barriers; the watchdog ends a run with a dead or hung peer long before), ``dp_heartbeat_s``
+    (a silent peer ends this process after it, default 30 s; 0: no watchdog), ``dp_single_rank``
+    (a one-rank group is a replica too: every collective of the replicas runs, each an identity --
+    the NCCL path on one GPU, where NCCL refuses two ranks)."""
+    extra = config.extra
+    single = bool(extra.get(SINGLE_KEY, False))
+    topo = Topology.from_process_group(single)
     if topo is None:
         return None
-    extra = config.extra
     share = bool(extra.get(SHARE_KEY, False))
     heartbeat = float(extra.get(HEARTBEAT_KEY, 30.0))
     return replicas_from_environment(local_devices(config, topo), share=share,
-                                     sharding=resolve_sharding(config.optimizer_sharding, topo.world_size),
+                                     sharding=resolve_sharding(config.optimizer_sharding),
                                      timeout_s=float(extra.get(TIMEOUT_KEY, 1800.0)),
-                                     heartbeat_s=heartbeat if heartbeat > 0 else None)
+                                     heartbeat_s=heartbeat if heartbeat > 0 else None, single_rank=single)
 
 
 def local_devices(config: Config, topo: Topology | None) -> list[str]:
@@ -93,7 +97,8 @@ def replica_plan(plan: Plan, replicas: Replicas | None, adopt_rank0: bool = Fals
         return plan
     if adopt_rank0:
         plan = Plan.from_json(str(replicas.host.all_gather_object(plan.to_json())[0]))
-        if plan.replicas == replicas.size:  # the planner weighed the sharding too: rank 0's choice
+        # the planner weighed the sharding too (it does for R > 1): rank 0's choice
+        if replicas.size > 1 and plan.replicas == replicas.size:
             replicas.sharding = plan.optimizer_sharding
     return dataclasses.replace(plan, replicas=replicas.size, optimizer_sharding=replicas.sharding)
 

@@ -60,15 +60,17 @@ def _overlapping(rows: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
     return [i for i, (a, b) in enumerate(rows) if a < hi and b > lo]
 
 
-def build_schedule(plan: Plan, batch: int, tied: bool) -> Schedule:
-    """The full step for a global batch of ``batch`` sequences."""
-    return _Builder(plan, batch, tied).build()
+def build_schedule(plan: Plan, batch: int, tied: bool, reduce: bool = False) -> Schedule:
+    """The full step for a global batch of ``batch`` sequences. Each layer's gradient is reduced
+    across replicas (a REDUCE task before its download) when ``plan.replicas > 1`` or ``reduce``
+    (the engine joined a process group of one rank: the same collectives, each an identity)."""
+    return _Builder(plan, batch, tied, reduce).build()
 
 
 class _Builder:
     """One schedule's construction, in the step's global order (one method per phase)."""
 
-    def __init__(self, plan: Plan, batch: int, tied: bool) -> None:
+    def __init__(self, plan: Plan, batch: int, tied: bool, reduce: bool = False) -> None:
         if batch < 1:
             raise ConfigError("global batch must hold at least one sequence")
         if tied and plan.head_device != plan.embed_device:
@@ -77,6 +79,7 @@ class _Builder:
             if not pack:
                 raise ConfigError(f"pack {q} is empty")
         self.plan, self.batch, self.tied = plan, batch, tied
+        self.reduce = reduce or plan.replicas > 1
         self.P = plan.num_packs
         self.H = plan.num_blocks + 1  # layer 0 is the embedding, 1..L the blocks
         # the first R packs never leave their device (loaded once, stepped there)
@@ -167,7 +170,7 @@ class _Builder:
     def _download_and_update(self, layer: int, device: int, grad_slot: int | None, after: str) -> None:
         dl = download_id(layer)
         slots = (grad_slot,) if grad_slot is not None else ()
-        if self.plan.replicas > 1:  # summed across the replicas first; the download waits for it
+        if self.reduce:  # summed across the replicas first; the download waits for it
             self._add(Task(reduce_id(layer), Kind.REDUCE, device, layers=(layer,), grad_slots=slots,
                            deps=(after,)))
             after = reduce_id(layer)
