@@ -398,8 +398,11 @@ class SsdStateStore:
 
     def __init__(self, directory: str | os.PathLike | ScratchDir | Sequence[str | os.PathLike | ScratchDir],
                  regions: Mapping[Hashable, int], *, threads: int = DEFAULT_THREADS,
-                 chunk_bytes: int = DEFAULT_CHUNK_BYTES, direct: bool = True, preallocate: bool = True,
+                 chunk_bytes: int | None = None, direct: bool = True, preallocate: bool = True,
                  external: Mapping[Hashable, ExternalRegion] | None = None) -> None:
+        """``chunk_bytes``: the largest transfer of one worker, also the stripe unit (None: the
+        module's :data:`DEFAULT_CHUNK_BYTES`, read now)."""
+        chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
