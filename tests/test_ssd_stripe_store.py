@@ -32,8 +32,8 @@ from tinypipe.storage.direct import ALIGN
 from tinypipe.storage.scratch import PREFIX, free_bytes
 from tinypipe.storage.stripe import DirectorySet, parse_directories, stripe_layout
 
-PLAN_13B = ["plan", "--model", "llama-2-13b", "--gpus", "1", "--gpu-memory", "24GiB", "--cpu-memory", "128GiB",
-            "--seq-len", "2048", "--global-batch", "16"]
+PLAN_13B = ["plan", "--model", "llama-2-13b", "--gpus", "1", "--gpu-memory", "24GiB", "--cpu-memory",
+            "128GiB", "--seq-len", "2048", "--global-batch", "16"]
 
 
 def _dirs(tmp_path: Path, n: int) -> list[Path]:
@@ -45,7 +45,8 @@ def _dirs(tmp_path: Path, n: int) -> list[Path]:
 
 def _random(nbytes: int, seed: int) -> torch.Tensor:
     t = aligned_empty(nbytes, torch.uint8)
-    t.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed)))
+    gen = torch.Generator().manual_seed(seed)
+    t.copy_(torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=gen))
     return t
 
 
@@ -244,7 +245,8 @@ def test_o_direct_fallback_is_per_directory(tmp_path):
     with mounted(tmp_path / "ram", "ramfs") as ram:
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            store = SsdStateStore([disk, ram], {i: 1 << 20 for i in range(4)}, threads=2, chunk_bytes=256 << 10)
+            store = SsdStateStore([disk, ram], {i: 1 << 20 for i in range(4)}, threads=2,
+                                  chunk_bytes=256 << 10)
             src = {i: _random(1 << 20, i) for i in range(4)}
             store.wait([store.write_async(i, src[i]) for i in range(4)])
             out = {i: aligned_empty(1 << 20, torch.uint8) for i in range(4)}
@@ -310,8 +312,8 @@ def test_profile_then_plan_with_two_directories(tmp_path, capsys):
     assert cli_main(PLAN_13B + ["--hardware", str(prof), "--offload-dir", f"{a},{b}"]) == 0
     out = capsys.readouterr().out
     assert f"SSD tier ({a}, {b}; read {d['ssd_read_gbps']:.2f} GB/s" in out and "hardware file" in out
-    assert cli_main(["profile", "--device", "cpu", "--model", "none", "--offload-dir", f"{a},{tmp_path}/no",
-                     "--output", str(prof)]) == 2
+    assert cli_main(["profile", "--device", "cpu", "--model", "none", "--offload-dir",
+                     f"{a},{tmp_path}/no", "--output", str(prof)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "no does not exist" in err[0]
 
