@@ -173,7 +173,8 @@ def test_each_directory_must_hold_its_share_and_one_filesystem_all_of_its_shares
     dirs = _dirs(tmp_path, 2)
     have = free_bytes(tmp_path)
     assert have is not None
-    with pytest.raises(StorageError, match=rf"offload directory {dirs[0]} has .* free; the SSD tier needs") as e:
+    first = rf"offload directory {dirs[0]} has .* free; the SSD tier needs"
+    with pytest.raises(StorageError, match=first) as e:
         SsdStateStore(dirs, {"x": 2 * have + (2 << 30)})  # each share is more than the disk
     _one_line(e.value)
     assert _empty(dirs)
