@@ -6,7 +6,7 @@ cannot beat 2S / (mixed rate) on it. Several drives add their rates -- if one la
 of them at once. Hence each *region* is cut into the store's requests (``chunk_bytes``, 16 MiB:
 the size at which one drive already reached its rate) and the chunks go round-robin over the
 directories, starting at the one with the least data so far. A layer's state is hundreds of MiB
-(a 7B layer's fp32 master is 800 MB: 48 chunks), so its read keeps every drive busy with requests
+(a 7B layer's fp32 master is 810 MB: 49 chunks), so its read keeps every drive busy with requests
 of the size each drive wants. Placing whole regions instead would put a layer's three regions
 (master, two moments) on three drives: with 12 drives one layer's read would use a quarter of
 them, and the step's read lane reads layer after layer. Regions smaller than a chunk go whole to
