@@ -91,7 +91,7 @@ def test_bf16_and_staging_slot_views(tmp_path):
 def test_layout_is_page_aligned_and_reads_never_spill_past_the_tensor(tmp_path):
     regions = {"a": 10, "b": 4097, "c": 4096, "d": 3}
     with SsdStateStore(tmp_path, regions) as store:
-        offsets = [store._core.layout[k][0] for k in regions]
+        offsets = [store._core.layout[k].bases[0] for k in regions]
         assert all(o % ALIGN == 0 for o in offsets) and offsets == [0, 4096, 3 * 4096, 4 * 4096]
         assert store.nbytes == 5 * 4096
         for key, n in regions.items():
@@ -335,7 +335,8 @@ def test_forked_child_leaves_the_parents_files_alone(tmp_path):
     if pid == 0:  # the child: what its exit would run (finalizers), then leave without atexit
         try:
             store.close()
-            store._core.scratch.close()
+            for drive in store._core.drives:
+                drive.scratch.close()
         finally:
             os._exit(0)
     _, status = os.waitpid(pid, 0)

@@ -135,10 +135,13 @@ class Config:
       process already holds).
     * ``offload_dir`` -- a directory on a fast local SSD for the training state that does not fit
       in host memory (``Plan.offload`` says which layers' masters, moments, retained gradients or
-      frozen LoRA weights live there). The engine keeps one scratch file in it for the run
-      (removed at exit; leftovers of killed runs are swept and reported); checkpoints stay the
-      source of truth. With it and ``cpu_memory_bytes``, the planner chooses per layer and kind
-      what goes there. None: everything stays in DRAM, and a plan with ``offload`` is refused.
+      frozen LoRA weights live there), or a list of directories, one per drive: the state is
+      striped over them and their rates add up (one string is always one path; a list of one
+      becomes that string, of several a tuple). The engine keeps one scratch file in each for
+      the run (removed at exit; leftovers of killed runs are swept and reported); checkpoints
+      stay the source of truth. With it and ``cpu_memory_bytes``, the planner chooses per layer
+      and kind what goes there. None: everything stays in DRAM, and a plan with ``offload`` is
+      refused.
     * ``optimizer_sharding`` -- with data-parallel replicas (torchrun), whether each replica keeps
       the whole host AdamW state (``"replicate"``) or only its 1/R shard (``"shard"``: less host
       memory, one all-gather of the updated weights per layer); ``"auto"``: the planner chooses.
@@ -177,7 +180,7 @@ class Config:
     global_batch: int | None = None
     gpu_memory_bytes: int | None = None
     cpu_memory_bytes: int | None = None
-    offload_dir: str | None = None
+    offload_dir: str | tuple[str, ...] | None = None
     optimizer_sharding: OptimizerShardingChoice = "auto"
     hardware: str | None = None
     extra: dict = field(default_factory=dict)
@@ -208,10 +211,18 @@ class Config:
         for name in ("gpu_memory_bytes", "cpu_memory_bytes"):  # "24GiB" as well as bytes
             if isinstance(getattr(self, name), str):
                 setattr(self, name, parse_bytes(getattr(self, name)))
-        if self.offload_dir is not None:
-            if not isinstance(self.offload_dir, (str, os.PathLike)) or not str(self.offload_dir).strip():
-                raise ConfigError(f"offload_dir must be a directory path, got {self.offload_dir!r}")
-            self.offload_dir = os.fspath(self.offload_dir)
+        if self.offload_dir is not None:  # one path, or several (one per drive): a tuple of 2+
+            given = self.offload_dir
+            dirs = [given] if isinstance(given, (str, os.PathLike)) else given
+            if (not isinstance(dirs, (list, tuple)) or not dirs or not all(
+                    isinstance(d, (str, os.PathLike)) and str(os.fspath(d)).strip() for d in dirs)):
+                raise ConfigError(f"offload_dir must be a directory path or a list of them, got {given!r}")
+            dirs = [os.fspath(d) for d in dirs]
+            real = [os.path.realpath(d) for d in dirs]
+            twice = [d for i, d in enumerate(dirs) if real[i] in real[:i]]
+            if twice:
+                raise ConfigError(f"offload_dir lists {twice[0]} twice")
+            self.offload_dir = dirs[0] if len(dirs) == 1 else tuple(dirs)
         if not isinstance(self.dropout, bool):
             raise ConfigError(f"dropout must be true or false, got {self.dropout!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):

@@ -126,11 +126,20 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         dropout_seed=s["seed"],
         gpu_memory_bytes=s["gpu_memory_bytes"],
         cpu_memory_bytes=s["cpu_memory_bytes"],
-        offload_dir=str(Path(s["offload_dir"]).expanduser()) if s["offload_dir"] else None,
+        offload_dir=_offload_dirs(s["offload_dir"]),
         optimizer_sharding=s["optimizer_sharding"],
     )
     _check_devices(config.devices)
     return config, auto
+
+
+def _offload_dirs(value: str | None) -> str | tuple[str, ...] | None:
+    """``--offload-dir A`` or ``A,B`` (one directory per drive: the state is striped over them)."""
+    if not value:
+        return None
+    from tinypipe.storage.stripe import parse_directories
+
+    return parse_directories(value)
 
 
 def _plan_file(path: str, num_devices: int) -> Any:

@@ -3,7 +3,7 @@ and a machine, offline (no GPU, no weights), in seconds.
 
     tinypipe plan --model llama-3.1-8b --gpus 2 --gpu-memory 24GiB --cpu-memory 128GiB \\
                   --seq-len 4096 --global-batch 16 [--hardware rtx4090-pcie4|FILE] [--json] \\
-                  [--offload-dir DIR] [--ssd-read-gbps X --ssd-write-gbps Y]
+                  [--offload-dir DIR[,DIR]] [--ssd-read-gbps X --ssd-write-gbps Y]
     tinypipe plan --model llama-2-7b --nodes 2 --gpus 4 --interconnect pcie5,eth100 ...
 
 With ``--nodes`` (or ``--gpus-per-replica``) ``--gpus`` counts the GPUs of one node and the plan
@@ -86,13 +86,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep these resident layers' AdamW state on the GPU (default: searched)")
     p.add_argument("--resident-packs", default=None, metavar="N",
                    help="keep the first N packs resident on the GPU, stepped there (default: searched)")
-    p.add_argument("--offload-dir", default=None, metavar="DIR",
+    p.add_argument("--offload-dir", default=None, metavar="DIR[,DIR]",
                    help="plan with an SSD tier in DIR: state that does not fit --cpu-memory goes there "
-                        "(rates: the hardware file's, else measured on DIR, else the preset's)")
+                        "(rates: the hardware file's, else measured on DIR, else the preset's); several, "
+                        "comma-separated (one per drive): the state is striped over them")
     p.add_argument("--ssd-read-gbps", default=None, metavar="X",
-                   help="the SSD's read rate in GB/s (implies the SSD tier; overrides measured rates)")
+                   help="the SSD's read rate in GB/s, of all --offload-dir drives together (implies the SSD "
+                        "tier; overrides measured rates)")
     p.add_argument("--ssd-write-gbps", default=None, metavar="Y",
-                   help="the SSD's write rate in GB/s (implies the SSD tier; overrides measured rates)")
+                   help="the SSD's write rate in GB/s, of all --offload-dir drives together (implies the SSD "
+                        "tier; overrides measured rates)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--save-plan", default=None, metavar="FILE",
                    help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
@@ -173,8 +176,10 @@ def run(args: argparse.Namespace) -> int:
         ssd = None
         if args.offload_dir is not None or args.ssd_read_gbps is not None or args.ssd_write_gbps is not None:
             from tinypipe.planner.ssd import ssd_spec
+            from tinypipe.storage.stripe import parse_directories
 
-            ssd = ssd_spec(hardware, directory=args.offload_dir, read_gbps=args.ssd_read_gbps,
+            dirs = None if args.offload_dir is None else parse_directories(args.offload_dir)
+            ssd = ssd_spec(hardware, directory=dirs, read_gbps=args.ssd_read_gbps,
                            write_gbps=args.ssd_write_gbps, measure=True)
         lora = None
         if args.lora:

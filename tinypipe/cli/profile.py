@@ -5,17 +5,24 @@
     tinypipe plan --model llama-3.2-3b --hardware profile.json --seq-len 2048 --global-batch 16 ...
 
 ``--offload-dir DIR`` also measures DIR's direct-I/O read/write rates for the SSD tier
-(``ssd_read_gbps`` / ``ssd_write_gbps``; ``plan --hardware profile.json --offload-dir DIR`` uses them).
+(``ssd_read_gbps`` / ``ssd_write_gbps``; ``plan --hardware profile.json --offload-dir DIR`` uses them),
+and the rate with reads and writes in flight together (one drive serves them in turn). Several
+drives: ``--offload-dir A,B`` measures each directory alone, then all of them striped; the striped
+set's rates are the profile's ``ssd_read_gbps`` / ``ssd_write_gbps`` (what the planner uses), each
+directory's are under ``ssd.directories``.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from typing import Any, Sequence
 
 PROG = "tinypipe profile"
 DEFAULT_MODEL = "llama-3.2-3b"
+#: Bytes written and read back per offload directory (and per directory again when striped).
+SSD_BYTES = 1 << 30
 
 
 def add_parser(subparsers: Any, parents: Sequence[argparse.ArgumentParser] = ()) -> argparse.ArgumentParser:
@@ -47,8 +54,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="compute precision (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--reps", default=3, type=int, metavar="N",
                    help="timed repetitions per point (median; default 3)")
-    p.add_argument("--offload-dir", default=None, metavar="DIR",
-                   help="also measure this directory's SSD read/write rates (1 GiB written and read back)")
+    p.add_argument("--offload-dir", default=None, metavar="DIR[,DIR]",
+                   help="also measure this directory's SSD read/write rates (1 GiB written and read back); "
+                        "several, comma-separated (one per drive): each alone and all of them striped")
     p.add_argument("--output", required=True, metavar="FILE", help="where to write the profile JSON")
 
 
@@ -76,10 +84,14 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--device must be cpu or cuda:N, got {device!r}")
     if args.reps < 1:
         raise ConfigError(f"--reps must be >= 1, got {args.reps}")
+    dirs = None
     if getattr(args, "offload_dir", None) is not None:  # fail now, not after the layer timings
         from tinypipe.storage import check_directory
+        from tinypipe.storage.stripe import as_directories, parse_directories
 
-        check_directory(args.offload_dir)
+        dirs = parse_directories(args.offload_dir)
+        for d in as_directories(dirs):
+            check_directory(d)
     seqs = _ints("--seq-lens", args.seq_lens)
     mbs = _ints("--micro-batches", args.micro_batches)
     model = None if str(args.model).strip().lower() in ("none", "") else args.model
@@ -95,13 +107,26 @@ def run(args: argparse.Namespace) -> int:
     else:
         cfg = None
     d = run_profile(device, cfg if cfg is not None else None, seq_lens=seqs, micro_batches=mbs,
-                    precision=args.precision, reps=args.reps, offload_dir=getattr(args, "offload_dir", None))
+                    precision=args.precision, reps=args.reps)
+    if dirs is not None:
+        t0 = time.perf_counter()
+        d.update(ssd_rates(dirs))
+        d["seconds"] += time.perf_counter() - t0
     if cfg is not None:
         d["model"]["name"] = str(model)
     hardware_from_profile(d)  # what plan --hardware will read: fail here, not there
     path = save_profile(d, args.output)
     print(f"wrote {path} ({d['seconds']:.1f} s); use: tinypipe plan --hardware {path} ...", flush=True)
     return 0
+
+
+def ssd_rates(dirs: str | Sequence[str], nbytes: int = SSD_BYTES) -> dict:
+    """The profile's SSD keys: the (striped) rates the planner uses and ``ssd``, the whole
+    measurement (each directory's too, with the rates with reads and writes together)."""
+    from tinypipe.storage import measure_directories
+
+    ssd = measure_directories(dirs, nbytes, mixed=True, log=lambda line: print(line, flush=True))
+    return {"ssd_read_gbps": float(ssd["read_gbps"]), "ssd_write_gbps": float(ssd["write_gbps"]), "ssd": ssd}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -18,14 +18,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from tinypipe.devices.host_buffers import aligned_empty
-from tinypipe.storage import ScratchDir, SsdStateStore
+from tinypipe.storage import SsdStateStore
 from tinypipe.storage.frozen_source import ExternalRegion
 from tinypipe.storage.scratch import Leftover, sweep_stale
+from tinypipe.storage.stripe import as_directories
 
 #: The store's regions per plan kind (names of :class:`~tinypipe.memory.host_store.LayerState`
 #: fields, plus the retained gradient).
@@ -39,19 +40,17 @@ Key = tuple[int, str]
 class OffloadedState:
     """The SSD regions of one engine: ``regions`` maps (layer, name) to (numel, dtype)."""
 
-    def __init__(self, directory: str | os.PathLike, regions: Mapping[Key, tuple[int, torch.dtype]],
+    def __init__(self, directory: str | os.PathLike | Sequence[str | os.PathLike],
+                 regions: Mapping[Key, tuple[int, torch.dtype]],
                  external: Mapping[Key, ExternalRegion] | None = None) -> None:
-        """``external``: regions read from the model's own checkpoint (never in the scratch file)."""
+        """``directory``: one offload directory or several (one per drive, striped); ``external``:
+        regions read from the model's own checkpoint (never in the scratch files)."""
         self.regions = {k: (int(n), dt) for k, (n, dt) in regions.items() if n > 0}
         self.external = dict(external or {})
-        self.swept: list[Leftover] = sweep_stale(directory)  # one stderr line each; for reports
+        dirs = as_directories(directory)
+        self.swept: list[Leftover] = [x for d in dirs for x in sweep_stale(d)]  # one stderr line each
         nbytes = {k: n * _itemsize(dt) for k, (n, dt) in self.regions.items() if k not in self.external}
-        self.scratch = ScratchDir(directory, need=sum(-(-b // 4096) * 4096 for b in nbytes.values()))
-        try:
-            self.ssd = SsdStateStore(self.scratch, nbytes, external=self.external)
-        except BaseException:
-            self.scratch.close()
-            raise
+        self.ssd = SsdStateStore(dirs, nbytes, external=self.external)  # checks each directory's space
         self._written: set[Key] = set(self.external)  # the checkpoint holds their values already
         self._lock = threading.Lock()
 
@@ -121,11 +120,8 @@ class OffloadedState:
         self.write(key, buf)
 
     def close(self) -> None:
-        """Finish I/O in flight and remove the scratch file and directory (idempotent)."""
-        try:
-            self.ssd.close()
-        finally:
-            self.scratch.close()
+        """Finish I/O in flight and remove the scratch files and directories (idempotent)."""
+        self.ssd.close()
 
 
 def _itemsize(dtype: torch.dtype) -> int:

@@ -4,7 +4,8 @@
 in the planner's order (:func:`tinypipe.planner.offload.choose_offload`) until the host need fits,
 re-evaluates it (the step time then has the SSD lanes), and remembers why plans were refused --
 too little DRAM even with everything on the SSD, or too little free disk -- for the one-line
-message when nothing fits.
+message when nothing fits. Several offload directories are one SSD to it: their aggregate rates
+and what they can hold together (:func:`tinypipe.planner.ssd.free_space`).
 
 :func:`hiding_batch`: the bytes a step moves to and from the SSD do not grow with the batch, the
 compute does. The smallest global batch at which the SSD costs under :data:`HIDDEN_SHARE` of the
@@ -80,9 +81,13 @@ class Spill:
             return None
         where = f" on {self.ssd.directory}" if self.ssd.directory else ""
         if self.least_disk is not None:
+            free = gib_text(self.ssd.free_bytes or 0)
+            several = isinstance(self.ssd.directory, tuple)
+            disk = (f"the {len(self.ssd.directory)} directories can hold {free} (each its share)" if several
+                    else f"the disk has {free} free")
             return (f"needs {gib_text(self.least_disk)} of SSD scratch space{where} to fit host memory "
-                    f"under {gib_text(self.cpu_mem)}, the disk has {gib_text(self.ssd.free_bytes or 0)} "
-                    "free; free space, choose another --offload-dir or add RAM")
+                    f"under {gib_text(self.cpu_mem)}, {disk}; free space, choose another --offload-dir "
+                    "or add RAM")
         if self.least_host is not None:
             host = self.least_host.memory.host
             return (f"needs {gib_text(self.least_host_need)} host memory even with its training state on "

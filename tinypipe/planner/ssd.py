@@ -7,6 +7,11 @@ directory (``measure=True``: ``tinypipe plan --offload-dir DIR``, 1 GiB written 
 preset says it was measured, :data:`~tinypipe.planner.hardware.TYPICAL_NVME_GEN4`). The engine
 never measures: it takes the hardware's rates (they only rank plans there; the offload set itself
 depends on the budget, not on the rates).
+
+Several offload directories (one per drive, the state striped over them,
+:mod:`tinypipe.storage.stripe`): the rates are the striped set's -- stated (``--ssd-read-gbps`` is
+the aggregate), recorded by ``tinypipe profile --offload-dir A,B``, or measured on all of them at
+once -- and the free space is what the set can hold with each directory holding its share.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import asdict, dataclass, replace
+
+from collections.abc import Sequence
 
 from tinypipe.errors import ConfigError
 from tinypipe.planner.hardware import HARDWARE, TYPICAL_NVME_GEN4, HardwareSpec
@@ -24,12 +31,13 @@ MEASURE_BYTES = 1 << 30
 
 @dataclass(frozen=True)
 class SsdSpec:
-    """The offload directory the plan is for (``None``: rates only, no disk check)."""
+    """The offload directory the plan is for (``None``: rates only, no disk check); several: a
+    :class:`~tinypipe.storage.stripe.DirectorySet` (prints as ``/a, /b``), the rates the set's."""
 
     read_gbps: float
     write_gbps: float
-    directory: str | None = None
-    free_bytes: int | None = None  # ``shutil.disk_usage(directory).free`` when the directory exists
+    directory: str | tuple[str, ...] | None = None
+    free_bytes: int | None = None  # what the directories can hold (:func:`free_space`) when they exist
     source: str = ""  # where the rates come from, for the printed plan
 
     def as_dict(self) -> dict:
@@ -40,11 +48,29 @@ class SsdSpec:
         return replace(hw, ssd_read_gbps=self.read_gbps, ssd_write_gbps=self.write_gbps)
 
 
-def free_space(directory: str | None) -> int | None:
-    """Free bytes on ``directory``'s filesystem, None when there is no such directory."""
-    if directory is None or not os.path.isdir(directory):
+def free_space(directory: str | Sequence[str] | None) -> int | None:
+    """Free bytes on ``directory``'s filesystem, None when there is no such directory. Several
+    directories: the most the striped set can hold -- each holds an equal share, and directories
+    on one filesystem share its free space (about: a share may exceed the mean by a chunk)."""
+    if directory is None:
         return None
-    return int(shutil.disk_usage(directory).free)
+    dirs = [directory] if isinstance(directory, str) else list(directory)
+    if not all(os.path.isdir(d) for d in dirs):
+        return None
+    groups: dict[int, list[str]] = {}
+    for d in dirs:
+        groups.setdefault(os.stat(d).st_dev, []).append(d)
+    return min(int(shutil.disk_usage(g[0]).free) * len(dirs) // len(g) for g in groups.values())
+
+
+def directories_of(directory: str | os.PathLike | Sequence[str | os.PathLike] | None) -> str | tuple | None:
+    """``directory`` as the plan keeps it: a path, a DirectorySet of several, or None."""
+    if directory is None:
+        return None
+    from tinypipe.storage.stripe import DirectorySet, as_directories
+
+    dirs = as_directories(directory)
+    return dirs[0] if len(dirs) == 1 else DirectorySet(dirs)
 
 
 def _rate(name: str, value: float | str | None) -> float | None:
@@ -59,11 +85,13 @@ def _rate(name: str, value: float | str | None) -> float | None:
     return rate
 
 
-def ssd_spec(hw: HardwareSpec, *, directory: str | os.PathLike | None = None,
+def ssd_spec(hw: HardwareSpec, *, directory: str | os.PathLike | Sequence[str | os.PathLike] | None = None,
              read_gbps: float | str | None = None, write_gbps: float | str | None = None,
              measure: bool = False) -> SsdSpec:
-    """The SSD's rates and free space for planning (see the module documentation for the order)."""
-    directory = None if directory is None else os.fspath(directory)
+    """The SSD's rates and free space for planning (see the module documentation for the order);
+    ``directory``: one path or several (one per drive)."""
+    directory = directories_of(directory)
+    several = isinstance(directory, tuple)
     read, write = _rate("--ssd-read-gbps", read_gbps), _rate("--ssd-write-gbps", write_gbps)
     sources = []
     if read is not None or write is not None:
@@ -73,12 +101,13 @@ def ssd_spec(hw: HardwareSpec, *, directory: str | os.PathLike | None = None,
         if not preset and hw.ssd_read_gbps and hw.ssd_write_gbps:
             read, write = read or hw.ssd_read_gbps, write or hw.ssd_write_gbps
             sources.append(f"hardware file {hw.name}")
-        elif measure and directory is not None and os.path.isdir(directory):
+        elif measure and directory is not None and free_space(directory) is not None:
             from tinypipe.storage import measure_rates
 
-            got = measure_rates(directory, MEASURE_BYTES)
+            got = measure_rates(directory, MEASURE_BYTES * (len(directory) if several else 1))
             read, write = read or float(got["read_gbps"]), write or float(got["write_gbps"])
-            sources.append(f"measured on {directory}" + ("" if got["direct"] else " (buffered I/O)"))
+            sources.append(f"measured on {directory}" + (" (striped)" if several else "")
+                           + ("" if got["direct"] else " (buffered I/O)"))
         elif hw.ssd_read_gbps and hw.ssd_write_gbps:
             read, write = read or hw.ssd_read_gbps, write or hw.ssd_write_gbps
             typical = (hw.ssd_read_gbps, hw.ssd_write_gbps) == TYPICAL_NVME_GEN4

@@ -1,4 +1,4 @@
-"""Training state on the SSD: named regions of one scratch file, read and written asynchronously.
+"""Training state on the SSD: named regions of scratch files, read and written asynchronously.
 
 Each region (e.g. ``(layer, "exp_avg")``) has a fixed, page-aligned extent in one preallocated
 file under the run's scratch directory. ``read_async``/``write_async`` split a request into
@@ -6,13 +6,20 @@ chunks of ``chunk_bytes`` served by ``threads`` workers doing direct ``preadv``/
 (see :mod:`tinypipe.storage.direct`), so several requests -- several layers -- are in flight and
 one large region is transferred by several threads at once.
 
+Several offload directories (one per drive): each gets its own scratch directory, file and
+``threads`` workers, and every region's chunks go round-robin over them
+(:mod:`tinypipe.storage.stripe` says why), so one layer's read keeps every drive busy. Free space,
+stale-scratch sweeps, preallocation and the O_DIRECT fallback are per directory; the guarantees
+below are per region, whichever drives its chunks are on.
+
 Guarantees the optimizer path relies on:
 
 - Requests on one region run in the order they were issued (a read issued after a write sees
   the written bytes); requests on different regions run concurrently.
 - A region that was never written, or whose last write failed or was cancelled, cannot be read:
-  the read fails with a one-line StorageError naming the region and the cause. A failed write
-  never leaves a half-written region that reads back as valid.
+  the read fails with a one-line StorageError naming the region, the file (and directory) and
+  the cause. A failed write -- on any one of the directories -- never leaves a half-written
+  region that reads back as valid.
 - The caller's buffer must stay untouched until the request's handle is done (the store keeps a
   reference to it). Buffers must start on a page boundary (``aligned_empty``, a StagingPool
   slot); a region's size need not be a multiple of a page.
@@ -53,7 +60,8 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Hashable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -63,17 +71,18 @@ from tinypipe.devices.host_buffers import aligned_empty
 from tinypipe.storage.direct import ALIGN, ScratchFile, align_up, open_scratch_file, read_into, write_from
 from tinypipe.storage.frozen_source import ExternalRegion, FileHandles
 from tinypipe.storage.io_stats import IoRecord, IoStats
-from tinypipe.storage.scratch import ScratchDir, check_free_space, format_bytes, free_bytes
+from tinypipe.storage.scratch import ScratchDir, check_directory, format_bytes, free_bytes, sweep_stale
+from tinypipe.storage.stripe import Extent, as_directories, check_shares, stripe_layout
 
-#: Worker threads per store: requests in flight at the device (8 reached the disk's rate above; they
-#: sleep in the syscall, so they cost no CPU while waiting).
+#: Worker threads per offload directory: requests in flight at its device (8 reached the disk's rate
+#: above; they sleep in the syscall, so they cost no CPU while waiting).
 DEFAULT_THREADS = 8
 
 
-def bounce_bytes(threads: int = DEFAULT_THREADS) -> int:
+def bounce_bytes(threads: int = DEFAULT_THREADS, directories: int = 1) -> int:
     """Host bytes a store's workers hold besides the staging pools: two pages each (a partial
-    page's bounce buffer); the planner counts them with the pools."""
-    return threads * 2 * ALIGN
+    page's bounce buffer), ``threads`` per directory; the planner counts them with the pools."""
+    return threads * directories * 2 * ALIGN
 
 
 #: Largest transfer one worker does at once: small enough that one layer's region (tens to hundreds
@@ -108,6 +117,7 @@ class IoHandle:
         self._lock = threading.Lock()
         self._pending = 0
         self._first_error: str | None = None
+        self._error_at: tuple[int, int] | None = None  # (drive, file offset) of the first failed chunk
         self._started: float | None = None
         self._successors: list[IoHandle] = []
         self._callbacks: list[Callable[[IoHandle], None]] = []
@@ -139,13 +149,24 @@ class IoHandle:
         fn(self)
 
 
+@dataclass(eq=False)
+class _Drive:
+    """One offload directory's part of a store: its scratch file and its own workers."""
+
+    parent: Path  # the offload directory
+    file: ScratchFile
+    scratch: ScratchDir | None  # removed at shutdown (None: the caller's to remove)
+    tasks: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
+    workers: list[threading.Thread] = field(default_factory=list)
+
+
 class _Core:
     """Everything the worker threads and the finalizer need (never the store object itself, so
     that dropping the store runs its finalizer)."""
 
-    def __init__(self, file: ScratchFile, scratch: ScratchDir | None, layout: dict[Hashable, tuple[int, int]],
-                 threads: int, chunk_bytes: int, external: Mapping[Hashable, ExternalRegion]) -> None:
-        self.file, self.scratch, self.layout = file, scratch, layout
+    def __init__(self, drives: list[_Drive], layout: dict[Hashable, Extent], threads: int, chunk_bytes: int,
+                 external: Mapping[Hashable, ExternalRegion]) -> None:
+        self.drives, self.layout = drives, layout
         self.external = dict(external)  # read-only regions in the model's checkpoint files
         self.files = FileHandles()
         self.chunk_bytes = chunk_bytes
@@ -155,16 +176,17 @@ class _Core:
         self.tails: dict[Hashable, IoHandle] = {}
         self.lock = threading.Lock()
         self.idle = threading.Condition(self.lock)
-        self.tasks: queue.SimpleQueue[tuple[IoHandle, int, int] | None] = queue.SimpleQueue()
         self.cancelled = False
         self.closed = False
         self.failure: BaseException | None = None  # a done-callback raised
         self.due: list[tuple[Callable[[IoHandle], None], IoHandle]] = []  # callbacks to run unlocked
         self.owner_pid = os.getpid()
-        self.workers = [threading.Thread(target=self.work, name=f"tinypipe-ssd-{i}", daemon=True)
-                        for i in range(threads)]
-        for t in self.workers:
-            t.start()
+        for d, drive in enumerate(drives):
+            name = "tinypipe-ssd" if len(drives) == 1 else f"tinypipe-ssd{d}"
+            drive.workers = [threading.Thread(target=self.work, args=(drive,), name=f"{name}-{i}",
+                                              daemon=True) for i in range(threads)]
+            for t in drive.workers:
+                t.start()
 
     # -- submission (under self.lock) --------------------------------------------------------
     def submit(self, handle: IoHandle) -> None:
@@ -191,28 +213,41 @@ class _Core:
                 return
             handle._pending = ext.parts
             for part in range(ext.parts):
-                self.tasks.put((handle, part, 0))
+                self.drives[part % len(self.drives)].tasks.put((handle, part, 0, 0))
             return
         if handle.op == "write":
             self.state[key] = _WRITING
-        nbytes = handle.nbytes
-        starts = range(0, nbytes, self.chunk_bytes)
-        handle._pending = len(starts)
-        if not starts:
+        chunks = self.layout[key].chunks(self.chunk_bytes)
+        handle._pending = len(chunks)
+        if not chunks:
             self.finish(handle, None)
-        for start in starts:
-            self.tasks.put((handle, start, min(self.chunk_bytes, nbytes - start)))
+        for start, length, drive, offset in chunks:
+            self.drives[drive].tasks.put((handle, start, length, offset))
+
+    def where(self, handle: IoHandle) -> str:
+        """The region's place for an error message: its file and offset, the directory with the
+        failing chunk when it is striped."""
+        key = handle.key
+        if key in self.external:
+            return f"the checkpoint {', '.join(self.external[key].paths)}"
+        extent = self.layout[key]
+        if len(self.drives) == 1:
+            return f"{self.drives[0].file.path}:{extent.bases[0]}"
+        if handle._error_at is not None:
+            d, offset = handle._error_at
+            return (f"{self.drives[d].file.path}:{offset}, in offload directory {self.drives[d].parent}, "
+                    f"one of the {len(self.drives)} it is striped over")
+        return f"striped over offload directories {', '.join(str(d.parent) for d in self.drives)}"
 
     def finish(self, handle: IoHandle, error: str | None) -> None:
         """Complete ``handle`` (under self.lock): region state, stats, waiters, successors."""
         now = time.perf_counter()
         key = handle.key
-        offset, nbytes = self.layout[key]
+        nbytes = self.layout[key].nbytes
         if error is not None:
             verb = "read of" if handle.op == "read" else "write to"
-            where = (f"{self.file.path}:{offset}" if key not in self.external
-                     else f"the checkpoint {', '.join(self.external[key].paths)}")
-            handle.error = StorageError(f"SSD {verb} {key!r} ({nbytes} bytes at {where}) failed: {error}")
+            handle.error = StorageError(f"SSD {verb} {key!r} ({nbytes} bytes at {self.where(handle)}) "
+                                        f"failed: {error}")
         if handle.op == "write" and key not in self.external:
             self.state[key] = _VALID if error is None else f"invalid: its last write failed ({error})"
         started = handle._started if handle._started is not None else now
@@ -244,13 +279,13 @@ class _Core:
                 self.failure = self.failure or e
 
     # -- workers ------------------------------------------------------------------------------
-    def work(self) -> None:
+    def work(self, drive: _Drive) -> None:
         bounce = aligned_empty(ALIGN, torch.uint8, zero=True)
         while True:
-            task = self.tasks.get()
+            task = drive.tasks.get()
             if task is None:
                 return
-            handle, start, length = task
+            handle, start, length, offset = task
             error: str | None = None
             with handle._lock:
                 first = handle._started is None
@@ -260,11 +295,11 @@ class _Core:
                 self.stats.started(handle.op, handle._started)
             if handle._first_error is None and not self.cancelled:
                 try:
-                    self.transfer(handle, start, length, bounce)
+                    self.transfer(drive.file, handle, start, length, offset, bounce)
                 except OSError as e:
                     error = _describe(e)
                     if e.errno == errno.ENOSPC:
-                        error += f"; {self.space_left()}"
+                        error += f"; {self.space_left(drive)}"
                 except Exception as e:  # noqa: BLE001 - a worker must never die with a request open
                     error = f"{type(e).__name__}: {e}"
             elif self.cancelled:
@@ -272,50 +307,54 @@ class _Core:
             with self.lock:
                 if error is not None and handle._first_error is None:
                     handle._first_error = error
+                    handle._error_at = (self.drives.index(drive), offset)
                 handle._pending -= 1
                 if handle._pending == 0:
                     self.finish(handle, handle._first_error)
             self.run_due()
 
-    def transfer(self, handle: IoHandle, start: int, length: int, bounce: torch.Tensor) -> None:
+    def transfer(self, file: ScratchFile, handle: IoHandle, start: int, length: int, file_offset: int,
+                 bounce: torch.Tensor) -> None:
         ext = self.external.get(handle.key)
         if ext is not None:  # ``start`` is the part
             assert handle._tensor is not None
             ext.read_part(start, handle._tensor, self.files)
             return
-        file_offset = self.layout[handle.key][0] + start
         address = handle._address + start
         move = read_into if handle.op == "read" else write_from
-        if not self.file.direct or start + align_up(length) <= handle._capacity:
-            move(self.file, address, align_up(length) if self.file.direct else length, file_offset)
+        if not file.direct or start + align_up(length) <= handle._capacity:
+            move(file, address, align_up(length) if file.direct else length, file_offset)
             return
         body = length - length % ALIGN
         if body:
-            move(self.file, address, body, file_offset)
+            move(file, address, body, file_offset)
         tail, page = length - body, bounce.data_ptr()
         if handle.op == "read":
-            read_into(self.file, page, ALIGN, file_offset + body)
+            read_into(file, page, ALIGN, file_offset + body)
             ctypes.memmove(address + body, page, tail)
         else:
             ctypes.memset(page, 0, ALIGN)
             ctypes.memmove(page, address + body, tail)
-            write_from(self.file, page, ALIGN, file_offset + body)
+            write_from(file, page, ALIGN, file_offset + body)
 
-    def space_left(self) -> str:
+    @staticmethod
+    def space_left(drive: _Drive) -> str:
+        full = f"the disk of {drive.parent} is full"
         try:
-            have = free_bytes(os.path.dirname(self.file.path))
+            have = free_bytes(drive.parent)
         except OSError:
-            return "the disk is full"
-        return "the disk is full" if have is None else f"{format_bytes(have)} free on the disk"
+            return full
+        return full if have is None else f"{format_bytes(have)} free on the disk"
 
     # -- shutdown ------------------------------------------------------------------------------
     def shutdown(self) -> None:
-        """Finish what is in flight, stop the workers, close and remove the file (idempotent). In a
-        forked child (which inherited the store) it only closes the descriptor: the files are the
-        parent's."""
+        """Finish what is in flight, stop the workers, close and remove the files (idempotent). In
+        a forked child (which inherited the store) it only closes the descriptors: the files are
+        the parent's."""
         if os.getpid() != self.owner_pid:
-            with contextlib.suppress(OSError):
-                os.close(self.file.fd)
+            for drive in self.drives:
+                with contextlib.suppress(OSError):
+                    os.close(drive.file.fd)
             return
         with self.lock:
             if self.closed:
@@ -323,91 +362,118 @@ class _Core:
             self.closed = True
             while self.tails:
                 self.idle.wait(POLL_S)
-        for _ in self.workers:
-            self.tasks.put(None)
-        for t in self.workers:
-            if t is not threading.current_thread():
-                t.join(timeout=30)
+        for drive in self.drives:
+            for _ in drive.workers:
+                drive.tasks.put(None)
+        for drive in self.drives:
+            for t in drive.workers:
+                if t is not threading.current_thread():
+                    t.join(timeout=30)
         self.files.close()
-        try:
-            os.close(self.file.fd)
-        except OSError:
-            pass
-        try:
-            os.unlink(self.file.path)
-        except OSError:
-            pass
-        if self.scratch is not None:
-            self.scratch.close()
+        for drive in self.drives:
+            _remove_file(drive.file)
+            if drive.scratch is not None:
+                drive.scratch.close()
+
+
+def _remove_file(file: ScratchFile) -> None:
+    with contextlib.suppress(OSError):
+        os.close(file.fd)
+    with contextlib.suppress(OSError):
+        os.unlink(file.path)
 
 
 class SsdStateStore:
-    """Regions of training state in one scratch file on the SSD.
+    """Regions of training state in scratch files on one or several SSDs.
 
     ``directory`` is the offload directory (a scratch directory is created in it, after sweeping
-    leftovers of killed runs, and removed at close) or a :class:`ScratchDir` to share. ``regions``
-    maps each key to its size in bytes; their extents are laid out in the mapping's order, each
-    starting on a page boundary, and preallocated so that a full disk fails here. ``external``
-    regions are read-only and live elsewhere (LoRA's frozen base in the model's own safetensors,
-    :mod:`tinypipe.storage.frozen_source`): read by the same workers, never in the scratch file.
+    leftovers of killed runs, and removed at close), a :class:`ScratchDir` to share, or a sequence
+    of either: one per drive, the regions striped over them (:mod:`tinypipe.storage.stripe`).
+    ``regions`` maps each key to its size in bytes; their extents are laid out in the mapping's
+    order, each chunk starting on a page boundary, and preallocated so that a full disk fails
+    here. ``threads`` workers serve each directory. ``external`` regions are read-only and live
+    elsewhere (LoRA's frozen base in the model's own safetensors,
+    :mod:`tinypipe.storage.frozen_source`): read by the same workers, never in a scratch file.
     """
 
-    def __init__(self, directory: str | os.PathLike | ScratchDir, regions: Mapping[Hashable, int], *,
-                 threads: int = DEFAULT_THREADS, chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-                 direct: bool = True, preallocate: bool = True,
+    def __init__(self, directory: str | os.PathLike | ScratchDir | Sequence[str | os.PathLike | ScratchDir],
+                 regions: Mapping[Hashable, int], *, threads: int = DEFAULT_THREADS,
+                 chunk_bytes: int | None = None, direct: bool = True, preallocate: bool = True,
                  external: Mapping[Hashable, ExternalRegion] | None = None) -> None:
+        """``chunk_bytes``: the largest transfer of one worker, also the stripe unit (None: the
+        module's :data:`DEFAULT_CHUNK_BYTES`, read now)."""
+        chunk_bytes = DEFAULT_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
         if threads < 1:
             raise ValueError(f"threads must be >= 1, got {threads}")
         if chunk_bytes < ALIGN or chunk_bytes % ALIGN:
             raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {chunk_bytes}")
-        layout: dict[Hashable, tuple[int, int]] = {}
-        offset = 0
-        for key, nbytes in regions.items():
-            if nbytes < 0:
-                raise ValueError(f"region {key!r} has negative size {nbytes}")
-            layout[key] = (offset, int(nbytes))
-            offset += align_up(int(nbytes))
-        self.nbytes = offset  # the scratch file (external regions take none of it)
+        sources = ([directory] if isinstance(directory, (str, os.PathLike, ScratchDir)) else list(directory))
+        parents = [s.parent if isinstance(s, ScratchDir) else check_directory(s) for s in sources]
+        as_directories(parents)  # at least one, none twice
+        layout, shares = stripe_layout(regions, len(sources), chunk_bytes)
+        self.nbytes = sum(shares)  # the scratch files (external regions take none of it)
+        self.shares = tuple(shares)  # bytes of each directory's file
         external = dict(external or {})
         for key, ext in external.items():
             if key in layout:
                 raise ValueError(f"region {key!r} is both in the scratch file and external")
-            layout[key] = (-1, ext.nbytes)
-        owned = not isinstance(directory, ScratchDir)
-        if isinstance(directory, ScratchDir):
-            scratch = directory
-            check_free_space(scratch.parent, offset)
-        else:
-            scratch = ScratchDir(directory, need=offset)
+            layout[key] = Extent(ext.nbytes, 0, ())
+        for s in sources:  # a killed run's files must not cause a refusal
+            if not isinstance(s, ScratchDir):
+                sweep_stale(s)
+        check_shares(parents, shares)
+        drives: list[_Drive] = []
+        try:
+            for s, share in zip(sources, shares):
+                owned = not isinstance(s, ScratchDir)
+                scratch = ScratchDir(s, need=share) if owned else s
+                try:
+                    file = self._open(scratch, share, direct, preallocate)
+                except BaseException:
+                    if owned:
+                        scratch.close()
+                    raise
+                drives.append(_Drive(scratch.parent, file, scratch if owned else None))
+        except BaseException:
+            for drive in drives:
+                _remove_file(drive.file)
+                if drive.scratch is not None:
+                    drive.scratch.close()
+            raise
+        self.paths = tuple(Path(d.file.path) for d in drives)
+        self.path = self.paths[0]  # the first directory's file (the only one, with one directory)
+        self.directories = tuple(d.parent for d in drives)
+        self.direct = all(d.file.direct for d in drives)
+        self.preallocated = all(d.file.preallocated for d in drives)
+        self._core = _Core(drives, layout, threads, chunk_bytes, external)
+        self._finalizer = weakref.finalize(self, self._core.shutdown)
+        self.threads = threads
+        self.chunk_bytes = chunk_bytes
+
+    @staticmethod
+    def _open(scratch: ScratchDir, nbytes: int, direct: bool, preallocate: bool) -> ScratchFile:
+        """One directory's scratch file; one-line errors naming it, a warning per fallback."""
         path = scratch.file(f"state-{secrets.token_hex(4)}.bin")
         try:
-            file = open_scratch_file(path, offset, direct=direct, prealloc=preallocate)
+            file = open_scratch_file(path, nbytes, direct=direct, prealloc=preallocate)
         except OSError as e:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-            if owned:
-                scratch.close()
             if e.errno == errno.ENOSPC:
                 have = format_bytes(free_bytes(scratch.parent) or 0)
                 raise StorageError(f"offload directory {scratch.parent} cannot hold the SSD tier's "
-                                   f"{format_bytes(offset)} ({have} free): free space or choose another "
+                                   f"{format_bytes(nbytes)} ({have} free): free space or choose another "
                                    "directory") from e
             raise StorageError(f"cannot create the SSD tier's scratch file {path}: {_describe(e)}") from e
-        self.path = Path(path)
-        self.direct = file.direct
-        self.preallocated = file.preallocated
         if direct and not file.direct:
             fs = scratch.filesystem or "unknown filesystem"
             warnings.warn(f"offload directory {scratch.parent} ({fs}) refuses O_DIRECT: using buffered I/O, "
                           "flushed and dropped from the page cache after each transfer (slower)",
-                          RuntimeWarning, stacklevel=2)
+                          RuntimeWarning, stacklevel=3)
         if preallocate and not file.preallocated:
             warnings.warn(f"offload directory {scratch.parent} cannot preallocate: a disk that fills up will "
-                          "fail mid-run (one-line error) instead of now", RuntimeWarning, stacklevel=2)
-        self._core = _Core(file, scratch if owned else None, layout, threads, chunk_bytes, external)
-        self._finalizer = weakref.finalize(self, self._core.shutdown)
-        self.threads = threads
-        self.chunk_bytes = chunk_bytes
+                          "fail mid-run (one-line error) instead of now", RuntimeWarning, stacklevel=3)
+        return file
 
     # -- facts ---------------------------------------------------------------------------------
     @property
@@ -417,10 +483,10 @@ class SsdStateStore:
     @property
     def host_bytes(self) -> int:
         """Host memory the store itself holds (bounce pages per worker), for the memory report."""
-        return bounce_bytes(self.threads)
+        return bounce_bytes(self.threads, len(self.paths))
 
     def region_bytes(self, key: Hashable) -> int:
-        return self._region(key)[1]
+        return self._region(key).nbytes
 
     def regions(self) -> list[Hashable]:
         return list(self._core.layout)
@@ -460,13 +526,14 @@ class SsdStateStore:
         return records
 
     def sync(self) -> None:
-        """Flush the device's write cache for the file (what a rate measurement must include;
+        """Flush the devices' write caches for the files (what a rate measurement must include;
         training does not need it: scratch is never read back after a crash)."""
-        try:
-            os.fsync(self._core.file.fd)
-        except OSError as e:
-            raise StorageError(f"flushing the SSD tier's scratch file {self.path} failed: "
-                               f"{_describe(e)}") from e
+        for drive in self._core.drives:
+            try:
+                os.fsync(drive.file.fd)
+            except OSError as e:
+                raise StorageError(f"flushing the SSD tier's scratch file {drive.file.path} failed: "
+                                   f"{_describe(e)}") from e
 
     def cancel(self) -> None:
         """Drop every queued request (they fail with "cancelled"; cancelled writes leave their
@@ -474,7 +541,7 @@ class SsdStateStore:
         self._core.cancelled = True
 
     def close(self) -> None:
-        """Finish requests in flight, stop the workers and remove the scratch file (idempotent)."""
+        """Finish requests in flight, stop the workers and remove the scratch files (idempotent)."""
         self._finalizer()
         self._raise_failure()
 
@@ -485,7 +552,7 @@ class SsdStateStore:
         self.close()
 
     # -- internals -----------------------------------------------------------------------------
-    def _region(self, key: Hashable) -> tuple[int, int]:
+    def _region(self, key: Hashable) -> Extent:
         try:
             return self._core.layout[key]
         except KeyError:
@@ -499,7 +566,7 @@ class SsdStateStore:
 
     def _submit(self, op: str, key: Hashable, tensor: torch.Tensor) -> IoHandle:
         self._raise_failure()
-        _, nbytes = self._region(key)
+        nbytes = self._region(key).nbytes
         if tensor.device.type != "cpu" or not tensor.is_contiguous():
             raise ValueError(f"SSD {op} of {key!r} needs a contiguous CPU tensor")
         own = tensor.numel() * tensor.element_size()
