@@ -166,7 +166,7 @@ def _print_decomposition(d: dict, planned: bool) -> None:
     print("| part | s/step | share |")
     for part in PARTS:
         s = d["parts"][part]
-        if s or part in ("recompute", "idle"):
+        if s or part not in ("other compute", "exposed other"):  # those two only when there is any
             print(f"| {part} | {s:.3f} | {s / step:5.1%} |")
     print(f"| total | {sum(d['parts'].values()):.3f} | 100.0% |")
     ph, pred = d["phases"], d["predicted_phases"]
@@ -302,12 +302,14 @@ def run(a: argparse.Namespace) -> dict:
         for name, s in bound.rows():
             print(f"  bound {name:<14} {s:7.3f} s")
         print(f"  physical bound {bound.bound_s:.3f} s/step -> measured/bound = {sec / bound.bound_s:.2f}")
-        for name, s in bound.compute_rows():
-            print(f"  {name:<40} {s:7.3f} s")
-        print(f"  ceiling (no recompute) {bound.ceiling_s:.3f} s/step -> measured/ceiling = "
-              f"{sec / bound.ceiling_s:.2f}")
-        if bound.forced_bound_s is not None:
-            print(f"  bound with only the recompute memory forces {bound.forced_bound_s:.3f} s/step")
+        if bound.compute_s == bound.compute_s:  # a matmul rate was measured (CUDA)
+            for name, s in bound.compute_rows():
+                print(f"  {name:<44} {s:7.3f} s")
+            print(f"  ceiling (no recompute) {bound.ceiling_s:.3f} s/step -> measured/ceiling = "
+                  f"{sec / bound.ceiling_s:.2f}")
+            if bound.forced_bound_s is not None:
+                print(f"  bound with only the recompute memory forces {bound.forced_bound_s:.3f} s/step "
+                      f"-> measured/that = {sec / bound.forced_bound_s:.2f}")
     print(f"  memory: {limit.describe()}")
     if decomposition is not None:
         _print_decomposition(decomposition, planned is not None)
