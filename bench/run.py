@@ -159,10 +159,12 @@ def _decomposition(engine: tinypipe.Engine, events: list[dict], step_s: float, c
                   "predicted_compute_lanes_s": cand.time.compute_s}
 
 
-def _print_decomposition(d: dict, planned: bool) -> None:
+def _print_decomposition(d: dict, planned: bool, cuda: bool) -> None:
     step = d["step_s"]
     print(f"step decomposition (last step, {step:.3f} s, {d['times']} times; recompute = "
           f"{d['recompute_share']:.2f} of each recomputing bwd task, modelled):")
+    if cuda and d["times"] == "host":
+        print("  (CUDA tasks at their host launch times: pass --trace FILE for device times)")
     print("| part | s/step | share |")
     for part in PARTS:
         s = d["parts"][part]
@@ -312,7 +314,7 @@ def run(a: argparse.Namespace) -> dict:
                       f"-> measured/that = {sec / bound.forced_bound_s:.2f}")
     print(f"  memory: {limit.describe()}")
     if decomposition is not None:
-        _print_decomposition(decomposition, planned is not None)
+        _print_decomposition(decomposition, planned is not None, cuda)
     print(f"host RSS peak: process {rss.peak_self / gib:.2f} GiB, children {rss.peak_children / gib:.2f} GiB "
           f"(up to {rss.max_children} child processes)")
     print(f"| workload | tokens/s | s/step | peak GPU reserved | peak GPU allocated | peak host RSS |")
