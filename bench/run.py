@@ -26,6 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # decompose.py beside this script
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # before CUDA initialises: expandable segments avoid fragmentation from varying activation sizes
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -34,8 +35,8 @@ import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
 from tinypipe.perf.analysis import overlap_table, step_bound  # noqa: E402
-from tinypipe.perf.keep_limit import KeepLimit, keep_limit, pack_recomputes, recomputed_blocks  # noqa: E402
-from tinypipe.perf.step_parts import PARTS, decompose, phases, predicted_phases, recompute_share  # noqa: E402
+from tinypipe.perf.keep_limit import KeepLimit  # noqa: E402
+from tinypipe.perf.step_parts import PARTS  # noqa: E402
 from tinypipe.perf.machine import measure  # noqa: E402
 from tinypipe.perf.rss import RssSampler  # noqa: E402
 from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
@@ -44,6 +45,8 @@ from tinypipe.planner.auto import hardware_for  # noqa: E402
 from tinypipe.planner.candidate import Candidate, evaluate  # noqa: E402
 from tinypipe.planner.hardware import HardwareSpec  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from decompose import (pack_recomputes, phases, plan_keep_limit, predicted_phases,  # noqa: E402
+                       recompute_share, recomputed_blocks, step_decomposition)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -141,17 +144,17 @@ def _keep_limit(engine: tinypipe.Engine, model: torch.nn.Module, cand: Candidate
     prof = hw.layer_profile
     if prof is not None and prof.precision == precision:
         act = prof.activation_bytes_for(sizes.block_params[0], sizes.num_heads * sizes.head_dim)
-    return keep_limit(engine.plan, cand.memory, budget_bytes=budget, tokens=w.tokens,
-                      act_bytes_per_token=act or sizes.block_act_bytes(precision))
+    return plan_keep_limit(engine.plan, cand.memory, budget_bytes=budget, tokens=w.tokens,
+                           act_bytes_per_token=act or sizes.block_act_bytes(precision))
 
 
 def _decomposition(engine: tinypipe.Engine, events: list[dict], step_s: float, cand: Candidate, w,
                    hw: HardwareSpec, device_times: bool) -> dict:
-    """The last step in parts (:func:`decompose`) and phases, beside the prediction's phases."""
+    """The last step in parts (:func:`step_decomposition`) and phases, beside the prediction's."""
     plan = engine.plan
     share = recompute_share(hw, engine.config.precision, w.seq,
                             min(plan.backward_micro_batch_size, w.batch) * w.seq)
-    out = decompose(events, step_s, recompute_share=share, recomputes=pack_recomputes(plan))
+    out = step_decomposition(events, step_s, recompute_share=share, recomputes=pack_recomputes(plan))
     compute_busy = sum(busy for lane, busy, _ in overlap_table(events) if lane.endswith(":compute"))
     return out | {"times": "device" if device_times else "host", "recompute_split": "modelled",
                   "phases": phases(events, step_s), "predicted_phases": predicted_phases(cand.time),

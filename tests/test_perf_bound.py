@@ -1,16 +1,19 @@
 """The physical bound (tinypipe.perf.analysis.step_bound) with the compute three ways -- no
 recompute, the plan's, the least memory forces -- and the memory limit on kept activations
-(tinypipe.perf.keep_limit) on the tiny workload's real sizes, plan and memory estimate."""
+(tinypipe.perf.keep_limit, fed by bench/decompose.py) on the tiny workload's real sizes, plan and
+memory estimate."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import transformers
 
 from tinypipe.perf.analysis import step_bound, step_flops
-from tinypipe.perf.keep_limit import keep_limit, pack_recomputes, recomputed_blocks
+from tinypipe.perf.keep_limit import keep_limit as keep_limit_of_counts
 from tinypipe.perf.machine import MachineRates
 from tinypipe.perf.workloads import WORKLOADS
 from tinypipe.planner.candidate import FRAGMENTATION, GPU_CONTEXT_BYTES
@@ -21,6 +24,13 @@ from tinypipe.schedule.plan import Plan, make_plan
 RATES = MachineRates(h2d_gbs=50.0, d2h_gbs=50.0, both_gbs=80.0, matmul_tflops=1.0, adamw_gparams_s=4.0,
                      device_name="synthetic")
 TINY = WORKLOADS["tiny"]
+
+_spec = importlib.util.spec_from_file_location(
+    "decompose", Path(__file__).resolve().parents[1] / "bench" / "decompose.py")
+DEC = importlib.util.module_from_spec(_spec)  # type: ignore[arg-type]
+_spec.loader.exec_module(DEC)  # type: ignore[union-attr]
+keep_limit, pack_recomputes = DEC.plan_keep_limit, DEC.pack_recomputes
+recomputed_blocks = DEC.recomputed_blocks
 
 
 @pytest.fixture(scope="module")
@@ -143,3 +153,14 @@ def test_keep_limit_per_device(sizes) -> None:
     budget = lim.need_bytes[fullest] + int(1.2 * per_block)  # room for one block on the fullest
     got = keep_limit(plan, mem, budget_bytes=budget, tokens=TINY.tokens, act_bytes_per_token=act)
     assert got.keepable_blocks == 1 + 2  # not 4: the fullest device's room is not shared
+
+
+def test_keep_limit_arithmetic() -> None:
+    lim = keep_limit_of_counts([100, 300], [3, 3], kept_now=1, bytes_per_block=40.0, budget_bytes=200)
+    # 100 B free on the first device: 2 blocks; none on the second
+    assert (lim.keepable_blocks, lim.num_blocks) == (1 + 2 + 0, 7)
+    assert lim.forced_blocks == 4 and lim.forced_fraction == pytest.approx(4 / 7)
+    roomy = keep_limit_of_counts([0], [5], kept_now=0, bytes_per_block=1.0, budget_bytes=10)
+    assert roomy.keepable_blocks == 5  # never more than the blocks there
+    with pytest.raises(ValueError):
+        keep_limit_of_counts([0, 0], [1], kept_now=0, bytes_per_block=1.0, budget_bytes=None)

@@ -1,10 +1,13 @@
-"""The step decomposition (tinypipe.perf.step_parts): every instant of the step counted once, exposed
-time only where no compute lane is busy, the recompute split by the time model's share -- on
-hand-built timelines, random ones, and a real engine step."""
+"""The step decomposition (tinypipe.perf.step_parts, and bench/decompose.py that feeds it an engine's
+timeline): every instant of the step counted once, exposed time only where no compute lane is
+busy, the recompute split by the time model's share -- on hand-built timelines, random ones, and
+a real engine step."""
 
 from __future__ import annotations
 
+import importlib.util
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -12,11 +15,25 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tinypipe.perf.analysis import lane_busy
-from tinypipe.perf.step_parts import PARTS, decompose, lane_role, phases, predicted_phases, recompute_share
+from tinypipe.perf.step_parts import COMPUTE_PARTS, PARTS, Span
+from tinypipe.perf.step_parts import decompose as decompose_spans
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
 
-COMPUTE_PARTS = ("forward", "head", "backward", "recompute", "other compute")
+
+BENCH = Path(__file__).resolve().parents[1] / "bench"
+
+
+def _bench_module(name: str):
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(mod)  # type: ignore[union-attr]
+    return mod
+
+
+DEC = _bench_module("decompose")
+decompose, lane_role, phases = DEC.step_decomposition, DEC.lane_role, DEC.phases
+predicted_phases, recompute_share = DEC.predicted_phases, DEC.recompute_share
 
 
 def ev(lane: str, name: str, start_ms: float, dur_ms: float) -> dict:
@@ -112,9 +129,26 @@ def test_events_outside_the_step_are_clipped() -> None:
     assert sum(d["parts"].values()) == pytest.approx(0.050, abs=1e-12)
 
 
-def test_rejects_a_non_positive_step() -> None:
+def test_rejects_a_non_positive_step_and_malformed_spans() -> None:
     with pytest.raises(ValueError):
         decompose([], 0.0)
+    with pytest.raises(ValueError):
+        Span(0.0, 1.0, "compute", {"forward": 0.5})  # fractions not summing to 1
+    with pytest.raises(ValueError):
+        Span(0.0, 1.0, "compute", {"bogus": 1.0})
+    with pytest.raises(ValueError):
+        Span(0.0, 1.0, "gpu")
+
+
+def test_spans_directly() -> None:
+    """The arithmetic without the engine's names: a compute span split 70/30 under an optimizer
+    span that sticks out 2 s; two uploads overlapping while nothing computes count once."""
+    d = decompose_spans([Span(0, 10, "compute", {"backward": 0.7, "recompute": 0.3}),
+                         Span(5, 12, "optimizer"), Span(14, 16, "upload"), Span(15, 17, "upload")], 20.0)
+    assert d["parts"]["backward"] == pytest.approx(7) and d["parts"]["recompute"] == pytest.approx(3)
+    assert d["parts"]["exposed optimizer"] == pytest.approx(2)
+    assert d["parts"]["exposed upload"] == pytest.approx(3)
+    assert d["parts"]["idle"] == pytest.approx(5)
 
 
 _LANES = ("dev0:compute", "dev1:compute", "dev0:h2d", "dev1:d2h", "host:optimizer", "dev0:collective")

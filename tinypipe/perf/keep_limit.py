@@ -1,13 +1,11 @@
-"""How much recompute a plan does, and the least its GPU memory forces.
+"""The least recompute a GPU budget forces: how many blocks could keep their activations.
 
-A block whose activations are kept on the device from its forward to its backward needs no
-recompute; what it keeps is what autograd saves for it, for every token of the step (the
-planner's ``ModelSizes.block_act_bytes`` per token, or a measured profile's value). With a GPU
-budget, the blocks that can be kept are bounded by what the plan leaves free: the budget minus
-the plan's estimated need (static pools + activation peak + the planner's headroom,
-:func:`tinypipe.planner.candidate.gpu_need`). The estimate is conservative: the all-recompute
-plan's whole activation peak stays counted though a kept block no longer needs its backward
-working set.
+A block whose activations stay on the device from its forward to its backward needs no
+recompute; in the layer-wise schedule a pack's forward runs every micro-batch before any
+backward, so what it keeps is what autograd saves for it for every token of the step. The blocks
+that fit are bounded, per device, by what the plan leaves free of the budget. The arithmetic
+only: the caller gives the plan's need per device and the bytes one block keeps
+(bench/decompose.py takes them from the planner's memory estimate and per-token activation bytes).
 """
 
 from __future__ import annotations
@@ -15,36 +13,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-from tinypipe.memory.report import MemoryReport
-from tinypipe.planner.candidate import FRAGMENTATION, GPU_CONTEXT_BYTES
-from tinypipe.schedule.plan import Plan
-
-
-def pack_recomputes(plan: Plan) -> tuple[bool, ...]:
-    """Per pack, whether its backward recomputes its forward. ``Plan.keep_activations`` (one
-    entry per pack; a bool, or a placement string where only ``"recompute"`` recomputes) marks
-    the packs that keep their activations; a plan without that field recomputes every pack."""
-    keep: Sequence = tuple(getattr(plan, "keep_activations", ()) or ())
-    out = []
-    for q in range(plan.num_packs):
-        v = keep[q] if q < len(keep) else False
-        kept = v != "recompute" if isinstance(v, str) else bool(v)
-        out.append(not kept)
-    return tuple(out)
-
-
-def recomputed_blocks(plan: Plan) -> int:
-    """Blocks whose forward the plan's backward runs again."""
-    return sum(len(p) for p, r in zip(plan.packs, pack_recomputes(plan)) if r)
-
 
 @dataclass(frozen=True)
 class KeepLimit:
-    """The most blocks whose activations fit beside the plan, per device and in all."""
+    """The most blocks whose activations fit beside the plan, in all."""
 
     budget_bytes: int | None  # per device; None: no budget (nothing forces recompute)
-    need_bytes: tuple[int, ...]  # the plan's estimated need per device (headroom included)
-    bytes_per_block: float  # one block's kept activations for the whole step (fragmentation included)
+    need_bytes: tuple[int, ...]  # the plan's need per device
+    bytes_per_block: float  # one block's kept activations for the whole step
     keepable_blocks: int  # at most, the blocks the plan keeps already included
     num_blocks: int
 
@@ -75,25 +51,18 @@ class KeepLimit:
                 f"{self.num_blocks} blocks kept, {self.forced_blocks} must recompute")
 
 
-def keep_limit(plan: Plan, memory: MemoryReport, *, budget_bytes: int | None, tokens: int,
-               act_bytes_per_token: float) -> KeepLimit:
-    """The blocks ``plan`` could keep on its devices within ``budget_bytes`` each, ``memory``
-    being the planner's estimate for the plan (:func:`tinypipe.planner.estimate.estimate_memory`,
-    device entries in device order) and ``tokens`` the step's tokens."""
-    per_block = tokens * act_bytes_per_token * (1.0 + FRAGMENTATION)
-    needs = []
-    for name, cats in memory.devices.items():
-        act = cats.get("activations_peak", 0)
-        needs.append(memory.device_total(name) + act + int(FRAGMENTATION * act) + GPU_CONTEXT_BYTES)
-    recomputes = pack_recomputes(plan)
-    kept_now = plan.num_blocks - recomputed_blocks(plan)
+def keep_limit(need_bytes: Sequence[int], recomputing: Sequence[int], *, kept_now: int,
+               bytes_per_block: float, budget_bytes: int | None) -> KeepLimit:
+    """Per device ``d``: ``recomputing[d]`` blocks recompute there now (their backward runs on
+    ``d``) and the plan needs ``need_bytes[d]``; each more block kept takes ``bytes_per_block``.
+    ``kept_now`` blocks keep their activations already (counted in the need)."""
+    if len(need_bytes) != len(recomputing):
+        raise ValueError(f"{len(need_bytes)} device needs for {len(recomputing)} devices' block counts")
+    total = kept_now + sum(recomputing)
     if budget_bytes is None:
-        return KeepLimit(None, tuple(needs), per_block, plan.num_blocks, plan.num_blocks)
+        return KeepLimit(None, tuple(need_bytes), bytes_per_block, total, total)
     more = 0
-    for d, need in enumerate(needs):
-        # counted on the device that runs the pack's backward (which reads them)
-        candidates = sum(len(p) for q, p in enumerate(plan.packs)
-                         if recomputes[q] and (plan.bwd_device[q] if plan.bwd_device else 0) == d)
+    for need, blocks in zip(need_bytes, recomputing):
         room = max(0, budget_bytes - need)
-        more += min(candidates, int(room // per_block) if per_block > 0 else candidates)
-    return KeepLimit(budget_bytes, tuple(needs), per_block, kept_now + more, plan.num_blocks)
+        more += min(blocks, int(room // bytes_per_block) if bytes_per_block > 0 else blocks)
+    return KeepLimit(budget_bytes, tuple(need_bytes), bytes_per_block, kept_now + more, total)
