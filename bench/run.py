@@ -6,7 +6,11 @@
 
 Prints a table last; ``--json FILE`` writes everything, ``--trace FILE`` the last step's
 Chrome/Perfetto timeline (per device stream and host worker). Each run prints the planner's
-prediction for the plan it ran (the clipped step's when its timed steps clipped). ``--clip-compare``
+prediction for the plan it ran (the clipped step's when its timed steps clipped), the physical bound
+three ways (compute without recompute, with the plan's, with the least the GPU budget forces: JSON
+``bound``) and the last step decomposed into compute, recompute (split by the time model), exposed
+transfers and optimizer, and idle, with its phases next to the prediction's (JSON ``decomposition``;
+device times with ``--trace``, host launch times otherwise). ``--clip-compare``
 runs the workload twice in one call, without clipping and then with ``--max-grad-norm`` (default
 1.0; each with its own plan under ``--auto``), and prints both with their predictions and the ratio
 (JSON: ``runs``, one entry each).
@@ -22,6 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # decompose.py beside this script
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 # before CUDA initialises: expandable segments avoid fragmentation from varying activation sizes
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
@@ -30,10 +35,18 @@ import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
 from tinypipe.perf.analysis import overlap_table, step_bound  # noqa: E402
+from tinypipe.perf.keep_limit import KeepLimit  # noqa: E402
+from tinypipe.perf.step_parts import PARTS  # noqa: E402
 from tinypipe.perf.machine import measure  # noqa: E402
 from tinypipe.perf.rss import RssSampler  # noqa: E402
 from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
 from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
+from tinypipe.planner.auto import hardware_for  # noqa: E402
+from tinypipe.planner.candidate import Candidate, evaluate  # noqa: E402
+from tinypipe.planner.hardware import HardwareSpec  # noqa: E402
+from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from decompose import (pack_recomputes, phases, plan_keep_limit, predicted_phases,  # noqa: E402
+                       recompute_share, recomputed_blocks, step_decomposition)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -100,20 +113,76 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _prediction(engine: tinypipe.Engine, model: torch.nn.Module, w) -> tuple[float, float | None]:
-    """(unclipped, clipped: None without max_grad_norm) predicted s/step of the plan the engine runs:
-    the planner's own numbers
-    when it chose the plan, else the time model for the hand-set plan on the engine's hardware."""
+def _candidate(engine: tinypipe.Engine, model: torch.nn.Module, w) -> Candidate:
+    """The planner's evaluation of the plan the engine runs (predicted step time, memory estimate):
+    its own when it chose the plan, else the time model and estimator for the hand-set plan on the
+    engine's hardware."""
     planned = engine.plan_result.best if engine.plan_result is not None else None
-    if planned is None:
-        from tinypipe.planner.auto import hardware_for
-        from tinypipe.planner.candidate import evaluate
-        from tinypipe.planner.sizes import model_sizes
+    if planned is not None:
+        return planned
+    return evaluate(model_sizes(model.config), hardware_for(engine.config), engine.plan, seq=w.seq,
+                    global_batch=w.batch, precision=engine.config.precision,
+                    max_grad_norm=engine.config.max_grad_norm)
 
-        planned = evaluate(model_sizes(model.config), hardware_for(engine.config), engine.plan, seq=w.seq,
-                           global_batch=w.batch, precision=engine.config.precision,
-                           max_grad_norm=engine.config.max_grad_norm)
-    return planned.time.step_s, planned.time.clipped_step_s
+
+def _gpu_budget(a: argparse.Namespace, devices: list[str]) -> int | None:
+    """Bytes per GPU the plan may use: the cap, else the device's memory; None off CUDA."""
+    if not devices[0].startswith("cuda"):
+        return None
+    if a.cap_gib > 0:
+        return int(a.cap_gib * 1024**3)
+    return int(torch.cuda.get_device_properties(devices[0]).total_memory)
+
+
+def _keep_limit(engine: tinypipe.Engine, model: torch.nn.Module, cand: Candidate, w, budget: int | None,
+                hw: HardwareSpec) -> KeepLimit:
+    """The most blocks whose activations fit beside the plan (the planner's per-token bytes: a
+    measured profile's where it has this block shape, as the planner's evaluation takes them)."""
+    sizes = model_sizes(model.config)
+    precision = engine.config.precision
+    act = None
+    prof = hw.layer_profile
+    if prof is not None and prof.precision == precision:
+        act = prof.activation_bytes_for(sizes.block_params[0], sizes.num_heads * sizes.head_dim)
+    return plan_keep_limit(engine.plan, cand.memory, budget_bytes=budget, tokens=w.tokens,
+                           act_bytes_per_token=act or sizes.block_act_bytes(precision))
+
+
+def _decomposition(engine: tinypipe.Engine, events: list[dict], step_s: float, cand: Candidate, w,
+                   hw: HardwareSpec, device_times: bool) -> dict:
+    """The last step in parts (:func:`step_decomposition`) and phases, beside the prediction's."""
+    plan = engine.plan
+    share = recompute_share(hw, engine.config.precision, w.seq,
+                            min(plan.backward_micro_batch_size, w.batch) * w.seq)
+    out = step_decomposition(events, step_s, recompute_share=share, recomputes=pack_recomputes(plan))
+    compute_busy = sum(busy for lane, busy, _ in overlap_table(events) if lane.endswith(":compute"))
+    return out | {"times": "device" if device_times else "host", "recompute_split": "modelled",
+                  "phases": phases(events, step_s), "predicted_phases": predicted_phases(cand.time),
+                  "predicted_step_s": cand.time.step_s, "compute_lanes_busy_s": compute_busy,
+                  "predicted_compute_lanes_s": cand.time.compute_s}
+
+
+def _print_decomposition(d: dict, planned: bool, cuda: bool) -> None:
+    step = d["step_s"]
+    print(f"step decomposition (last step, {step:.3f} s, {d['times']} times; recompute = "
+          f"{d['recompute_share']:.2f} of each recomputing bwd task, modelled):")
+    if cuda and d["times"] == "host":
+        print("  (CUDA tasks at their host launch times: pass --trace FILE for device times)")
+    print("| part | s/step | share |")
+    for part in PARTS:
+        s = d["parts"][part]
+        if s or part not in ("other compute", "exposed other"):  # those two only when there is any
+            print(f"| {part} | {s:.3f} | {s / step:5.1%} |")
+    print(f"| total | {sum(d['parts'].values()):.3f} | 100.0% |")
+    ph, pred = d["phases"], d["predicted_phases"]
+    if ph:
+        print(f"phases vs the {'planner' if planned else 'time model'}'s prediction:")
+        print("| phase | measured s | predicted s |")
+        for name, s in ph.items():
+            print(f"| {name} | {s:.3f} | {pred[name]:.3f} |")
+        print(f"| compute lanes busy (all devices) | {d['compute_lanes_busy_s']:.3f} | "
+              f"{d['predicted_compute_lanes_s']:.3f} |")
+        print(f"| step | {step:.3f} | {d['predicted_step_s']:.3f} |")
 
 
 def run(a: argparse.Namespace) -> dict:
@@ -159,7 +228,8 @@ def run(a: argparse.Namespace) -> dict:
         t_engine = time.perf_counter() - t0
         phase(f"engine ready ({t_engine:.1f} s)")
         planned = engine.plan_result.best if engine.plan_result is not None else None
-        pred_s, pred_clip_s = _prediction(engine, model, w)
+        cand = _candidate(engine, model, w)
+        pred_s, pred_clip_s = cand.time.step_s, cand.time.clipped_step_s
         clip_text = "" if pred_clip_s is None else f", {pred_clip_s:.3f} where clipping triggers"
         print(f"plan{' (the planner chose it)' if planned else ''}: {engine.plan.describe()}"
               f" (predicted {pred_s:.3f} s/step{clip_text})", flush=True)
@@ -203,13 +273,22 @@ def run(a: argparse.Namespace) -> dict:
         else pred_s
     print(report.to_text())
     bound = None
+    hw = hardware_for(engine.config)
+    limit = _keep_limit(engine, model, cand, w, _gpu_budget(a, devices), hw)
+    out["bound"] = {"keep_limit": limit.as_dict()}
     if rates is not None:
         bound = step_bound(params, block_params, head_params, dec.num_blocks, int(model.config.hidden_size),
-                           w.seq, w.batch, rates)
+                           w.seq, w.batch, rates,
+                           recompute_fraction=recomputed_blocks(engine.plan) / dec.num_blocks,
+                           forced_fraction=limit.forced_fraction)
         out["rates"] = rates.as_dict()
-        out["bound"] = {k: v for k, v in bound.rows()} | {"bound_s": bound.bound_s}
+        out["bound"] = bound.as_dict() | out["bound"]
+    decomposition = None
     if events:
         out["overlap"] = overlap_table(events)
+        decomposition = _decomposition(engine, events, results[-1].seconds, cand, w, hw,
+                                       device_times=cfg.trace and cuda)
+        out["decomposition"] = decomposition
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
@@ -228,6 +307,17 @@ def run(a: argparse.Namespace) -> dict:
         for name, s in bound.rows():
             print(f"  bound {name:<14} {s:7.3f} s")
         print(f"  physical bound {bound.bound_s:.3f} s/step -> measured/bound = {sec / bound.bound_s:.2f}")
+        if bound.compute_s == bound.compute_s:  # a matmul rate was measured (CUDA)
+            for name, s in bound.compute_rows():
+                print(f"  {name:<44} {s:7.3f} s")
+            print(f"  ceiling (no recompute) {bound.ceiling_s:.3f} s/step -> measured/ceiling = "
+                  f"{sec / bound.ceiling_s:.2f}")
+            if bound.forced_bound_s is not None:
+                print(f"  bound with only the recompute memory forces {bound.forced_bound_s:.3f} s/step "
+                      f"-> measured/that = {sec / bound.forced_bound_s:.2f}")
+    print(f"  memory: {limit.describe()}")
+    if decomposition is not None:
+        _print_decomposition(decomposition, planned is not None, cuda)
     print(f"host RSS peak: process {rss.peak_self / gib:.2f} GiB, children {rss.peak_children / gib:.2f} GiB "
           f"(up to {rss.max_children} child processes)")
     print(f"| workload | tokens/s | s/step | peak GPU reserved | peak GPU allocated | peak host RSS |")

@@ -1,0 +1,39 @@
+"""bench/run.py end to end on the CPU with the tiny workload (what the lead runs on the GPU with W1/W3):
+the JSON keeps the bound's old keys and adds the recompute variants and the memory limit, and the
+last step's decomposition sums to that step's measured time, printed as a table beside the
+prediction's phases."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[1] / "bench" / "run.py"
+
+
+def test_tiny_run_records_bound_and_decomposition(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH)
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    out = tmp_path / "run.json"
+    assert bench.main(["tiny", "--devices", "cpu", "--precision", "fp32", "--warmup", "1", "--steps", "1",
+                       "--json", str(out)]) == 0
+    rec = json.loads(out.read_text())
+    bound = rec["bound"]
+    for key in ("compute", "upload", "download", "cpu optimizer", "bound_s", "compute_no_recompute",
+                "ceiling_s", "recompute_fraction", "forced_recompute_fraction"):
+        assert key in bound
+    assert bound["recompute_fraction"] == 1.0  # every pack recomputes in the hand-set plan
+    assert bound["keep_limit"]["budget_bytes"] is None  # a CPU device: nothing forces recompute
+    assert bound["keep_limit"]["forced_blocks"] == 0 and bound["forced_recompute_fraction"] == 0.0
+    dec = rec["decomposition"]
+    assert dec["step_s"] == rec["steps_s"][-1]
+    assert sum(dec["parts"].values()) == pytest.approx(dec["step_s"], rel=1e-9)
+    assert dec["parts"]["recompute"] > 0 and dec["recompute_split"] == "modelled"
+    assert dec["times"] == "host" and set(dec["phases"]) == set(dec["predicted_phases"])
+    printed = capsys.readouterr().out
+    assert "step decomposition (last step" in printed and "| exposed upload |" in printed
+    assert "phases vs the time model's prediction" in printed
