@@ -72,8 +72,8 @@ def test_kept_packs_match_pytorch(family: str, name: str) -> None:
 def test_two_devices_kept_match_pytorch(family: str) -> None:
     """cpu,cpu: resident pack 0 (forward and backward on device 1) and the last pack (device 0,
     carried across the turn) kept, the rest recomputed; clipping triggers."""
-    cfg = dict(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2, resident_packs=1, keep_activations=True,
-               max_grad_norm=0.5)
+    cfg = dict(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2, resident_packs=1,
+               keep_activations=True, max_grad_norm=0.5)
     engine = run_both(family, cfg, layers=6)
     assert engine.plan.keepable_packs() == (0, 2) and engine.plan.kept(0) and engine.plan.kept(2)
     assert not engine.plan.kept(1)
@@ -81,7 +81,8 @@ def test_two_devices_kept_match_pytorch(family: str) -> None:
 
 
 def _train(model: torch.nn.Module, cfg: dict, batches: list[dict]) -> tuple[list, dict]:
-    engine = tinypipe.Engine(model, tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, **cfg))
+    engine = tinypipe.Engine(model, tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7,
+                                                    **cfg))
     results = [engine.step(b) for b in batches]
     state = {k: v.clone() for k, v in engine.state_dict().items()}
     engine.close()
@@ -112,8 +113,8 @@ def test_keeping_equals_recomputing_bit_for_bit(make, cfg: dict) -> None:
 
 @pytest.mark.parametrize("cfg", [
     dict(devices=["cpu"], pack_size=2, micro_batch_size=2, resident_packs=1, keep_activations=True),
-    dict(devices=["cpu", "cpu"], pack_size=1, micro_batch_size=1, backward_micro_batch_size=2, resident_packs=1,
-         keep_activations=True),
+    dict(devices=["cpu", "cpu"], pack_size=1, micro_batch_size=1, backward_micro_batch_size=2,
+         resident_packs=1, keep_activations=True),
 ], ids=["one_device", "two_devices_mb1_bwd2"])
 def test_kept_dropout_matches_pytorch_given_the_same_masks(cfg: dict) -> None:
     """GPT-2 with dropout through kept packs equals plain autograd given the forward's masks
@@ -122,8 +123,8 @@ def test_kept_dropout_matches_pytorch_given_the_same_masks(cfg: dict) -> None:
 
 
 def test_kept_lora_dropout_matches_peft() -> None:
-    engine = run_against_reference(llama_lora_with_dropout, dict(devices=["cpu"], pack_size=2, micro_batch_size=2,
-                                                                 resident_packs=1, keep_activations=True))
+    cfg = dict(devices=["cpu"], pack_size=2, micro_batch_size=2, resident_packs=1, keep_activations=True)
+    engine = run_against_reference(llama_lora_with_dropout, cfg)
     assert engine.peft_model is not None and engine.plan.kept(0) and engine.plan.kept(1)
     engine.close()
 
