@@ -299,14 +299,15 @@ def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec) -
 
 
 def _add_stash_traffic(lanes: _Lanes, plan: Plan, stash_bytes: int) -> None:
-    """Host-stashed pack inputs: written down and read back up in the forward, read up in the backward."""
+    """Host-stashed pack inputs: written down and read back up in the forward, read up in the
+    backward (unless the pack keeps its activations)."""
     P = plan.num_packs
     for q in range(1, P + 1):
         if q < len(plan.stash_on_host) and plan.stash_on_host[q]:
             lanes.f_down[plan.fwd_device[q - 1]] += stash_bytes
             reader = plan.fwd_device[q] if q < P else plan.head_device
             lanes.f_up[reader] += stash_bytes
-            if q < P:
+            if q < P and not plan.kept(q):  # a kept pack's backward reads no stash
                 lanes.b_up[plan.bwd_device[q]] += stash_bytes
 
 
