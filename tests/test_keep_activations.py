@@ -215,3 +215,17 @@ def test_plan_round_trip_and_settings() -> None:
     assert none.keep_activations == () and "keep_activations" not in none.settings()
     assert tinypipe.Config(pack_size=2, keep_activations=[True, False]).keep_activations == (True, False)
     assert "keep_activations" not in tinypipe.Config(pack_size=2).plan_settings()
+
+
+def test_finetune_flag_reaches_the_config() -> None:
+    from tinypipe import cli
+    from tinypipe.cli.finetune import _engine_config
+    from tinypipe.cli.options import _resolve_settings
+
+    parser = cli.build_parser()
+    base = ["finetune", "--model", "m", "--data", "d", "--output", "o", "--pack-size", "2"]
+    for flag, want in ((["--keep-activations", "on"], True), (["--keep-activations", "off"], False), ([], None)):
+        config, _ = _engine_config(_resolve_settings(parser.parse_args(base + flag)))
+        assert config.keep_activations is want
+    with pytest.raises(SystemExit):
+        parser.parse_args(base + ["--keep-activations", "maybe"])
