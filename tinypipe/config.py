@@ -35,7 +35,7 @@ OPTIMIZER_SHARDING_CHOICES: tuple[OptimizerShardingChoice, ...] = get_args(Optim
 PLAN_KNOBS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash")
 #: What unset knobs mean when at least one is set (tinypipe's defaults before automatic planning).
 MANUAL_DEFAULTS = {"pack_size": 1, "micro_batch_size": 1, "prefetch_window": 1, "stash": "device",
-                   "device_optimizer": "off", "resident_packs": 0}
+                   "device_optimizer": "off", "resident_packs": 0, "keep_activations": False}
 
 
 def _is_number(value: object) -> bool:
@@ -56,8 +56,9 @@ class Config:
     chooses them with the planner (:func:`tinypipe.planner.plan_for`) for the model, the devices
     and the budgets below, and refuses to start (:class:`PlanDoesNotFitError`, one line) when no
     plan fits. Set any of them and the plan is yours: unset ones take 1, the forward size, 1 and
-    ``"device"``, as before. ``device_optimizer`` / ``resident_packs`` unset: the planner's
-    choice when it plans, else ``"off"`` / 0; set, the planner keeps them.
+    ``"device"``, as before. ``device_optimizer`` / ``resident_packs`` / ``keep_activations``
+    unset: the planner's choice when it plans, else ``"off"`` / 0 / none; set, the planner keeps
+    them.
 
     * ``pack_size`` -- decoder blocks per pack: an int for uniform packs or a list of sizes
       (uneven packs, summing to the block count). Bigger packs: fewer pipeline bubbles and
@@ -79,6 +80,12 @@ class Config:
       memory): no upload, download or host AdamW for them -- host AdamW throughput and the
       link are what the rest of the model shares. The first packs' updates are also the last
       the backward produces. Needs each of those packs' forward and backward on one device.
+    * ``keep_activations`` -- ``True`` keeps the autograd activations of every pack that can keep
+      them (the resident packs, and the last pack when its forward and backward share a device)
+      on the device from its forward to its backward, so that pack is not recomputed: one forward
+      of its FLOPs less per step, its full activations (every micro-batch of the step) held on
+      the device meanwhile. A list gives it per pack. Needs the backward micro-batch to be a
+      multiple of the forward one. ``False``: every pack is recomputed (the stash only).
     * ``head_chunk_tokens`` -- tokens per chunk of the fused head (None: chosen from the vocabulary
       so one chunk's logits stay near 512 MiB). Logits for a whole batch are never materialised.
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
@@ -164,6 +171,7 @@ class Config:
     stash: StashPlace | Sequence[StashPlace] | None = None
     device_optimizer: DeviceOptimizer | None = None
     resident_packs: int | None = None
+    keep_activations: bool | Sequence[bool] | None = None
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
     grad_slots: int | None = None
@@ -299,6 +307,12 @@ class Config:
         if not self.compile_blocks or self.compile_blocks != self.compile_blocks.strip():
             raise ConfigError("compile_blocks must be 'auto', 'off' or a torch.compile backend name, "
                               f"got {self.compile_blocks!r}")
+        keep = self.keep_activations
+        if keep is not None and not isinstance(keep, bool):
+            if not isinstance(keep, (list, tuple)) or not all(isinstance(k, bool) for k in keep):
+                raise ConfigError(f"keep_activations must be true, false or a list of them (one per pack), "
+                                  f"got {keep!r}")
+            self.keep_activations = tuple(keep)
         if self.device_optimizer is not None:
             _check_choice("device_optimizer", self.device_optimizer, DEVICE_OPTIMIZER_CHOICES)
         _check_choice("nonfinite", self.nonfinite, NONFINITE_POLICIES)
@@ -321,6 +335,8 @@ class Config:
         out.update({k: v for k, v in MANUAL_DEFAULTS.items() if out[k] is None})
         if out["backward_micro_batch_size"] is None:
             out["backward_micro_batch_size"] = out["micro_batch_size"]
+        if out["keep_activations"] is False:  # make_plan's default: the plans of before the knob
+            del out["keep_activations"]
         return out
 
     def replace(self, **changes: object) -> "Config":

@@ -122,6 +122,7 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         max_grad_norm=s["max_grad_norm"],
         device_optimizer=s["device_optimizer"],
         resident_packs=s["resident_packs"],
+        keep_activations=s["keep_activations"],
         dropout=not s["no_dropout"],
         dropout_seed=s["seed"],
         gpu_memory_bytes=s["gpu_memory_bytes"],

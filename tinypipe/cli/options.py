@@ -168,6 +168,10 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("resident-packs", _int, None, "keep the first N packs on the GPU for the whole run, stepped "
            "there: 18 bytes/parameter of GPU memory (bf16), no swapping or host AdamW for them (default: "
            "the planner's choice on CUDA, 0 on cpu)", "N"),
+    Option("keep-activations", _bool, None, "on: keep the autograd activations of the packs that can (the "
+           "resident packs, the last pack) on the GPU, so they are not recomputed: their whole step's "
+           "activations in GPU memory; off: recompute every pack (default: the planner's choice on CUDA, "
+           "off on cpu)", "on|off"),
     Option("optimizer-sharding", _str, "auto", "with data-parallel replicas (torchrun): each replica keeps "
            "the whole host AdamW state (replicate) or only its 1/R shard (shard: less host memory, one "
            "all-gather of the updated weights per layer) (default: auto, the planner's choice)", None,

@@ -14,7 +14,9 @@ at the start and an exposed tail at the end::
   the lanes do not scale linearly (pipeline bubbles, host-side contention).
 * **head** -- fused norm + LM head + loss: 6 * N_head * T FLOPs at :data:`HEAD_EFFICIENCY` of the
   block rate (token chunks of a few hundred rows run a little below the blocks' GEMMs).
-* **backward** = max over devices of max(recompute + backward compute + overhead,
+* **backward** = max over devices of max(recompute + backward compute + overhead (a pack that
+  keeps its activations, ``Plan.keep_activations``, has no recompute; its backward runs one forward
+  micro-batch's graph at a time, at the forward micro-batch's rate),
   backward uploads / h2d, gradient downloads (4 B/param) / d2h, (uploads + downloads) / bidir),
   and the CPU optimizer's work that can overlap it (every layer but pack 0 and the embedding).
 * **tail** -- what cannot overlap: pack 0's and the embedding's AdamW steps after the last
@@ -183,6 +185,7 @@ class _Rates:
     forward: float
     recompute: float
     backward: float
+    kept_backward: float  # a kept pack's backward: one forward micro-batch's graph at a time
     head: float
     h2d: float
     d2h: float
@@ -195,15 +198,18 @@ def _rates(hw: HardwareSpec, precision: str, seq: int, tf: int, tb: int) -> _Rat
     measured per-layer times where the hardware has a profile at this precision."""
     rf, rb = _rate(hw, precision, tf), _rate(hw, precision, tb)
     rrc = rbw = rb
+    rkb = rf
     rhead = hw.tflops(precision) * 1e12 * HEAD_EFFICIENCY
     prof = hw.layer_profile
     if prof is not None and prof.precision == precision:  # measured per-layer times (tinypipe profile)
         rf = prof.rate("forward", seq, tf) / PROFILE_IN_PIPELINE
         rrc = prof.rate("recompute", seq, tb) / PROFILE_IN_PIPELINE
         rbw = prof.rate("backward", seq, tb) / PROFILE_IN_PIPELINE
+        rkb = prof.rate("backward", seq, tf) / PROFILE_IN_PIPELINE
         rhead = prof.rate("head", seq, tf) / PROFILE_IN_PIPELINE or rhead
-    return _Rates(forward=rf, recompute=rrc, backward=rbw, head=rhead, h2d=hw.h2d_gbs * 1e9,
-                  d2h=hw.d2h_gbs * 1e9, bidir=hw.bidir_gbs * 1e9, adamw=hw.cpu_adamw_gparams_s * 1e9)
+    return _Rates(forward=rf, recompute=rrc, backward=rbw, kept_backward=rkb, head=rhead,
+                  h2d=hw.h2d_gbs * 1e9, d2h=hw.d2h_gbs * 1e9, bidir=hw.bidir_gbs * 1e9,
+                  adamw=hw.cpu_adamw_gparams_s * 1e9)
 
 
 class _Packs:
@@ -262,8 +268,11 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
         res = q < R
         lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0] + (
             packs.exposed(q, rates.h2d) if q > 0 and not res else 0.0)
-        lanes.b_comp[db] += fwd_flops[q] / rates.recompute + bwd_mult * fwd_flops[q] / rates.backward \
-            + PACK_OVERHEAD_S + dequant[q][1] + (
+        if plan.kept(q):  # no recompute: the forward's graph, one forward micro-batch at a time
+            pass_s = bwd_mult * fwd_flops[q] / rates.kept_backward
+        else:
+            pass_s = fwd_flops[q] / rates.recompute + bwd_mult * fwd_flops[q] / rates.backward
+        lanes.b_comp[db] += pass_s + PACK_OVERHEAD_S + dequant[q][1] + (
                 packs.exposed(q, rates.h2d) if (q < P - 1 or not carry) and not res else 0.0)
         if res:
             continue
@@ -281,22 +290,24 @@ def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec) -
         return [(0.0, 0.0)] * plan.num_packs
     dq_f, dq_b = passes_per_step(batch, plan.micro_batch_size, plan.backward_micro_batch_size)
     out = []
-    for p in plan.packs:
+    for q, p in enumerate(plan.packs):
         qparams = sum(sizes.quant_block_params[b] for b in p)
+        # a kept pack's backward dequantizes once per forward micro-batch (the input gradient only)
         out.append((dequant_seconds(qparams, dq_f, hw.bf16_tflops),
-                    dequant_seconds(qparams, dq_b, hw.bf16_tflops)))
+                    dequant_seconds(qparams, dq_f if plan.kept(q) else dq_b, hw.bf16_tflops)))
     return out
 
 
 def _add_stash_traffic(lanes: _Lanes, plan: Plan, stash_bytes: int) -> None:
-    """Host-stashed pack inputs: written down and read back up in the forward, read up in the backward."""
+    """Host-stashed pack inputs: written down and read back up in the forward, read up in the
+    backward (unless the pack keeps its activations)."""
     P = plan.num_packs
     for q in range(1, P + 1):
         if q < len(plan.stash_on_host) and plan.stash_on_host[q]:
             lanes.f_down[plan.fwd_device[q - 1]] += stash_bytes
             reader = plan.fwd_device[q] if q < P else plan.head_device
             lanes.f_up[reader] += stash_bytes
-            if q < P:
+            if q < P and not plan.kept(q):  # a kept pack's backward reads no stash
                 lanes.b_up[plan.bwd_device[q]] += stash_bytes
 
 
@@ -386,6 +397,18 @@ def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates, overlappable:
         "link (both directions)": max(u + d for u, d in zip(lanes.b_up, lanes.down)) / rates.bidir,
         "cpu optimizer": overlappable / rates.adamw,
     }
+
+
+def recompute_seconds(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
+                      precision: str = "bf16") -> list[float]:
+    """Per pack: the seconds of its backward's recompute (its forward's FLOPs at the backward
+    micro-batch's recompute rate) -- what keeping its activations saves."""
+    rates = _rates(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
+                   tb=min(plan.backward_micro_batch_size, batch) * seq)
+    attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim
+    stats = pack_stats(sizes, plan.packs)
+    return [(2.0 * st[2] + attn_per_token * len(p)) * batch * seq / rates.recompute
+            for st, p in zip(stats, plan.packs)]
 
 
 def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,

@@ -26,7 +26,11 @@ each pack's backward, the embedding backward, the embedding's gradient download 
   after its backward);
 * the phase's own working set: a backward keeps what autograd saves for every block of the pack
   (``ModelSizes.block_act_bytes`` per token, measured on a probe model) for one backward
-  micro-batch; the head keeps one token chunk of logits in three dtypes; the embedding backward
+  micro-batch (a pack that keeps its activations, ``Plan.keep_activations``, recomputes nothing:
+  its backward's working set is one forward micro-batch's gradient transient);
+* a kept pack's graphs (:func:`kept_bytes`: the same saved bytes per token and block, for every
+  token of the step, plus the pack's outputs), alive on its device from its forward to its
+  backward; the head keeps one token chunk of logits in three dtypes; the embedding backward
   a dense weight gradient and the CUDA kernel's fp32 partial sums;
 * the transient of a gradient download: the runtime computes each layer's gradient norm with
   ``vector_norm(..., dtype=float64)``, which materialises an fp64 copy of the layer's fp32
@@ -224,9 +228,18 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     for q in range(P):
         d = plan.bwd_device[q]
         pack = plan.packs[q]
+        if plan.kept(q):  # no recompute: one forward micro-batch's graph differentiated at a time
+            work[d][Bk(q)] += tf * 2 * sizes.intermediate * a
+            continue
         saved = tb * act_tok * len(pack) + tb * H * a * (len(pack) - 1)
         transient = tb * 2 * sizes.intermediate * a
         work[d][Bk(q)] += saved + transient + remote_rows(q, d, tb)
+    # kept packs: every forward micro-batch's graph, from the pack's forward to its backward
+    for q in range(P):
+        if plan.kept(q):
+            held = kept_bytes(sizes, plan, q, batch=B, seq=S, precision=precision, hidden=H,
+                              act_per_token=act_tok)
+            alive(plan.fwd_device[q], F(q), Bk(q), held)
     # embedding backward: recomputed output, dense weight gradient, CUDA fp32 partial sums, and
     # the downloads of pack 0's layers beside it
     partials = min(B * S, V) * H * 4 if cuda[e] else 0
@@ -252,6 +265,26 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         peaks.append(int(totals[k] + const))
         where.append(_phase_name(k, P))
     return (peaks, where) if detail else peaks
+
+
+def kept_bytes(sizes: ModelSizes, plan: Plan, q: int, *, batch: int, seq: int, precision: str,
+               hidden: int | None = None, act_per_token: float | None = None) -> int:
+    """Device bytes pack ``q``'s kept graphs hold between its forward and its backward (every
+    forward micro-batch of the step): what autograd saves per block (the probe's
+    ``block_act_bytes``), the inputs of the pack's inner blocks, the pack's outputs (each graph
+    is differentiated from its output tensor), and -- when the pack reads its input from host
+    memory or from another device -- the device copies of its input the graphs may save (an input
+    stashed on the device is counted with the stash, alive until the pack's backward anyway)."""
+    H = hidden or sizes.hidden
+    a = dtype_bytes(precision)
+    act_tok = act_per_token or sizes.block_act_bytes(precision)
+    n = len(plan.packs[q])
+    tokens = batch * seq
+    out = tokens * (act_tok * n + H * a * (n - 1) + H * a)
+    owner = plan.embed_device if q == 0 else plan.fwd_device[q]
+    if (q > 0 and plan.stash_on_host[q]) or owner != plan.fwd_device[q]:
+        out += tokens * H * a
+    return int(out)
 
 
 def _phase_name(k: int, P: int) -> str:

@@ -1,6 +1,7 @@
 """Plan search: every combination of the options (:mod:`tinypipe.planner.options`: packings,
 micro-batch sizes, prefetch windows, stash placements, embedding/head on the GPU), then resident
-packs on the fastest; estimate each plan's memory and step time (:mod:`tinypipe.planner.candidate`
+packs on the fastest, then kept activations (no recompute) on the fastest that can keep them;
+estimate each plan's memory and step time (:mod:`tinypipe.planner.candidate`
 says when a plan fits), keep those that fit, return the fastest and the time-memory Pareto front
 (printed by :mod:`tinypipe.planner.format`).
 
@@ -27,7 +28,8 @@ from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search
     Candidate,
     evaluate,
 )
-from tinypipe.planner.cost import REFERENCE_TOKENS
+from tinypipe.planner.cost import REFERENCE_TOKENS, recompute_seconds
+from tinypipe.planner.estimate import kept_bytes
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
 from tinypipe.planner.offload import disk_bytes, staging_shape, summary
 from tinypipe.planner.options import (
@@ -182,6 +184,69 @@ def _with_resident_packs(seeds: list[Candidate], evaluate_plan: Evaluate,
     return out, fits
 
 
+#: Pareto plans (fastest first, among those whose packs can keep activations) tried with them.
+KEEP_SEEDS = 12
+
+
+def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
+                           settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
+                           saved_per_byte: Callable[[Plan], list[float]],
+                           ) -> tuple[list[Candidate], list[Candidate]]:
+    """Each seed plan with the activations of its keepable packs (:meth:`Plan.keepable_packs`:
+    resident packs, the last pack across the turn) kept on the GPU, greedily: packs in order of
+    recompute seconds saved per byte held (``saved_per_byte``), each added while the plan still
+    fits, skipped when it does not (a smaller pack may): (every plan evaluated, those that fit).
+
+    A kept pack holds its whole step's activations (every forward micro-batch) on the GPU from its
+    forward to its backward and is not recomputed: one forward of its FLOPs less per step. Making
+    more packs resident in order to keep them too is not searched: plans with many resident
+    packs shard less of their state across data-parallel replicas than the replica search's host
+    budget assumes (:mod:`tinypipe.planner.replica_search`)."""
+    out, fits = [], []
+    for seed in seeds:
+        plan = seed.plan
+        keepable = plan.keepable_packs()
+        if not keepable or plan.backward_micro_batch_size % plan.micro_batch_size:
+            continue
+        ratio = saved_per_byte(plan)
+        keep: set[int] = set()
+        for q in sorted(keepable, key=lambda q: -ratio[q]):
+            trial = _keeping(plan, keep | {q})
+            c = evaluate_plan(trial, None)
+            out.append(c)
+            settled = settle(c) if c.gpu_need <= gpu_mem else None
+            if settled is not None:
+                fits.append(settled)
+                keep.add(q)
+                plan = trial
+    return out, fits
+
+
+def _keeping(plan: Plan, kept: set[int]) -> Plan:
+    """``plan`` with the activations of packs ``kept`` kept, their inputs stashed on the device:
+    a kept pack's backward reads no stash, so a host stash would only move its input down and up
+    again in the forward -- on the device it costs about what the graphs would hold of it anyway."""
+    stash = tuple(h and q not in kept for q, h in enumerate(plan.stash_on_host))
+    return dataclasses.replace(plan, keep_activations=tuple(q in kept for q in range(plan.num_packs)),
+                               stash_on_host=stash)
+
+
+def _keep_all(fits: list[Candidate], evaluate_plan: Evaluate, settle: Callable[[Candidate], Candidate | None],
+              gpu_mem: int) -> tuple[list[Candidate], list[Candidate]]:
+    """``keep_activations=True``: every plan that can keep them, with every keepable pack kept."""
+    out, kept = [], []
+    for c in fits:
+        p = c.plan
+        if not p.keepable_packs() or p.backward_micro_batch_size % p.micro_batch_size:
+            continue
+        trial = evaluate_plan(_keeping(p, set(p.keepable_packs())), None)
+        out.append(trial)
+        settled = settle(trial) if trial.gpu_need <= gpu_mem else None
+        if settled is not None:
+            kept.append(settled)
+    return out, kept
+
+
 def ranking_seconds(c: Candidate, clipping: bool) -> float:
     """The step time the search ranks by: under clipping (``max_grad_norm`` set) the step where it
     triggers -- at HF Trainer's default of 1.0 fine-tuning clips on nearly every step, and the
@@ -215,12 +280,14 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              host_grad_buffers: int | None = None, max_pareto: int = 8, lora: LoraSettings | None = None,
              device_optimizer: DeviceOptimizer | None = None,
              resident_packs: int | None = None, ssd: SsdSpec | None = None,
-             hiding_search: bool = True) -> PlanResult:
+             hiding_search: bool = True, keep_activations: bool | None = None) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
     ``device_optimizer`` fixes that choice (default: searched, see :func:`device_optimizer_options`);
-    ``resident_packs`` likewise (default: searched, see :func:`_with_resident_packs`). ``ssd``
+    ``resident_packs`` likewise (default: searched, see :func:`_with_resident_packs`), and
+    ``keep_activations`` (default: searched, :func:`_with_kept_activations`; True: every plan keeps
+    them for all its keepable packs; False: none). ``ssd``
     (an offload directory and its rates): host memory becomes a real limit with the SSD as the
     overflow (:class:`~tinypipe.planner.spill.Spill`); without it, nothing changes. With state on
     the SSD the result says from which global batch its I/O is hidden (``hiding_search=False``
@@ -236,6 +303,9 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         raise ConfigError(f"global batch must be >= 1, got {global_batch}")
     if precision not in PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
+    if keep_activations is not None and not isinstance(keep_activations, bool):
+        raise ConfigError("the planner chooses the packing: keep_activations must be true, false or unset "
+                          f"(a per-pack list needs a hand-set packing), got {keep_activations!r}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
     hw = load_hardware(hardware)
@@ -323,6 +393,26 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         more, more_fits = _with_resident_packs(_pareto(fits, clipping)[:RESIDENT_SEEDS], ev, settle, gpu_mem)
         cands += more
         fits += more_fits
+    if keep_activations is None:  # spend what GPU memory is left on not recomputing packs
+
+        def saved_per_byte(plan: Plan) -> list[float]:
+            rec = recompute_seconds(sizes, plan, hw, batch=global_batch, seq=seq, precision=precision)
+            held = [kept_bytes(sizes, plan, q, batch=global_batch, seq=seq, precision=precision)
+                    for q in range(plan.num_packs)]
+            return [r / max(1, h) for r, h in zip(rec, held)]
+
+        seeds = _pareto([c for c in fits if c.plan.keepable_packs()
+                         and not c.plan.backward_micro_batch_size % c.plan.micro_batch_size], clipping)
+        more, more_fits = _with_kept_activations(seeds[:KEEP_SEEDS], ev, settle, gpu_mem, saved_per_byte)
+        cands += more
+        fits += more_fits
+    elif keep_activations:
+        more, fits = _keep_all(fits, ev, settle, gpu_mem)
+        cands += more
+        if not fits:
+            raise PlanDoesNotFitError("no plan that fits can keep the activations of its keepable packs "
+                                      "(resident packs, the last pack) on the GPU: try without "
+                                      "keep_activations")
     front = _pareto(fits, clipping)
     fastest = ranking_seconds(front[0], clipping)
     best = min((c for c in front if ranking_seconds(c, clipping) <= fastest * (1 + NEAR_FASTEST)),
@@ -340,8 +430,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                 cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=batch,
                                 precision=precision, max_grad_norm=max_grad_norm,
                                 host_grad_buffers=host_grad_buffers, lora=lora,
-                                device_optimizer=device_optimizer,
-                                resident_packs=resident_packs, ssd=ssd, hiding_search=False).best
+                                device_optimizer=device_optimizer, resident_packs=resident_packs,
+                                ssd=ssd, hiding_search=False, keep_activations=keep_activations).best
 
             hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,

@@ -5,6 +5,7 @@ step's :class:`~tinypipe.runtime.context.StepContext` and the engine's
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -27,6 +28,18 @@ from tinypipe.schedule.tasks import COMPUTE_KINDS, Task
 NORM_CHUNK = 1 << 24  # elements per partial gradient norm
 
 
+@dataclass
+class KeptGraph:
+    """One forward micro-batch of a kept pack: its input leaf, its output (whose graph holds the
+    saved activations), the weights it was bound to (trainable ones, in layer order) and how many
+    of them each layer has."""
+
+    input: torch.Tensor
+    output: torch.Tensor
+    params: list[torch.Tensor]
+    counts: list[int]
+
+
 class TaskHandlers:
     """Task handlers of one step and the binding/accumulation helpers they share."""
 
@@ -39,6 +52,8 @@ class TaskHandlers:
         self.stash = StashIO(ctx, res.read_ahead)
         self._rng: dict[int, TaskRng] = {}  # device entry -> its running compute task's generator hold
         self._drew: dict[tuple[int, int], bool] = {}  # (pack, forward micro-batch) -> its forward drew
+        # (kept pack, forward micro-batch) -> its forward's graph, until its backward differentiates it
+        self._kept: dict[tuple[int, int], KeptGraph] = {}
         self._by_kind: dict[Kind, Callable[[Task, DeviceRuntime], None]] = {
             Kind.RESIDENT_UPLOAD: self._upload,
             Kind.UPLOAD: self._upload,
@@ -171,6 +186,9 @@ class TaskHandlers:
 
     def _fwd(self, task: Task, dev: DeviceRuntime) -> None:
         q = task.pack
+        if self.ctx.schedule.plan.kept(q):
+            self._fwd_kept(task, dev)
+            return
         for layer, slot in zip(task.layers, task.slots):
             self._bind(dev, layer, slot, grad=False)
         x = self.stash.read_rows(self.ctx.acts[q], *task.rows, dev)
@@ -183,6 +201,33 @@ class TaskHandlers:
         self._drew[(q, task.mb)] = held is not None and held.drew()
         self._check(task, "output", y)
         self.stash.write_rows(self.ctx.acts[q + 1], *task.rows, y, dev)
+
+    def _fwd_kept(self, task: Task, dev: DeviceRuntime) -> None:
+        """A kept pack's forward micro-batch: autograd records it (weights bound as requires-grad
+        views of the pack's buffers, the input a detached leaf) and the graph waits on the device
+        for the backward (:meth:`_bwd_kept`). The input is read without read-ahead: the graph may
+        save it, and a read-ahead buffer is reused two reads later. Dropout's masks live in the
+        graph, so nothing is replayed; the generator is seeded as for a recomputed pack, which
+        keeps the masks -- and the results -- the same with and without keeping."""
+        q, ctx = task.pack, self.ctx
+        params: list[torch.Tensor] = []
+        counts = []
+        for layer, slot in zip(task.layers, task.slots):
+            ps = self._bind(dev, layer, slot, grad=True)
+            params += ps
+            counts.append(len(ps))
+        x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
+        self._check(task, "input", x)
+        self._seed(dev, PACK, q, task.mb)
+        with torch.enable_grad():
+            y = self._run_pack(task, dev, x)
+        held = self._rng.get(dev.index)
+        self._drew[(q, task.mb)] = held is not None and held.drew()
+        self._check(task, "output", y)
+        self.stash.write_rows(ctx.acts[q + 1], *task.rows, y.detach(), dev)
+        self._kept[(q, task.mb)] = KeptGraph(x, y, params, counts)
+        if task.last and q > 0:  # the backward reads no stash: what the graphs saved of it is theirs
+            ctx.acts[q].free()  # (the embedding's output, acts[0], stays for the embedding's backward)
 
     def _head(self, task: Task, dev: DeviceRuntime) -> None:
         ctx, inp = self.ctx, self.ctx.inputs
@@ -251,6 +296,9 @@ class TaskHandlers:
         if task.first:
             for layer, g in zip(task.layers, task.grad_slots):
                 self._zero_grads(dev, layer, g)
+        if self.ctx.schedule.plan.kept(q):
+            self._bwd_kept(task, dev)
+            return
         params: list[torch.Tensor] = []
         counts = []
         for layer, slot in zip(task.layers, task.slots):
@@ -275,6 +323,33 @@ class TaskHandlers:
             self._accumulate(dev, layer, g, list(grads[i : i + n]))
             i += n
         del y, grads, x, gout
+        if task.last:
+            ctx.grads[q + 1].free()
+            if q > 0:
+                ctx.acts[q].free()
+
+    def _bwd_kept(self, task: Task, dev: DeviceRuntime) -> None:
+        """A kept pack's backward micro-batch: autograd through the graph of each forward
+        micro-batch in its rows (whole ones: the plan and the validator see to it), in row order,
+        each freed once differentiated -- no recompute, no stash read, no replayed draws."""
+        q, ctx = task.pack, self.ctx
+        lo, hi = task.rows
+        gout = ctx.grads[q + 1].read(lo, hi, dev.device)
+        self._check(task, "output gradient", gout)
+        for m, a, b in replay_pieces(ctx.schedule.fwd_rows(), lo, hi):
+            kept = self._kept.pop((q, m))
+            grads = torch.autograd.grad(kept.output, [kept.input] + kept.params, gout[a - lo : b - lo],
+                                        allow_unused=True)
+            self._check(task, "input gradient", grads[0])
+            for g in grads[1:]:
+                self._check(task, "parameter gradient", g)
+            ctx.grads[q].write(a, b, grads[0])
+            i = 1
+            for layer, g, n in zip(task.layers, task.grad_slots, kept.counts):
+                self._accumulate(dev, layer, g, list(grads[i : i + n]))
+                i += n
+            del grads, kept  # the last reference to this graph: its saved tensors go with it
+        del gout
         if task.last:
             ctx.grads[q + 1].free()
             if q > 0:

@@ -2,8 +2,11 @@
 
 Forward runs without autograd and backward recomputes each pack, so whatever the forward drew
 (dropout masks, SDPA's attention dropout, PEFT's ``lora_dropout``) the recompute must draw
-again, bit for bit. As ``torch.utils.checkpoint`` does, the generator a task's model code draws
-from is put into a known state before the forward and into the same state before the recompute.
+again, bit for bit. (A pack that keeps its activations, ``Plan.keep_activations``, records its
+graph in the forward: the masks live in it and nothing is replayed. Its forward is seeded the
+same way, so its masks are the ones a recompute would have drawn.) As ``torch.utils.checkpoint``
+does, the generator a task's model code draws from is put into a known state before the forward
+and into the same state before the recompute.
 Two differences, both because tinypipe runs several compute lanes in one process:
 
 * The state is *set*, from a seed derived from ``(base seed, step, stage, forward

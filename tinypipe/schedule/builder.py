@@ -2,7 +2,9 @@
 
 Layer indices: 0 is the embedding, 1..L the blocks, L+1 the head. The builder walks the step in
 a global order (embedding forward; each pack's forward over all micro-batches; the head; each
-pack's backward in reverse; the embedding backward) and assigns every task to its lane. Slots are
+pack's backward in reverse; the embedding backward) and assigns every task to its lane. A pack
+that keeps its activations (``Plan.keep_activations``) has the same tasks; its backward waits
+for the forward graphs of its rows instead of the stash. Slots are
 assigned statically: an upload takes the slot whose previous occupant was released earliest and
 depends on the task that released it, so lanes can run ahead freely and a validator can check the
 whole step without running it.
@@ -199,7 +201,9 @@ class _Builder:
             deps += [head_id(m) for m in _overlapping(self.frows, lo, hi)]
         else:
             deps.append(bwd_id(q + 1, n))
-        if q > 0:  # the stashed input: the previous pack's forward of the overlapping rows
+        if self.plan.kept(q):  # no stash read: the graphs this pack's forward kept for these rows
+            deps += [fwd_id(q, m) for m in _overlapping(self.frows, lo, hi)]
+        elif q > 0:  # the stashed input: the previous pack's forward of the overlapping rows
             deps += [fwd_id(q - 1, m) for m in _overlapping(self.frows, lo, hi)]
         if n == 0 and self.carry and q == self.P - 1:
             deps.append(fwd_id(q, len(self.frows) - 1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Literal, Sequence, get_args
 
@@ -28,7 +28,7 @@ OPTIMIZER_SHARDINGS: tuple[OptimizerSharding, ...] = get_args(OptimizerSharding)
 #: The settings :func:`make_plan` takes besides the model's shape and the device count: the same
 #: names as the :class:`tinypipe.Config` fields that set them (:meth:`Plan.settings` gives them back).
 PLAN_SETTINGS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash",
-                 "grad_slots", "device_optimizer", "resident_packs")
+                 "grad_slots", "device_optimizer", "resident_packs", "keep_activations")
 #: Plan JSON keys written by older versions -> today's field names (:meth:`Plan.from_json`).
 _RENAMED_KEYS = {"fwd_micro_batch": "micro_batch_size", "bwd_micro_batch": "backward_micro_batch_size"}
 
@@ -63,6 +63,8 @@ class Plan:
     # global batch, and how they hold the host optimizer state
     replicas: int = 1
     optimizer_sharding: OptimizerSharding = "replicate"
+    # per pack: its forward's autograd graph is kept on the device for its backward (empty: none)
+    keep_activations: tuple[bool, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -83,6 +85,46 @@ class Plan:
             raise ConfigError(f"plan: optimizer_sharding must be one of {', '.join(OPTIMIZER_SHARDINGS)}, "
                               f"got {self.optimizer_sharding!r}")
         object.__setattr__(self, "offload", self._checked_offload())
+        object.__setattr__(self, "keep_activations", self._checked_keep())
+
+    def _checked_keep(self) -> tuple[bool, ...]:
+        """``keep_activations`` as a tuple of bools, () when no pack keeps (so plans written before
+        the field equal today's); ConfigError for a wrong length, a kept pack whose forward and
+        backward run on two devices, or backward micro-batches that split forward ones."""
+        keep = tuple(self.keep_activations)
+        if not any(keep):
+            return ()
+        if len(keep) != len(self.packs) or not all(isinstance(k, bool) for k in keep):
+            raise ConfigError(f"plan: keep_activations needs one true/false per pack ({len(self.packs)}), "
+                              f"got {list(keep)}")
+        for q in (q for q, k in enumerate(keep) if k):
+            if self.fwd_device and self.fwd_device[q] != self.bwd_device[q]:
+                raise ConfigError(f"plan: pack {q} keeps its activations but runs its forward on device "
+                                  f"{self.fwd_device[q]} and its backward on device {self.bwd_device[q]}")
+        if self.backward_micro_batch_size % self.micro_batch_size:
+            raise ConfigError(f"plan: kept activations need the backward micro-batch "
+                              f"({self.backward_micro_batch_size}) to be a multiple of the forward one "
+                              f"({self.micro_batch_size}): each forward graph is differentiated once, whole")
+        return keep
+
+    def kept(self, q: int) -> bool:
+        """Whether pack ``q`` keeps its forward's autograd graph for its backward."""
+        return bool(self.keep_activations) and self.keep_activations[q]
+
+    def keepable_packs(self) -> tuple[int, ...]:
+        """Packs whose weights stay in their device buffers, unchanged, from their forward to their
+        backward: the resident packs, and the last pack when its forward and backward share a
+        device (the schedule keeps its slots across the turn). Every other pack's slots are
+        refilled between its forward and backward, so its graph would point at other weights."""
+        P, R = len(self.packs), self.resident_packs
+        out = list(range(R))
+        if P > R and self._device(self.fwd_device, P - 1) == self._device(self.bwd_device, P - 1):
+            out.append(P - 1)
+        return tuple(out)
+
+    @staticmethod
+    def _device(devices: tuple[int, ...], q: int) -> int:
+        return devices[q] if devices else 0
 
     def _checked_offload(self) -> tuple[tuple[int, str], ...]:
         """``offload`` sorted and without duplicates; ConfigError for an unknown kind or layer, or a
@@ -139,10 +181,12 @@ class Plan:
     def settings(self) -> dict:
         """The :data:`PLAN_SETTINGS` that rebuild this plan with :func:`make_plan` (with the
         round-robin placement) -- also the :class:`tinypipe.Config` fields that select it;
-        ``grad_slots`` only when set."""
+        ``grad_slots`` only when set, ``keep_activations`` only when a pack keeps them."""
         out = {name: getattr(self, name) for name in PLAN_SETTINGS}
         if out["grad_slots"] is None:
             del out["grad_slots"]
+        if not out["keep_activations"]:
+            del out["keep_activations"]
         return out
 
     def describe(self, ssd_bytes: int | None = None) -> str:
@@ -161,10 +205,17 @@ class Plan:
                 f"(fwd/bwd), window {self.prefetch_window}, stash {stash}"
                 + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
                 + ("" if not resident else f", first {resident} {packs} resident on the GPU")
+                + self._describe_keep()
                 + self._describe_offload(ssd_bytes)
                 + ("" if self.replicas == 1 else
                    f", {self.replicas} replicas (optimizer state "
                    f"{'sharded' if self.optimizer_sharding == 'shard' else 'replicated'})"))
+
+    def _describe_keep(self) -> str:
+        kept = [q for q in range(len(self.packs)) if self.kept(q)]
+        if not kept:
+            return ""
+        return f", activations kept (no recompute) for pack{'s' * (len(kept) > 1)} {','.join(map(str, kept))}"
 
     def _describe_offload(self, ssd_bytes: int | None) -> str:
         if not self.offload:
@@ -223,7 +274,7 @@ class Plan:
                 d[new] = d.pop(old)
         for key in ("packs",):
             d[key] = tuple(tuple(p) for p in d[key])
-        for key in ("stash_on_host", "fwd_device", "bwd_device"):
+        for key in ("stash_on_host", "fwd_device", "bwd_device", "keep_activations"):
             d[key] = tuple(d.get(key, ()))
         d["offload"] = tuple(tuple(p) for p in d.get("offload", ()))  # older files: nothing offloaded
         return Plan(**d)
@@ -277,8 +328,11 @@ def make_plan(
     device_optimizer: DeviceOptimizer = "off",
     resident_packs: int = 0,
     offload: Sequence[tuple[int, str]] = (),
+    keep_activations: bool | Sequence[bool] = False,
 ) -> Plan:
-    """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes)."""
+    """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes).
+    ``keep_activations``: True keeps them for every pack that can (:meth:`Plan.keepable_packs`),
+    a list says it per pack."""
     packs = split_packs(num_blocks, pack_size)
     for s in (stash,) if isinstance(stash, str) else stash:
         if s not in STASH_PLACES:
@@ -295,7 +349,7 @@ def make_plan(
         fwd, bwd, e, h = (0,) * len(packs), (0,) * len(packs), 0, 0
     else:
         fwd, bwd, e, h = round_robin_devices(len(packs), num_devices, tied)
-    return Plan(
+    plan = Plan(
         packs=packs,
         micro_batch_size=micro_batch_size,
         backward_micro_batch_size=backward_micro_batch_size,
@@ -311,3 +365,14 @@ def make_plan(
         resident_packs=resident_packs,
         offload=tuple(tuple(p) for p in offload),  # type: ignore[misc]
     )
+    if keep_activations is False:
+        return plan
+    if keep_activations is True:
+        kept = set(plan.keepable_packs())
+        keep = tuple(q in kept for q in range(len(packs)))
+    elif isinstance(keep_activations, (list, tuple)):
+        keep = tuple(keep_activations)
+    else:
+        raise ConfigError(f"keep_activations must be true, false or one true/false per pack, "
+                          f"got {keep_activations!r}")
+    return replace(plan, keep_activations=keep)

@@ -1,5 +1,7 @@
-"""Check a schedule without running it: dependencies exist, lanes cannot deadlock, and no slot is
-overwritten while its previous occupant may still be in use."""
+"""Check a schedule without running it: dependencies exist, lanes cannot deadlock, no slot is
+overwritten while its previous occupant may still be in use, and a pack that keeps its forward's
+autograd graph (``Plan.keep_activations``) finds the same weights in the same buffers in its
+backward."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ def validate(sched: Schedule) -> None:
                 raise ConfigError(f"schedule: task {t.id} depends on unknown task {d}")
     _check_no_deadlock(sched)
     _check_slots(sched)
+    _check_kept(sched)
 
 
 def _check_no_deadlock(sched: Schedule) -> None:
@@ -97,3 +100,52 @@ def _check_slots(sched: Schedule) -> None:
                     raise ConfigError(f"schedule: {t.id} reuses gradient slot {key} before {grad_user[key]}")
         elif t.kind is Kind.DOWNLOAD and t.grad_slots:
             grad_user[(t.device, t.grad_slots[0])] = t.id
+
+
+def _check_kept(sched: Schedule) -> None:
+    """A kept pack's backward differentiates the graph its forward recorded, which points at the
+    weights in the buffers the forward used. Proven here: forward and backward on one device, in
+    the same buffers (the same slot per layer, or the layer's resident buffer), nothing loaded into
+    those slots and nothing loaded into or updated of those layers between the pack's first
+    forward and its last backward in the step's order (with :func:`_check_slots`, which makes
+    every later upload into a slot wait for its last user, this holds for any execution), and
+    every backward task covering whole forward micro-batches (a graph is differentiated once)."""
+    plan = sched.plan
+    kept = [q for q in range(plan.num_packs) if plan.kept(q)]
+    if not kept:
+        return
+    tasks = sched.tasks
+    frows = sched.fwd_rows()
+    bounds = {a for a, _ in frows} | {b for _, b in frows}
+    pos = {tid: i for i, tid in enumerate(sched.order)}
+    for q in kept:
+        fwds = [t for t in tasks.values() if t.kind is Kind.FWD and t.pack == q]
+        bwds = [t for t in tasks.values() if t.kind is Kind.BWD and t.pack == q]
+        if not fwds or not bwds:
+            raise ConfigError(f"schedule: kept pack {q} lacks its forward or backward tasks")
+        devices = {t.device for t in fwds + bwds}
+        if len(devices) != 1:
+            raise ConfigError(f"schedule: kept pack {q} runs on devices {sorted(devices)}; "
+                              "its graph lives on one")
+        dev = devices.pop()
+        buffers = {(t.layers, t.slots) for t in fwds + bwds}
+        if len(buffers) != 1:
+            raise ConfigError(f"schedule: kept pack {q} computes its backward in other buffers "
+                              f"({sorted(map(str, buffers))}) than its forward: its graph points at "
+                              "the forward's")
+        for t in bwds:
+            if t.rows[0] not in bounds or t.rows[1] not in bounds:
+                raise ConfigError(f"schedule: {t.id} of kept pack {q} splits a forward micro-batch "
+                                  f"(rows {t.rows[0]}:{t.rows[1]})")
+        layers, slots = fwds[0].layers, fwds[0].slots
+        watched = {(dev, s) for s in slots if s is not None}
+        start = min(pos[t.id] for t in fwds)
+        end = max(pos[t.id] for t in bwds)
+        for tid in sched.order[start + 1 : end]:
+            t = tasks[tid]
+            if t.kind is Kind.UPLOAD and (t.device, t.slots[0]) in watched:
+                raise ConfigError(f"schedule: {t.id} refills slot {(t.device, t.slots[0])} between the "
+                                  f"forward and the backward of kept pack {q}")
+            if t.kind in (Kind.UPLOAD, Kind.RESIDENT_UPLOAD, Kind.UPDATE) and set(t.layers) & set(layers):
+                raise ConfigError(f"schedule: {t.id} changes layer {t.layers[0]} between the forward and the "
+                                  f"backward of kept pack {q}")
