@@ -41,16 +41,10 @@ def lane_role(lane: str) -> str:
 
 
 def pack_recomputes(plan: Plan) -> tuple[bool, ...]:
-    """Per pack, whether its backward recomputes its forward. ``Plan.keep_activations`` (one
-    entry per pack; a bool, or a placement string where only ``"recompute"`` recomputes) marks
-    the packs that keep their activations; a plan without that field recomputes every pack."""
-    keep: Sequence = tuple(getattr(plan, "keep_activations", ()) or ())
-    out = []
-    for q in range(plan.num_packs):
-        v = keep[q] if q < len(keep) else False
-        kept = v != "recompute" if isinstance(v, str) else bool(v)
-        out.append(not kept)
-    return tuple(out)
+    """Per pack, whether its backward recomputes its forward: all but the packs
+    ``Plan.keep_activations`` keeps (empty: every pack recomputes)."""
+    keep = plan.keep_activations
+    return tuple(not (q < len(keep) and keep[q]) for q in range(plan.num_packs))
 
 
 def recomputed_blocks(plan: Plan) -> int:

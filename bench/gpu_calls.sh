@@ -7,6 +7,8 @@
 #   bash bench/gpu_calls.sh gpu-tests    # every GPU-marked test (QLoRA 1/2 entries, int8, bf16, dropout)
 #   bash bench/gpu_calls.sh clip-dp      # W1 with/without clipping (auto plans) + 2 replicas sharing the GPU
 #   bash bench/gpu_calls.sh clip-w1      # W1 clipped: the unclipped plan, 4 resident packs, the planner's own
+#   bash bench/gpu_calls.sh keep         # W1 auto at 24 / 48 GiB (kept packs), 48 GiB without keeping, W3 auto;
+#                                        # traced: the step decomposition and the bound with forced recompute
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -52,5 +54,15 @@ case "${1:-}" in
       --resident-packs 4 --json "$OUT/w1_clip_resident4.json" > "$OUT/w1_clip_b.log" 2>&1
     timeout 120 $W1 --auto --json "$OUT/w1_clip_auto.json" > "$OUT/w1_clip_c.log" 2>&1
     for f in a b c; do echo "== $f"; tail -4 "$OUT/w1_clip_$f.log"; done ;;
+  keep)
+    R="python3 bench/run.py --devices cuda:0 --auto --steps 4 --warmup 2"
+    timeout 130 $R W1 --cap-gib 24 --trace /tmp/w1_24.trace.json --json "$OUT/w1_auto_24.json" > "$OUT/w1_24.log" 2>&1
+    timeout 130 $R W1 --cap-gib 48 --trace /tmp/w1_48.trace.json --json "$OUT/w1_auto_48_keep.json" \
+      > "$OUT/w1_48_keep.log" 2>&1
+    timeout 130 $R W1 --cap-gib 48 --keep-activations off --trace /tmp/w1_48n.trace.json \
+      --json "$OUT/w1_auto_48_nokeep.json" > "$OUT/w1_48_nokeep.log" 2>&1
+    timeout 170 $R W3 --cap-gib 24 --trace /tmp/w3_24.trace.json --json "$OUT/w3_auto_24.json" > "$OUT/w3_24.log" 2>&1
+    for f in w1_24 w1_48_keep w1_48_nokeep w3_24; do echo "== $f"; grep -E "^plan|^step [0-9]" "$OUT/$f.log"; \
+      tail -3 "$OUT/$f.log"; done ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac

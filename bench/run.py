@@ -72,6 +72,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device-optimizer", default="off", choices=DEVICE_OPTIMIZER_CHOICES,
                     help="resident layers stepped on the GPU (default: off)")
     ap.add_argument("--resident-packs", type=int, default=0, help="first N packs resident on the GPU")
+    ap.add_argument("--keep-activations", default="auto", choices=("auto", "on", "off"),
+                    help="kept packs (no recompute): the planner's choice, every pack that can, none")
     ap.add_argument("--auto", action="store_true",
                     help="let the engine plan (packing, micro-batches, device optimizer...) for the workload "
                          "and --cap-gib")
@@ -217,6 +219,9 @@ def run(a: argparse.Namespace) -> dict:
         if a.auto:  # the engine's own plan for this workload and budget
             knobs = dict(seq_len=w.seq, global_batch=w.batch, hardware=a.hardware,
                          gpu_memory_bytes=int(a.cap_gib * 1024**3) if a.cap_gib > 0 else None)
+        keep = {"auto": None, "on": True, "off": False}[a.keep_activations]
+        if keep is not None:
+            knobs["keep_activations"] = keep
         cfg = tinypipe.Config(
             devices=devices, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=a.pin,

@@ -5,8 +5,9 @@ memory estimate."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -88,25 +89,13 @@ def test_bound_ceiling_and_forced_bound() -> None:
     assert step_bound(1, 1, 1, 1, 1, 1, 1, slow_mm).forced_bound_s is None
 
 
-@dataclass(frozen=True)
-class KeepPlan(Plan):
-    """A plan carrying per-pack activation placement (the field the keep-activations work adds)."""
-
-    keep_activations: tuple = ()
-
-
-def _keep_plan(plan: Plan, keep: tuple) -> KeepPlan:
-    fields = {f: getattr(plan, f) for f in plan.__dataclass_fields__}
-    return KeepPlan(**fields, keep_activations=keep)
-
-
 def test_recomputed_blocks_with_and_without_keep_activations(sizes) -> None:
     plan = tiny_plan(sizes)  # 2 packs of 2
     assert pack_recomputes(plan) == (True, True) and recomputed_blocks(plan) == 4
-    assert recomputed_blocks(_keep_plan(plan, (True, False))) == 2
-    assert recomputed_blocks(_keep_plan(plan, ("device", "recompute"))) == 2
-    assert recomputed_blocks(_keep_plan(plan, ("host", "device"))) == 0
-    assert recomputed_blocks(_keep_plan(plan, (True,))) == 2  # missing entries recompute
+    assert recomputed_blocks(dataclasses.replace(plan, keep_activations=(True, False))) == 2
+    assert recomputed_blocks(dataclasses.replace(plan, keep_activations=(False, True))) == 2
+    assert recomputed_blocks(dataclasses.replace(plan, keep_activations=(True, True))) == 0
+    assert pack_recomputes(dataclasses.replace(plan, keep_activations=(False, True))) == (True, False)
 
 
 def _need(memory) -> int:
@@ -132,7 +121,7 @@ def test_keep_limit_counts_whole_blocks_of_the_free_memory(sizes) -> None:
     assert free.forced_blocks == 0 and "no GPU budget" in free.describe()
     assert "at most 2 of 4 blocks kept" in lim.describe()
     # packs that keep already count as kept; the free room goes to the others
-    kept = _keep_plan(plan, (True, False, False, False))
+    kept = dataclasses.replace(plan, keep_activations=(True, False, False, False))
     assert keep_limit(kept, mem, budget_bytes=need + int(1.5 * per_block), **kw).keepable_blocks == 2
 
 
