@@ -193,14 +193,21 @@ class TaskHandlers:
             self._bind(dev, layer, slot, grad=False)
         x = self.stash.read_rows(self.ctx.acts[q], *task.rows, dev)
         self.stash.read_ahead_next(task, dev)
+        y = self._forward_seeded(task, dev, x, record=False)
+        self.stash.write_rows(self.ctx.acts[q + 1], *task.rows, y, dev)
+
+    def _forward_seeded(self, task: Task, dev: DeviceRuntime, x: torch.Tensor, *,
+                        record: bool) -> torch.Tensor:
+        """The pack's forward micro-batch under its seed, noting whether it drew random numbers
+        (a recompute replays them); ``record``: with autograd recording (a kept pack)."""
         self._check(task, "input", x)
-        self._seed(dev, PACK, q, task.mb)
-        with torch.no_grad():
+        self._seed(dev, PACK, task.pack, task.mb)
+        with torch.enable_grad() if record else torch.no_grad():
             y = self._run_pack(task, dev, x)
         held = self._rng.get(dev.index)
-        self._drew[(q, task.mb)] = held is not None and held.drew()
+        self._drew[(task.pack, task.mb)] = held is not None and held.drew()
         self._check(task, "output", y)
-        self.stash.write_rows(self.ctx.acts[q + 1], *task.rows, y, dev)
+        return y
 
     def _fwd_kept(self, task: Task, dev: DeviceRuntime) -> None:
         """A kept pack's forward micro-batch: autograd records it (weights bound as requires-grad
@@ -217,13 +224,7 @@ class TaskHandlers:
             params += ps
             counts.append(len(ps))
         x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
-        self._check(task, "input", x)
-        self._seed(dev, PACK, q, task.mb)
-        with torch.enable_grad():
-            y = self._run_pack(task, dev, x)
-        held = self._rng.get(dev.index)
-        self._drew[(q, task.mb)] = held is not None and held.drew()
-        self._check(task, "output", y)
+        y = self._forward_seeded(task, dev, x, record=True)
         self.stash.write_rows(ctx.acts[q + 1], *task.rows, y.detach(), dev)
         self._kept[(q, task.mb)] = KeptGraph(x, y, params, counts)
         if task.last and q > 0:  # the backward reads no stash: what the graphs saved of it is theirs
