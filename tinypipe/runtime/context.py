@@ -24,13 +24,15 @@ from tinypipe.schedule.tasks import Schedule, Task
 
 @dataclass
 class TaskTiming:
-    """When one task ran (host perf_counter seconds; CUDA timing events with ``trace=True``)."""
+    """When one task ran (host perf_counter seconds; CUDA timing events with ``trace=True``), or,
+    with ``parent`` set, a traced sub-span inside that task (a backward's recompute) on its lane."""
 
     lane: str
     task: str
     host_start: float
     host_end: float
     events: tuple[object, object] | None = None
+    parent: str | None = None  # a sub-span's task id; None for a task
 
 
 @dataclass

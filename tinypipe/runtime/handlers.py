@@ -5,6 +5,7 @@ step's :class:`~tinypipe.runtime.context.StepContext` and the engine's
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,14 +15,14 @@ from tinypipe.distributed.reduce import reduce_gradient
 from tinypipe.errors import NonFiniteError
 from tinypipe.models.decompose import LayerSpec, map_tensors, slice_rows
 from tinypipe.models.head import autograd_head_chunk, fused_head_chunk, is_plain_linear
-from tinypipe.runtime.context import StepContext
+from tinypipe.runtime.context import StepContext, TaskTiming
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.messages import GradChunk, GradEnd, GradNorm
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.rng import EMBED, HEAD, PACK, TaskRng, replay_pieces
 from tinypipe.runtime.stash_io import StashIO
 from tinypipe.runtime.upload import upload_layer
-from tinypipe.schedule.ids import Kind, head_id
+from tinypipe.schedule.ids import Kind, Lane, head_id
 from tinypipe.schedule.tasks import COMPUTE_KINDS, Task
 
 
@@ -310,8 +311,11 @@ class TaskHandlers:
         x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
         self.stash.read_ahead_next(task, dev)
         gout = ctx.grads[q + 1].read(*task.rows, dev.device)
+        span = self._span_open(task, dev) if self.res.trace else None
         with torch.enable_grad():
             y = self._recompute(task, dev, x)
+        if span is not None:
+            self._span_close(task, dev, "recompute", span)
         self._check(task, "stashed input", x)
         self._check(task, "output gradient", gout)
         grads = torch.autograd.grad(y, [x] + params, gout, allow_unused=True)
@@ -355,6 +359,25 @@ class TaskHandlers:
             ctx.grads[q + 1].free()
             if q > 0:
                 ctx.acts[q].free()
+
+    def _span_open(self, task: Task, dev: DeviceRuntime) -> tuple[float, object | None]:
+        """A traced sub-span's start, taken as the lane takes a task's: host time, then (CUDA) a
+        timing event on the task's lane stream -- the stream the task's kernels are queued on."""
+        start = time.perf_counter()
+        if not dev.backend.is_cuda:
+            return start, None
+        return start, dev.backend.record_event(dev.streams[Lane.parse(task.lane).name], timing=True)
+
+    def _span_close(self, task: Task, dev: DeviceRuntime, what: str,
+                    opened: tuple[float, object | None]) -> None:
+        """Record the sub-span ``<task id>/<what>`` opened by :meth:`_span_open` in the step's
+        timings (its own timeline event on the task's lane, inside the task's)."""
+        start, ev0 = opened
+        ev1 = None
+        if ev0 is not None:
+            ev1 = dev.backend.record_event(dev.streams[Lane.parse(task.lane).name], timing=True)
+        self.ctx.timings.append(TaskTiming(task.lane, f"{task.id}/{what}", start, time.perf_counter(),
+                                           (ev0, ev1) if ev0 is not None else None, parent=task.id))
 
     def _recompute(self, task: Task, dev: DeviceRuntime, x: torch.Tensor) -> torch.Tensor:
         """The pack's output on the backward micro-batch's rows, drawing what the forward drew:

@@ -90,21 +90,27 @@ def ssd_timings(records: list[IoRecord], origin: float) -> list[TaskTiming]:
 
 
 def host_times(timings: list[TaskTiming], origin: float) -> list[dict]:
-    """Timings as trace events (microseconds since ``origin``; device events when recorded)."""
+    """Timings as trace events (microseconds since ``origin``); a sub-span's event also names
+    its task (``"parent"``)."""
     out = []
     for t in timings:
-        out.append({
+        e = {
             "lane": t.lane,
             "name": t.task,
             "start_us": (t.host_start - origin) * 1e6,
             "dur_us": (t.host_end - t.host_start) * 1e6,
-        })
+        }
+        if t.parent is not None:
+            e["parent"] = t.parent
+        out.append(e)
     return out
 
 
 def timeline_events(last: StepTimeline | None, device_times: bool) -> list[dict]:
     """``last``'s tasks as ``{"lane", "name", "start_us", "dur_us"}``: host times, or with
-    ``device_times`` the CUDA tasks' device times (aligned per device); empty before a step."""
+    ``device_times`` the CUDA tasks' device times (aligned per device); empty before a step.
+    Traced steps add their sub-spans (``"<task id>/recompute"``, with ``"parent"``: the task id)
+    on their task's lane, inside their task's span."""
     if last is None:
         return []
     events = host_times(last.timings, last.origin)
