@@ -6,10 +6,12 @@ bench/run.py prints and records them.
 Lanes and task kinds are the engine's (:mod:`tinypipe.schedule.ids`): ``devN:compute`` runs
 ``efwd``, ``fwd``, ``head``, ``bwd``, ``ebwd``; ``devN:h2d`` the uploads, ``devN:d2h`` the
 gradient downloads, ``host:optimizer`` / ``host:deferred-optimizer`` the host AdamW; the rest
-(collectives, SSD) is "other". The trace does not separate a backward task's recompute from its
-backward: each ``bwd`` task of a recomputing pack gives the time model's recompute share
-(:func:`recompute_share`) of its time to ``recompute`` -- modelled, not measured. A sub-span
-around the recompute in the backward handler (its own CUDA event pair) would make it measured.
+(collectives, SSD) is "other". A traced step (``Config.trace``) records the recompute inside each
+recomputing ``bwd`` task as its own sub-span (``"<bwd id>/recompute"``, ``"parent"``: the task; its
+own CUDA event pair on the task's stream, host times on the CPU): with those, ``recompute`` is their
+time and ``backward`` the rest of the task -- measured. Without them (an untraced step) each ``bwd``
+task of a recomputing pack gives the time model's recompute share (:func:`recompute_share`) of its
+time to ``recompute`` -- modelled. ``recompute_measured`` in the result says which.
 """
 
 from __future__ import annotations
@@ -85,25 +87,69 @@ def _compute_parts(name: str, share: float, recomputes: Sequence[bool] | None) -
     return {"other compute": 1.0}
 
 
+def _seconds(e: Mapping) -> tuple[float, float]:
+    return e["start_us"] / 1e6, (e["start_us"] + e["dur_us"]) / 1e6
+
+
+def recompute_spans(events: Sequence[Mapping]) -> dict[tuple[str, str], list[tuple[float, float]]]:
+    """The measured recompute sub-spans, (lane, task id) -> their [start, end) seconds, in order."""
+    out: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for e in events:
+        if e.get("parent") is not None and e["name"].endswith("/recompute"):
+            out.setdefault((e["lane"], e["parent"]), []).append(_seconds(e))
+    return {k: sorted(v) for k, v in out.items()}
+
+
+def _split(a: float, b: float, subs: Sequence[tuple[float, float]]) -> list[Span]:
+    """A backward task ``[a, b)`` as compute spans in time order: ``recompute`` inside its measured
+    sub-spans (clipped to the task), ``backward`` around them."""
+    out, cur = [], a
+    for s0, s1 in subs:
+        s0, s1 = max(cur, min(b, s0)), max(cur, min(b, s1))
+        if s0 > cur:
+            out.append(Span(cur, s0, "compute", {"backward": 1.0}))
+        if s1 > s0:
+            out.append(Span(s0, s1, "compute", {"recompute": 1.0}))
+        cur = max(cur, s1)
+    if b > cur or not out:
+        out.append(Span(cur, b, "compute", {"backward": 1.0}))
+    return out
+
+
 def spans(events: Sequence[Mapping], *, recompute_share: float = 0.0,
           recomputes: Sequence[bool] | None = None) -> list[Span]:
     """Timeline events (``{"lane", "name", "start_us", "dur_us"}`` since the step began, as
-    :meth:`tinypipe.Engine.step_timeline` gives them) as :class:`Span` s; a ``bwd`` task of a
-    recomputing pack (``recomputes[q]``; None: every pack) gives ``recompute_share`` of its time
-    to ``recompute``."""
+    :meth:`tinypipe.Engine.step_timeline` gives them) as :class:`Span` s. With measured recompute
+    sub-spans among them (a traced step), each ``bwd`` task is split at its sub-spans (none: all
+    backward); without, a ``bwd`` task of a recomputing pack (``recomputes[q]``; None: every pack)
+    gives ``recompute_share`` of its time to ``recompute``. Sub-span events are no spans of their own."""
+    measured = recompute_spans(events)
+    share = 0.0 if measured else recompute_share
     out = []
     for e in events:
+        if e.get("parent") is not None:
+            continue
         role = lane_role(e["lane"])
-        parts = _compute_parts(e["name"], recompute_share, recomputes) if role == "compute" else {}
-        out.append(Span(e["start_us"] / 1e6, (e["start_us"] + e["dur_us"]) / 1e6, role, parts))
+        a, b = _seconds(e)
+        if role != "compute":
+            out.append(Span(a, b, role))
+            continue
+        parts = _compute_parts(e["name"], share, recomputes)
+        if measured and "recompute" in parts:  # a bwd task
+            out += _split(a, b, measured.get((e["lane"], e["name"]), []))
+        else:
+            out.append(Span(a, b, role, parts))
     return out
 
 
 def step_decomposition(events: Sequence[Mapping], step_s: float, *, recompute_share: float = 0.0,
                        recomputes: Sequence[bool] | None = None) -> dict:
-    """:func:`tinypipe.perf.step_parts.decompose` of the timeline, with the share it used."""
+    """:func:`tinypipe.perf.step_parts.decompose` of the timeline, with the modelled share it was
+    given, whether the recompute was measured instead (``recompute_measured``: the timeline has
+    recompute sub-spans) and how many sub-spans there were (``recompute_spans``)."""
     parts = decompose(spans(events, recompute_share=recompute_share, recomputes=recomputes), step_s)
-    return parts | {"recompute_share": recompute_share}
+    n = sum(len(v) for v in recompute_spans(events).values())
+    return parts | {"recompute_share": recompute_share, "recompute_measured": n > 0, "recompute_spans": n}
 
 
 def phases(events: Sequence[Mapping], step_s: float) -> dict[str, float]:
@@ -115,7 +161,7 @@ def phases(events: Sequence[Mapping], step_s: float) -> dict[str, float]:
     bwd_end = None
     head_s = 0.0
     for e in events:
-        if lane_role(e["lane"]) != "compute":
+        if lane_role(e["lane"]) != "compute" or e.get("parent") is not None:
             continue
         try:
             kind = TaskId.parse(e["name"]).kind

@@ -8,12 +8,12 @@ Prints a table last; ``--json FILE`` writes everything, ``--trace FILE`` the las
 Chrome/Perfetto timeline (per device stream and host worker). Each run prints the planner's
 prediction for the plan it ran (the clipped step's when its timed steps clipped), the physical bound
 three ways (compute without recompute, with the plan's, with the least the GPU budget forces: JSON
-``bound``) and the last step decomposed into compute, recompute (split by the time model), exposed
-transfers and optimizer, and idle, with its phases next to the prediction's (JSON ``decomposition``;
-device times with ``--trace``, host launch times otherwise). ``--clip-compare``
-runs the workload twice in one call, without clipping and then with ``--max-grad-norm`` (default
-1.0; each with its own plan under ``--auto``), and prints both with their predictions and the ratio
-(JSON: ``runs``, one entry each).
+``bound``) and the last step decomposed into compute, recompute (measured sub-spans with ``--trace``,
+else split by the time model), exposed transfers and optimizer, and idle, with its phases next to
+the prediction's (JSON ``decomposition``; device times with ``--trace``, host launch times
+otherwise). ``--clip-compare`` runs the workload twice in one call, without clipping and then with
+``--max-grad-norm`` (default 1.0; each with its own plan under ``--auto``), and prints both with
+their predictions and the ratio (JSON: ``runs``, one entry each).
 """
 
 from __future__ import annotations
@@ -158,7 +158,8 @@ def _decomposition(engine: tinypipe.Engine, events: list[dict], step_s: float, c
                             min(plan.backward_micro_batch_size, w.batch) * w.seq)
     out = step_decomposition(events, step_s, recompute_share=share, recomputes=pack_recomputes(plan))
     compute_busy = sum(busy for lane, busy, _ in overlap_table(events) if lane.endswith(":compute"))
-    return out | {"times": "device" if device_times else "host", "recompute_split": "modelled",
+    split = "measured" if out["recompute_measured"] else "modelled"
+    return out | {"times": "device" if device_times else "host", "recompute_split": split,
                   "phases": phases(events, step_s), "predicted_phases": predicted_phases(cand.time),
                   "predicted_step_s": cand.time.step_s, "compute_lanes_busy_s": compute_busy,
                   "predicted_compute_lanes_s": cand.time.compute_s}
@@ -166,8 +167,10 @@ def _decomposition(engine: tinypipe.Engine, events: list[dict], step_s: float, c
 
 def _print_decomposition(d: dict, planned: bool, cuda: bool) -> None:
     step = d["step_s"]
-    print(f"step decomposition (last step, {step:.3f} s, {d['times']} times; recompute = "
-          f"{d['recompute_share']:.2f} of each recomputing bwd task, modelled):")
+    how = f"{d['recompute_share']:.2f} of each recomputing bwd task, modelled"
+    if d["recompute_measured"]:
+        how = f"the {d['recompute_spans']} recompute sub-spans of the bwd tasks, measured"
+    print(f"step decomposition (last step, {step:.3f} s, {d['times']} times; recompute = {how}):")
     if cuda and d["times"] == "host":
         print("  (CUDA tasks at their host launch times: pass --trace FILE for device times)")
     print("| part | s/step | share |")
