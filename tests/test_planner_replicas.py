@@ -194,6 +194,31 @@ def test_only_sharding_fits_the_host() -> None:
     assert lp.plan().replicas == 2 and lp.plan().optimizer_sharding == "shard"
 
 
+def test_sharded_budget_counts_device_stepped_state_whole() -> None:
+    """A 115 GiB node, two one-GPU replicas sharding the moments: each rank's budget is 57.5 GiB and
+    a layer stepped on the GPU (resident packs, embedding, head) keeps its whole moments on the host
+    too. Adding to the budget the 8 (1 - 1/2) B/param sharding would save if every layer were
+    host-stepped (25.1 GiB) admitted plans with 2 resident packs that needed 118.4 GiB per node,
+    and then no sharded plan fit; counted per layer, a plan that fits is found."""
+    budget = 115 * GIB
+    cl = Cluster(1, 2, INTERCONNECTS["pcie5"], 1.0, budget)
+    lp = plan_layout("llama-2-7b", "h200-pcie5", cl, Layout(2, 1, 2), seq=2048, global_batch=16)
+    sh = lp.options["shard"]
+    assert lp.fits and lp.choice is sh, sh.why_not
+    assert sh.result is not None and sh.result.cpu_memory_bytes == budget // 2
+    trains = sh.result.sizes.layer_train_numels
+    for c in sh.result.pareto:  # every plan the search kept: its rank's real bytes within the budget
+        plan = c.plan
+        on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
+        whole = host_bytes(sh.result.sizes, plan, batch=8, seq=2048, precision="bf16", num_devices=1)
+        moments = 8 * sum(n if i in on_device else -(-n // 2) for i, n in enumerate(trains))
+        assert c.memory.host == {**whole, "optimizer_state": moments}
+        assert c.host_need == sum(c.memory.host.values()) + HOST_BASELINE_BYTES <= budget // 2
+    plan = sh.plan
+    assert plan is not None and plan.resident_packs >= 1  # device-stepped layers are in play
+    assert sh.host_per_node == 2 * (sum(sh.host.values()) + HOST_BASELINE_BYTES) <= budget
+
+
 def _llama7b() -> dict:
     return dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                 intermediate_size=11008, vocab_size=32000, tie_word_embeddings=False,

@@ -41,6 +41,7 @@ from tinypipe.planner.options import (
     useful_micro_batches,
 )
 from tinypipe.planner.presets import load_model_config
+from tinypipe.planner.replicas import sharded_candidate
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
 from tinypipe.planner.ssd import SsdSpec
@@ -280,7 +281,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              host_grad_buffers: int | None = None, max_pareto: int = 8, lora: LoraSettings | None = None,
              device_optimizer: DeviceOptimizer | None = None,
              resident_packs: int | None = None, ssd: SsdSpec | None = None,
-             hiding_search: bool = True, keep_activations: bool | None = None) -> PlanResult:
+             hiding_search: bool = True, keep_activations: bool | None = None,
+             host_shards: int = 1) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
@@ -291,7 +293,11 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     (an offload directory and its rates): host memory becomes a real limit with the SSD as the
     overflow (:class:`~tinypipe.planner.spill.Spill`); without it, nothing changes. With state on
     the SSD the result says from which global batch its I/O is hidden (``hiding_search=False``
-    skips that: the re-plans of that search itself).
+    skips that: the re-plans of that search itself). ``host_shards``: the plan is one rank of that
+    many data-parallel replicas that shard the host AdamW state (``optimizer_sharding="shard"``):
+    each plan's host need is that rank's (:func:`~tinypipe.planner.replicas.sharded_candidate`:
+    moments and retained gradients 1/R for host-stepped layers, whole for layers stepped on the
+    device), against ``cpu_memory_bytes``, one replica's budget.
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
@@ -314,6 +320,10 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     gpu_mem = int(gpu_memory_bytes) if gpu_memory_bytes else hw.gpu_memory_bytes
     if cpu_memory_bytes <= 0:
         raise ConfigError("host memory budget must be positive")
+    if host_shards < 1:
+        raise ConfigError(f"host_shards must be >= 1, got {host_shards}")
+    if host_shards > 1 and ssd is not None:
+        raise ConfigError("the SSD tier is not planned for sharded data-parallel replicas")
     cfg, name = _resolve(config)
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     notes = []
@@ -343,8 +353,9 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     dopts = device_optimizer_options(sizes) if device_optimizer is None else (device_optimizer,)
 
     def ev(plan: Plan, peaks: Sequence[int] | None = None, batch: int = global_batch) -> Candidate:
-        return evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
-                        max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks)
+        c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
+                     max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks)
+        return c if host_shards == 1 else sharded_candidate(c, sizes, host_shards, max_grad_norm is not None)
 
     spill = Spill(sizes, ssd, cpu_memory_bytes, precision=precision, retain_grads=max_grad_norm is not None)
 
