@@ -17,7 +17,7 @@ from model_zoo import make_model
 from tinypipe.cli.plan import _links, main as plan_main
 from tinypipe.errors import ConfigError
 from tinypipe.planner.auto import resolve_plan
-from tinypipe.planner.candidate import HOST_BASELINE_BYTES
+from tinypipe.planner.candidate import HOST_BASELINE_BYTES, evaluate
 from tinypipe.planner.estimate import host_bytes
 from tinypipe.planner.hardware import HARDWARE, INTERCONNECTS, interconnect_gbs
 from tinypipe.planner.replica_search import plan_layout
@@ -29,6 +29,7 @@ from tinypipe.planner.replicas import (
     exposed_collective_s,
     host_per_node,
     layouts,
+    replica_hardware,
     sharded_host,
     split_batch,
 )
@@ -227,10 +228,12 @@ def _llama7b() -> dict:
 
 def test_replicate_wins_on_a_fast_link_with_room() -> None:
     """Two nodes of one GPU on a 360 GB/s link with 512 GiB each: replicated state fits, and the host
-    AdamW hides behind a 16-sequence backward either way, so sharding only adds its all-gather:
-    1/2 x 4 B x the host-stepped parameters / 360 GB/s."""
+    AdamW hides behind a 16-sequence backward that recomputes every pack either way, so sharding
+    only adds its all-gather: 1/2 x 4 B x the host-stepped parameters / 360 GB/s. (Kept activations
+    shorten the backward until it no longer hides the whole model's AdamW: the next test.)"""
     cl = Cluster(2, 1, INTERCONNECTS["pcie5"], 360.0, 512 * GIB)
-    lp = plan_layout("llama-2-7b", "h200-pcie5", cl, Layout(2, 1, 1), seq=2048, global_batch=32)
+    lp = plan_layout("llama-2-7b", "h200-pcie5", cl, Layout(2, 1, 1), seq=2048, global_batch=32,
+                     keep_activations=False)
     rep, sh = lp.options["replicate"], lp.options["shard"]
     assert lp.choice is rep and rep.fits and sh.fits and rep.step_s <= sh.step_s
     assert lp.reason.startswith("replicate: fits the host") and "not slower" in lp.reason
@@ -245,8 +248,26 @@ def test_replicate_wins_on_a_fast_link_with_room() -> None:
     assert rep.host_per_node >= 12 * SEVEN_B and rep.host_per_node <= 512 * GIB
     # a forced sharding is kept (and timed the same way)
     forced = plan_layout("llama-2-7b", "h200-pcie5", cl, Layout(2, 1, 1), seq=2048, global_batch=32,
-                         sharding="shard")
+                         sharding="shard", keep_activations=False)
     assert list(forced.options) == ["shard"] and forced.choice.sharding == "shard"
+
+
+def test_kept_activations_expose_the_replicated_host_adamw() -> None:
+    """The same cluster with kept activations searched: resident packs that keep their activations
+    take the recompute out of the backward, and the whole model's host AdamW on one replica's CPU
+    (4.1 G params/s) no longer hides behind it -- the sharded plan, stepping half the parameters,
+    is faster by more than its all-gather, and sharding is chosen."""
+    cl = Cluster(2, 1, INTERCONNECTS["pcie5"], 360.0, 512 * GIB)
+    layout = Layout(2, 1, 1)
+    lp = plan_layout("llama-2-7b", "h200-pcie5", cl, layout, seq=2048, global_batch=32)
+    rep, sh = lp.options["replicate"], lp.options["shard"]
+    assert rep.fits and sh.fits and lp.choice is sh and lp.reason.startswith("shard: faster")
+    plan = sh.plan
+    assert plan.resident_packs and all(plan.kept(q) for q in range(plan.resident_packs))
+    hw = HARDWARE["h200-pcie5"]
+    kw = dict(seq=2048, global_batch=16)
+    as_rep = evaluate(sh.result.sizes, replica_hardware(hw, layout, "replicate"), plan, **kw).time.step_s
+    assert as_rep - sh.replica_step_s > sh.allgather_s > 0
 
 
 def test_resolve_plan_with_replicas_fills_the_plan() -> None:
