@@ -312,11 +312,18 @@ def test_too_little_gpu_memory_names_the_need() -> None:
 
 def test_spare_gpu_memory_goes_to_resident_packs() -> None:
     """A small model, a small batch and a roomy GPU: the link and the host AdamW dominate, so the
-    planner keeps packs resident (and stepped) on the GPU; with a tight GPU it cannot."""
+    planner keeps packs resident (and stepped) on the GPU; with a tight GPU it cannot. Every pack
+    recomputed, the whole model stays; with kept activations searched the GPU goes to resident
+    packs that keep their activations too (fewer of them, no recompute: faster still)."""
     kw = dict(gpus=1, cpu_memory_bytes=64 * GIB, seq=512, global_batch=4)
-    roomy = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, **kw)
+    roomy = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, keep_activations=False, **kw)
     assert roomy.best.plan.resident_packs == roomy.best.plan.num_packs  # the whole model stays
     assert roomy.best.memory.host["gradient_buffers"] == 0
+    kept = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, **kw)
+    plan = kept.best.plan
+    assert plan.resident_packs >= plan.num_packs // 2 and kept.best.gpu_need <= 24 * GIB
+    assert all(plan.kept(q) for q in range(plan.resident_packs))  # the grown resident packs keep theirs
+    assert kept.best.time.step_s < roomy.best.time.step_s
     tight = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=6 * GIB, **kw)
     assert tight.best.plan.resident_packs < tight.best.plan.num_packs
     off = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, resident_packs=0, **kw)

@@ -17,7 +17,7 @@ from model_zoo import make_model
 from tinypipe.cli.plan import _links, main as plan_main
 from tinypipe.errors import ConfigError
 from tinypipe.planner.auto import resolve_plan
-from tinypipe.planner.candidate import HOST_BASELINE_BYTES
+from tinypipe.planner.candidate import HOST_BASELINE_BYTES, evaluate
 from tinypipe.planner.estimate import host_bytes
 from tinypipe.planner.hardware import HARDWARE, INTERCONNECTS, interconnect_gbs
 from tinypipe.planner.replica_search import plan_layout
@@ -29,6 +29,7 @@ from tinypipe.planner.replicas import (
     exposed_collective_s,
     host_per_node,
     layouts,
+    replica_hardware,
     sharded_host,
     split_batch,
 )
@@ -194,6 +195,31 @@ def test_only_sharding_fits_the_host() -> None:
     assert lp.plan().replicas == 2 and lp.plan().optimizer_sharding == "shard"
 
 
+def test_sharded_budget_counts_device_stepped_state_whole() -> None:
+    """A 115 GiB node, two one-GPU replicas sharding the moments: each rank's budget is 57.5 GiB and
+    a layer stepped on the GPU (resident packs, embedding, head) keeps its whole moments on the host
+    too. Adding to the budget the 8 (1 - 1/2) B/param sharding would save if every layer were
+    host-stepped (25.1 GiB) admitted plans with 2 resident packs that needed 118.4 GiB per node,
+    and then no sharded plan fit; counted per layer, a plan that fits is found."""
+    budget = 115 * GIB
+    cl = Cluster(1, 2, INTERCONNECTS["pcie5"], 1.0, budget)
+    lp = plan_layout("llama-2-7b", "h200-pcie5", cl, Layout(2, 1, 2), seq=2048, global_batch=16)
+    sh = lp.options["shard"]
+    assert lp.fits and lp.choice is sh, sh.why_not
+    assert sh.result is not None and sh.result.cpu_memory_bytes == budget // 2
+    trains = sh.result.sizes.layer_train_numels
+    for c in sh.result.pareto:  # every plan the search kept: its rank's real bytes within the budget
+        plan = c.plan
+        on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
+        whole = host_bytes(sh.result.sizes, plan, batch=8, seq=2048, precision="bf16", num_devices=1)
+        moments = 8 * sum(n if i in on_device else -(-n // 2) for i, n in enumerate(trains))
+        assert c.memory.host == {**whole, "optimizer_state": moments}
+        assert c.host_need == sum(c.memory.host.values()) + HOST_BASELINE_BYTES <= budget // 2
+    plan = sh.plan
+    assert plan is not None and plan.resident_packs >= 1  # device-stepped layers are in play
+    assert sh.host_per_node == 2 * (sum(sh.host.values()) + HOST_BASELINE_BYTES) <= budget
+
+
 def _llama7b() -> dict:
     return dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
                 intermediate_size=11008, vocab_size=32000, tie_word_embeddings=False,
@@ -202,10 +228,12 @@ def _llama7b() -> dict:
 
 def test_replicate_wins_on_a_fast_link_with_room() -> None:
     """Two nodes of one GPU on a 360 GB/s link with 512 GiB each: replicated state fits, and the host
-    AdamW hides behind a 16-sequence backward either way, so sharding only adds its all-gather:
-    1/2 x 4 B x the host-stepped parameters / 360 GB/s."""
+    AdamW hides behind a 16-sequence backward that recomputes every pack either way, so sharding
+    only adds its all-gather: 1/2 x 4 B x the host-stepped parameters / 360 GB/s. (Kept activations
+    shorten the backward until it no longer hides the whole model's AdamW: the next test.)"""
     cl = Cluster(2, 1, INTERCONNECTS["pcie5"], 360.0, 512 * GIB)
-    lp = plan_layout("llama-2-7b", "h200-pcie5", cl, Layout(2, 1, 1), seq=2048, global_batch=32)
+    lp = plan_layout("llama-2-7b", "h200-pcie5", cl, Layout(2, 1, 1), seq=2048, global_batch=32,
+                     keep_activations=False)
     rep, sh = lp.options["replicate"], lp.options["shard"]
     assert lp.choice is rep and rep.fits and sh.fits and rep.step_s <= sh.step_s
     assert lp.reason.startswith("replicate: fits the host") and "not slower" in lp.reason
@@ -220,8 +248,26 @@ def test_replicate_wins_on_a_fast_link_with_room() -> None:
     assert rep.host_per_node >= 12 * SEVEN_B and rep.host_per_node <= 512 * GIB
     # a forced sharding is kept (and timed the same way)
     forced = plan_layout("llama-2-7b", "h200-pcie5", cl, Layout(2, 1, 1), seq=2048, global_batch=32,
-                         sharding="shard")
+                         sharding="shard", keep_activations=False)
     assert list(forced.options) == ["shard"] and forced.choice.sharding == "shard"
+
+
+def test_kept_activations_expose_the_replicated_host_adamw() -> None:
+    """The same cluster with kept activations searched: resident packs that keep their activations
+    take the recompute out of the backward, and the whole model's host AdamW on one replica's CPU
+    (4.1 G params/s) no longer hides behind it -- the sharded plan, stepping half the parameters,
+    is faster by more than its all-gather, and sharding is chosen."""
+    cl = Cluster(2, 1, INTERCONNECTS["pcie5"], 360.0, 512 * GIB)
+    layout = Layout(2, 1, 1)
+    lp = plan_layout("llama-2-7b", "h200-pcie5", cl, layout, seq=2048, global_batch=32)
+    rep, sh = lp.options["replicate"], lp.options["shard"]
+    assert rep.fits and sh.fits and lp.choice is sh and lp.reason.startswith("shard: faster")
+    plan = sh.plan
+    assert plan.resident_packs and all(plan.kept(q) for q in range(plan.resident_packs))
+    hw = HARDWARE["h200-pcie5"]
+    kw = dict(seq=2048, global_batch=16)
+    as_rep = evaluate(sh.result.sizes, replica_hardware(hw, layout, "replicate"), plan, **kw).time.step_s
+    assert as_rep - sh.replica_step_s > sh.allgather_s > 0
 
 
 def test_resolve_plan_with_replicas_fills_the_plan() -> None:

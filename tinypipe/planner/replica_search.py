@@ -4,9 +4,13 @@ under each optimizer sharding, its host memory per node and step time
 (:mod:`tinypipe.planner.replicas`), the sharding chosen, and the fastest layout that fits.
 
 The per-replica search sees what one replica gets: the node's host budget divided by the replicas
-on the node (plus, sharded, the moments sharding saves: a bound that a retained gradient's saving
-only makes safer; the exact need is checked afterwards) and the node's CPU AdamW rate shared by
-them (:func:`~tinypipe.planner.replicas.replica_hardware`).
+on the node, against which (sharded) each plan's host need is counted as one rank holds it --
+a host-stepped layer's moments and retained gradient 1/R, a layer stepped on its device (a
+resident pack, the embedding or head) whole (:func:`~tinypipe.planner.replicas.sharded_candidate`)
+-- and the node's CPU AdamW rate shared by them
+(:func:`~tinypipe.planner.replicas.replica_hardware`). (Adding to the budget what sharding would
+save if every layer were host-stepped overstated it by 8 (1 - 1/R) B per device-stepped element:
+plans with resident packs looked as if they fit and then did not.)
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from tinypipe.planner.replicas import (
     split_batch,
     time_option,
 )
-from tinypipe.planner.search import plan_for
+from tinypipe.planner.search import PlanResult, plan_for
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.schedule.plan import Plan
 from tinypipe.units import gib_text
@@ -81,7 +85,6 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
     cfg = config if isinstance(config, transformers.PretrainedConfig) else load_model_config(str(config))
     lora: LoraSettings | None = search.get("lora")  # type: ignore[assignment]
     sizes = lora_sizes(cfg, lora) if lora is not None else model_sizes(cfg)
-    retain = search.get("max_grad_norm") is not None
     budget = cluster.host_bytes_per_node
     options: dict[str, ShardingOption] = {}
     for name in names:
@@ -98,16 +101,15 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
             continue
         try:
             result = plan_for(cfg, replica_hardware(hw, layout, opt.sharding), gpus=layout.gpus_per_replica,
-                              gpu_memory_bytes=gpu_memory_bytes,
-                              cpu_memory_bytes=budget // layout.per_node + saved,
+                              gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=budget // layout.per_node,
+                              host_shards=1 if name == "replicate" else layout.replicas,
                               seq=seq, global_batch=batch, **search)  # type: ignore[arg-type]
         except PlanDoesNotFitError as exc:
             opt.why_not = f"{held}: one replica {' '.join(str(exc).split())}"
             continue
         c = result.best
         opt.result, opt.plan = result, c.plan
-        opt.host = (dict(c.memory.host) if name == "replicate" else
-                    sharded_host(c.memory.host, sizes, c.plan, layout.replicas, retain))
+        opt.host = dict(c.memory.host)  # one rank's bytes (sharded: as the search counted them)
         opt.host_per_node = host_per_node(opt.host, layout.per_node)
         if opt.host_per_node > budget:
             opt.why_not = (f"{held}: needs {gib_text(opt.host_per_node)} host per node, have "
@@ -117,9 +119,19 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
     rep, sh = options.get("replicate"), options.get("shard")
     if rep is not None and sh is not None and not rep.host_per_node and sh.result is not None:
         # the replicated search found nothing: say what the sharded plan would need replicated
-        rep.host_per_node = host_per_node(dict(sh.result.best.memory.host), layout.per_node)
+        rep.host_per_node = host_per_node(
+            _replicated_host(sizes, sh.result, search.get("host_grad_buffers")),  # type: ignore[arg-type]
+            layout.per_node)
     choice, reason = choose_sharding(options, budget, layout.replicas)
     return LayoutPlan(layout, options, choice, reason)
+
+
+def _replicated_host(sizes: ModelSizes, result: PlanResult, host_grad_buffers: int | None) -> dict[str, int]:
+    """The host bytes the best plan of a sharded search would need with its state replicated."""
+    plan = result.best.plan
+    return host_bytes(sizes, plan, batch=result.global_batch, seq=result.seq, precision=result.precision,
+                      num_devices=plan.num_devices, host_grad_buffers=host_grad_buffers,
+                      retain_grads=result.retain_grads)
 
 
 def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layout: Layout, plan: Plan, *,

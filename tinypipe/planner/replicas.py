@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from tinypipe.errors import ConfigError
-from tinypipe.planner.candidate import HOST_BASELINE_BYTES
+from tinypipe.planner.candidate import HOST_BASELINE_BYTES, Candidate
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.schedule.plan import OptimizerSharding, Plan
@@ -180,6 +180,16 @@ def sharded_host(host: dict[str, int], sizes: ModelSizes, plan: Plan, replicas: 
     if retain_grads:
         out["gradient_buffers"] = sum(4 * shard_numel(n, R) for n, h in zip(trains, stepped) if h)
     return out
+
+
+def sharded_candidate(c: Candidate, sizes: ModelSizes, replicas: int, retain_grads: bool) -> Candidate:
+    """``c`` as one rank of ``replicas`` sharded replicas holds it: host categories by
+    :func:`sharded_host` (what each layer really holds: a host-stepped layer's moments and retained
+    gradient 1/R, a device-stepped one's whole) and the host need from them. The per-replica search
+    fits this against one replica's budget, so a plan's own resident packs count as they are."""
+    host = sharded_host(c.memory.host, sizes, c.plan, replicas, retain_grads)
+    memory = dataclasses.replace(c.memory, host=host)
+    return dataclasses.replace(c, memory=memory, host_need=sum(host.values()) + HOST_BASELINE_BYTES)
 
 
 def host_per_node(host: dict[str, int], per_node: int) -> int:

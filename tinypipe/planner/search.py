@@ -1,6 +1,7 @@
 """Plan search: every combination of the options (:mod:`tinypipe.planner.options`: packings,
 micro-batch sizes, prefetch windows, stash placements, embedding/head on the GPU), then resident
-packs on the fastest, then kept activations (no recompute) on the fastest that can keep them;
+packs on the fastest, then kept activations (no recompute) on the fastest, growing their resident
+packs (kept too) while they fit;
 estimate each plan's memory and step time (:mod:`tinypipe.planner.candidate`
 says when a plan fits), keep those that fit, return the fastest and the time-memory Pareto front
 (printed by :mod:`tinypipe.planner.format`).
@@ -41,6 +42,7 @@ from tinypipe.planner.options import (
     useful_micro_batches,
 )
 from tinypipe.planner.presets import load_model_config
+from tinypipe.planner.replicas import sharded_candidate
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
 from tinypipe.planner.ssd import SsdSpec
@@ -190,35 +192,48 @@ KEEP_SEEDS = 12
 
 def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
                            settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
-                           saved_per_byte: Callable[[Plan], list[float]],
+                           saved_per_byte: Callable[[Plan], list[float]], grow_resident: bool,
                            ) -> tuple[list[Candidate], list[Candidate]]:
-    """Each seed plan with the activations of its keepable packs (:meth:`Plan.keepable_packs`:
-    resident packs, the last pack across the turn) kept on the GPU, greedily: packs in order of
+    """Each seed plan with activations kept on the GPU, greedily: first the seed's keepable packs
+    (:meth:`Plan.keepable_packs`: resident packs, the last pack across the turn) in order of
     recompute seconds saved per byte held (``saved_per_byte``), each added while the plan still
-    fits, skipped when it does not (a smaller pack may): (every plan evaluated, those that fit).
+    fits and skipped when it does not (a smaller pack may); then (``grow_resident``) one more
+    resident pack at a time, kept too, for as long as that fits: (every plan evaluated, those
+    that fit).
 
     A kept pack holds its whole step's activations (every forward micro-batch) on the GPU from its
-    forward to its backward and is not recomputed: one forward of its FLOPs less per step. Making
-    more packs resident in order to keep them too is not searched: plans with many resident
-    packs shard less of their state across data-parallel replicas than the replica search's host
-    budget assumes (:mod:`tinypipe.planner.replica_search`)."""
+    forward to its backward and is not recomputed: one forward of its FLOPs less per step. Only
+    packs whose weights stay on the device can keep them, so keeping more than the last pack means
+    making packs resident (18 bytes per parameter in bf16 on top of their activations)."""
     out, fits = [], []
+
+    def fitting(plan: Plan) -> bool:
+        c = evaluate_plan(plan, None)
+        out.append(c)
+        settled = settle(c) if c.gpu_need <= gpu_mem else None
+        if settled is not None:
+            fits.append(settled)
+        return settled is not None
+
     for seed in seeds:
         plan = seed.plan
-        keepable = plan.keepable_packs()
-        if not keepable or plan.backward_micro_batch_size % plan.micro_batch_size:
+        if plan.backward_micro_batch_size % plan.micro_batch_size:
             continue
         ratio = saved_per_byte(plan)
         keep: set[int] = set()
-        for q in sorted(keepable, key=lambda q: -ratio[q]):
-            trial = _keeping(plan, keep | {q})
-            c = evaluate_plan(trial, None)
-            out.append(c)
-            settled = settle(c) if c.gpu_need <= gpu_mem else None
-            if settled is not None:
-                fits.append(settled)
+        for q in sorted(plan.keepable_packs(), key=lambda q: -ratio[q]):
+            if fitting(trial := _keeping(plan, keep | {q})):
                 keep.add(q)
                 plan = trial
+        for r in range(plan.resident_packs + 1, plan.num_packs + 1) if grow_resident else ():
+            try:
+                trial = _keeping(dataclasses.replace(plan, resident_packs=r, offload=()), keep | {r - 1})
+            except ConfigError:  # this pack's forward and backward run on different devices
+                break
+            if not fitting(trial):
+                break
+            keep.add(r - 1)
+            plan = trial
     return out, fits
 
 
@@ -280,7 +295,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              host_grad_buffers: int | None = None, max_pareto: int = 8, lora: LoraSettings | None = None,
              device_optimizer: DeviceOptimizer | None = None,
              resident_packs: int | None = None, ssd: SsdSpec | None = None,
-             hiding_search: bool = True, keep_activations: bool | None = None) -> PlanResult:
+             hiding_search: bool = True, keep_activations: bool | None = None,
+             host_shards: int = 1) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
@@ -291,7 +307,11 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     (an offload directory and its rates): host memory becomes a real limit with the SSD as the
     overflow (:class:`~tinypipe.planner.spill.Spill`); without it, nothing changes. With state on
     the SSD the result says from which global batch its I/O is hidden (``hiding_search=False``
-    skips that: the re-plans of that search itself).
+    skips that: the re-plans of that search itself). ``host_shards``: the plan is one rank of that
+    many data-parallel replicas that shard the host AdamW state (``optimizer_sharding="shard"``):
+    each plan's host need is that rank's (:func:`~tinypipe.planner.replicas.sharded_candidate`:
+    moments and retained gradients 1/R for host-stepped layers, whole for layers stepped on the
+    device), against ``cpu_memory_bytes``, one replica's budget.
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
@@ -314,6 +334,10 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     gpu_mem = int(gpu_memory_bytes) if gpu_memory_bytes else hw.gpu_memory_bytes
     if cpu_memory_bytes <= 0:
         raise ConfigError("host memory budget must be positive")
+    if host_shards < 1:
+        raise ConfigError(f"host_shards must be >= 1, got {host_shards}")
+    if host_shards > 1 and ssd is not None:
+        raise ConfigError("the SSD tier is not planned for sharded data-parallel replicas")
     cfg, name = _resolve(config)
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     notes = []
@@ -343,8 +367,9 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     dopts = device_optimizer_options(sizes) if device_optimizer is None else (device_optimizer,)
 
     def ev(plan: Plan, peaks: Sequence[int] | None = None, batch: int = global_batch) -> Candidate:
-        return evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
-                        max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks)
+        c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
+                     max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks)
+        return c if host_shards == 1 else sharded_candidate(c, sizes, host_shards, max_grad_norm is not None)
 
     spill = Spill(sizes, ssd, cpu_memory_bytes, precision=precision, retain_grads=max_grad_norm is not None)
 
@@ -401,9 +426,10 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                     for q in range(plan.num_packs)]
             return [r / max(1, h) for r, h in zip(rec, held)]
 
-        seeds = _pareto([c for c in fits if c.plan.keepable_packs()
-                         and not c.plan.backward_micro_batch_size % c.plan.micro_batch_size], clipping)
-        more, more_fits = _with_kept_activations(seeds[:KEEP_SEEDS], ev, settle, gpu_mem, saved_per_byte)
+        seeds = _pareto([c for c in fits if not c.plan.backward_micro_batch_size % c.plan.micro_batch_size],
+                        clipping)
+        more, more_fits = _with_kept_activations(seeds[:KEEP_SEEDS], ev, settle, gpu_mem, saved_per_byte,
+                                                 grow_resident=resident_packs is None)
         cands += more
         fits += more_fits
     elif keep_activations:
