@@ -30,9 +30,9 @@ from tinypipe.planner.replicas import (
     host_per_node,
     layouts,
     replica_hardware,
-    sharded_host,
     split_batch,
 )
+from tinypipe.planner.sharded_host import sharded_host
 from tinypipe.planner.sizes import model_sizes
 from tinypipe.schedule.plan import make_plan
 from tinypipe.units import GIB, gib_text

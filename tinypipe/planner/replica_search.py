@@ -6,7 +6,7 @@ under each optimizer sharding, its host memory per node and step time
 The per-replica search sees what one replica gets: the node's host budget divided by the replicas
 on the node, against which (sharded) each plan's host need is counted as one rank holds it --
 a host-stepped layer's moments and retained gradient 1/R, a layer stepped on its device (a
-resident pack, the embedding or head) whole (:func:`~tinypipe.planner.replicas.sharded_candidate`)
+resident pack, the embedding or head) whole (:func:`~tinypipe.planner.sharded_host.sharded_candidate`)
 -- and the node's CPU AdamW rate shared by them
 (:func:`~tinypipe.planner.replicas.replica_hardware`). (Adding to the budget what sharding would
 save if every layer were host-stepped overstated it by 8 (1 - 1/R) B per device-stepped element:
@@ -35,12 +35,11 @@ from tinypipe.planner.replicas import (
     host_per_node,
     layouts,
     replica_hardware,
-    shard_numel,
-    sharded_host,
     split_batch,
     time_option,
 )
 from tinypipe.planner.search import PlanResult, plan_for
+from tinypipe.planner.sharded_host import shard_numel, sharded_host
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.schedule.plan import Plan
 from tinypipe.units import gib_text

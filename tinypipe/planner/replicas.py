@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal, Sequence
 
 from tinypipe.errors import ConfigError
-from tinypipe.planner.candidate import HOST_BASELINE_BYTES, Candidate
+from tinypipe.planner.candidate import HOST_BASELINE_BYTES
 from tinypipe.planner.hardware import HardwareSpec
+from tinypipe.planner.sharded_host import host_stepped
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.schedule.plan import OptimizerSharding, Plan
 from tinypipe.units import gib_text
@@ -135,24 +136,13 @@ def split_batch(global_batch: int, replicas: int) -> int:
                       f"replica, or a global batch that {replicas} divides (e.g. {up})")
 
 
-def shard_numel(numel: int, replicas: int) -> int:
-    """The largest rank's share of an ``numel``-element layer."""
-    return -(-numel // replicas)
-
-
-def _host_stepped(sizes: ModelSizes, plan: Plan) -> list[bool]:
-    """Per runtime layer (embedding, blocks, head): stepped by the host AdamW (not on a device)."""
-    on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
-    return [layer not in on_device for layer in range(len(sizes.layer_train_numels))]
-
-
 def collective_bytes(sizes: ModelSizes, plan: Plan, replicas: int,
                      sharding: OptimizerSharding) -> list[float]:
     """Bytes each rank sends per runtime layer to reduce its gradient: a ring all-reduce
     ``2 (R-1)/R`` x the fp32 gradient, or with ``shard`` a reduce-scatter ``(R-1)/R`` x for the
     host-stepped layers (a layer stepped on its device keeps whole state: all-reduced)."""
     R = replicas
-    host = _host_stepped(sizes, plan)
+    host = host_stepped(sizes, plan)
     out = []
     for layer, n in enumerate(sizes.layer_train_numels):
         factor = (R - 1) / R if (sharding == "shard" and host[layer]) else 2 * (R - 1) / R
@@ -163,33 +153,8 @@ def collective_bytes(sizes: ModelSizes, plan: Plan, replicas: int,
 def allgather_bytes(sizes: ModelSizes, plan: Plan, replicas: int) -> float:
     """Bytes each rank receives when the updated fp32 master slices are all-gathered (shard)."""
     R = replicas
-    host = _host_stepped(sizes, plan)
+    host = host_stepped(sizes, plan)
     return (R - 1) / R * MASTER_BYTES * sum(n for n, h in zip(sizes.layer_train_numels, host) if h)
-
-
-def sharded_host(host: dict[str, int], sizes: ModelSizes, plan: Plan, replicas: int,
-                 retain_grads: bool) -> dict[str, int]:
-    """One replica's host bytes by category with the optimizer state sharded: the moments (8 B) and
-    retained gradients (4 B) of each host-stepped layer's 1/R shard; the master copy stays whole, and
-    so does what the single-replica estimate counts for a layer stepped on its device."""
-    out = dict(host)
-    R = replicas
-    trains = sizes.layer_train_numels
-    stepped = _host_stepped(sizes, plan)
-    out["optimizer_state"] = sum(8 * (shard_numel(n, R) if h else n) for n, h in zip(trains, stepped))
-    if retain_grads:
-        out["gradient_buffers"] = sum(4 * shard_numel(n, R) for n, h in zip(trains, stepped) if h)
-    return out
-
-
-def sharded_candidate(c: Candidate, sizes: ModelSizes, replicas: int, retain_grads: bool) -> Candidate:
-    """``c`` as one rank of ``replicas`` sharded replicas holds it: host categories by
-    :func:`sharded_host` (what each layer really holds: a host-stepped layer's moments and retained
-    gradient 1/R, a device-stepped one's whole) and the host need from them. The per-replica search
-    fits this against one replica's budget, so a plan's own resident packs count as they are."""
-    host = sharded_host(c.memory.host, sizes, c.plan, replicas, retain_grads)
-    memory = dataclasses.replace(c.memory, host=host)
-    return dataclasses.replace(c, memory=memory, host_need=sum(host.values()) + HOST_BASELINE_BYTES)
 
 
 def host_per_node(host: dict[str, int], per_node: int) -> int:

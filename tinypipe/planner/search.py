@@ -42,7 +42,7 @@ from tinypipe.planner.options import (
     useful_micro_batches,
 )
 from tinypipe.planner.presets import load_model_config
-from tinypipe.planner.replicas import sharded_candidate
+from tinypipe.planner.sharded_host import sharded_candidate
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
 from tinypipe.planner.ssd import SsdSpec
@@ -309,7 +309,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     the SSD the result says from which global batch its I/O is hidden (``hiding_search=False``
     skips that: the re-plans of that search itself). ``host_shards``: the plan is one rank of that
     many data-parallel replicas that shard the host AdamW state (``optimizer_sharding="shard"``):
-    each plan's host need is that rank's (:func:`~tinypipe.planner.replicas.sharded_candidate`:
+    each plan's host need is that rank's (:func:`~tinypipe.planner.sharded_host.sharded_candidate`:
     moments and retained gradients 1/R for host-stepped layers, whole for layers stepped on the
     device), against ``cpu_memory_bytes``, one replica's budget.
 
