@@ -210,6 +210,17 @@ class TaskHandlers:
         self._check(task, "output", y)
         return y
 
+    def _bind_trainable(self, task: Task, dev: DeviceRuntime) -> tuple[list[torch.Tensor], list[int]]:
+        """The pack's layers bound as requires-grad views of their slots: every layer's parameters
+        in order, and how many each layer has (to split the gradients back per layer)."""
+        params: list[torch.Tensor] = []
+        counts = []
+        for layer, slot in zip(task.layers, task.slots):
+            ps = self._bind(dev, layer, slot, grad=True)
+            params += ps
+            counts.append(len(ps))
+        return params, counts
+
     def _fwd_kept(self, task: Task, dev: DeviceRuntime) -> None:
         """A kept pack's forward micro-batch: autograd records it (weights bound as requires-grad
         views of the pack's buffers, the input a detached leaf) and the graph waits on the device
@@ -218,12 +229,7 @@ class TaskHandlers:
         graph, so nothing is replayed; the generator is seeded as for a recomputed pack, which
         keeps the masks -- and the results -- the same with and without keeping."""
         q, ctx = task.pack, self.ctx
-        params: list[torch.Tensor] = []
-        counts = []
-        for layer, slot in zip(task.layers, task.slots):
-            ps = self._bind(dev, layer, slot, grad=True)
-            params += ps
-            counts.append(len(ps))
+        params, counts = self._bind_trainable(task, dev)
         x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
         y = self._forward_seeded(task, dev, x, record=True)
         self.stash.write_rows(ctx.acts[q + 1], *task.rows, y.detach(), dev)
@@ -301,12 +307,7 @@ class TaskHandlers:
         if self.ctx.schedule.plan.kept(q):
             self._bwd_kept(task, dev)
             return
-        params: list[torch.Tensor] = []
-        counts = []
-        for layer, slot in zip(task.layers, task.slots):
-            ps = self._bind(dev, layer, slot, grad=True)
-            params += ps
-            counts.append(len(ps))
+        params, counts = self._bind_trainable(task, dev)
         ctx = self.ctx
         x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
         self.stash.read_ahead_next(task, dev)
