@@ -43,12 +43,19 @@ def test_evaluate_equals_the_models_own_loss(family: str, name: str) -> None:
         engine.step(make_batch(5, 12, seed=0))
         batch = make_batch(5, 12, seed=7, pad=True)
         # straight after the step: a clipped step's update may still be running in the background
-        r = engine.evaluate(batch)
-        engine.synchronize()
-        want = _hf_loss(model, batch)
-        assert abs(r.loss - want) <= 1e-6 * want, (r.loss, want)
+        r, want = _evaluate_against_hf(engine, model, batch)
         assert r.tokens == int((batch["labels"][:, 1:] != -100).sum())
         assert abs(r.perplexity - torch.exp(torch.tensor(want)).item()) <= 1e-5 * r.perplexity
+
+
+def _evaluate_against_hf(engine: tinypipe.Engine, model, batch: dict) -> tuple:
+    """``engine.evaluate(batch)`` (straight after a step) and the loss HF computes on the model's
+    synced weights, checked equal to 1e-6 relative; returns both."""
+    r = engine.evaluate(batch)
+    engine.synchronize()
+    want = _hf_loss(model, batch)
+    assert abs(r.loss - want) <= 1e-6 * want, (r.loss, want)
+    return r, want
 
 
 def test_evaluate_under_lora_and_tied_embeddings() -> None:
@@ -58,10 +65,7 @@ def test_evaluate_under_lora_and_tied_embeddings() -> None:
                                                     lr=LR)) as engine:
             engine.step(make_batch(4, 10, seed=0))
             batch = make_batch(4, 10, seed=5, pad=True)
-            r = engine.evaluate(batch)
-            engine.synchronize()
-            want = _hf_loss(model, batch)
-            assert abs(r.loss - want) <= 1e-6 * want, (r.loss, want)
+            _evaluate_against_hf(engine, model, batch)
 
 
 def test_evaluate_changes_nothing_and_the_next_step_is_the_same() -> None:

@@ -57,10 +57,15 @@ def test_decay_names_under_lora_are_hf_trainers() -> None:
     assert any("lora_A" in n for n in hf_decay_names(pm))
 
 
-def test_groups_cut_a_layer_into_runs() -> None:
+def _gpt2_decay_groups() -> tuple[torch.nn.Module, Decomposition, DecayGroups]:
+    """A one-block GPT-2, its decomposition and HF's decay groups (biases, norms: no decay)."""
     model = make_model("gpt2", layers=1)
     dec = Decomposition(model)
-    groups = DecayGroups.build(dec.layers, hf_decay_names(model))
+    return model, dec, DecayGroups.build(dec.layers, hf_decay_names(model))
+
+
+def test_groups_cut_a_layer_into_runs() -> None:
+    model, dec, groups = _gpt2_decay_groups()
     block = dec.blocks[0]
     n = block.train_numel
     pieces = groups.pieces(block.index, 0, n)
@@ -260,9 +265,7 @@ def test_undo_tolerances_catch_a_slightly_wrong_gradient() -> None:
 
 
 def test_undo_honours_the_no_decay_runs() -> None:
-    model = make_model("gpt2", layers=1)
-    dec = Decomposition(model)
-    groups = DecayGroups.build(dec.layers, hf_decay_names(model))
+    _, dec, groups = _gpt2_decay_groups()
     spec = dec.blocks[0]
     n = spec.train_numel
     g = torch.Generator().manual_seed(3)
