@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Sequence
 
 import torch
 
@@ -320,19 +320,31 @@ class TaskHandlers:
         self._check(task, "stashed input", x)
         self._check(task, "output gradient", gout)
         grads = torch.autograd.grad(y, [x] + params, gout, allow_unused=True)
+        self._store_grads(task, dev, task.rows, grads, counts)
+        del y, grads, x, gout
+        self._bwd_done(task)
+
+    def _store_grads(self, task: Task, dev: DeviceRuntime, rows: tuple[int, int],
+                     grads: Sequence[torch.Tensor | None], counts: list[int]) -> None:
+        """A backward's results for ``rows``: the input gradient (``grads[0]``) to the previous
+        pack, the parameter gradients (then ``counts[i]`` per layer) into the layers' accumulators."""
         self._check(task, "input gradient", grads[0])
         for g in grads[1:]:
             self._check(task, "parameter gradient", g)
-        ctx.grads[q].write(*task.rows, grads[0])
+        self.ctx.grads[task.pack].write(*rows, grads[0])
         i = 1
         for layer, g, n in zip(task.layers, task.grad_slots, counts):
             self._accumulate(dev, layer, g, list(grads[i : i + n]))
             i += n
-        del y, grads, x, gout
+
+    def _bwd_done(self, task: Task) -> None:
+        """After a pack's last backward micro-batch: free its output gradient and its input stash
+        (the embedding's output, acts[0], stays for the embedding's backward)."""
         if task.last:
-            ctx.grads[q + 1].free()
+            q = task.pack
+            self.ctx.grads[q + 1].free()
             if q > 0:
-                ctx.acts[q].free()
+                self.ctx.acts[q].free()
 
     def _bwd_kept(self, task: Task, dev: DeviceRuntime) -> None:
         """A kept pack's backward micro-batch: autograd through the graph of each forward
@@ -346,20 +358,10 @@ class TaskHandlers:
             kept = self._kept.pop((q, m))
             grads = torch.autograd.grad(kept.output, [kept.input] + kept.params, gout[a - lo : b - lo],
                                         allow_unused=True)
-            self._check(task, "input gradient", grads[0])
-            for g in grads[1:]:
-                self._check(task, "parameter gradient", g)
-            ctx.grads[q].write(a, b, grads[0])
-            i = 1
-            for layer, g, n in zip(task.layers, task.grad_slots, kept.counts):
-                self._accumulate(dev, layer, g, list(grads[i : i + n]))
-                i += n
+            self._store_grads(task, dev, (a, b), grads, kept.counts)
             del grads, kept  # the last reference to this graph: its saved tensors go with it
         del gout
-        if task.last:
-            ctx.grads[q + 1].free()
-            if q > 0:
-                ctx.acts[q].free()
+        self._bwd_done(task)
 
     def _span_open(self, task: Task, dev: DeviceRuntime) -> tuple[float, object | None]:
         """A traced sub-span's start, taken as the lane takes a task's: host time, then (CUDA) a
