@@ -9,6 +9,8 @@
 #   bash bench/gpu_calls.sh clip-w1      # W1 clipped: the unclipped plan, 4 resident packs, the planner's own
 #   bash bench/gpu_calls.sh keep         # W1 auto at 24 / 48 GiB (kept packs), 48 GiB without keeping, W3 auto;
 #                                        # traced: the step decomposition and the bound with forced recompute
+#   bash bench/gpu_calls.sh clip7 [tag]  # host AdamW one pass vs split (weights, then moments); W1 and W3
+#                                        # auto with and without clipping, warm-up 2, traced (raw: *_<tag>.json)
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -64,5 +66,19 @@ case "${1:-}" in
     timeout 170 $R W3 --cap-gib 24 --trace /tmp/w3_24.trace.json --json "$OUT/w3_auto_24.json" > "$OUT/w3_24.log" 2>&1
     for f in w1_24 w1_48_keep w1_48_nokeep w3_24; do echo "== $f"; grep -E "^plan|^step [0-9]" "$OUT/$f.log"; \
       tail -3 "$OUT/$f.log"; done ;;
+  clip7)
+    # 8 files back at most: 5 JSON, 2 traces, one log of everything
+    T=${2:-base}; L=/tmp/clip7; mkdir -p $L
+    timeout 120 python3 bench/adamw_split_bench.py --params 400 --threads 16,12,8 --chunks 1048576,4194304 \
+      --repeat 3 --json "$OUT/adamw_split_$T.json" > $L/adamw.log 2>&1
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    timeout 110 $R W1 --steps 3 --trace "$OUT/w1_$T.trace.json" --json "$OUT/w1_$T.json" > $L/w1.log 2>&1
+    timeout 110 $R W1 --steps 3 --max-grad-norm 1.0 --trace "$OUT/w1_clip_$T.trace.json" \
+      --json "$OUT/w1_clip_$T.json" > $L/w1_clip.log 2>&1
+    timeout 120 $R W3 --steps 2 --json "$OUT/w3_$T.json" > $L/w3.log 2>&1
+    timeout 130 $R W3 --steps 2 --max-grad-norm 1.0 --json "$OUT/w3_clip_$T.json" > $L/w3_clip.log 2>&1
+    for f in adamw w1 w1_clip w3 w3_clip; do echo "===== $f"; cat $L/$f.log; done > "$OUT/clip7_$T.log"
+    tail -8 $L/adamw.log
+    for f in w1 w1_clip w3 w3_clip; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac
