@@ -169,13 +169,22 @@ class StepDecisions:
         it and writes the quotient back into the retained gradient, which the next step rewrites
         anyway): no separate ``g.mul_(coef)`` pass over the gradient. Dividing by the rounded
         reciprocal differs from multiplying by ``coef`` (torch's ``clip_grad_norm_``) by at most
-        about one float32 rounding of the gradient; bench/clip_bench.py times both."""
+        about one float32 rounding of the gradient; bench/clip_bench.py times both.
+
+        Without an undo the layer is stepped in one fused call: the kernel parallelises over the
+        whole layer, and the background lane takes the GIL once per layer instead of once per
+        16 MiB chunk -- while the next step's lanes launch kernels, every retake can wait a
+        switch interval (5 ms)."""
         state, grad = self._views(layer)
         scale = None
         if coef != 1.0:
             scale = torch.full((), 1.0 / coef, dtype=torch.float32, device=state.master.device)
+        if not undo:  # one fused call for the whole layer (see the docstring)
+            n = self.store.layers[layer].spec.train_numel  # as _chunks: 0 for a frozen layer
+            if n:
+                self.adamw.step(state, 0, n, grad[:n], step, self.lr, grad_scale=scale)
+            return
         for lo, hi in self._chunks(layer):
             g = grad[lo:hi]
-            if undo:
-                self.adamw.undo(state, lo, hi, g, step, self.lr)
+            self.adamw.undo(state, lo, hi, g, step, self.lr)
             self.adamw.step(state, lo, hi, g, step, self.lr, grad_scale=scale)
