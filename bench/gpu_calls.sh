@@ -80,5 +80,18 @@ case "${1:-}" in
     for f in adamw w1 w1_clip w3 w3_clip; do echo "===== $f"; cat $L/$f.log; done > "$OUT/clip7_$T.log"
     tail -8 $L/adamw.log
     for f in w1 w1_clip w3 w3_clip; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
+  clip7b)
+    # after: one fused call per clipped layer; untraced, warm-up 2, then W3 with and without clipping
+    T=${2:-after}; L=/tmp/clip7b; mkdir -p $L
+    timeout 100 python3 bench/adamw_split_bench.py --params 400 --threads 16 --chunks 4194304,400000000 \
+      --repeat 3 --json "$OUT/adamw_whole_$T.json" > $L/adamw.log 2>&1
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    timeout 100 $R W1 --steps 5 --json "$OUT/w1_$T.json" > $L/w1.log 2>&1
+    timeout 100 $R W1 --steps 5 --max-grad-norm 1.0 --json "$OUT/w1_clip_$T.json" > $L/w1_clip.log 2>&1
+    timeout 130 $R W3 --steps 3 --json "$OUT/w3_$T.json" > $L/w3.log 2>&1
+    timeout 150 $R W3 --steps 3 --max-grad-norm 1.0 --json "$OUT/w3_clip_$T.json" > $L/w3_clip.log 2>&1
+    for f in adamw w1 w1_clip w3 w3_clip; do echo "===== $f"; cat $L/$f.log; done > "$OUT/clip7b_$T.log"
+    tail -4 $L/adamw.log
+    for f in w1 w1_clip w3 w3_clip; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac
