@@ -73,7 +73,7 @@ def _w1():
 
 def test_clipped_step_of_a_streamed_plan_by_hand() -> None:
     """W1, pack 1 / micro-batch 4 / window 1 / host stash / embedding on the GPU, h200-pcie5: the
-    host pass (every block and the final norm at the clipped rate) is far slower than the uploads
+    host pass (every block and the final norm at the clipped rate) is slower than the uploads
     (7 ms a block) and the forward (15 ms a block), so the forward ends one upload and one block
     forward after the pass; then the head, the backward (no host AdamW in it) and the last
     gradient chunk; the embedding's step on the GPU last."""
@@ -92,7 +92,7 @@ def test_clipped_step_of_a_streamed_plan_by_hand() -> None:
     expected = (host_pass + last_upload + last_forward + t.head_s + t.backward_s + last_chunk
                 + trains[0] * DEVICE_ADAMW_S_PER_PARAM)
     assert t.clipped_step_s == pytest.approx(expected, rel=1e-9)
-    assert t.clipped_step_s > t.step_s + 0.5  # the pass is the slow path
+    assert t.clipped_step_s > t.step_s + 0.3  # the pass is the slow path (0.38 s slower with the 0.838 rate)
 
 
 def test_resident_packs_shorten_the_clipped_step_by_their_host_pass() -> None:

@@ -96,12 +96,13 @@ DEVICE_ADAMW_S_PER_PARAM = 1.5e-11
 #: Host AdamW rate of a clipped step's leftover pass (every host-stepped layer waits for the global
 #: norm, then runs in the background ahead of the next forward, :mod:`tinypipe.planner.clipped`)
 #: relative to the profiled rate: the pass moves the retained gradient too and shares DRAM with the
-#: uploads and the cores with the lanes. Fitted on two H200 runs (W1, pack 2 / micro-batch 4 /
-#: window 2 / host stash, clipping every step, torch 2.11: 2.674 s/step with the embedding on the
-#: GPU, 2.873 s without; bench/results/s3_w1_clip_overlap*.json): predicted 2.690 and 2.855. Their
-#: lanes' busy time says the same: 1.254 s for 2.82 G parameters, 1.202 s for 3.21 G (0.53 and 0.64
-#: of the profiled 4.20 G/s).
-CLIPPED_ADAMW_EFFICIENCY = 0.552
+#: uploads and the cores with the lanes. Refitted in session 7, after the pass went to one fused
+#: call per layer (runtime/optim/decisions.py), on one H200 run (W1, the planner's clipped plan:
+#: pack 1, 7 resident packs, embedding on the GPU; 2.012 s/step,
+#: bench/results/s7_w1_clip_after.json) by ``bench/refit_clipped.py``; out of sample, W3's clipped
+#: plan is predicted at 4.428 s against 4.094 measured (+8 %, s7_w3_clip_after.json; the old
+#: 0.552, fitted on chunked calls in session 3, predicted 5.313).
+CLIPPED_ADAMW_EFFICIENCY = 0.838
 #: Bytes per parameter moved each way (fp32 master weights up, fp32 gradients down).
 UPLOAD_BYTES = 4
 DOWNLOAD_BYTES = 4

@@ -1,0 +1,67 @@
+#!/usr/bin/env python3
+"""Refit the clipped pass's host AdamW efficiency (planner/cost.py ``CLIPPED_ADAMW_EFFICIENCY``) on
+one measured clipped run and check it on others it was not fitted on.
+
+    python bench/refit_clipped.py --fit bench/results/s7_w1_clip_after.json \
+        --check bench/results/s7_w3_clip_after.json bench/results/s5_w1_clip_resident4.json
+
+Each file is a ``bench/run.py --json`` result of a clipped run; its plan is evaluated offline
+with the hardware preset of its GPU (``--hardware``), for each efficiency, and the one whose
+prediction equals the fitted run's measured step is reported, with the other runs' errors.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import transformers  # noqa: E402
+
+import tinypipe.planner.cost as cost  # noqa: E402
+from tinypipe.planner.candidate import evaluate  # noqa: E402
+from tinypipe.planner.hardware import load_hardware  # noqa: E402
+from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
+from tinypipe.schedule.plan import Plan  # noqa: E402
+
+
+def predicted(run: dict, hardware: str, efficiency: float) -> float:
+    w = WORKLOADS[run["workload"]]
+    cfg = transformers.LlamaConfig(**w.config)
+    plan = Plan.from_json(json.dumps(run["plan"]))
+    cost.CLIPPED_ADAMW_EFFICIENCY = efficiency
+    cand = evaluate(model_sizes(cfg), load_hardware(hardware), plan, seq=w.seq, global_batch=w.batch,
+                    precision=run["config"]["precision"], max_grad_norm=1.0)
+    return cand.time.clipped_step_s
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--fit", required=True)
+    ap.add_argument("--check", nargs="*", default=[])
+    ap.add_argument("--hardware", default="h200-pcie5")
+    a = ap.parse_args()
+    fit = json.loads(Path(a.fit).read_text())
+    lo, hi = 0.2, 1.5
+    for _ in range(40):  # the prediction falls as the efficiency rises
+        mid = (lo + hi) / 2
+        if predicted(fit, a.hardware, mid) > fit["seconds_per_step"]:
+            lo = mid
+        else:
+            hi = mid
+    eff = (lo + hi) / 2
+    print(f"fitted on {a.fit}: efficiency {eff:.3f} (measured {fit['seconds_per_step']:.3f} s/step)")
+    print(f"{'run':<48} {'measured':>9} {'old pred':>9} {'new pred':>9} {'err':>7}")
+    old = 0.552
+    for path in [a.fit, *a.check]:
+        run = json.loads(Path(path).read_text())
+        m, p_old, p_new = run["seconds_per_step"], predicted(run, a.hardware, old), predicted(run, a.hardware, eff)
+        print(f"{Path(path).name:<48} {m:>9.3f} {p_old:>9.3f} {p_new:>9.3f} {100 * (p_new / m - 1):>+6.1f}%")
+
+
+if __name__ == "__main__":
+    main()
