@@ -157,7 +157,7 @@ def plan_row(a: argparse.Namespace, workload: str,
         pred = dp_predict.predict(WORKLOADS[workload], setting(a), row.procs, row.devices,
                                   mem.available - reserve)
     except TinypipeError as exc:
-        return None, dp_predict.refusal(str(exc), mem, reserve), mem
+        return None, dp_predict.refusal(exc, mem, reserve), mem
     return pred, dp_predict.preflight(pred, mem, reserve), mem
 
 

@@ -177,7 +177,9 @@ def predict(w: Workload, s: Setting, procs: int, devices: list[str], node_bytes:
     layout = Layout(procs, entries, procs)
     if s.auto:
         if budget <= 0:
-            raise PlanDoesNotFitError(f"{layout.describe()}: the unmodelled buffers alone exceed the host")
+            held = sum(extra.values()) / GiB
+            raise PlanDoesNotFitError(f"{layout.describe()}: {node_bytes / GiB:.1f} GiB for the processes, "
+                                      f"{procs} x {held:.1f} GiB of it unmodelled buffers: nothing left")
         cluster = Cluster(1, procs * entries, intra, interconnect_gbs("eth25"), budget)
         lp = plan_layout(cfg, hw, cluster, layout, seq=w.seq, global_batch=w.batch, sharding=sharding,
                          gpu_memory_bytes=gpu, precision=precision)
@@ -307,8 +309,11 @@ def preflight(p: Prediction, mem: NodeMemory, reserve: int) -> Preflight:
     return Preflight(p.need, mem.available, reserve, ok, line)
 
 
-def refusal(why: str, mem: NodeMemory, reserve: int) -> Preflight:
-    """The pre-flight verdict when the planner found no plan that fits at all."""
-    line = (f"pre-flight: refused, no plan fits the available {mem.available / GiB:.1f} GiB ({mem.source}, "
-            f"{reserve / GiB:.1f} GiB kept free): {' '.join(why.split())}")
-    return Preflight(0, mem.available, reserve, False, line)
+def refusal(exc: Exception, mem: NodeMemory, reserve: int) -> Preflight:
+    """The pre-flight verdict when no plan came out: none fits (PlanDoesNotFitError), or the
+    configuration cannot be planned as asked (ConfigError)."""
+    why = " ".join(str(exc).split())
+    if isinstance(exc, PlanDoesNotFitError):
+        why = (f"no plan fits the available {mem.available / GiB:.1f} GiB ({mem.source}, "
+               f"{reserve / GiB:.1f} GiB kept free): {why}")
+    return Preflight(0, mem.available, reserve, False, f"pre-flight: refused, {why}")

@@ -9,6 +9,7 @@
 #   bash bench/gpu_calls.sh clip-w1      # W1 clipped: the unclipped plan, 4 resident packs, the planner's own
 #   bash bench/gpu_calls.sh keep         # W1 auto at 24 / 48 GiB (kept packs), 48 GiB without keeping, W3 auto;
 #                                        # traced: the step decomposition and the bound with forced recompute
+#   bash bench/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -64,5 +65,16 @@ case "${1:-}" in
     timeout 170 $R W3 --cap-gib 24 --trace /tmp/w3_24.trace.json --json "$OUT/w3_auto_24.json" > "$OUT/w3_24.log" 2>&1
     for f in w1_24 w1_48_keep w1_48_nokeep w3_24; do echo "== $f"; grep -E "^plan|^step [0-9]" "$OUT/$f.log"; \
       tail -3 "$OUT/$f.log"; done ;;
+  dp-w3)
+    # W3, 2 replicas sharing the H200, each the planner's per-replica plan (the 1-process W3 row is
+    # s6_w3_auto_24.json). The driver plans and checks host memory before starting: the VM's MemTotal
+    # grows as used, so the node is its 128 GiB minus what is in use; 6 GiB kept free (the launcher,
+    # the VM's own share of the 128, prediction error); refused with one line if it does not fit.
+    # Time: ~2 min start (2 x W3 build + engine), warm-up ~40 s, ~60 s a step (27 GB of fp32 gradients
+    # through gloo at ~1 GB/s): warm-up 1 + 2 steps ~5 min; the driver stops the row at 500 s and
+    # still writes its JSON (the steps done are in the progress records).
+    timeout 560 python3 bench/dp_bench.py --mode share --workloads W3 --sharding shard --configs replicas \
+      --auto --steps 2 --warmup 1 --cap-gib 24 --hardware h200-pcie5 --node-memory-gib 128 \
+      --host-reserve-gib 6 --timeout 500 --out "$OUT/dpw3" --json "$OUT/dp_share_w3.json" 2>&1 | tail -20 ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac
