@@ -129,11 +129,11 @@ def _free_port() -> int:
 
 def _worker_args(a: argparse.Namespace, workload: str, tag: str, devices: list[str], out: Path,
                  plan: Path) -> list[str]:
+    """One worker's arguments (``--auto`` and ``--hardware`` reach it through the plan file)."""
     return [str(HERE / "dp_bench.py"), "--worker", f"{workload}:{tag}", "--devices", ",".join(devices),
             "--mode", a.mode, "--sharding", a.sharding, "--pack-size", str(a.pack_size),
             "--micro-batch", str(a.micro_batch), "--precision", a.precision, "--cap-gib", str(a.cap_gib),
             "--warmup", str(a.warmup), "--steps", str(a.steps), "--out", str(out), "--plan", str(plan)]
-    # (--auto and --hardware reach the worker through the plan file)
 
 
 def setting(a: argparse.Namespace) -> Setting:

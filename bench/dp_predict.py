@@ -109,7 +109,7 @@ class Prediction:
     host: dict[str, int]  # the planner's categories
     device_need: int  # the fullest device entry (on CPU: RAM as well)
     need: int
-    budget_node: int  # the host budget the planner planned (auto) or checked against
+    budget_node: int  # the node bytes left to the planner's own categories (after the unmodelled)
     step_s: float
     note: str
 
@@ -305,8 +305,16 @@ def preflight(p: Prediction, mem: NodeMemory, reserve: int) -> Preflight:
     ok = p.need + reserve <= mem.available
     line = (f"pre-flight: predicted host need {p.need / GiB:.1f} GiB ({p.procs} x "
             f"{p.need / p.procs / GiB:.1f}){keep}, available {mem.available / GiB:.1f} GiB ({mem.source}): "
-            + ("fits" if ok else "refused, it would not fit"))
+            + ("fits" if ok else "refused, it would not fit" + _hint(mem)))
     return Preflight(p.need, mem.available, reserve, ok, line)
+
+
+def _hint(mem: NodeMemory) -> str:
+    if mem.source != "MemAvailable":
+        return ""
+    total = mem.readings["MemTotal"] / GiB
+    return (f" (MemTotal reads {total:.1f} GiB; on a VM whose RAM grows as it is used, such as the lent "
+            "H200 machines, give its memory with --node-memory-gib)")
 
 
 def refusal(exc: Exception, mem: NodeMemory, reserve: int) -> Preflight:
@@ -315,5 +323,5 @@ def refusal(exc: Exception, mem: NodeMemory, reserve: int) -> Preflight:
     why = " ".join(str(exc).split())
     if isinstance(exc, PlanDoesNotFitError):
         why = (f"no plan fits the available {mem.available / GiB:.1f} GiB ({mem.source}, "
-               f"{reserve / GiB:.1f} GiB kept free): {why}")
+               f"{reserve / GiB:.1f} GiB kept free): {why}{_hint(mem)}")
     return Preflight(0, mem.available, reserve, False, f"pre-flight: refused, {why}")
