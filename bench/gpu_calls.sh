@@ -11,6 +11,7 @@
 #                                        # traced: the step decomposition and the bound with forced recompute
 #   bash bench/gpu_calls.sh clip7 [tag]  # host AdamW one pass vs split (weights, then moments); W1 and W3
 #                                        # auto with and without clipping, warm-up 2, traced (raw: *_<tag>.json)
+#   bash bench/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -47,7 +48,7 @@ case "${1:-}" in
     timeout 270 python3 bench/run.py W1 --devices cuda:0 --cap-gib 24 --auto --clip-compare --max-grad-norm 1.0 \
       --json "$OUT/w1_clip_compare.json" 2>&1 | tail -8
     timeout 290 python3 bench/dp_bench.py --mode share --workloads W1 --sharding shard --steps 3 --warmup 1 \
-      --cap-gib 24 --out "$OUT/dp" --json "$OUT/dp_share_w1.json" 2>&1 | tail -8 ;;
+      --cap-gib 24 --node-memory-gib 128 --out "$OUT/dp" --json "$OUT/dp_share_w1.json" 2>&1 | tail -8 ;;
   clip-w1)
     W1="python3 bench/run.py W1 --devices cuda:0 --cap-gib 24 --max-grad-norm 1.0 --steps 4 --warmup 1"
     timeout 110 $W1 --pack-size 1,3,3,3,3,3,3,3,3,3 --micro-batch 4 --window 3 --stash host \
@@ -93,5 +94,16 @@ case "${1:-}" in
     for f in adamw w1 w1_clip w3 w3_clip; do echo "===== $f"; cat $L/$f.log; done > "$OUT/clip7b_$T.log"
     tail -4 $L/adamw.log
     for f in w1 w1_clip w3 w3_clip; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
+  dp-w3)
+    # W3, 2 replicas sharing the H200, each the planner's per-replica plan (the 1-process W3 row is
+    # s6_w3_auto_24.json). The driver plans and checks host memory before starting: the VM's MemTotal
+    # grows as used, so the node is its 128 GiB minus what is in use; 6 GiB kept free (the launcher,
+    # the VM's own share of the 128, prediction error); refused with one line if it does not fit.
+    # Time: ~2 min start (2 x W3 build + engine), warm-up ~40 s, ~60 s a step (27 GB of fp32 gradients
+    # through gloo at ~1 GB/s): warm-up 1 + 2 steps ~5 min; the driver stops the row at 500 s and
+    # still writes its JSON (the steps done are in the progress records).
+    timeout 560 python3 bench/dp_bench.py --mode share --workloads W3 --sharding shard --configs replicas \
+      --auto --steps 2 --warmup 1 --cap-gib 24 --hardware h200-pcie5 --node-memory-gib 128 \
+      --host-reserve-gib 6 --timeout 500 --out "$OUT/dpw3" --json "$OUT/dp_share_w3.json" 2>&1 | tail -20 ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac
