@@ -186,8 +186,9 @@ def runtime_of_the_measurements(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_calibration_points(row: tuple) -> None:
     workload, pack, mb, stash, peak_gib, act_gb, static_gb, step_s = row
     sizes = model_sizes(transformers.LlamaConfig(**(W1 if workload == "W1" else W3)))
+    # the runtime of the measurements: one gradient accumulator more than a pack (Plan.grad_slot_count)
     plan = make_plan(sizes.num_blocks, pack_size=pack, micro_batch_size=mb, backward_micro_batch_size=mb,
-                     num_devices=1, prefetch_window=2, stash=stash, tied=sizes.tied)
+                     num_devices=1, prefetch_window=2, stash=stash, tied=sizes.tied, grad_slots=pack + 1)
     rep = estimate_memory(sizes, plan, batch=16, seq=2048, precision="bf16", devices=["cuda:0"])
     static = rep.device_total("0:cuda:0")
     act = rep.devices["0:cuda:0"]["activations_peak"]
