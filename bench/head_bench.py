@@ -123,13 +123,13 @@ class Head:
 
     def __init__(self, shape: Shape, dev: torch.device, dtype: torch.dtype, seed: int = 0) -> None:
         g = torch.Generator().manual_seed(seed)
+        gd = torch.Generator(device=dev).manual_seed(seed)  # the large tensors: drawn on the device
         self.shape, self.dev = shape, dev
         self.norm = RMSNorm(shape.hidden).to(dev, dtype)
-        self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False)
-        with torch.no_grad():
-            self.lm_head.weight.copy_(torch.randn(shape.vocab, shape.hidden, generator=g) * 0.02)
-        self.lm_head.to(dev, dtype)
-        self.x = torch.randn(shape.tokens, shape.hidden, generator=g).to(dev, dtype)
+        self.lm_head = nn.Linear(shape.hidden, shape.vocab, bias=False, device="meta")
+        weight = torch.randn(shape.vocab, shape.hidden, generator=gd, device=dev) * 0.02
+        self.lm_head.weight = nn.Parameter(weight.to(dtype))
+        self.x = torch.randn(shape.tokens, shape.hidden, generator=gd, device=dev).to(dtype)
         labels = torch.randint(0, shape.vocab, (shape.tokens,), generator=g)
         labels[torch.rand(shape.tokens, generator=g) < 0.05] = IGNORE  # some positions ignored
         self.labels = labels.to(dev)
@@ -299,8 +299,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--no-fused", action="store_true", help="skip the compiled path")
     ap.add_argument("--json", default=None, help="write the rows (and the setup) to this file")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="CPU: intra-op threads (one: steadier times on a shared machine)")
     a = ap.parse_args(argv)
     dev = torch.device(a.device or ("cuda:0" if torch.cuda.is_available() else "cpu"))
+    if dev.type == "cpu":
+        torch.set_num_threads(a.threads)
     shapes = SMALL if a.small else FULL
     t0 = time.perf_counter()
     rows = []
