@@ -107,8 +107,9 @@ def _compare_compiled(tokens: int, vocab: int, dtype: torch.dtype, device: str) 
     loss_e = eager_loss_grad_(b, labels, scale)
     assert fused.failed is None
     assert torch.allclose(loss_c, loss_e, rtol=2e-6, atol=0)
-    # the same fp32 numbers up to reordering, then one rounding to the compute dtype
-    ulp = 2**-7 if dtype == torch.bfloat16 else 2**-22
+    # the same fp32 numbers up to reordering and exp's implementation (CUDA: Triton's ex2-based exp,
+    # ~1e-6 relative at the exponents here), then one rounding to the compute dtype (bf16: one ulp)
+    ulp = 2**-7 if dtype == torch.bfloat16 else 1e-5
     diff = (a.float() - b.float()).abs()
     assert (diff <= ulp * b.float().abs() + 1e-12).all(), diff.max()
 
