@@ -4,7 +4,11 @@ fused and chunked over tokens, so full ``[tokens, vocab]`` logits never exist.
 For a plain bias-free ``nn.Linear`` output embedding (every supported family) the logit gradient
 is formed analytically (softmax minus one-hot) and the weight gradient is accumulated straight
 into the fp32 accumulator with one matmul per chunk; on CUDA a bf16 x bf16 -> fp32 GEMM does this
-without any bf16 temporary of the weight's size. Other heads fall back to autograd.
+without any bf16 temporary of the weight's size. The elementwise part between the matmuls (loss
+and logit gradient) is :mod:`tinypipe.models.head_loss`: fused by Inductor on CUDA, the logit
+gradient written over the logits, so a chunk costs its logits' bytes plus at most one fp32 row
+block (:func:`~tinypipe.models.head_loss.logit_bytes`) -- chunks are sized by that. Other heads
+fall back to autograd.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-IGNORE = -100
+from tinypipe.models.head_loss import IGNORE, LossGrad, eager_loss_grad_, logit_bytes
 
 
 def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -35,8 +39,15 @@ _HAS_OUT_DTYPE = [True]
 
 
 def chunk_tokens_for(vocab: int, budget_bytes: int = 512 * 1024**2) -> int:
-    """Tokens per head chunk so the chunk's logits (+ fp32 copy) stay within ``budget_bytes``."""
-    return int(max(64, min(8192, budget_bytes // (vocab * 6))))
+    """Tokens per head chunk so the chunk's bf16 logits and the eager path's fp32 row block
+    (:func:`~tinypipe.models.head_loss.logit_bytes`: 3 B/logit) stay within ``budget_bytes``.
+    Before the fused loss a whole fp32 copy of the chunk's logits was made too (6 B/logit: 697
+    tokens for a 128256 vocabulary, now 1392); each chunk's weight-gradient matmul reads and writes
+    the fp32 weight accumulator (3.2 GB at that vocabulary), so fewer chunks cost less."""
+    tokens = budget_bytes // (vocab * 3)
+    while tokens > 64 and logit_bytes(tokens, vocab, 2) > budget_bytes:  # the row block's rounding
+        tokens -= 1
+    return int(max(64, min(8192, tokens)))
 
 
 def fused_head_chunk(
@@ -48,10 +59,13 @@ def fused_head_chunk(
     post_params: list[torch.Tensor],
     weight_acc: torch.Tensor | None,
     weight_grad: bool = True,
+    loss_grad: LossGrad = eager_loss_grad_,
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor | None], torch.Tensor | None]:
     """Loss (sum over the chunk / ``denom``), d loss / d x, grads of ``post_params``, and -- when
     ``weight_acc`` is None -- the weight gradient (otherwise it was added into ``weight_acc``).
-    ``weight_grad=False`` (a frozen output embedding) skips the weight gradient entirely."""
+    ``weight_grad=False`` (a frozen output embedding) skips the weight gradient entirely.
+    ``loss_grad``: the elementwise part (a :class:`~tinypipe.models.head_loss.HeadLoss`: fused
+    on CUDA; the default is the eager one)."""
     x = x.detach().requires_grad_(True)
     with torch.enable_grad():
         h = x
@@ -59,20 +73,10 @@ def fused_head_chunk(
             h = m(h)
     weight = lm_head.weight
     with torch.no_grad():
-        logits = h.detach() @ weight.t()
-        lf = logits.float()
-        del logits
-        valid = labels != IGNORE
-        safe = torch.where(valid, labels, torch.zeros_like(labels))
-        lse = torch.logsumexp(lf, dim=-1)
-        picked = lf.gather(1, safe[:, None]).squeeze(1)
-        loss = ((lse - picked) * valid).sum() / denom
-        # d loss / d logits = (softmax - onehot) * valid / denom, built in place in lf
-        lf.sub_(lse[:, None]).exp_()
-        lf.scatter_add_(1, safe[:, None], -torch.ones_like(lf[:, :1]))
-        lf.mul_((valid.to(lf.dtype) / denom)[:, None])
-        g = lf.to(h.dtype)
-        del lf
+        g = h.detach() @ weight.t()
+        # d loss / d logits = (softmax - onehot) * valid / denom, written over the logits
+        scale = (labels != IGNORE).to(torch.float32) / denom
+        loss = loss_grad(g, labels, scale) / denom
         grad_h = g @ weight
         wgrad = None
         if not weight_grad:

@@ -30,8 +30,9 @@ each pack's backward, the embedding backward, the embedding's gradient download 
   its backward's working set is one forward micro-batch's gradient transient);
 * a kept pack's graphs (:func:`kept_bytes`: the same saved bytes per token and block, for every
   token of the step, plus the pack's outputs), alive on its device from its forward to its
-  backward; the head keeps one token chunk of logits in three dtypes; the embedding backward
-  a dense weight gradient and the CUDA kernel's fp32 partial sums;
+  backward; the head keeps one token chunk of logits (its gradient written over them) and an
+  fp32 row block of it; the embedding backward a dense weight gradient and the CUDA kernel's
+  fp32 partial sums;
 * the transient of a gradient download: the runtime computes each layer's gradient norm with
   ``vector_norm(..., dtype=float64)``, which materialises an fp64 copy of the layer's fp32
   gradient (:data:`NORM_COPY_BYTES_PER_ELEMENT`). It is counted where it was measured to add to
@@ -54,6 +55,7 @@ from typing import Sequence
 from tinypipe.errors import ConfigError
 from tinypipe.memory.grad_pool import buffer_count, chunk_numel
 from tinypipe.memory.report import MemoryReport
+from tinypipe.models.head_loss import logit_bytes
 from tinypipe.planner.cost import pack_stats
 from tinypipe.planner.offload import apply_offload
 from tinypipe.planner.sizes import ModelSizes
@@ -221,8 +223,9 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     for q in range(P):
         d = plan.fwd_device[q]
         work[d][F(q)] += tf * (3 * sizes.intermediate + 4 * H) * a + remote_rows(q, d, tf)
-    # head: input-gradient rows, one chunk of logits (compute dtype, fp32, gradient in compute dtype)
-    work[h][HEAD] += tf * H * a + chunk * V * (2 * a + 4) + chunk * H * 4 + remote_rows(P, h, tf)
+    # head: input-gradient rows, one chunk of logits (compute dtype, the gradient written over them)
+    # and the eager path's fp32 row block (models/head_loss.py)
+    work[h][HEAD] += tf * H * a + logit_bytes(chunk, V, a) + chunk * H * 4 + remote_rows(P, h, tf)
     # backward packs: saved activations of the whole pack for one micro-batch, the backward's
     # own transient (one block's intermediate gradients), the downloads running beside it
     for q in range(P):

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 import torch
 import transformers
 
+from tinypipe.models.head_loss import HeadLoss
 from tinypipe.planner.hardware import PROFILE_FORMAT, HardwareSpec, _from_dict
 from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
 from tinypipe.planner.sizes import saved_tensor_bytes
@@ -99,6 +100,7 @@ class _Bench:
     block_raw: int  # parameters of one block
     attn_width: int  # heads * head_dim
     head_matmul: int  # parameters of the output projection
+    head_loss: HeadLoss  # the head's elementwise part, fused on CUDA as in the engine
 
     def clear_grads(self, *tensors: torch.Tensor) -> None:
         for t in (*self.block_params, *tensors):
@@ -135,6 +137,7 @@ def _bench(cfg: transformers.PretrainedConfig, dev: torch.device, dtype: torch.d
         fast=weight is not None and is_plain_linear(shell.lm_head), chunk=chunk_tokens_for(vocab),
         hidden=hidden, vocab=vocab, block_raw=sum(p.numel() for p in block_params),
         attn_width=heads * head_dim, head_matmul=weight.numel() if weight is not None else vocab * hidden,
+        head_loss=HeadLoss(backend),
     )
 
 
@@ -188,7 +191,7 @@ def _time_head(b: _Bench, x: torch.Tensor, g: torch.Generator, reps: int) -> flo
             c1 = min(flat.shape[0], c0 + b.chunk)
             if b.fast:
                 fused_head_chunk(b.shell.post, b.shell.lm_head, flat[c0:c1], labels[c0:c1], denom,
-                                 b.post_params, wacc)
+                                 b.post_params, wacc, loss_grad=b.head_loss)
             else:
                 xx = flat[c0:c1].detach().requires_grad_(True)
                 with torch.enable_grad():

@@ -21,6 +21,7 @@ from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_store import HostStore, offload_regions
 from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
+from tinypipe.models.head_loss import HeadLoss
 from tinypipe.models.placement import IN_PLACE_MARK
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
@@ -233,7 +234,7 @@ class EngineBuilder:
             optimizer_threads=optimizer.threads, trace=cfg.trace, check_finite=cfg.check_finite,
             stall_timeout_s=cfg.stall_timeout_s,
             rng=DropoutRng.from_seed(cfg.dropout_seed) if cfg.dropout else None,
-            replicas=self.replicas,
+            replicas=self.replicas, head_loss=HeadLoss(self.compile_backend()),
         )
 
 

@@ -279,7 +279,8 @@ class TaskHandlers:
                 continue
             if fast:
                 loss, gx, pgrads, _ = fused_head_chunk(shell.post, shell.lm_head, flat_x[c0:c1], y, denom,
-                                                       post_params, wacc, weight_grad=wtrain)
+                                                       post_params, wacc, weight_grad=wtrain,
+                                                       loss_grad=self.res.head_loss)
                 acc = dev.pool.grads(H, None)
                 for (p, _), g in zip(post, pgrads):
                     if g is not None:

@@ -6,12 +6,13 @@ the task handlers, the stash transfers) receive both explicitly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tinypipe.distributed.group import Replicas
 from tinypipe.memory.host_store import HostStore
+from tinypipe.models.head_loss import HeadLoss
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.path import OptimizerPath
 from tinypipe.runtime.rng import DropoutRng
@@ -39,3 +40,5 @@ class EngineResources:
     stall_timeout_s: float  # no task finished for this long: the watchdog aborts the step
     rng: DropoutRng | None = None  # training-mode randomness replayed by the recompute (None: dropout off)
     replicas: Replicas | None = None  # data-parallel replicas (torch.distributed); None: this one only
+    # the head's loss and logit gradient (fused by Inductor on CUDA when the blocks compile)
+    head_loss: HeadLoss = field(default_factory=lambda: HeadLoss(None))
