@@ -220,7 +220,9 @@ class Evaluator:
               rows: list[tuple[int, int]]) -> torch.Tensor:
         self._bind(st)
         dev = st.dev
-        chunk = self.res.head_chunk_tokens
+        # half the training chunk: F.cross_entropy over an fp32 copy holds ~10 B/logit, the
+        # training head (models/head_loss.py) ~3 -- this keeps evaluation inside the same bound
+        chunk = max(1, self.res.head_chunk_tokens // 2)
         total = torch.zeros((), dtype=torch.float64, device=dev.device)
         for x, (lo, hi) in zip(hidden, rows):
             flat_x = x.to(dev.device, non_blocking=True).reshape(-1, x.shape[-1])
