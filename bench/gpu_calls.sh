@@ -105,5 +105,20 @@ case "${1:-}" in
     timeout 560 python3 bench/dp_bench.py --mode share --workloads W3 --sharding shard --configs replicas \
       --auto --steps 2 --warmup 1 --cap-gib 24 --hardware h200-pcie5 --node-memory-gib 128 \
       --host-reserve-gib 6 --timeout 500 --out "$OUT/dpw3" --json "$OUT/dp_share_w3.json" 2>&1 | tail -20 ;;
+  final7)
+    # head on CUDA (compiled loss: exactness, then speed), then W1/W3 with the gradient-slot and head
+    # changes; 7 files back: 5 JSON, the W1 trace, one log of everything
+    T=${2:-final}; L=/tmp/final7; mkdir -p $L
+    timeout 100 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_head_loss.py tests/test_gpu_bf16.py \
+      -k "head or (bf16_matches and 1dev and llama)" > $L/tests.log 2>&1
+    timeout 90 python3 bench/head_bench.py --reps 3 --json "$OUT/head_bench_$T.json" > $L/head.log 2>&1
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    timeout 95 $R W1 --steps 4 --trace "$OUT/w1_$T.trace.json" --json "$OUT/w1_$T.json" > $L/w1.log 2>&1
+    timeout 110 $R W3 --steps 2 --json "$OUT/w3_$T.json" > $L/w3.log 2>&1
+    timeout 90 $R W1 --steps 4 --max-grad-norm 1.0 --json "$OUT/w1_clip_$T.json" > $L/w1_clip.log 2>&1
+    timeout 100 $R W3 --steps 2 --max-grad-norm 1.0 --json "$OUT/w3_clip_$T.json" > $L/w3_clip.log 2>&1
+    for f in tests head w1 w3 w1_clip w3_clip; do echo "===== $f"; cat $L/$f.log; done > "$OUT/final7_$T.log"
+    grep -E "passed|failed|error" $L/tests.log | tail -3; tail -16 $L/head.log
+    for f in w1 w3 w1_clip w3_clip; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac
