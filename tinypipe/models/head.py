@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tinypipe.models.head_loss import IGNORE, LossGrad, eager_loss_grad_, logit_bytes
+from tinypipe.models.head_loss import IGNORE, LossGrad, eager_loss_grad_, logit_data_bytes
 
 
 def _accumulate_matmul(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
@@ -45,7 +45,7 @@ def chunk_tokens_for(vocab: int, budget_bytes: int = 512 * 1024**2) -> int:
     tokens for a 128256 vocabulary, now 1392); each chunk's weight-gradient matmul reads and writes
     the fp32 weight accumulator (3.2 GB at that vocabulary), so fewer chunks cost less."""
     tokens = budget_bytes // (vocab * 3)
-    while tokens > 64 and logit_bytes(tokens, vocab, 2) > budget_bytes:  # the row block's rounding
+    while tokens > 64 and logit_data_bytes(tokens, vocab, 2) > budget_bytes:  # the row block's rounding
         tokens -= 1
     return int(max(64, min(8192, tokens)))
 

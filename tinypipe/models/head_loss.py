@@ -38,9 +38,20 @@ LossGrad = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 def logit_bytes(tokens: int, vocab: int, elem: int) -> int:
     """Device bytes the head's logits of ``tokens`` tokens need at most (``elem``: bytes per
     element of the compute dtype): the logits, overwritten by their gradient, plus the eager
-    path's fp32 row block (its copy and logsumexp's temporary; the fused path needs neither)."""
+    path's fp32 row block (its copy and logsumexp's temporary; the fused path needs neither), the
+    per-token vectors (label, mask, logsumexp, picked logit) and the CUDA caching allocator's
+    rounding of the two block-sized buffers up to 2 MiB each: on an H200 the eager path's peak at
+    W1's chunk was 1.8 MiB above the block bytes alone."""
+    return logit_data_bytes(tokens, vocab, elem) + tokens * 24 + 2 * ALLOCATOR_ROUNDING
+
+
+def logit_data_bytes(tokens: int, vocab: int, elem: int) -> int:
+    """The logits and the eager path's fp32 row block alone (what a chunk is sized by)."""
     rows = -(-tokens // EAGER_ROW_BLOCKS)
     return tokens * vocab * elem + rows * vocab * 8
+
+
+ALLOCATOR_ROUNDING = 2 * 2**20  # large CUDA caching-allocator blocks come in multiples of 2 MiB
 
 
 def eager_loss_grad_(logits: torch.Tensor, labels: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
