@@ -23,8 +23,10 @@ def launch(spec: dict, world: int, tmp: Path) -> tuple[list[subprocess.Popen], l
     port = free_port()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parent), str(HERE)]), OMP_NUM_THREADS="1")
     outs = [tmp / f"rank{r}.pt" for r in range(world)]
+    # one machine, as torchrun tells its ranks (the planner shares the node's memory among them)
     procs = [subprocess.Popen([sys.executable, str(HERE / "_dist_worker.py"), str(r), str(world), str(port),
-                               str(spec_path), str(outs[r])], env=env, cwd=str(HERE.parent),
+                               str(spec_path), str(outs[r])],
+                              env=dict(env, LOCAL_RANK=str(r), LOCAL_WORLD_SIZE=str(world)), cwd=str(HERE.parent),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
     return procs, outs

@@ -57,13 +57,16 @@ def resolve_replica_plan(model: nn.Module, config: Config, replicas: Replicas | 
                          tied: bool, plan: Plan | None) -> tuple[Plan, PlanResult | None]:
     """The plan this rank resolves (before :func:`replica_plan` makes every rank run rank 0's).
 
-    With ``optimizer_sharding="auto"`` and the workload given, the planner weighs replicating the
-    host optimizer state against sharding it for this node's host memory (planner/auto.py:
-    ``resolve_plan(..., replicas=R)``) and its choice becomes ``replicas.sharding``; otherwise the
-    plan of this rank's devices and batch share, with the sharding given ("auto": replicate)."""
+    With the workload given, the plan is one replica's for this node's host memory, shared by its
+    replica processes (planner/auto.py: ``resolve_plan(..., replicas=R)``): with
+    ``optimizer_sharding="auto"`` the planner weighs replicating the host optimizer state against
+    sharding it and its choice becomes ``replicas.sharding``; a forced sharding is planned as such
+    (planning a forced "shard" as a lone engine gave each rank the whole node's RAM and counted
+    its moments whole). Without the workload: the plan of this rank's devices and batch share,
+    with the sharding given ("auto": replicate)."""
     if replicas is None:
         return resolve_plan(model, config, num_blocks=num_blocks, tied=tied, plan=plan)
-    if config.optimizer_sharding == "auto" and config.seq_len is not None and config.global_batch is not None:
+    if config.seq_len is not None and config.global_batch is not None:
         local = config.replace(devices=local_devices(config, replicas.topology))
         chosen, result = resolve_plan(model, local, num_blocks=num_blocks, tied=tied, plan=plan,
                                       replicas=replicas.size,
