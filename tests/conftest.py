@@ -30,3 +30,15 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Each test compiles from scratch and counts only its own graphs (``counters``): modules that
+    compile use it for every test (``pytestmark = pytest.mark.usefixtures("fresh_dynamo")``)."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    torch._dynamo.reset()

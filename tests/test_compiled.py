@@ -17,12 +17,7 @@ import tinypipe
 from test_equivalence import run_both
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 @pytest.mark.parametrize("family", ["llama", "qwen2", "gpt2"])

@@ -24,12 +24,7 @@ needs_cxx = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "c++", "
                                reason="Inductor's CPU backend needs a C++ compiler")
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # tests/conftest.py
 
 
 def _case(tokens: int, vocab: int, dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
