@@ -12,6 +12,9 @@
 #   bash bench/gpu_calls.sh clip7 [tag]  # host AdamW one pass vs split (weights, then moments); W1 and W3
 #                                        # auto with and without clipping, warm-up 2, traced (raw: *_<tag>.json)
 #   bash bench/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
+#   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
+#                                        # 1 pipeline over 2 GPUs (#15)
+#   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
@@ -120,5 +123,13 @@ case "${1:-}" in
     for f in tests head w1 w3 w1_clip w3_clip; do echo "===== $f"; cat $L/$f.log; done > "$OUT/final7_$T.log"
     grep -E "passed|failed|error" $L/tests.log | tail -3; tail -16 $L/head.log
     for f in w1 w3 w1_clip w3_clip; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
+  two-gpu)
+    nvidia-smi -L
+    timeout 560 python3 bench/dp_bench.py --workloads W1,W3 --auto --sharding shard --steps 3 --warmup 2 \
+      --cap-gib 24 --hardware h200-pcie5 --out "$OUT/dp2" --json "$OUT/dp_2gpu.json" 2>&1 | tail -12 ;;
+  two-gpu-speed)
+    R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
+    timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4
+    timeout 200 $R W3 --devices cuda:0,cuda:1 --json "$OUT/w3_2gpu.json" 2>&1 | tail -4 ;;
   *) echo "unknown phase ${1:-}"; exit 2 ;;
 esac
