@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 
 from tinypipe.memory.report import MemoryReport
 from tinypipe.perf.keep_limit import KeepLimit, keep_limit
+from tinypipe.perf.offload_limit import OffloadLimit, busy_within
 from tinypipe.perf.step_parts import Span, decompose
 from tinypipe.planner.candidate import FRAGMENTATION, GPU_CONTEXT_BYTES
 from tinypipe.planner.cost import StepTime
@@ -207,3 +208,41 @@ def plan_keep_limit(plan: Plan, memory: MemoryReport, *, budget_bytes: int | Non
     return keep_limit(needs, per_device, kept_now=plan.num_blocks - recomputed_blocks(plan),
                       bytes_per_block=tokens * act_bytes_per_token * (1.0 + FRAGMENTATION),
                       budget_bytes=budget_bytes)
+
+
+def plan_offload_limit(events: Sequence[Mapping], step_s: float, *, recompute_s: float, recomputed: int,
+                       limit: KeepLimit, d2h_gbs: float, h2d_gbs: float, devices: int) -> OffloadLimit | None:
+    """What offloading activations could save in this measured step (:mod:`tinypipe.perf.offload_limit`):
+    the D2H lanes' busy time inside the forward phase and the H2D lanes' inside the head and
+    backward, from the timeline (None: the step has no such phases)."""
+    ph = phases(events, step_s)
+    if not ph:
+        return None
+    f0 = ph["fill"]
+    h0 = f0 + ph["forward"]
+    b1 = h0 + ph["head + backward"]
+    lanes: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (role, lane) -> its tasks
+    for e in events:
+        role = lane_role(e["lane"])
+        if role in ("download", "upload") and e.get("parent") is None:
+            lanes.setdefault((role, e["lane"]), []).append(_seconds(e))
+
+    def busy(role: str, lo: float, hi: float) -> float:  # summed over the devices' lanes
+        return sum(busy_within(_merged(iv), lo, hi) for (r, _), iv in lanes.items() if r == role)
+
+    return OffloadLimit(forward_s=h0 - f0, backward_s=b1 - h0, d2h_busy_forward_s=busy("download", f0, h0),
+                        h2d_busy_backward_s=busy("upload", h0, b1), devices=devices,
+                        d2h_bytes_per_s=d2h_gbs * 1e9, h2d_bytes_per_s=h2d_gbs * 1e9,
+                        bytes_per_block=limit.bytes_per_block, recompute_s=recompute_s,
+                        recomputed_blocks=recomputed)
+
+
+def _merged(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+

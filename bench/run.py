@@ -45,8 +45,8 @@ from tinypipe.planner.auto import hardware_for  # noqa: E402
 from tinypipe.planner.candidate import Candidate, evaluate  # noqa: E402
 from tinypipe.planner.hardware import HardwareSpec  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
-from decompose import (pack_recomputes, phases, plan_keep_limit, predicted_phases,  # noqa: E402
-                       recompute_share, recomputed_blocks, step_decomposition)
+from decompose import (pack_recomputes, phases, plan_keep_limit, plan_offload_limit,  # noqa: E402
+                       predicted_phases, recompute_share, recomputed_blocks, step_decomposition)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -292,11 +292,20 @@ def run(a: argparse.Namespace) -> dict:
         out["rates"] = rates.as_dict()
         out["bound"] = bound.as_dict() | out["bound"]
     decomposition = None
+    offload_text = None
     if events:
         out["overlap"] = overlap_table(events)
         decomposition = _decomposition(engine, events, results[-1].seconds, cand, w, hw,
                                        device_times=cfg.trace and cuda)
         out["decomposition"] = decomposition
+        if rates is not None:  # what offloading activations instead of recomputing could save here
+            off = plan_offload_limit(events, results[-1].seconds, limit=limit,
+                                     recompute_s=decomposition["parts"]["recompute"],
+                                     recomputed=recomputed_blocks(engine.plan),
+                                     d2h_gbs=rates.d2h_gbs, h2d_gbs=rates.h2d_gbs, devices=len(set(devices)))
+            if off is not None:
+                out["bound"]["offload_limit"] = off.as_dict()
+                offload_text = off.describe(results[-1].seconds)
     if a.json:
         with open(a.json, "w") as f:
             json.dump(out, f, indent=1, default=str)
@@ -324,6 +333,8 @@ def run(a: argparse.Namespace) -> dict:
                 print(f"  bound with only the recompute memory forces {bound.forced_bound_s:.3f} s/step "
                       f"-> measured/that = {sec / bound.forced_bound_s:.2f}")
     print(f"  memory: {limit.describe()}")
+    if offload_text is not None:
+        print(f"  {offload_text}")
     if decomposition is not None:
         _print_decomposition(decomposition, planned is not None, cuda)
     print(f"host RSS peak: process {rss.peak_self / gib:.2f} GiB, children {rss.peak_children / gib:.2f} GiB "

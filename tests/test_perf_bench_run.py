@@ -37,3 +37,6 @@ def test_tiny_run_records_bound_and_decomposition(tmp_path: Path, capsys: pytest
     printed = capsys.readouterr().out
     assert "step decomposition (last step" in printed and "| exposed upload |" in printed
     assert "phases vs the time model's prediction" in printed
+    off = bound["offload_limit"]  # what offloading instead of recomputing could save in this step
+    assert 0 <= off["saved_s"] <= dec["parts"]["recompute"] + 1e-12 and off["bytes_per_block"] > 0
+    assert "offloading activations instead of recomputing" in printed
