@@ -20,6 +20,7 @@ from typing import Mapping, Sequence
 
 from tinypipe.memory.report import MemoryReport
 from tinypipe.perf.keep_limit import KeepLimit, keep_limit
+from tinypipe.perf.analysis import lane_busy
 from tinypipe.perf.offload_limit import OffloadLimit, busy_within
 from tinypipe.perf.step_parts import Span, decompose
 from tinypipe.planner.candidate import FRAGMENTATION, GPU_CONTEXT_BYTES
@@ -221,28 +222,17 @@ def plan_offload_limit(events: Sequence[Mapping], step_s: float, *, recompute_s:
     f0 = ph["fill"]
     h0 = f0 + ph["forward"]
     b1 = h0 + ph["head + backward"]
-    lanes: dict[tuple[str, str], list[tuple[float, float]]] = {}  # (role, lane) -> its tasks
-    for e in events:
-        role = lane_role(e["lane"])
-        if role in ("download", "upload") and e.get("parent") is None:
-            lanes.setdefault((role, e["lane"]), []).append(_seconds(e))
+    transfers = [e for e in events
+                 if lane_role(e["lane"]) in ("download", "upload") and e.get("parent") is None]
+    merged = lane_busy(transfers)  # lane -> its merged busy intervals, us
 
     def busy(role: str, lo: float, hi: float) -> float:  # summed over the devices' lanes
-        return sum(busy_within(_merged(iv), lo, hi) for (r, _), iv in lanes.items() if r == role)
+        return sum(busy_within([(a / 1e6, b / 1e6) for a, b in iv], lo, hi)
+                   for lane, iv in merged.items() if lane_role(lane) == role)
 
     return OffloadLimit(forward_s=h0 - f0, backward_s=b1 - h0, d2h_busy_forward_s=busy("download", f0, h0),
                         h2d_busy_backward_s=busy("upload", h0, b1), devices=devices,
                         d2h_bytes_per_s=d2h_gbs * 1e9, h2d_bytes_per_s=h2d_gbs * 1e9,
                         bytes_per_block=limit.bytes_per_block, recompute_s=recompute_s,
                         recomputed_blocks=recomputed)
-
-
-def _merged(iv: list[tuple[float, float]]) -> list[tuple[float, float]]:
-    out: list[tuple[float, float]] = []
-    for a, b in sorted(iv):
-        if out and a <= out[-1][1]:
-            out[-1] = (out[-1][0], max(out[-1][1], b))
-        else:
-            out.append((a, b))
-    return out
 

@@ -243,7 +243,8 @@ def _replaced_bytes(model: nn.Module, dec: Decomposition, dtype: torch.dtype) ->
     the model's parameters at the copy (``param.data = view``), so their old host storage goes
     (a model built in Python, not by tinypipe's loader). Less the largest layer, which exists
     twice for a moment. Counting it as kept refused W3 (Llama-2-7B, fp32, clipping: 100.4 GiB
-    "needed") on a 128 GiB machine that held it at 104 GiB. Storage another object still
+    "needed", 98.7 available) on a 128 GiB machine whose run then peaked at 100.2 GiB RSS
+    (bench/results/s7_w3_clip_after.json). Storage another object still
     references is not freed: ``TINYPIPE_SKIP_HOST_MEMORY_CHECK`` is the way out of a wrong guess."""
     seen: set[int] = set()
     freed = 0
@@ -257,4 +258,3 @@ def _replaced_bytes(model: nn.Module, dec: Decomposition, dtype: torch.dtype) ->
         freed += storage.nbytes()
     largest = max((s.train_numel * 4 + s.frozen_numel * dtype.itemsize for s in dec.layers), default=0)
     return max(0, freed - largest)
-

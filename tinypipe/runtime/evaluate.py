@@ -220,8 +220,9 @@ class Evaluator:
               rows: list[tuple[int, int]]) -> torch.Tensor:
         self._bind(st)
         dev = st.dev
-        # half the training chunk: F.cross_entropy over an fp32 copy holds ~10 B/logit, the
-        # training head (models/head_loss.py) ~3 -- this keeps evaluation inside the same bound
+        # half the training chunk, i.e. the chunk it had before the fused training head: its
+        # F.cross_entropy over an fp32 copy holds ~10 B/logit (the training head ~3), so its peak
+        # stays what it was rather than doubling
         chunk = max(1, self.res.head_chunk_tokens // 2)
         total = torch.zeros((), dtype=torch.float64, device=dev.device)
         for x, (lo, hi) in zip(hidden, rows):
