@@ -86,6 +86,12 @@ class Config:
       of its FLOPs less per step, its full activations (every micro-batch of the step) held on
       the device meanwhile. A list gives it per pack. Needs the backward micro-batch to be a
       multiple of the forward one. ``False``: every pack is recomputed (the stash only).
+    * ``assist_clipped`` -- with ``max_grad_norm``, a clipped step leaves every host-stepped layer's
+      update until the global norm is known, and the next forward waits for that host pass. True
+      lets the planner move some of those updates to the GPU: at the layer's first upload of the
+      next step its fp32 master, moments and gradient go up (16 B/param instead of 4), are
+      stepped there and come back (12 B/param) while the host steps the others
+      (:mod:`tinypipe.runtime.optim.assist`). False: the host steps them all.
     * ``head_chunk_tokens`` -- tokens per chunk of the fused head (None: chosen from the vocabulary
       so one chunk's logits stay near 512 MiB). Logits for a whole batch are never materialised.
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
@@ -172,6 +178,7 @@ class Config:
     device_optimizer: DeviceOptimizer | None = None
     resident_packs: int | None = None
     keep_activations: bool | Sequence[bool] | None = None
+    assist_clipped: bool = True
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
     grad_slots: int | None = None
@@ -231,8 +238,9 @@ class Config:
             if twice:
                 raise ConfigError(f"offload_dir lists {twice[0]} twice")
             self.offload_dir = dirs[0] if len(dirs) == 1 else tuple(dirs)
-        if not isinstance(self.dropout, bool):
-            raise ConfigError(f"dropout must be true or false, got {self.dropout!r}")
+        for flag in ("dropout", "assist_clipped"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):
             raise ConfigError(f"hardware must be a preset name or a file path, got {self.hardware!r}")
         self.validate()

@@ -12,6 +12,18 @@ import torch
 
 from tinypipe.devices.backend import Backend
 
+#: Elements per chunk of an assisted clipped update (runtime/optim/assist.py): that many elements of
+#: a layer's fp32 master, both moments and its gradient go up, are stepped and come back at once.
+ASSIST_CHUNK_NUMEL = 1 << 22
+#: Chunk buffers of assisted updates per device: one uploading, one being stepped, one downloading.
+ASSIST_BUFFERS = 3
+
+
+def assist_scratch_numel(assisted: bool) -> int:
+    """fp32 elements of assisted-update scratch one device holds (0 when no layer is assisted):
+    master, two moments and gradient for each of :data:`ASSIST_BUFFERS` chunks."""
+    return 4 * ASSIST_CHUNK_NUMEL * ASSIST_BUFFERS if assisted else 0
+
 
 class DevicePool:
     """Fixed buffers on one device: slots, gradient accumulators, residents, staging."""
@@ -27,9 +39,11 @@ class DevicePool:
         staging_numel: int,
         grad_numel: int | None = None,
         resident_grad: dict[int, int] | None = None,
+        assist: bool = False,
     ) -> None:
         """``grad_numel`` / ``resident_grad``: gradient accumulator sizes when they differ from the
-        parameter sizes (only trainable parameters have gradients; default: the same sizes)."""
+        parameter sizes (only trainable parameters have gradients; default: the same sizes).
+        ``assist``: hold the scratch of assisted clipped updates (:func:`assist_scratch_numel`)."""
         dev = backend.device
         self.backend = backend
         self.dtype = dtype
@@ -43,6 +57,9 @@ class DevicePool:
                                for layer, n in resident_grad.items()}
         need_staging = backend.is_cuda and dtype != torch.float32
         self.staging = torch.empty(staging_numel, dtype=torch.float32, device=dev) if need_staging else None
+        # per chunk buffer: master, exp_avg, exp_avg_sq, gradient, ASSIST_CHUNK_NUMEL each
+        self.assist = [torch.empty(4, ASSIST_CHUNK_NUMEL, dtype=torch.float32, device=dev)
+                       for _ in range(ASSIST_BUFFERS if assist else 0)]
 
     def bytes_by_category(self) -> dict[str, int]:
         def size(ts: list[torch.Tensor]) -> int:
@@ -53,6 +70,7 @@ class DevicePool:
             "layer_slots": size(self.slots),
             "gradient_accumulators": size(self.grad_slots) + size(list(self.resident_grads.values())),
             "staging": size([self.staging] if self.staging is not None else []),
+            "assist_scratch": size(self.assist),
         }
 
     def params(self, layer: int, slot: int | None) -> torch.Tensor:

@@ -65,6 +65,9 @@ class Plan:
     optimizer_sharding: OptimizerSharding = "replicate"
     # per pack: its forward's autograd graph is kept on the device for its backward (empty: none)
     keep_activations: tuple[bool, ...] = ()
+    # layers (ids as in ``offload``) whose update left over by a clipped step runs on the device, at
+    # their first upload of the next step, instead of on the host (runtime/optim/assist.py)
+    assisted: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -86,6 +89,29 @@ class Plan:
                               f"got {self.optimizer_sharding!r}")
         object.__setattr__(self, "offload", self._checked_offload())
         object.__setattr__(self, "keep_activations", self._checked_keep())
+        object.__setattr__(self, "assisted", self._checked_assisted())
+
+    def _checked_assisted(self) -> tuple[int, ...]:
+        """``assisted`` sorted, without duplicates; ConfigError for a layer out of range, one
+        stepped on its device or with state on the SSD, or replicas (their leftover work is the
+        sharded path's: reduce, step, gather)."""
+        layers = set()
+        for layer in self.assisted:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.num_blocks + 1:
+                raise ConfigError(f"plan: assisted layers must be in 0..{self.num_blocks + 1}, got {layer!r}")
+            layers.add(layer)
+        if not layers:
+            return ()
+        if self.replicas > 1:
+            raise ConfigError("plan: assisted clipped updates are for one pipeline; replicas step their "
+                              "shards on the host")
+        stepped = set().union(*(self.device_optimized(d) for d in range(self.num_devices)))
+        offloaded = {layer for layer, _ in self.offload}
+        for bad, why in ((layers & stepped, "is stepped on its device"),
+                         (layers & offloaded, "has state on the SSD")):
+            if bad:
+                raise ConfigError(f"plan: layer {min(bad)} {why}: its clipped update cannot be assisted")
+        return tuple(sorted(layers))
 
     def _checked_keep(self) -> tuple[bool, ...]:
         """``keep_activations`` as a tuple of bools, () when no pack keeps (so plans written before
@@ -206,6 +232,8 @@ class Plan:
                 + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
                 + ("" if not resident else f", first {resident} {packs} resident on the GPU")
                 + self._describe_keep()
+                + ("" if not self.assisted else
+                   f", clipped updates of {len(self.assisted)} layers assisted on the GPU")
                 + self._describe_offload(ssd_bytes)
                 + ("" if self.replicas == 1 else
                    f", {self.replicas} replicas (optimizer state "
@@ -287,7 +315,7 @@ class Plan:
                 d[new] = d.pop(old)
         for key in ("packs",):
             d[key] = tuple(tuple(p) for p in d[key])
-        for key in ("stash_on_host", "fwd_device", "bwd_device", "keep_activations"):
+        for key in ("stash_on_host", "fwd_device", "bwd_device", "keep_activations", "assisted"):
             d[key] = tuple(d.get(key, ()))
         d["offload"] = tuple(tuple(p) for p in d.get("offload", ()))  # older files: nothing offloaded
         return Plan(**d)
