@@ -63,6 +63,15 @@ class LayerState:
         return self.frozen[lo : lo + p.numel].view(p.shape)  # type: ignore[index]
 
 
+@dataclass
+class SliceState(LayerState):
+    """A slice of a layer's state (a rank's shard, a chunk stepped on a device): offsets in it are
+    relative to ``base``, the slice's start in the layer's flat buffer (what anything keyed by
+    layer offsets -- parameter boundaries, decay groups -- adds)."""
+
+    base: int = 0
+
+
 def _in_place_master(spec: LayerSpec, named: dict[str, nn.Parameter]) -> torch.Tensor | None:
     """The layer's master buffer if its parameters already are views of one laid out as ``spec``
     (page-aligned start, owning whole pages, as :func:`aligned_empty` makes); else None."""
@@ -157,10 +166,11 @@ class HostStore:
                 master=master,
                 # uninitialised until the first step zeroes them chunk by chunk, overlapped with
                 # backward (first-touching tens of GB here would stall start-up)
+                # page-aligned: an assisted update (runtime/optim/assist.py) registers them in place
                 exp_avg=_placeholder(spec.train_numel, torch.float32) if moments_off else (
-                    torch.empty(spec.train_numel, dtype=torch.float32)),
+                    aligned_empty(spec.train_numel, torch.float32)),
                 exp_avg_sq=_placeholder(spec.train_numel, torch.float32) if moments_off else (
-                    torch.empty(spec.train_numel, dtype=torch.float32)),
+                    aligned_empty(spec.train_numel, torch.float32)),
                 frozen=frozen,
             )
             self.layers.append(state)

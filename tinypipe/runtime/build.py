@@ -154,6 +154,7 @@ class EngineBuilder:
                 staging_numel=min(slot_numel, STAGING_MAX),
                 grad_numel=pad(grad_numel),
                 resident_grad={layer: pad(s.train_numel) for layer, s in resident.items()},
+                assist=bool(plan.assisted) and self.retain,
             )
         except torch.OutOfMemoryError as exc:
             raise self._no_room(i, exc) from exc
@@ -215,7 +216,8 @@ class EngineBuilder:
                                         nonfinite=cfg.nonfinite, device_states=device_states,
                                         pin=self.pinner.pin, threads=threads)
         return OptimizerPath(store, adamw, max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
-                             device_states=device_states, pin=self.pinner.pin, threads=threads, tier=tier)
+                             device_states=device_states, pin=self.pinner.pin, threads=threads, tier=tier,
+                             assisted=self.plan.assisted)
 
     def decay_groups(self) -> DecayGroups:
         """What AdamW decays: HF Trainer's rule (no biases, no norm weights) unless ``decay_all``."""

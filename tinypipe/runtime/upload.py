@@ -27,6 +27,10 @@ def upload_layer(store: HostStore, optim: OptimizerPath, dev: DeviceRuntime, lay
     """Queue ``layer``'s current weights into ``dst`` (its slot or resident buffer) on the current
     stream, after the last step's leftover update of that layer. ``task_id``: the step's upload
     task this is (its SSD staging); None outside a step."""
+    assisted = optim.claim_assisted(layer)
+    if assisted is not None:  # the last step's clipped update of this layer, stepped here on the way up
+        optim.assist.run(assisted, dev, dst)  # type: ignore[union-attr]
+        return
     optim.wait_layer(layer, abort)  # the last step's clipped update of this layer
     src, frozen = store.layers[layer].master, store.layers[layer].frozen
     tier = optim.tier

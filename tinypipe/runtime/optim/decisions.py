@@ -74,6 +74,9 @@ class StepDecisions:
     work: list[tuple[int, Callable[[], None]]] = field(default_factory=list)  # set by finalize()
     # (layer, step number) for the devices, set by finalize()
     device_steps: list[tuple[int, int]] = field(default_factory=list)
+    # deferred layer -> (clip coefficient, step number) of its plain leftover update, set by finalize()
+    # (what an assisted update runs on the device instead, runtime/optim/assist.py)
+    deferred_steps: dict[int, tuple[float, int]] = field(default_factory=dict)
     _on_device: list[int] = field(default_factory=list)
     #: layer -> (state, gradient) staged from the SSD around its leftover work (see SsdTier.background)
     staged: dict[int, tuple[LayerState, torch.Tensor | None]] = field(default_factory=dict)
@@ -106,6 +109,7 @@ class StepDecisions:
         total = math.sqrt(sum(self.norms_sq.values())) if self.norms_sq else 0.0
         self.work = []
         self.device_steps = []
+        self.deferred_steps = {}
         if self.nonfinite is not None:
             if self.retained is not None:
                 for layer in self.stepped:
@@ -131,6 +135,7 @@ class StepDecisions:
             state = self.store.layers[layer]
             state.step += 1
             self.work.append((layer, functools.partial(self._redo, layer, coef, state.step, undo=False)))
+            self.deferred_steps[layer] = (coef, state.step)
         self.work.sort(key=lambda item: self._upload_rank(item[0]))
         return StepOutcome(total, clipped, False, None, coef)
 

@@ -20,6 +20,7 @@ from tinypipe.devices.host_buffers import aligned_empty, registrable
 from tinypipe.distributed.shards import Shard
 from tinypipe.memory.host_store import HostStore, LayerState
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
+from tinypipe.runtime.optim.assist import AssistedUpdate, AssistedUpdates
 from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepDecisions, StepOutcome
 from tinypipe.runtime.optim.device_state import DeviceOptimizerState
@@ -41,7 +42,7 @@ class OptimizerPath:
 
     def __init__(self, store: HostStore, adamw: ChunkedAdamW, *, max_grad_norm: float | None, nonfinite: str,
                  device_states: dict[int, DeviceOptimizerState], pin: Callable[[torch.Tensor], None] | None,
-                 threads: int | None, tier: SsdTier | None = None) -> None:
+                 threads: int | None, tier: SsdTier | None = None, assisted: tuple[int, ...] = ()) -> None:
         self.store = store
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
@@ -58,6 +59,11 @@ class OptimizerPath:
         self.last_clipped = False  # a clipped step predicts another: the next one does not speculate
         self._step: StepDecisions | None = None
         self.tier = tier  # state on the SSD, staged around its uses (None: everything in DRAM)
+        # leftover updates run on the device at the layer's next upload (Plan.assisted; only leftover
+        # work has them: steps that retain gradients)
+        self.assist = None
+        if assisted and retain:
+            self.assist = AssistedUpdates(store, adamw, assisted, self._retained_of, pin)
 
     # ------------------------------------------------------------------ one step
 
@@ -105,6 +111,8 @@ class OptimizerPath:
         dec = self._current()
         first = stream.get(abort)
         assert isinstance(first, GradNorm), first
+        if self.assist is not None:  # the last step's assisted update (run at this step's upload,
+            self.assist.settle(layer)  # which the gradient came after) has landed on the host
         first.backend.sync_event(first.event)
         norm_sq = float(first.norm.item()) ** 2
         decision = dec.decide(layer, norm_sq, True if loss_finite is None else loss_finite())
@@ -141,6 +149,8 @@ class OptimizerPath:
         work in the background, queue the device steps, count the step."""
         dec = self._current()
         self.background.wait_all()  # every layer was uploaded, so the last step's leftovers are done
+        if self.assist is not None:
+            self.assist.drain()
         if self.tier is not None:
             self.tier.end_step()
         ran = list(self.background.timings)
@@ -148,6 +158,8 @@ class OptimizerPath:
         outcome.background_timings = ran
         work = dec.work if self.tier is None else self.tier.background(dec.work, dec.staged)
         work = self.leftover(work, dec)
+        if self.assist is not None:  # the assisted layers' updates wait for their next upload instead
+            work = self.assist.take(work, dec.deferred_steps, dec.lr)
         # what still has to wait for the global norm runs while the next step starts (its uploads
         # wait per layer); synchronize() waits for all of it
         self.background.start(work, workers, self.threads)
@@ -190,6 +202,13 @@ class OptimizerPath:
     def wait_layer(self, layer: int, abort: Abort | None = None) -> None:
         """Block until the last step's leftover update of ``layer`` is applied."""
         self.background.wait_layer(layer, abort)
+        if self.assist is not None:
+            self.assist.settle(layer)
+
+    def claim_assisted(self, layer: int) -> AssistedUpdate | None:
+        """``layer``'s leftover update for its upload to run on the device (None: it has none;
+        :class:`~tinypipe.runtime.optim.assist.AssistedUpdates`)."""
+        return None if self.assist is None else self.assist.claim(layer)
 
     @property
     def failed(self) -> bool:
@@ -204,6 +223,8 @@ class OptimizerPath:
         """Make the host copy of every weight and moment final (leftover work done, device state
         copied back; the next step reloads it, with any change made on the host)."""
         self.background.wait_all()
+        if self.assist is not None:
+            self.assist.drain()
         for state in self.device_states.values():
             state.store()
             state.invalidate()
@@ -211,6 +232,9 @@ class OptimizerPath:
             self.tier.flush()  # every write-back landed (or its failure is raised)
 
     # ------------------------------------------------------------------ memory
+
+    def _retained_of(self, layer: int) -> torch.Tensor | None:
+        return None if self._retained is None else self._retained.get(layer)
 
     @property
     def retained_bytes(self) -> int:

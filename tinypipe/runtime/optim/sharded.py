@@ -21,17 +21,9 @@ import torch
 
 from tinypipe.distributed.group import Replicas
 from tinypipe.distributed.shards import Shard
-from tinypipe.memory.host_store import HostStore, LayerState
+from tinypipe.memory.host_store import HostStore, LayerState, SliceState
 from tinypipe.runtime.optim.decisions import StepDecisions
 from tinypipe.runtime.optim.path import OptimizerPath
-
-
-@dataclasses.dataclass
-class ShardState(LayerState):
-    """One rank's shard of a layer's state: offsets in it are relative to ``base``, the shard's start
-    in the layer's flat buffer (what anything keyed by layer offsets -- parameter boundaries -- adds)."""
-
-    base: int = 0
 
 
 class ShardView:
@@ -52,7 +44,7 @@ class ShardView:
             sh = replicas.shard(n)
             s.exp_avg = torch.empty(sh.numel, dtype=torch.float32)
             s.exp_avg_sq = torch.empty(sh.numel, dtype=torch.float32)
-            self.layers.append(ShardState(spec=dataclasses.replace(s.spec, train_numel=sh.numel),
+            self.layers.append(SliceState(spec=dataclasses.replace(s.spec, train_numel=sh.numel),
                                           master=s.master[sh.lo : sh.hi], exp_avg=s.exp_avg,
                                           exp_avg_sq=s.exp_avg_sq, step=s.step, base=sh.lo))
             self.shards[i] = sh

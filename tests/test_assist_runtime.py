@@ -1,0 +1,201 @@
+"""Assisted updates (``Plan.assisted``): a clipped step's leftover AdamW updates of the chosen layers
+run on the device at the layer's next upload (tinypipe/runtime/optim/assist.py).
+
+On CPU the "device" step is the same fused AdamW on copies, so an assisted engine must equal the
+unassisted one bit for bit (and plain PyTorch to float rounding) -- with clipping every step,
+chunks smaller than a layer (so the decay groups' offsets inside a chunk matter), several devices,
+a checkpoint taken while updates are still pending, and ``nonfinite="skip"`` (which defers every
+update, clipped or not).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+import tinypipe
+from model_zoo import make_batch, make_model
+from reference import assert_steps_match, compare, randomize_biases, train_reference
+from tinypipe.errors import ConfigError
+from tinypipe.runtime.optim import assist as assist_module
+from tinypipe.runtime.optim.assist import AssistedUpdates
+from tinypipe.schedule.plan import Plan
+
+LR, EPS, WD = 1e-3, 1e-6, 0.1
+CLIP = 1e-3  # every step exceeds it, from the first layer's norm on: every update is deferred
+
+
+@pytest.fixture
+def small_chunks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks of 704 elements: every layer of the tiny models spans several, and the three chunk
+    buffers are reused many times per layer. A multiple of 64, as the real 4 Mi-element chunk: the
+    fused kernel's vector lanes then group the elements as one whole-layer call does (700 gives
+    last-bit differences: elements in the scalar tail round differently)."""
+    monkeypatch.setattr(assist_module, "ASSIST_CHUNK_NUMEL", 704)
+
+
+@pytest.fixture
+def device_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layers whose update ran as an assisted (device) update, in order."""
+    ran: list[int] = []
+    real = AssistedUpdates.run
+
+    def counted(self, item, dev, dst):  # type: ignore[no-untyped-def]
+        ran.append(item.layer)
+        return real(self, item, dev, dst)
+
+    monkeypatch.setattr(AssistedUpdates, "run", counted)
+    return ran
+
+
+def _engine(family: str, cfg: dict, assisted: tuple[int, ...]) -> tinypipe.Engine:
+    """An engine for a fresh ``family`` model on ``cfg``'s own plan with ``assisted`` added."""
+    config = tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, **cfg)
+    probe = tinypipe.Engine(_fresh(family), config)
+    plan = replace(probe.plan, assisted=assisted)
+    probe.close()
+    return tinypipe.Engine(_fresh(family), config, plan=plan)
+
+
+def _fresh(family: str, layers: int = 4) -> torch.nn.Module:
+    model = make_model(family, layers=layers)
+    randomize_biases(model)
+    return model
+
+
+@pytest.mark.parametrize("family,cfg,assisted", [
+    ("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2), (0, 2, 3, 5)),
+    ("gpt2", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=3, backward_micro_batch_size=2,
+                  stash="host"), (1, 2, 3, 4, 5)),
+])
+def test_assisted_updates_equal_the_host_pass_bit_for_bit(small_chunks: None, device_runs: list[int],
+                                                          family: str, cfg: dict,
+                                                          assisted: tuple[int, ...]) -> None:
+    batches = [make_batch(5, 12, seed=i) for i in range(5)]
+    cfg = dict(cfg, max_grad_norm=CLIP)
+    init_model = _fresh(family)
+    init = {k: v.clone() for k, v in init_model.state_dict().items()}
+    ref = train_reference(init_model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=CLIP)
+
+    plain = tinypipe.Engine(_fresh(family), tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD,
+                                                            head_chunk_tokens=7, **cfg))
+    plain_results = [plain.step(b) for b in batches]
+    engine = _engine(family, cfg, assisted)
+    assert engine.plan.assisted == tuple(sorted(assisted))
+    results = [engine.step(b) for b in batches]
+    assert_steps_match(results, ref, CLIP)
+    assert all(r.clipped for r in results)
+    # the head's norm alone exceeds CLIP, so no step speculates: the updates of steps 1-4 ran
+    # assisted at the uploads of steps 2-5
+    assert sorted(device_runs) == sorted(list(assisted) * 4), str(device_runs)
+    assert set(engine.optimizer.assist.pending) == set(assisted)  # step 5's wait for a next upload
+    assert [r.loss for r in results] == [r.loss for r in plain_results]
+    state, plain_state = engine.state_dict(), plain.state_dict()  # drains the pending ones on the host
+    assert not engine.optimizer.assist.pending
+    for k in plain_state:
+        assert torch.equal(state[k], plain_state[k]), k
+    worst, update_err = compare(state, ref.model, init)
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine.close()
+    plain.close()
+
+
+def test_an_unassisted_engine_is_what_the_bit_identity_is_checked_against(device_runs: list[int]) -> None:
+    """The comparison above must be able to fail: an assisted update that skipped the clip
+    coefficient (stepping the raw gradient) moves the weights off the unassisted engine's."""
+    batches = [make_batch(5, 12, seed=i) for i in range(3)]
+    cfg = dict(devices=["cpu"], pack_size=1, micro_batch_size=5, max_grad_norm=CLIP)
+    plain = tinypipe.Engine(_fresh("llama"), tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD,
+                                                             head_chunk_tokens=7, **cfg))
+    for b in batches:
+        plain.step(b)
+    engine = _engine("llama", cfg, (2,))
+    real_take = AssistedUpdates.take
+
+    def unclipped(self, work, deferred, lr):  # type: ignore[no-untyped-def]
+        return real_take(self, work, {k: (1.0, s) for k, (_, s) in deferred.items()}, lr)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(AssistedUpdates, "take", unclipped)
+        for b in batches:
+            engine.step(b)
+    assert device_runs == [2, 2]  # steps 1 and 2's updates, wrongly unclipped on the device
+    name = next(k for k in plain.state_dict() if ".layers.1." in k)
+    assert not torch.equal(engine.state_dict()[name], plain.state_dict()[name])
+    engine.close()
+    plain.close()
+
+
+def test_nonfinite_skip_defers_every_update_and_assists_it(device_runs: list[int]) -> None:
+    """``nonfinite="skip"`` retains gradients and never speculates: every step's updates are
+    leftover work, clipped or not -- and assisted ones equal plain PyTorch (no clipping here)."""
+    batches = [make_batch(4, 10, seed=i) for i in range(4)]
+    model = _fresh("qwen2")
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
+    engine = _engine("qwen2", dict(devices=["cpu"], pack_size=2, micro_batch_size=2,
+                                          nonfinite="skip"), (1, 3, 4))
+    results = [engine.step(b) for b in batches]
+    assert_steps_match(results, ref, None)
+    assert sorted(device_runs) == sorted([1, 3, 4] * 3)
+    worst, update_err = compare(engine.state_dict(), ref.model, init)
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine.close()
+
+
+def test_a_checkpoint_with_pending_updates_resumes_bit_identically(tmp_path, small_chunks: None) -> None:
+    batches = [make_batch(5, 12, seed=i) for i in range(4)]
+    cfg = dict(devices=["cpu"], pack_size=2, micro_batch_size=5, max_grad_norm=CLIP)
+    straight = _engine("llama", cfg, (1, 2, 5))
+    for b in batches:
+        straight.step(b)
+    first = _engine("llama", cfg, (1, 2, 5))
+    for b in batches[:2]:
+        first.step(b)
+    assert first.optimizer.assist.pending  # the save below must apply them first
+    first.save_checkpoint(tmp_path / "ckpt")
+    first.close()
+    resumed = _engine("llama", cfg, (1, 2, 5))
+    resumed.load_checkpoint(tmp_path / "ckpt")
+    for b in batches[2:]:
+        resumed.step(b)
+    a, b = straight.state_dict(), resumed.state_dict()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    straight.close()
+    resumed.close()
+
+
+def test_the_scratch_exists_only_where_updates_can_be_assisted() -> None:
+    engine = _engine("llama", dict(devices=["cpu"], pack_size=2, micro_batch_size=5,
+                                          max_grad_norm=1.0), (1,))
+    cats = engine.devices[0].pool.bytes_by_category()
+    assert cats["assist_scratch"] == 4 * 4 * assist_module.ASSIST_CHUNK_NUMEL * 3
+    engine.close()
+    # no retained gradients (no clipping, nonfinite="raise"): nothing is ever leftover work
+    engine = _engine("llama", dict(devices=["cpu"], pack_size=2, micro_batch_size=5), (1,))
+    assert engine.optimizer.assist is None
+    assert engine.devices[0].pool.bytes_by_category()["assist_scratch"] == 0
+    engine.close()
+
+
+def test_the_plan_refuses_layers_that_cannot_be_assisted() -> None:
+    from tinypipe.schedule.plan import make_plan
+
+    plan = make_plan(4, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1, num_devices=1,
+                     prefetch_window=1, stash="device", tied=False)
+    assert replace(plan, assisted=(3, 1, 1)).assisted == (1, 3)
+    assert Plan.from_json(replace(plan, assisted=(2,)).to_json()).assisted == (2,)
+    for bad, why in (((7,), "must be in 0..5"), ((True,), "must be in 0..5")):
+        with pytest.raises(ConfigError, match=why):
+            replace(plan, assisted=bad)
+    with pytest.raises(ConfigError, match="stepped on its device"):
+        replace(plan, resident_packs=1, assisted=(1,))
+    with pytest.raises(ConfigError, match="stepped on its device"):
+        replace(plan, device_optimizer="embed", assisted=(0,))
+    with pytest.raises(ConfigError, match="state on the SSD"):
+        replace(plan, offload=((2, "moments"),), assisted=(2,))
+    with pytest.raises(ConfigError, match="one pipeline"):
+        replace(plan, replicas=2, assisted=(2,))
