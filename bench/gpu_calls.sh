@@ -12,6 +12,7 @@
 #   bash bench/gpu_calls.sh clip7 [tag]  # host AdamW one pass vs split (weights, then moments); W1 and W3
 #                                        # auto with and without clipping, warm-up 2, traced (raw: *_<tag>.json)
 #   bash bench/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
+#   bash bench/gpu_calls.sh assist8 W1|W3 [tag]  # clipped with / without assisted updates + unclipped (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -123,6 +124,28 @@ case "${1:-}" in
     for f in tests head w1 w3 w1_clip w3_clip; do echo "===== $f"; cat $L/$f.log; done > "$OUT/final7_$T.log"
     grep -E "passed|failed|error" $L/tests.log | tail -3; tail -16 $L/head.log
     for f in w1 w3 w1_clip w3_clip; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
+  assist8)
+    # assisted clipped updates (#16): W1 or W3 ($2) with clipping, the planner's plan with and without
+    # assist, and unclipped for the ratio; W1 also runs the CUDA assist tests and traces the assisted
+    # run. 5 files back at most: 3 JSON, the trace, one log of everything
+    W=${2:-W1}; T=${3:-s8}; L=/tmp/assist8_$W; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    if [ "$W" = W1 ]; then S=4; TL=100; else S=2; TL=150; fi
+    if [ "$W" = W1 ]; then
+      timeout 90 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_assist_runtime.py \
+        > $L/tests.log 2>&1
+      TR="--trace $OUT/${W,,}_clip_assist_$T.trace.json"
+    else
+      echo "(no tests: see the W1 call)" > $L/tests.log; TR=""
+    fi
+    timeout $TL $R $W --steps $S --max-grad-norm 1.0 $TR --json "$OUT/${W,,}_clip_assist_$T.json" \
+      > $L/assist.log 2>&1
+    timeout $TL $R $W --steps $S --max-grad-norm 1.0 --no-assist --json "$OUT/${W,,}_clip_host_$T.json" \
+      > $L/host.log 2>&1
+    timeout $TL $R $W --steps $S --json "$OUT/${W,,}_$T.json" > $L/unclipped.log 2>&1
+    for f in tests assist host unclipped; do echo "===== $f"; cat $L/$f.log; done > "$OUT/assist8_${W}_$T.log"
+    grep -E "passed|failed|error" $L/tests.log | tail -3
+    for f in assist host unclipped; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
   two-gpu)
     nvidia-smi -L
     timeout 560 python3 bench/dp_bench.py --workloads W1,W3 --auto --sharding shard --steps 3 --warmup 2 \

@@ -65,13 +65,15 @@ class DevicePool:
         def size(ts: list[torch.Tensor]) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
 
-        return {
+        cats = {
             "resident_layers": size(list(self.resident.values())),
             "layer_slots": size(self.slots),
             "gradient_accumulators": size(self.grad_slots) + size(list(self.resident_grads.values())),
             "staging": size([self.staging] if self.staging is not None else []),
-            "assist_scratch": size(self.assist),
         }
+        if self.assist:  # only where updates are assisted (as the planner's estimate lists it)
+            cats["assist_scratch"] = size(self.assist)
+        return cats
 
     def params(self, layer: int, slot: int | None) -> torch.Tensor:
         return self.resident[layer] if slot is None else self.slots[slot]

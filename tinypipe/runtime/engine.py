@@ -303,6 +303,10 @@ class Engine:
     def _result(self, outcome: StepOutcome, inputs: StepInputs, sched: Schedule, loss: float, lr: float,
                 t0: float, timings: list[TaskTiming]) -> StepResult:
         traffic = self._traffic(sched, inputs.seq)
+        assist = self.optimizer.assist
+        if assist is not None:  # this step's uploads that ran the last step's clipped updates
+            up, down = assist.moved()
+            traffic = Traffic(traffic.h2d_bytes + up, traffic.d2h_bytes + down)
         stats = [d.backend.memory_stats() for d in self.devices]
         tier = self.optimizer.tier
         io = tier.last_io if tier is not None else IoTotals()

@@ -79,6 +79,7 @@ class AssistedUpdates:
         self._landing: dict[int, tuple[DeviceRuntime, object | None]] = {}  # layer -> its last download
         self._rings: dict[int, _Ring] = {}  # device index -> its chunk buffers
         self._lock = threading.Lock()
+        self._moved = [0, 0]  # bytes up, down beyond the schedule's master upload, since moved() was read
         if pin is not None:  # master and retained gradient are page-locked already; the moments too
             for layer in sorted(self.layers):
                 state = store.layers[layer]
@@ -157,6 +158,17 @@ class AssistedUpdates:
                 dst[n : n + state.frozen.numel()].copy_(state.frozen, non_blocking=True)
         with self._lock:
             self._landing[item.layer] = (dev, last)
+            if be.is_cuda:  # as step traffic: CPU "devices" move nothing
+                self._moved[0] += 4 * n * (3 if item.step > 1 else 1)  # gradient (+ moments)
+                self._moved[1] += 12 * n  # master and moments
+
+    def moved(self) -> tuple[int, int]:
+        """Bytes the assisted updates moved up and down (beyond the master upload every layer
+        makes anyway) since the last call: the step's link traffic adds them."""
+        with self._lock:
+            up, down = self._moved
+            self._moved = [0, 0]
+        return up, down
 
     # ------------------------------------------------------------------ readers of the host copy
 
