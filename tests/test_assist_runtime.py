@@ -171,17 +171,208 @@ def test_a_checkpoint_with_pending_updates_resumes_bit_identically(tmp_path, sma
     resumed.close()
 
 
-def test_the_scratch_exists_only_where_updates_can_be_assisted() -> None:
-    engine = _engine("llama", dict(devices=["cpu"], pack_size=2, micro_batch_size=5,
-                                          max_grad_norm=1.0), (1,))
-    cats = engine.devices[0].pool.bytes_by_category()
-    assert cats["assist_scratch"] == 4 * 4 * assist_module.ASSIST_CHUNK_NUMEL * 3
-    engine.close()
-    # no retained gradients (no clipping, nonfinite="raise"): nothing is ever leftover work
-    engine = _engine("llama", dict(devices=["cpu"], pack_size=2, micro_batch_size=5), (1,))
+def test_the_scratch_exists_only_where_updates_are_assisted() -> None:
+    for cfg in (dict(max_grad_norm=1.0), {}):  # leftover work; stepped after the backward
+        engine = _engine("llama", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=5, **cfg), (1,))
+        for d in engine.devices:
+            cats = d.pool.bytes_by_category()
+            assert cats["assist_scratch"] == 4 * 4 * assist_module.ASSIST_CHUNK_NUMEL * 3
+        assert engine.optimizer.steps_after_backward(1) == (not cfg)
+        engine.close()
+    engine = _engine("llama", dict(devices=["cpu"], pack_size=2, micro_batch_size=5), ())
     assert engine.optimizer.assist is None
     assert "assist_scratch" not in engine.devices[0].pool.bytes_by_category()
     engine.close()
+
+
+@pytest.fixture
+def backward_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layers stepped on their device right after their backward, in order."""
+    ran: list[int] = []
+    real = AssistedUpdates.step_after_backward
+
+    def counted(self, layer, *args):  # type: ignore[no-untyped-def]
+        ran.append(layer)
+        return real(self, layer, *args)
+
+    monkeypatch.setattr(AssistedUpdates, "step_after_backward", counted)
+    return ran
+
+
+@pytest.mark.parametrize("family,cfg,assisted", [
+    ("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2), (0, 2, 3, 5)),
+    ("gpt2", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=3, backward_micro_batch_size=2,
+                  stash="host"), (1, 2, 3, 4, 5)),
+    ("mistral", dict(devices=["cpu"], pack_size=[1, 3], micro_batch_size=5, prefetch_window=2), (0, 4)),
+    ("qwen2", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, keep_activations=True), (1, 3, 4)),
+    ("qwen3", dict(devices=["cpu"] * 2, pack_size=1, micro_batch_size=2, device_optimizer="head"), (1, 2, 3)),
+    ("opt", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, resident_packs=1), (3, 4, 5)),
+])
+def test_unclipped_layers_stepped_after_their_backward_equal_the_host_bit_for_bit(
+        small_chunks: None, backward_runs: list[int], family: str, cfg: dict,
+        assisted: tuple[int, ...]) -> None:
+    """No clipping: the assisted layers are stepped by their download, the host steps the rest."""
+    batches = [make_batch(5, 12, seed=i, pad=i == 1) for i in range(4)]
+    init_model = _fresh(family)
+    init = {k: v.clone() for k, v in init_model.state_dict().items()}
+    ref = train_reference(init_model, batches, lr=LR, eps=EPS, weight_decay=WD)
+    plain = tinypipe.Engine(_fresh(family), tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD,
+                                                            head_chunk_tokens=7, **cfg))
+    plain_results = [plain.step(b) for b in batches]
+    engine = _engine(family, cfg, assisted)
+    results = [engine.step(b) for b in batches]
+    assert_steps_match(results, ref, None)
+    assert sorted(backward_runs) == sorted(list(assisted) * len(batches))
+    assert [r.loss for r in results] == [r.loss for r in plain_results]
+    assert [s.step for s in engine.store.layers] == [len(batches)] * len(engine.store.layers)
+    state, plain_state = engine.state_dict(), plain.state_dict()
+    for k in plain_state:
+        assert torch.equal(state[k], plain_state[k]), k
+    moments, plain_moments = engine.optimizer_state(), plain.optimizer_state()
+    for k in plain_moments:
+        assert torch.equal(moments[k]["exp_avg_sq"], plain_moments[k]["exp_avg_sq"]), k
+    worst, update_err = compare(state, ref.model, init)
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine.close()
+    plain.close()
+
+
+def test_a_nonfinite_gradient_is_skipped_by_the_device_and_the_layers_it_did_step_are_named(
+        backward_runs: list[int]) -> None:
+    """Block 2's gradient is made infinite: its assisted step must leave it as it was; block 1's
+    (assisted, finite, stepped by the device before the host saw block 2's norm) took the update
+    and the error says so, as it does for the host-stepped layers before it."""
+    engine = _engine("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=5), (1, 2, 4))
+    engine.step(make_batch(5, 12, seed=0))
+    before = [s.master.clone() for s in engine.store.layers]
+
+    def fault(task) -> None:  # type: ignore[no-untyped-def]
+        if task.id == "dl/L2":
+            engine.devices[0].pool.grads(2, task.grad_slots[0])[0] = float("inf")
+
+    engine.fault = fault
+    with pytest.raises(tinypipe.NonFiniteError) as info:
+        engine.step(make_batch(5, 12, seed=1))
+    text = str(info.value)
+    assert "non-finite gradients of block.1" in text, text
+    assert "head, block.3, block.2, block.0 already took this step's update" in text, text
+    engine.optimizer.synchronize()
+    after = engine.store.layers
+    assert [torch.equal(s.master, b) for s, b in zip(after, before)] == [True, False, True, False, False, False]
+    assert [s.step for s in after] == [1, 2, 1, 2, 2, 2]
+    assert backward_runs[-3:] == [4, 2, 1]
+
+
+def test_the_plan_refuses_layers_that_cannot_be_assisted() -> None:
+    from tinypipe.schedule.plan import make_plan
+
+    plan = make_plan(4, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1, num_devices=1,
+                     prefetch_window=1, stash="device", tied=False)
+    assert replace(plan, assisted=(3, 1, 1)).assisted == (1, 3)
+    assert Plan.from_json(replace(plan, assisted=(2,)).to_json()).assisted == (2,)
+    for bad, why in (((7,), "must be in 0..5"), ((True,), "must be in 0..5")):
+        with pytest.raises(ConfigError, match=why):
+            replace(plan, assisted=bad)
+    with pytest.raises(ConfigError, match="stepped on its device"):
+        replace(plan, resident_packs=1, assisted=(1,))
+    with pytest.raises(ConfigError, match="stepped on its device"):
+        replace(plan, device_optimizer="embed", assisted=(0,))
+    with pytest.raises(ConfigError, match="state on the SSD"):
+        replace(plan, offload=((2, "moments"),), assisted=(2,))
+    with pytest.raises(ConfigError, match="one pipeline"):
+        replace(plan, replicas=2, assisted=(2,))
+
+
+def test_the_scratch_exists_only_where_updates_are_assisted() -> None:
+    for cfg in (dict(max_grad_norm=1.0), {}):  # leftover work; stepped after the backward
+        engine = _engine("llama", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=5, **cfg), (1,))
+        for d in engine.devices:
+            cats = d.pool.bytes_by_category()
+            assert cats["assist_scratch"] == 4 * 4 * assist_module.ASSIST_CHUNK_NUMEL * 3
+        assert engine.optimizer.steps_after_backward(1) == (not cfg)
+        engine.close()
+    engine = _engine("llama", dict(devices=["cpu"], pack_size=2, micro_batch_size=5), ())
+    assert engine.optimizer.assist is None
+    assert "assist_scratch" not in engine.devices[0].pool.bytes_by_category()
+    engine.close()
+
+
+@pytest.fixture
+def backward_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The layers stepped on their device right after their backward, in order."""
+    ran: list[int] = []
+    real = AssistedUpdates.step_after_backward
+
+    def counted(self, layer, *args):  # type: ignore[no-untyped-def]
+        ran.append(layer)
+        return real(self, layer, *args)
+
+    monkeypatch.setattr(AssistedUpdates, "step_after_backward", counted)
+    return ran
+
+
+@pytest.mark.parametrize("family,cfg,assisted", [
+    ("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2), (0, 2, 3, 5)),
+    ("gpt2", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=3, backward_micro_batch_size=2,
+                  stash="host"), (1, 2, 3, 4, 5)),
+    ("mistral", dict(devices=["cpu"], pack_size=[1, 3], micro_batch_size=5, prefetch_window=2), (0, 4)),
+    ("qwen2", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, keep_activations=True), (1, 3, 4)),
+    ("qwen3", dict(devices=["cpu"] * 2, pack_size=1, micro_batch_size=2, device_optimizer="head"), (1, 2, 3)),
+    ("opt", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, resident_packs=1), (3, 4, 5)),
+])
+def test_unclipped_layers_stepped_after_their_backward_equal_the_host_bit_for_bit(
+        small_chunks: None, backward_runs: list[int], family: str, cfg: dict,
+        assisted: tuple[int, ...]) -> None:
+    """No clipping: the assisted layers are stepped by their download, the host steps the rest."""
+    batches = [make_batch(5, 12, seed=i, pad=i == 1) for i in range(4)]
+    init_model = _fresh(family)
+    init = {k: v.clone() for k, v in init_model.state_dict().items()}
+    ref = train_reference(init_model, batches, lr=LR, eps=EPS, weight_decay=WD)
+    plain = tinypipe.Engine(_fresh(family), tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD,
+                                                            head_chunk_tokens=7, **cfg))
+    plain_results = [plain.step(b) for b in batches]
+    engine = _engine(family, cfg, assisted)
+    results = [engine.step(b) for b in batches]
+    assert_steps_match(results, ref, None)
+    assert sorted(backward_runs) == sorted(list(assisted) * len(batches))
+    assert [r.loss for r in results] == [r.loss for r in plain_results]
+    assert [s.step for s in engine.store.layers] == [len(batches)] * len(engine.store.layers)
+    state, plain_state = engine.state_dict(), plain.state_dict()
+    for k in plain_state:
+        assert torch.equal(state[k], plain_state[k]), k
+    moments, plain_moments = engine.optimizer_state(), plain.optimizer_state()
+    for k in plain_moments:
+        assert torch.equal(moments[k]["exp_avg_sq"], plain_moments[k]["exp_avg_sq"]), k
+    worst, update_err = compare(state, ref.model, init)
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine.close()
+    plain.close()
+
+
+def test_a_nonfinite_gradient_is_skipped_by_the_device_and_the_layers_it_did_step_are_named(
+        backward_runs: list[int]) -> None:
+    """Block 2's gradient is made infinite: its assisted step must leave it as it was; block 1's
+    (assisted, finite, stepped by the device before the host saw block 2's norm) took the update
+    and the error says so, as it does for the host-stepped layers before it."""
+    engine = _engine("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=5), (1, 2, 4))
+    engine.step(make_batch(5, 12, seed=0))
+    before = [s.master.clone() for s in engine.store.layers]
+
+    def fault(task) -> None:  # type: ignore[no-untyped-def]
+        if task.id == "dl/L2":
+            engine.devices[0].pool.grads(2, task.grad_slots[0])[0] = float("inf")
+
+    engine.fault = fault
+    with pytest.raises(tinypipe.NonFiniteError) as info:
+        engine.step(make_batch(5, 12, seed=1))
+    text = str(info.value)
+    assert "non-finite gradients of block.1" in text, text
+    assert "head, block.3, block.2, block.0 already took this step's update" in text, text
+    engine.optimizer.synchronize()
+    after = engine.store.layers
+    assert [torch.equal(s.master, b) for s, b in zip(after, before)] == [True, False, True, False, False, False]
+    assert [s.step for s in after] == [1, 2, 1, 2, 2, 2]
+    assert backward_runs[-3:] == [4, 2, 1]
 
 
 def test_the_plan_refuses_layers_that_cannot_be_assisted() -> None:
@@ -229,6 +420,44 @@ def test_cuda_assisted_updates_match_the_host_pass(small_chunks: None, device_ru
     results = [engine.step(b) for b in batches]
     assert all(r.clipped for r in results)
     assert sorted(device_runs) == sorted([0, 2, 3, 5] * 3)
+    state, plain_state = engine.state_dict(), plain.state_dict()
+    diff = sum(float(((state[k] - plain_state[k]) ** 2).sum()) for k in state) ** 0.5
+    delta = sum(float(((plain_state[k] - init[k]) ** 2).sum()) for k in state) ** 0.5
+    assert diff <= tol * delta, (diff, delta)
+    engine.close()
+    plain.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("clip", [CLIP, None], ids=["clipped_leftover", "after_backward"])
+@pytest.mark.parametrize("cfg,tol", [
+    (dict(devices=["cuda:0"], pack_size=1, micro_batch_size=2, prefetch_window=2, stash="host",
+          compile_blocks="off"), 1e-6),
+    (dict(devices=["cuda:0", "cuda:0"], pack_size=[1, 2, 1], micro_batch_size=2, backward_micro_batch_size=3,
+          precision="bf16"), 2e-3),
+], ids=["fp32_1dev_host_stash", "bf16_2x_same_gpu"])
+def test_cuda_assisted_updates_match_the_host_pass(small_chunks: None, device_runs: list[int],
+                                                   backward_runs: list[int], cfg: dict, tol: float,
+                                                   clip: float | None) -> None:
+    """On CUDA the device's fused AdamW replaces the CPU's: equal to float rounding -- in fp32 within
+    1e-6 of the update; in bf16 a 1-ulp master difference can flip a weight's bf16 cast and move later
+    gradients, hence 2e-3. An update that read stale weights, skipped the clip coefficient or
+    raced its downloads is off by the order of the update itself."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    batches = [make_batch(5, 12, seed=i) for i in range(4)]
+    cfg = dict(cfg, max_grad_norm=clip)
+    init = {k: v.clone() for k, v in _fresh("llama").state_dict().items()}
+    plain = tinypipe.Engine(_fresh("llama"), tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD,
+                                                             head_chunk_tokens=7, **cfg))
+    plain_results = [plain.step(b) for b in batches]
+    engine = _engine("llama", cfg, (0, 2, 3, 5))
+    results = [engine.step(b) for b in batches]
+    assert all(r.clipped for r in results) == (clip is not None)
+    ran = device_runs if clip is not None else backward_runs
+    assert sorted(ran) == sorted([0, 2, 3, 5] * (3 if clip is not None else 4))
+    # the step's link traffic counts the state's round trips (12 B/param each way beyond the plain run)
+    assert results[-1].h2d_bytes > plain_results[-1].h2d_bytes
+    assert results[-1].d2h_bytes > plain_results[-1].d2h_bytes
     state, plain_state = engine.state_dict(), plain.state_dict()
     diff = sum(float(((state[k] - plain_state[k]) ** 2).sum()) for k in state) ** 0.5
     delta = sum(float(((plain_state[k] - init[k]) ** 2).sum()) for k in state) ** 0.5

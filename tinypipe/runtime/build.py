@@ -154,7 +154,7 @@ class EngineBuilder:
                 staging_numel=min(slot_numel, STAGING_MAX),
                 grad_numel=pad(grad_numel),
                 resident_grad={layer: pad(s.train_numel) for layer, s in resident.items()},
-                assist=bool(plan.assisted) and self.retain,
+                assist=bool(plan.assisted),
             )
         except torch.OutOfMemoryError as exc:
             raise self._no_room(i, exc) from exc

@@ -445,6 +445,7 @@ class TaskHandlers:
         acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)[:n]
         stream = self.ctx.grad_streams[layer]
         on_device = self.optim.on_device(layer)
+        after_backward = n > 0 and self.optim.steps_after_backward(layer)  # assisted: stepped right here
         # the retained buffer (clipping / skip) is created here, before the norm tells the update
         # task to look for it: created by both lanes at once, the chunks would land in the other one
         keep = None if on_device else self.optim.retain_buffer(layer)
@@ -461,6 +462,12 @@ class TaskHandlers:
         d2h = dev.streams["d2h"]
         stream.put(GradNorm(norm, dev.backend.record_event(d2h), dev.backend))
         if on_device:  # stepped where it is: only the norm leaves the device
+            stream.put(GradEnd())
+            return
+        if after_backward:  # master and moments make the round trip instead of the gradient
+            step = self.store.layers[layer].step + 1  # this step's update of the layer has not run yet
+            self.optim.assist.step_after_backward(layer, dev, acc, norm, step,  # type: ignore[union-attr]
+                                                  self.optim.step_lr())
             stream.put(GradEnd())
             return
         pool = dev.grad_pool

@@ -48,11 +48,13 @@ class ChunkedAdamW:
         return [(a - base, b - base, d) for a, b, d in pieces]
 
     def step(self, state: LayerState, lo: int, hi: int, grad: torch.Tensor, step: int, lr: float,
-             grad_scale: torch.Tensor | None = None) -> None:
+             grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
         """AdamW step number ``step`` (1-based) on elements ``lo:hi`` of ``state``; ``grad_scale``
         (a one-element fp32 tensor on the buffers' device): the kernel divides the gradient by it
         and writes the quotient back into ``grad`` in the same pass (clipping without a pass of
-        its own, :meth:`StepDecisions._redo`)."""
+        its own, :meth:`StepDecisions._redo`). ``found_inf`` (the same kind of tensor): when it
+        holds 1 the kernel leaves weights and moments as they are -- a device that steps before
+        the host has seen the norm skips a non-finite gradient by itself."""
         if step == 1:  # moments start at zero; they were left uninitialised at allocation
             state.exp_avg[lo:hi].zero_()
             state.exp_avg_sq[lo:hi].zero_()
@@ -61,10 +63,11 @@ class ChunkedAdamW:
             runs = [(a, b) for a, b, d in pieces if d == decayed]
             if runs:
                 decay = self.weight_decay if decayed else 0.0
-                self._fused(state, runs, lo, grad, step, lr, decay, grad_scale)
+                self._fused(state, runs, lo, grad, step, lr, decay, grad_scale, found_inf)
 
     def _fused(self, state: LayerState, runs: list[tuple[int, int]], lo: int, grad: torch.Tensor,
-               step: int, lr: float, weight_decay: float, grad_scale: torch.Tensor | None) -> None:
+               step: int, lr: float, weight_decay: float, grad_scale: torch.Tensor | None,
+               found_inf: torch.Tensor | None = None) -> None:
         """One fused AdamW call over the element ranges ``runs`` (``grad`` starts at ``lo``)."""
         # the step count as a tensor on the buffers' device (fused CUDA wants it there), one per tensor
         steps = [torch.tensor(float(step - 1), device=state.master.device) for _ in runs]
@@ -77,6 +80,7 @@ class ChunkedAdamW:
             steps,
             fused=True,
             grad_scale=grad_scale,
+            found_inf=found_inf,
             amsgrad=False,
             beta1=self.beta1,
             beta2=self.beta2,

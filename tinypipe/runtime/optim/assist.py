@@ -1,4 +1,4 @@
-"""Assisted updates: a clipped step's leftover AdamW updates of some layers run on the device.
+"""Assisted updates: the AdamW updates of some host-stepped layers run on their device.
 
 When global-norm clipping triggers (or a step does not speculate), every host-stepped layer's
 update waits for the global norm and runs after the backward, on the host, in the next step's
@@ -13,6 +13,13 @@ the same fused AdamW steps them on the device, the result is cast into the layer
 this is also the layer's weight upload -- and master and moments come back on the d2h stream
 (12 B/param), which the forward leaves idle. Host pass and link then share the work; the planner
 chooses the layers (:mod:`tinypipe.planner.assist`).
+
+Without clipping (and ``nonfinite="raise"``) no update waits for the norm, and the host AdamW
+running beside the backward is what bounds the step of a large model (W3: the backward phase took
+2.68 s for 1.45 s of compute, bench/results/s7_w3_final.json). There an assisted layer is stepped
+on the device right after its backward (:meth:`AssistedUpdates.step_after_backward`): master and
+moments go up (12 B/param) and come back (12 B/param, instead of its 4 B/param fp32 gradient),
+and the host steps only the other layers.
 
 The host copy of an assisted layer is final once its download has landed: :meth:`settle` waits
 for it, and everything that reads the host copy (a later upload, the layer's next host step,
@@ -169,6 +176,48 @@ class AssistedUpdates:
             up, down = self._moved
             self._moved = [0, 0]
         return up, down
+
+    # ------------------------------------------------------------------ right after the backward
+
+    def step_after_backward(self, layer: int, dev: DeviceRuntime, grad: torch.Tensor, norm: torch.Tensor,
+                            step: int, lr: float) -> None:
+        """Step ``layer`` on ``dev`` with its accumulated gradient ``grad`` (the device's fp32
+        accumulator, whose download this replaces) -- a step that does not wait for the global
+        norm. Called on the d2h lane, stream d2h current: per chunk, master and moments go up on the
+        device's (otherwise idle) collective stream, are stepped and come back on d2h, so the d2h
+        lane's signal covers the gradient's last read. ``norm`` (this layer's, on the device) gates
+        the kernel: a non-finite gradient leaves the layer as it was, as the host would."""
+        state = self.store.layers[layer]
+        n = state.spec.train_numel
+        be = dev.backend
+        up, d2h = dev.streams["collective"], dev.streams["d2h"]
+        bufs = dev.pool.assist
+        ring = self._rings.setdefault(dev.index, _Ring(len(bufs)))
+        found_inf = (~torch.isfinite(norm)).to(torch.float32)
+        last = None
+        for lo in range(0, n, ASSIST_CHUNK_NUMEL):
+            hi = min(n, lo + ASSIST_CHUNK_NUMEL)
+            k, free = ring.take()
+            be.wait_event(up, free)
+            p, m, v, _ = (row[: hi - lo] for row in bufs[k])
+            with be.use_stream(up):
+                p.copy_(state.master[lo:hi], non_blocking=True)
+                if step > 1:
+                    m.copy_(state.exp_avg[lo:hi], non_blocking=True)
+                    v.copy_(state.exp_avg_sq[lo:hi], non_blocking=True)
+                uploaded = be.record_event(up)
+            be.wait_event(d2h, uploaded)
+            chunk = SliceState(state.spec, master=p, exp_avg=m, exp_avg_sq=v, base=lo)
+            self.adamw.step(chunk, 0, hi - lo, grad[lo:hi], step, lr, found_inf=found_inf)
+            state.master[lo:hi].copy_(p, non_blocking=True)
+            state.exp_avg[lo:hi].copy_(m, non_blocking=True)
+            state.exp_avg_sq[lo:hi].copy_(v, non_blocking=True)
+            last = ring.free[k] = be.record_event(d2h)
+        with self._lock:
+            self._landing[layer] = (dev, last)
+            if be.is_cuda:
+                self._moved[0] += 4 * n * (3 if step > 1 else 1)  # master (+ moments): no master upload
+                self._moved[1] += 8 * n  # master and moments instead of the fp32 gradient
 
     # ------------------------------------------------------------------ readers of the host copy
 

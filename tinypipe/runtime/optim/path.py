@@ -12,6 +12,7 @@ change here only.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -61,9 +62,10 @@ class OptimizerPath:
         self.tier = tier  # state on the SSD, staged around its uses (None: everything in DRAM)
         # leftover updates run on the device at the layer's next upload (Plan.assisted; only leftover
         # work has them: steps that retain gradients)
-        self.assist = None
-        if assisted and retain:
-            self.assist = AssistedUpdates(store, adamw, assisted, self._retained_of, pin)
+        # with retained gradients every assisted update is leftover work; without them (no clipping,
+        # nonfinite="raise") assisted layers are stepped on the device right after their backward
+        self.assist = AssistedUpdates(store, adamw, assisted, self._retained_of, pin) if assisted else None
+        self._assist_after_backward = self.assist is not None and not retain
 
     # ------------------------------------------------------------------ one step
 
@@ -114,10 +116,19 @@ class OptimizerPath:
         if self.assist is not None:  # the last step's assisted update (run at this step's upload,
             self.assist.settle(layer)  # which the gradient came after) has landed on the host
         first.backend.sync_event(first.event)
-        norm_sq = float(first.norm.item()) ** 2
-        decision = dec.decide(layer, norm_sq, True if loss_finite is None else loss_finite())
+        norm = float(first.norm.item())
+        decision = dec.decide(layer, norm**2, True if loss_finite is None else loss_finite())
         state = self.store.layers[layer]
         step_no = state.step + 1
+        if self.steps_after_backward(layer):  # the download stepped it already: nothing comes but the end
+            assert decision in ("step", "skip"), decision
+            assert isinstance(stream.get(abort), GradEnd)
+            if decision == "skip" and math.isfinite(norm):  # a finite gradient the device did apply
+                dec.stepped.append(layer)  # (a non-finite step then reports it as kept)
+                decision = "step"
+            if decision == "step":
+                state.step = step_no
+            return
         staged = self.tier.for_update(layer) if self.tier is not None else None
         if staged is not None:  # state on the SSD: step the staging buffers instead
             self._consume_chunks(layer, stream, abort, decision, staged.state, step_no, dec.lr,
@@ -204,6 +215,15 @@ class OptimizerPath:
         self.background.wait_layer(layer, abort)
         if self.assist is not None:
             self.assist.settle(layer)
+
+    def steps_after_backward(self, layer: int) -> bool:
+        """Whether ``layer``'s download steps it on the device (an assisted layer in a run whose
+        updates never wait for the global norm) instead of sending its gradient to the host."""
+        return self._assist_after_backward and layer in self.assist.layers  # type: ignore[union-attr]
+
+    def step_lr(self) -> float:
+        """The learning rate of the step in progress."""
+        return self._current().lr
 
     def claim_assisted(self, layer: int) -> AssistedUpdate | None:
         """``layer``'s leftover update for its upload to run on the device (None: it has none;
