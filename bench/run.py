@@ -73,7 +73,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="resident layers stepped on the GPU (default: off)")
     ap.add_argument("--resident-packs", type=int, default=0, help="first N packs resident on the GPU")
     ap.add_argument("--no-assist", action="store_true",
-                    help="clipped updates all on the host (Config.assist_clipped=False)")
+                    help="every host-stepped layer stepped on the host (Config.assist_updates=False)")
     ap.add_argument("--keep-activations", default="auto", choices=("auto", "on", "off"),
                     help="kept packs (no recompute): the planner's choice, every pack that can, none")
     ap.add_argument("--auto", action="store_true",
@@ -230,7 +230,7 @@ def run(a: argparse.Namespace) -> dict:
         cfg = tinypipe.Config(
             devices=devices, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=a.pin,
-            max_grad_norm=a.max_grad_norm, optimizer_threads=a.optimizer_threads, assist_clipped=not a.no_assist,
+            max_grad_norm=a.max_grad_norm, optimizer_threads=a.optimizer_threads, assist_updates=not a.no_assist,
             trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks, **knobs,
         )
         t0 = time.perf_counter()

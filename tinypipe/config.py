@@ -86,12 +86,13 @@ class Config:
       of its FLOPs less per step, its full activations (every micro-batch of the step) held on
       the device meanwhile. A list gives it per pack. Needs the backward micro-batch to be a
       multiple of the forward one. ``False``: every pack is recomputed (the stash only).
-    * ``assist_clipped`` -- with ``max_grad_norm``, a clipped step leaves every host-stepped layer's
-      update until the global norm is known, and the next forward waits for that host pass. True
-      lets the planner move some of those updates to the GPU: at the layer's first upload of the
-      next step its fp32 master, moments and gradient go up (16 B/param instead of 4), are
-      stepped there and come back (12 B/param) while the host steps the others
-      (:mod:`tinypipe.runtime.optim.assist`). False: the host steps them all.
+    * ``assist_updates`` -- True lets the planner move the AdamW updates of some host-stepped layers
+      to the GPU (``Plan.assisted``, :mod:`tinypipe.runtime.optim.assist`) when the host's pass
+      is what the step waits for: their fp32 master and moments go up, are stepped there and
+      come back (12 B/param each way) -- right after the layer's backward without clipping, or at
+      its first upload of the next step when clipping made the update wait for the global norm
+      (the retained gradient goes up too) -- while the host steps the others. False: the host
+      steps every layer that is not resident on a device.
     * ``head_chunk_tokens`` -- tokens per chunk of the fused head (None: chosen from the vocabulary
       so one chunk's logits stay near 512 MiB). Logits for a whole batch are never materialised.
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
@@ -178,7 +179,7 @@ class Config:
     device_optimizer: DeviceOptimizer | None = None
     resident_packs: int | None = None
     keep_activations: bool | Sequence[bool] | None = None
-    assist_clipped: bool = True
+    assist_updates: bool = True
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
     grad_slots: int | None = None
@@ -238,7 +239,7 @@ class Config:
             if twice:
                 raise ConfigError(f"offload_dir lists {twice[0]} twice")
             self.offload_dir = dirs[0] if len(dirs) == 1 else tuple(dirs)
-        for flag in ("dropout", "assist_clipped"):
+        for flag in ("dropout", "assist_updates"):
             if not isinstance(getattr(self, flag), bool):
                 raise ConfigError(f"{flag} must be true or false, got {getattr(self, flag)!r}")
         if self.hardware is not None and not isinstance(self.hardware, str):

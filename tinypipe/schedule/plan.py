@@ -65,8 +65,9 @@ class Plan:
     optimizer_sharding: OptimizerSharding = "replicate"
     # per pack: its forward's autograd graph is kept on the device for its backward (empty: none)
     keep_activations: tuple[bool, ...] = ()
-    # layers (ids as in ``offload``) whose update left over by a clipped step runs on the device, at
-    # their first upload of the next step, instead of on the host (runtime/optim/assist.py)
+    # host-stepped layers (ids as in ``offload``) whose AdamW update runs on their device instead:
+    # right after their backward, or -- when the update waits for the global norm (clipping) -- at
+    # their first upload of the next step (runtime/optim/assist.py)
     assisted: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -93,8 +94,8 @@ class Plan:
 
     def _checked_assisted(self) -> tuple[int, ...]:
         """``assisted`` sorted, without duplicates; ConfigError for a layer out of range, one
-        stepped on its device or with state on the SSD, or replicas (their leftover work is the
-        sharded path's: reduce, step, gather)."""
+        stepped on its device or with state on the SSD, or replicas (each steps its shard of
+        every layer, and its leftover work is the sharded path's: reduce, step, gather)."""
         layers = set()
         for layer in self.assisted:
             if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.num_blocks + 1:
@@ -103,14 +104,14 @@ class Plan:
         if not layers:
             return ()
         if self.replicas > 1:
-            raise ConfigError("plan: assisted clipped updates are for one pipeline; replicas step their "
+            raise ConfigError("plan: assisted updates are for one pipeline; replicas step their "
                               "shards on the host")
         stepped = set().union(*(self.device_optimized(d) for d in range(self.num_devices)))
         offloaded = {layer for layer, _ in self.offload}
         for bad, why in ((layers & stepped, "is stepped on its device"),
                          (layers & offloaded, "has state on the SSD")):
             if bad:
-                raise ConfigError(f"plan: layer {min(bad)} {why}: its clipped update cannot be assisted")
+                raise ConfigError(f"plan: layer {min(bad)} {why}: its update cannot be assisted")
         return tuple(sorted(layers))
 
     def _checked_keep(self) -> tuple[bool, ...]:
@@ -232,8 +233,7 @@ class Plan:
                 + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
                 + ("" if not resident else f", first {resident} {packs} resident on the GPU")
                 + self._describe_keep()
-                + ("" if not self.assisted else
-                   f", clipped updates of {len(self.assisted)} layers assisted on the GPU")
+                + ("" if not self.assisted else f", {len(self.assisted)} layers' AdamW assisted on the GPU")
                 + self._describe_offload(ssd_bytes)
                 + ("" if self.replicas == 1 else
                    f", {self.replicas} replicas (optimizer state "
