@@ -239,7 +239,8 @@ def _search(model: nn.Module, config: Config) -> PlanResult:
                     precision=config.precision, max_grad_norm=config.max_grad_norm,
                     host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
                     device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
-                    ssd=_ssd_of(config, hw), keep_activations=config.keep_activations)
+                    ssd=_ssd_of(config, hw), keep_activations=config.keep_activations,
+                    assist_clipped=config.assist_clipped)
 
 
 def _ssd_of(config: Config, hw: HardwareSpec):  # -> SsdSpec | None

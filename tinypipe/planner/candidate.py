@@ -11,10 +11,12 @@ and allocator fragmentation (:data:`GPU_CONTEXT_BYTES`, :data:`FRAGMENTATION`). 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Sequence
 
 from tinypipe.config import Precision
+from tinypipe.memory.device_pool import assist_scratch_numel
 from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.cost import StepTime, predict_step_time
 from tinypipe.planner.estimate import estimate_memory
@@ -62,9 +64,19 @@ def gpu_need(report: MemoryReport) -> int:
 
 def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int, global_batch: int,
              precision: Precision = "bf16", max_grad_norm: float | None = None,
-             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None) -> Candidate:
+             host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None,
+             assist_within: int | None = None) -> Candidate:
     """Estimate ``plan``'s memory and step time on ``plan.num_devices`` GPUs of ``hardware``
-    (``peaks``: activation peaks already estimated for the same plan with another window)."""
+    (``peaks``: activation peaks already estimated for the same plan with another window).
+
+    ``assist_within`` (GPU bytes per device, under ``max_grad_norm``): choose the plan's assisted
+    layers (``plan.assisted`` is replaced) -- those that make its clipped step shorter
+    (:func:`~tinypipe.planner.cost.predict_step_time`), if the plan still fits that budget with
+    the scratch every device then holds; None: ``plan.assisted`` as given."""
+    clipping = max_grad_norm is not None
+    assist = assist_within is not None and clipping
+    if assist and plan.assisted:
+        plan = dataclasses.replace(plan, assisted=())
     devices = [f"cuda:{i}" for i in range(plan.num_devices)]
     prof = hardware.layer_profile
     act = None
@@ -73,6 +85,14 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     mem = estimate_memory(sizes, plan, batch=global_batch, seq=seq, precision=precision, devices=devices,
                           host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
                           act_per_token=act)
+    need = gpu_need(mem)
+    scratch = 4 * assist_scratch_numel(True)
+    room = assist and need + scratch <= assist_within  # type: ignore[operator]
     t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision,
-                          clipping=max_grad_norm is not None)
-    return Candidate(plan, mem, t, gpu_need(mem), mem.host_total + HOST_BASELINE_BYTES)
+                          clipping=clipping, assist=bool(room))
+    if t.assisted != plan.assisted and clipping:  # chosen here: the same plan, with the scratch
+        plan = dataclasses.replace(plan, assisted=t.assisted)
+        mem = MemoryReport(mem.host, {name: {**cats, "assist_scratch": scratch}
+                                      for name, cats in mem.devices.items()})
+        need = gpu_need(mem)
+    return Candidate(plan, mem, t, need, mem.host_total + HOST_BASELINE_BYTES)

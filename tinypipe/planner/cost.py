@@ -28,7 +28,12 @@ at the start and an exposed tail at the end::
   next forward layer by layer (:mod:`tinypipe.planner.clipped`); its backward has no host AdamW
   to hide and no tail. Layers stepped on their device (resident packs, ``device_optimizer``)
   take no host time, which is why the search, ranking by this time under clipping, keeps more on
-  the GPU.
+  the GPU. Assisted layers (``Plan.assisted``, chosen by :mod:`tinypipe.planner.assist`) take no
+  host time either: their first upload carries master, moments and gradient
+  (``ASSIST_UP_BYTES``), the device steps them and master and moments come back down
+  (``ASSIST_DOWN_BYTES``) beside the forward's stash writes. The race moves those bytes on
+  the links (and the host-stashed pack inputs with them); the forward phase's roofline carries
+  them too, so the clipped step is never shorter than what the two link directions can move.
 
 * **SSD** (``plan.offload``, :mod:`tinypipe.planner.offload`): reads and writes are two more lanes
   at ``HardwareSpec.ssd_read_gbps`` / ``ssd_write_gbps``, beside the phase the runtime moves them
@@ -54,11 +59,20 @@ run (two H200s, pack 2 / mb 4: 1.94 s); beyond two devices it is an extrapolatio
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass
 from functools import lru_cache
 
 from tinypipe.errors import ConfigError
-from tinypipe.planner.clipped import RaceUpload, race_forward_end
+from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL
+from tinypipe.planner.assist import (
+    ASSIST_DOWN_BYTES,
+    ASSIST_UP_BYTES,
+    assistable,
+    assisted_upload,
+    choose_assisted,
+)
+from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_forward_end
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 
@@ -134,12 +148,17 @@ class StepTime:
     ssd_write_bytes: int = 0
     ssd_read_s: float = 0.0
     ssd_write_s: float = 0.0
+    # layers whose clipped update ``clipped_step_s`` has the device do (the plan's, or those
+    # ``predict_step_time(assist=True)`` chose)
+    assisted: tuple[int, ...] = ()
 
     def as_dict(self) -> dict:
         d = asdict(self)
         if not (self.ssd_read_bytes or self.ssd_write_bytes):  # no SSD tier: the fields it had before
             for k in ("ssd_read_bytes", "ssd_write_bytes", "ssd_read_s", "ssd_write_s"):
                 del d[k]
+        if not self.assisted:
+            del d["assisted"]
         return d
 
     def lanes(self) -> dict[str, float]:
@@ -361,25 +380,148 @@ def _race_order(sizes: ModelSizes, pack_list: tuple[tuple[int, ...], ...], fwd_d
                 head_on_device: bool, frozen_bytes: int) -> tuple[RaceUpload, ...]:
     """:func:`_race_uploads` by what it depends on (cached: the search's plans share a few packings)."""
     trains = sizes.layer_train_numels
+    head_id = len(trains) - 1
 
     def up(n: int, t: int) -> int:
         return t * UPLOAD_BYTES + (n - t) * frozen_bytes
 
     head: tuple[RaceUpload, ...] = ()
     if not head_on_device:
-        head = (RaceUpload(head_device, None, trains[-1], up(sizes.head_numel, trains[-1])),)
+        head = (RaceUpload(head_device, None, trains[-1], up(sizes.head_numel, trains[-1]), layer=head_id),)
     out: list[RaceUpload] = []
     if not embed_on_device:
         out.append(RaceUpload(embed_device, None, trains[0], up(sizes.embed_numel, trains[0]),
-                              gates_forward=True))
+                              gates_forward=True, layer=0))
     for q in range(resident, len(pack_list)):
         for b in pack_list[q]:
-            out.append(RaceUpload(fwd_device[q], q, trains[1 + b], up(sizes.block_numels[b], trains[1 + b])))
+            out.append(RaceUpload(fwd_device[q], q, trains[1 + b], up(sizes.block_numels[b], trains[1 + b]),
+                                  layer=1 + b))
         if q == resident:
             out.extend(head)
     if resident == len(pack_list):  # no streamed pack: the head alone
         out.extend(head)
     return tuple(out)
+
+
+@lru_cache(maxsize=1024)
+def _assisted_order(sizes: ModelSizes, *key: object) -> tuple[RaceUpload | None, ...]:
+    """Per upload of :func:`_race_order` (``key``: its arguments after ``sizes``) its assisted form
+    (None: nothing trains in it); cached like the order itself."""
+    frozen_bytes = key[-1]
+    assert isinstance(frozen_bytes, int)
+    numels = sizes.layer_numels
+    return tuple(assisted_upload(u, numels[u.layer], frozen_bytes, DEVICE_ADAMW_S_PER_PARAM) if u.host_numel
+                 else None for u in _race_order(sizes, *key))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class ClippedRace:
+    """What the clipped race of a plan runs on (:func:`tinypipe.planner.clipped.race_forward_end`):
+    the upload order with the plan's assisted layers as assisted uploads, each upload's assisted
+    form (None: nothing to assist), each pack's forward seconds, and the rest of the race's
+    keywords (slots, devices, link rates, host-pass rate, stash moves)."""
+
+    uploads: tuple[RaceUpload, ...]
+    alternatives: tuple[RaceUpload | None, ...]
+    pack_forward_s: tuple[float, ...]
+    kwargs: dict
+
+    def run(self) -> RaceResult:
+        return race_forward_end(self.uploads, self.pack_forward_s, **self.kwargs)
+
+
+def _clipped_race(w: _Work, dev: _OnDevice) -> ClippedRace:
+    """The race of ``w``'s plan: its uploads in order, the assisted ones as such."""
+    packs, rates = w.packs, w.rates
+    plan = packs.plan
+    key = (plan.packs, plan.fwd_device, plan.embed_device, plan.head_device, plan.resident_packs, dev.embed,
+           dev.head, packs.frozen_bytes)
+    plain = _race_order(packs.sizes, *key)
+    alternatives = _assisted_order(packs.sizes, *key)
+    uploads = plain
+    if plan.assisted:
+        assisted = set(plan.assisted)
+        uploads = tuple(a if u.layer in assisted and a is not None else u
+                        for u, a in zip(plain, alternatives))
+    P, n = plan.num_packs, plan.num_devices
+    reads: list[StashMove | None] = [None] * P
+    writes: list[StashMove | None] = [None] * P
+    for q in range(1, P):  # pack q's host-stashed input: written by pack q - 1's forward, read by q's
+        if q < len(plan.stash_on_host) and plan.stash_on_host[q]:
+            writes[q - 1] = (plan.fwd_device[q - 1], w.stash_bytes)
+            reads[q] = (plan.fwd_device[q], w.stash_bytes)
+    # each pack's forward compute, the N devices' share of it as in the forward phase
+    pack_fwd = tuple((w.fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + w.dequant[q][0]) * w.slowdown / n
+                     for q in range(P))
+    kwargs = dict(slots=plan.param_slots(), devices=n, h2d=rates.h2d, d2h=rates.d2h, bidir=rates.bidir,
+                  adamw_rate=rates.adamw * CLIPPED_ADAMW_EFFICIENCY, stash_reads=tuple(reads),
+                  stash_writes=tuple(writes), chunk_down_bytes=ASSIST_CHUNK_NUMEL * ASSIST_DOWN_BYTES)
+    return ClippedRace(uploads, alternatives, pack_fwd, kwargs)
+
+
+def clipped_race(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
+                 precision: str = "bf16") -> ClippedRace:
+    """The inputs of ``plan``'s clipped race (what :func:`predict_step_time` runs for
+    ``StepTime.clipped_step_s``), for choosers that walk it and tests."""
+    w = _Work.of(sizes, plan, hw, batch=batch, seq=seq, precision=precision)
+    return _clipped_race(w, _on_device(w.packs))
+
+
+@dataclass(slots=True)
+class _Work:
+    """A plan's work at a workload: the rates it runs at, each pack's forward FLOPs, the packs as
+    the links see them, QLoRA's dequantization, a host-stashed input's bytes and the slowdown of
+    N devices sharing the blocks."""
+
+    rates: _Rates
+    fwd_flops: list[float]
+    packs: _Packs
+    dequant: list[tuple[float, float]]
+    stash_bytes: int
+    slowdown: float
+
+    @staticmethod
+    def of(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int, precision: str) -> _Work:
+        tokens = batch * seq
+        rates = _rates(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
+                       tb=min(plan.backward_micro_batch_size, batch) * seq)
+        attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim  # causal QK^T + AV, forward
+        stats = pack_stats(sizes, plan.packs)
+        fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
+        elem = 2 if precision == "bf16" else 4
+        packs = _Packs(sizes, plan, stats, frozen_bytes=elem)
+        n = plan.num_devices
+        # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
+        slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
+        return _Work(rates, fwd_flops, packs, _dequant_work(sizes, plan, batch, hw),
+                     tokens * sizes.hidden * elem, slowdown)
+
+
+def _assist_bytes(packs: _Packs, lanes: _Lanes, assisted: tuple[int, ...]) -> tuple[_Lanes, int]:
+    """The forward's link bytes with the extra upload and the download of the ``assisted`` layers:
+    (per-device lanes, the extra bytes of the layers the fill uploads)."""
+    plan, trains = packs.plan, packs.sizes.layer_train_numels
+    if not assisted:
+        return lanes, 0
+    f_up, f_down = list(lanes.f_up), list(lanes.f_down)
+    extra_up = ASSIST_UP_BYTES - UPLOAD_BYTES
+    head_id = plan.num_blocks + 1
+    where = {0: plan.embed_device, head_id: plan.head_device}
+    for q, p in enumerate(plan.packs):
+        for b in p:
+            where[b + 1] = plan.fwd_device[q]
+    first = {0} | ({head_id} if plan.head_device == plan.embed_device else set()) | (
+        set() if plan.resident_packs else {b + 1 for b in plan.packs[0]})
+    fill = 0
+    for layer in assisted:
+        d, t = where[layer], trains[layer]
+        f_down[d] += t * ASSIST_DOWN_BYTES
+        if layer in first:  # uploaded before the first pack computes
+            fill += t * extra_up
+        else:
+            f_up[d] += t * extra_up
+    out = _Lanes(lanes.f_comp, lanes.b_comp, f_up, lanes.b_up, lanes.down, f_down)
+    return out, fill
 
 
 def _forward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, float]:
@@ -413,30 +555,29 @@ def recompute_seconds(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
 
 
 def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
-                      precision: str = "bf16", clipping: bool = True) -> StepTime:
+                      precision: str = "bf16", clipping: bool = True, assist: bool = False) -> StepTime:
     """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens (``clipping``:
-    also of a step where global-norm clipping triggers, ``StepTime.clipped_step_s``)."""
+    also of a step where global-norm clipping triggers, ``StepTime.clipped_step_s``, with
+    ``plan.assisted``). ``assist``: choose the layers to assist instead
+    (:func:`tinypipe.planner.assist.choose_assisted`; ``plan.assisted`` is ignored) and keep them
+    if the clipped step raced with them is shorter: ``StepTime.assisted``."""
+    if assist and plan.assisted:
+        plan = dataclasses.replace(plan, assisted=())
     n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
     tokens = batch * seq
-    rates = _rates(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
-                   tb=min(plan.backward_micro_batch_size, batch) * seq)
-    attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim  # causal QK^T + AV, forward
-    stats = pack_stats(sizes, plan.packs)
-    fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
-    packs = _Packs(sizes, plan, stats, frozen_bytes=2 if precision == "bf16" else 4)
+    w = _Work.of(sizes, plan, hw, batch=batch, seq=seq, precision=precision)
+    rates, fwd_flops, packs, dequant = w.rates, w.fwd_flops, w.packs, w.dequant
     trains = sizes.layer_train_numels
     lora = bool(sizes.frozen_total)
 
-    dequant = _dequant_work(sizes, plan, batch, hw)
     lanes = _pack_work(packs, fwd_flops, rates, lora, dequant)
-    _add_stash_traffic(lanes, plan, stash_bytes=tokens * sizes.hidden * (2 if precision == "bf16" else 4))
+    _add_stash_traffic(lanes, plan, stash_bytes=w.stash_bytes)
     dev = _on_device(packs)
     lanes.down[plan.embed_device] += 0 if dev.embed else trains[0] * DOWNLOAD_BYTES
     lanes.down[plan.head_device] += 0 if dev.head else trains[-1] * DOWNLOAD_BYTES
     fill = _fill_s(packs, dev.embed, dev.head, rates.h2d)
 
-    # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
-    slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
+    slowdown = w.slowdown
     f_terms = _forward_terms(lanes, slowdown, rates)
     forward = max(f_terms.values())
     head = (4.0 if lora else 6.0) * sizes.head_matmul_params * tokens / rates.head
@@ -467,19 +608,39 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     # runs in the background ahead of the next forward, which follows it layer by layer
     clip_rate = rates.adamw * CLIPPED_ADAMW_EFFICIENCY
     clipped: float | None = None
+    assisted = plan.assisted
+
+    def roofline(layers: tuple[int, ...]) -> tuple[float, dict[str, float]]:
+        """The fill and the forward's terms of a clipped step with ``layers`` assisted: their bytes
+        on the links."""
+        a_lanes, fill_extra = _assist_bytes(packs, lanes, layers)
+        terms = dict(f_terms, **(_forward_terms(a_lanes, slowdown, rates) if layers else {}))
+        return fill + fill_extra / rates.h2d, terms
+
+    def raced(layers: tuple[int, ...], race: RaceResult) -> float:
+        a_fill, terms = roofline(layers)
+        # the head runs once the forward is done and its own update and upload are, and the
+        # assisted layers' state is back down
+        ends = (race.forward_end_s, race.uploads_end_s, race.downloads_end_s)
+        return (max(a_fill + max(terms.values()), *ends) + head + no_opt + last_chunk
+                + dev.train * DEVICE_ADAMW_S_PER_PARAM)
+
     if clipping and ssd.on:  # the SSD's lanes beside the pass (see _SsdLanes.clipped)
-        host_pass = (sizes.train_total - dev.train) / clip_rate
-        no_opt, host_pass = ssd.clipped(no_opt, host_pass, f_terms)
-        clipped = fill + max(forward, host_pass) + head + no_opt + last_chunk
+        a_fill, a_terms = roofline(assisted)
+        host_pass = (sizes.train_total - dev.train - sum(trains[layer] for layer in assisted)) / clip_rate
+        no_opt, host_pass = ssd.clipped(no_opt, host_pass, a_terms)
+        clipped = a_fill + max(max(a_terms.values()), host_pass) + head + no_opt + last_chunk
     elif clipping:
-        # each pack's forward compute, the N devices' share of it as in the forward phase
-        pack_fwd = [(fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0]) * slowdown / n
-                    for q in range(P)]
-        race = race_forward_end(_race_uploads(packs, dev), pack_fwd, slots=plan.param_slots(), devices=n,
-                                h2d=rates.h2d, adamw_rate=clip_rate)
-        # the head runs once the forward is done and its own update and upload are
-        clipped = (max(fill + forward, race.forward_end_s, race.uploads_end_s) + head + no_opt + last_chunk
-                   + dev.train * DEVICE_ADAMW_S_PER_PARAM)
+        setup = _clipped_race(w, dev)
+        race = setup.run()
+        clipped = raced(assisted, race)
+        if assist and max(race.forward_end_s, race.uploads_end_s) > fill + forward:  # the host holds it up
+            allowed = assistable(plan)
+            alts = tuple(a if a is not None and a.layer in allowed else None for a in setup.alternatives)
+            layers, walked = choose_assisted(setup.uploads, alts, setup.pack_forward_s, **setup.kwargs)
+            faster = raced(layers, walked)
+            if layers and faster < clipped:
+                clipped, assisted = faster, layers
     return StepTime(
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
         tokens_per_s=tokens / step, compute_s=sum(lanes.f_comp) + sum(lanes.b_comp) + head,
@@ -488,7 +649,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         clipped_step_s=clipped, forward_limit=max(f_terms, key=f_terms.get),
         backward_limit=max(b_terms, key=b_terms.get), ssd_read_bytes=ssd.t.read_bytes,
         ssd_write_bytes=ssd.t.write_bytes, ssd_read_s=ssd.t.read_bytes / ssd.read if ssd.on else 0.0,
-        ssd_write_s=ssd.t.write_bytes / ssd.write if ssd.on else 0.0,
+        ssd_write_s=ssd.t.write_bytes / ssd.write if ssd.on else 0.0, assisted=assisted if clipping else (),
     )
 
 

@@ -98,11 +98,13 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
             opt.why_not = (f"{held}: needs at least {gib_text(floor)} host per node ({layout.per_node} x "
                            f"({per}) B/param + the process), have {gib_text(budget)}")
             continue
+        # replicas assist no clipped update (Plan.assisted is for one pipeline)
+        kw = dict(search, assist_clipped=layout.replicas == 1 and bool(search.get("assist_clipped", True)))
         try:
             result = plan_for(cfg, replica_hardware(hw, layout, opt.sharding), gpus=layout.gpus_per_replica,
                               gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=budget // layout.per_node,
                               host_shards=1 if name == "replicate" else layout.replicas,
-                              seq=seq, global_batch=batch, **search)  # type: ignore[arg-type]
+                              seq=seq, global_batch=batch, **kw)  # type: ignore[arg-type]
         except PlanDoesNotFitError as exc:
             opt.why_not = f"{held}: one replica {' '.join(str(exc).split())}"
             continue

@@ -174,7 +174,7 @@ def _with_resident_packs(seeds: list[Candidate], evaluate_plan: Evaluate,
         peaks = [seed.memory.devices[n]["activations_peak"] for n in seed.memory.devices]
         for r in range(1, seed.plan.num_packs + 1):
             try:
-                plan = dataclasses.replace(seed.plan, resident_packs=r, offload=())
+                plan = dataclasses.replace(seed.plan, resident_packs=r, offload=(), assisted=())
             except ConfigError:  # this pack's forward and backward run on different devices
                 break
             c = evaluate_plan(plan, peaks)
@@ -216,7 +216,7 @@ def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
         return settled is not None
 
     for seed in seeds:
-        plan = seed.plan
+        plan = dataclasses.replace(seed.plan, assisted=())  # settle chooses them again for each variant
         if plan.backward_micro_batch_size % plan.micro_batch_size:
             continue
         ratio = saved_per_byte(plan)
@@ -251,7 +251,7 @@ def _keep_all(fits: list[Candidate], evaluate_plan: Evaluate, settle: Callable[[
     """``keep_activations=True``: every plan that can keep them, with every keepable pack kept."""
     out, kept = [], []
     for c in fits:
-        p = c.plan
+        p = dataclasses.replace(c.plan, assisted=())  # settle chooses them again
         if not p.keepable_packs() or p.backward_micro_batch_size % p.micro_batch_size:
             continue
         trial = evaluate_plan(_keeping(p, set(p.keepable_packs())), None)
@@ -296,7 +296,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              device_optimizer: DeviceOptimizer | None = None,
              resident_packs: int | None = None, ssd: SsdSpec | None = None,
              hiding_search: bool = True, keep_activations: bool | None = None,
-             host_shards: int = 1) -> PlanResult:
+             host_shards: int = 1, assist_clipped: bool = True) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
@@ -311,7 +311,10 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     many data-parallel replicas that shard the host AdamW state (``optimizer_sharding="shard"``):
     each plan's host need is that rank's (:func:`~tinypipe.planner.sharded_host.sharded_candidate`:
     moments and retained gradients 1/R for host-stepped layers, whole for layers stepped on the
-    device), against ``cpu_memory_bytes``, one replica's budget.
+    device), against ``cpu_memory_bytes``, one replica's budget. ``assist_clipped``
+    (``Config.assist_clipped``): under ``max_grad_norm`` each plan that fits gets the layers whose
+    clipped updates its GPU steps on their way up (``Plan.assisted``, :mod:`tinypipe.planner.assist`)
+    where that is faster in a step where clipping triggers; never for sharded replicas.
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
@@ -366,9 +369,14 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     # which resident layers keep their AdamW on the GPU: a tied head owns only its final norm
     dopts = device_optimizer_options(sizes) if device_optimizer is None else (device_optimizer,)
 
+    # under clipping each plan gets the assisted layers that shorten its clipped step, where it can
+    # hold their scratch (not for sharded replicas: their leftover work is the sharded path's)
+    assist = gpu_mem if assist_clipped and max_grad_norm is not None and host_shards == 1 else None
+
     def ev(plan: Plan, peaks: Sequence[int] | None = None, batch: int = global_batch) -> Candidate:
         c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
-                     max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks)
+                     max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks,
+                     assist_within=assist)
         return c if host_shards == 1 else sharded_candidate(c, sizes, host_shards, max_grad_norm is not None)
 
     spill = Spill(sizes, ssd, cpu_memory_bytes, precision=precision, retain_grads=max_grad_norm is not None)
@@ -457,7 +465,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                 precision=precision, max_grad_norm=max_grad_norm,
                                 host_grad_buffers=host_grad_buffers, lora=lora,
                                 device_optimizer=device_optimizer, resident_packs=resident_packs,
-                                ssd=ssd, hiding_search=False, keep_activations=keep_activations).best
+                                ssd=ssd, hiding_search=False, keep_activations=keep_activations,
+                                assist_clipped=assist_clipped).best
 
             hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,

@@ -70,7 +70,8 @@ class Spill:
             self.least_disk = disk if self.least_disk is None else min(self.least_disk, disk)
             return None
         peaks = [cats["activations_peak"] for cats in c.memory.devices.values()]
-        out = evaluate(dataclasses.replace(c.plan, offload=offload), peaks)
+        # a plan with state on the SSD assists nothing (tinypipe.planner.assist)
+        out = evaluate(dataclasses.replace(c.plan, offload=offload, assisted=()), peaks)
         assert out.host_need <= self.cpu_mem, "choose_offload and host_bytes disagree"
         return out
 

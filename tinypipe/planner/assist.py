@@ -1,0 +1,67 @@
+"""Which layers' clipped updates to assist on the GPU (``Plan.assisted``).
+
+After a clipped step the host AdamW pass of every host-stepped layer runs ahead of the next
+forward, and each upload waits for its layer (:mod:`tinypipe.planner.clipped`). On the H200 box
+that pass is the bound: at the clipped rate (~3.4 G params/s) a block's update takes ~4x its
+4 B/param upload. An assisted layer skips the host: its upload carries master, moments and
+gradient (:data:`ASSIST_UP_BYTES`, on the link about as long as the host takes for the update),
+the device steps it, and master and moments come back on the d2h lane (:data:`ASSIST_DOWN_BYTES`),
+which the forward leaves nearly idle. Assisting every layer would move the bound to the link; the
+best split keeps host pass and link level -- on W1 about one streamed block in three.
+
+:func:`choose_assisted` walks the next step's upload order as the race does
+(:func:`~tinypipe.planner.clipped.race_choosing`), assisting a layer whenever that lets the next
+upload be done sooner. :func:`tinypipe.planner.cost.predict_step_time` (``assist=True``) keeps
+the choice only if its clipped step, raced with it, is shorter; the search
+(:mod:`tinypipe.planner.search`) keeps it only if the plan still fits with the scratch every device
+then holds (:func:`tinypipe.memory.device_pool.assist_scratch_numel`, 192 MiB).
+
+Nothing is assisted without clipping (the planner times the deferred pass only under
+``max_grad_norm``; it does not model ``nonfinite="skip"`` steps as deferred), for data-parallel
+replicas (their leftover work is the sharded path's) or in plans with state on the SSD (their
+clipped step is timed by the SSD's lanes, not by the race).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_choosing
+from tinypipe.schedule.plan import Plan
+
+#: An assisted layer's first upload after a clipped step (runtime/optim/assist.py): fp32 master, both
+#: AdamW moments and the retained gradient go up per trainable parameter; master and moments come
+#: back down.
+ASSIST_UP_BYTES = 16
+ASSIST_DOWN_BYTES = 12
+
+
+def assistable(plan: Plan) -> frozenset[int]:
+    """Layers whose clipped update the runtime can assist in ``plan``: every layer but those stepped
+    on their device (resident packs, ``device_optimizer``); none with replicas or an SSD tier."""
+    if plan.replicas > 1 or plan.offload:
+        return frozenset()
+    stepped = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
+    return frozenset(range(plan.num_blocks + 2)) - stepped
+
+
+def assisted_upload(u: RaceUpload, numel: int, frozen_bytes: int, device_s_per_param: float) -> RaceUpload:
+    """``u`` (a layer of ``numel`` elements, ``u.host_numel`` of them trainable) as an assisted first
+    upload: no host time, master + moments + gradient up (frozen weights as before), master +
+    moments down, the device's AdamW on the upload stream."""
+    t = u.host_numel
+    return RaceUpload(u.device, u.pack, 0, t * ASSIST_UP_BYTES + (numel - t) * frozen_bytes, u.gates_forward,
+                      u.layer, t * ASSIST_DOWN_BYTES, t * device_s_per_param)
+
+
+def choose_assisted(uploads: Sequence[RaceUpload], alternatives: Sequence[RaceUpload | None],
+                    pack_forward_s: Sequence[float], *, slots: int, devices: int, h2d: float,
+                    adamw_rate: float, d2h: float, bidir: float, stash_reads: Sequence[StashMove | None],
+                    stash_writes: Sequence[StashMove | None],
+                    chunk_down_bytes: int) -> tuple[tuple[int, ...], RaceResult]:
+    """The layers to assist among those with an alternative (module docstring) and the race run
+    with them; the keywords are the race's (:func:`~tinypipe.planner.clipped.race_forward_end`)."""
+    taken, race = race_choosing(uploads, alternatives, pack_forward_s, slots=slots, devices=devices,
+                                h2d=h2d, adamw_rate=adamw_rate, d2h=d2h, bidir=bidir, stash_reads=stash_reads,
+                                stash_writes=stash_writes, chunk_down_bytes=chunk_down_bytes)
+    return tuple(sorted(u.layer for u, t in zip(uploads, taken) if t)), race
