@@ -3,7 +3,8 @@ and a machine, offline (no GPU, no weights), in seconds.
 
     tinypipe plan --model llama-3.1-8b --gpus 2 --gpu-memory 24GiB --cpu-memory 128GiB \\
                   --seq-len 4096 --global-batch 16 [--hardware rtx4090-pcie4|FILE] [--json] \\
-                  [--offload-dir DIR[,DIR]] [--ssd-read-gbps X --ssd-write-gbps Y]
+                  [--offload-dir DIR[,DIR]] [--ssd-read-gbps X --ssd-write-gbps Y] \\
+                  [--max-grad-norm X [--no-assist]]
     tinypipe plan --model llama-2-7b --nodes 2 --gpus 4 --interconnect pcie5,eth100 ...
 
 With ``--nodes`` (or ``--gpus-per-replica``) ``--gpus`` counts the GPUs of one node and the plan
@@ -96,6 +97,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-write-gbps", default=None, metavar="Y",
                    help="the SSD's write rate in GB/s, of all --offload-dir drives together (implies the SSD "
                         "tier; overrides measured rates)")
+    p.add_argument("--no-assist", action="store_true",
+                   help="with --max-grad-norm: step every clipped update on the host (default: the "
+                        "planner lets the GPU step some layers' clipped updates on their way up, where "
+                        "that is faster)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--save-plan", default=None, metavar="FILE",
                    help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
@@ -207,7 +212,8 @@ def run(args: argparse.Namespace) -> int:
                           cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
-                              "--resident-packs", args.resident_packs), ssd=ssd)
+                              "--resident-packs", args.resident_packs), ssd=ssd,
+                          assist_clipped=not getattr(args, "no_assist", False))
         if ssd is not None and ssd.directory is not None and ssd.free_bytes is None:
             result.notes.append(f"offload directory {ssd.directory} does not exist (yet): its free space was "
                                 "not checked")
@@ -280,7 +286,8 @@ def _run_layouts(args: argparse.Namespace, hardware: Any, *, gpus: int, seq: int
     cmp = compare_layouts(args.model, hardware, cluster, seq=seq, global_batch=batch,
                           gpus_per_replica=per_replica, sharding=args.optimizer_sharding,
                           gpu_memory_bytes=gpu_mem, precision=args.precision, max_grad_norm=clip, lora=lora,
-                          device_optimizer=args.device_optimizer, resident_packs=resident)
+                          device_optimizer=args.device_optimizer, resident_packs=resident,
+                          assist_clipped=not getattr(args, "no_assist", False))
     if args.save_plan and cmp.best is not None:
         try:
             cmp.best.plan().save(args.save_plan)

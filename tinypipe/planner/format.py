@@ -32,7 +32,9 @@ def format_plan(result: PlanResult) -> str:
            f"(limited by {t.limit})"),
         *([f"in a step where clipping triggers: {t.clipped_step_s:.2f} s/step, "
            f"{result.global_batch * result.seq / t.clipped_step_s:,.0f} tokens/s (the host AdamW waits for "
-           "the global norm)"] if result.max_grad_norm is not None else []),
+           "the global norm" + (f"; the GPU steps {len(b.plan.assisted)} layers' updates on their way up"
+                                if b.plan.assisted else "") + ")"]
+          if result.max_grad_norm is not None else []),
         "",
         "GPU memory per device (static pools exact, activations estimated):",
     ]
