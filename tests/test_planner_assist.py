@@ -221,7 +221,8 @@ def searched() -> dict:
     for name in ("W1", "W3"):
         w = WORKLOADS[name]
         cfg = transformers.LlamaConfig(**w.config)
-        kw = dict(gpus=1, gpu_memory_bytes=24 * GIB, cpu_memory_bytes=128 * GIB, seq=w.seq, global_batch=w.batch)
+        kw = dict(gpus=1, gpu_memory_bytes=24 * GIB, cpu_memory_bytes=128 * GIB, seq=w.seq,
+                  global_batch=w.batch)
         out[name] = {"assist": plan_for(cfg, "h200-pcie5", max_grad_norm=1.0, **kw),
                      "host": plan_for(cfg, "h200-pcie5", max_grad_norm=1.0, assist_clipped=False, **kw),
                      "unclipped": plan_for(cfg, "h200-pcie5", **kw)}
