@@ -16,7 +16,7 @@ from tinypipe import cli
 from tinypipe.devices.backend import CpuBackend
 from tinypipe.memory.device_pool import ASSIST_BUFFERS, ASSIST_CHUNK_NUMEL, DevicePool, assist_scratch_numel
 from tinypipe.perf.workloads import WORKLOADS
-from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES, assistable
+from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES, assistable, choose_assisted
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.clipped import RaceUpload, race_choosing, race_forward_end
 from tinypipe.planner.cost import clipped_race, predict_step_time
@@ -147,6 +147,30 @@ def test_assist_shortens_the_clipped_step_of_a_host_bound_plan() -> None:
     slowed = evaluate(sizes, slow, plan, assist_within=24 * GIB, **kw)
     assert len(slowed.plan.assisted) < len(layers)
     assert slowed.time.clipped_step_s > chosen.time.clipped_step_s
+
+
+def test_a_choice_that_is_not_faster_is_dropped() -> None:
+    """W1 in packs of 4 with a fast host (8 G params/s) and a slow d2h lane (6 GB/s): the race is
+    bound by the slots and the forward, the walk still assists the final norm (its upload is done
+    no later) -- the step raced with it is no shorter, so it is not kept. A d2h lane of 4 GB/s,
+    filled by the host stash's writes, bounds the forward: nothing is tried."""
+    w, sizes, _, hw = _streamed_w1()
+    kw = dict(batch=w.batch, seq=w.seq)
+    fast_host = dataclasses.replace(hw, d2h_gbs=6.0, bidir_gbs=40.0, cpu_adamw_gparams_s=8.0)
+    plan = make_plan(sizes.num_blocks, pack_size=4, micro_batch_size=4, backward_micro_batch_size=4,
+                     num_devices=1, prefetch_window=1, stash="device", tied=True)
+    race = clipped_race(sizes, plan, fast_host, **kw)
+    layers, _ = choose_assisted(race.uploads, race.alternatives, race.pack_forward_s, **race.kwargs)
+    plain = predict_step_time(sizes, plan, fast_host, **kw)
+    assert layers == (sizes.num_blocks + 1,)
+    assert predict_step_time(sizes, dataclasses.replace(plan, assisted=layers), fast_host,
+                             **kw).clipped_step_s >= plain.clipped_step_s
+    chosen = predict_step_time(sizes, plan, fast_host, assist=True, **kw)
+    assert chosen.assisted == () and chosen.clipped_step_s == plain.clipped_step_s
+    _, _, streamed, _ = _streamed_w1()
+    slow = dataclasses.replace(hw, d2h_gbs=4.0)
+    t = predict_step_time(sizes, streamed, slow, assist=True, **kw)
+    assert t.forward_limit == "stash download" and t.assisted == ()
 
 
 def test_no_assist_without_clipping_or_room() -> None:
