@@ -16,6 +16,13 @@ the choice only if its clipped step, raced with it, is shorter; the search
 (:mod:`tinypipe.planner.search`) keeps it only if the plan still fits with the scratch every device
 then holds (:func:`tinypipe.memory.device_pool.assist_scratch_numel`, 192 MiB).
 
+Measured before this existed (H200, session 7, bench/results/s7_*_final.json): W1 clipped ran
+0.87x its unclipped speed (1.926 vs 1.684 s), W3 0.78x (4.219 vs 3.292 s). Predicted with it on
+h200-pcie5 at 24 GiB: W1 1.822 s clipped (2.012 without, 1.752 unclipped), W3 3.821 s (4.428,
+3.559). Not modelled: the assisted transfers read and write host DRAM (28 B/param) while the host
+pass streams it too; ``CLIPPED_ADAMW_EFFICIENCY`` was fitted with 4 B/param uploads beside the
+pass, so a measured step slower than predicted would point there first.
+
 Nothing is assisted without clipping (the planner times the deferred pass only under
 ``max_grad_norm``; it does not model ``nonfinite="skip"`` steps as deferred), for data-parallel
 replicas (their leftover work is the sharded path's) or in plans with state on the SSD (their

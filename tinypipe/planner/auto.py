@@ -14,6 +14,10 @@ automatic plan and a hand-set one alike get the offload set (``Plan.offload``) t
 it, chosen by :class:`~tinypipe.planner.spill.Spill` at the hardware's SSD rates (never measured
 here: the set depends on the budget, the rates only rank plans).
 
+``Config.max_grad_norm`` with ``Config.assist_clipped`` (the default): the automatic plan carries
+the layers whose clipped updates the GPU steps on their way up (``Plan.assisted``,
+:mod:`tinypipe.planner.assist`); a hand-set plan is run as set (none).
+
 Data-parallel replicas (``resolve_plan(..., replicas=R)``, for the distributed runtime): the plan of
 one replica for ``global_batch / R`` sequences, with ``Plan.replicas`` and
 ``Plan.optimizer_sharding`` chosen by :mod:`tinypipe.planner.replica_search`; ``replicas=1`` (the
