@@ -365,20 +365,14 @@ def _on_device(packs: _Packs) -> _OnDevice:
     return _OnDevice(embed, head, resident_train, train)
 
 
-def _race_uploads(packs: _Packs, dev: _OnDevice) -> tuple[RaceUpload, ...]:
-    """The next step's upload order as the clipped race sees it (:mod:`tinypipe.planner.clipped`):
-    the embedding, the resident packs (stepped on their device: nothing), the first streamed pack,
-    the head (behind the first pack's uploads, as the builder orders it), the other packs."""
-    plan = packs.plan
-    return _race_order(packs.sizes, plan.packs, plan.fwd_device, plan.embed_device, plan.head_device,
-                       plan.resident_packs, dev.embed, dev.head, packs.frozen_bytes)
-
-
 @lru_cache(maxsize=1024)
 def _race_order(sizes: ModelSizes, pack_list: tuple[tuple[int, ...], ...], fwd_device: tuple[int, ...],
                 embed_device: int, head_device: int, resident: int, embed_on_device: bool,
                 head_on_device: bool, frozen_bytes: int) -> tuple[RaceUpload, ...]:
-    """:func:`_race_uploads` by what it depends on (cached: the search's plans share a few packings)."""
+    """The next step's upload order as the clipped race sees it (:mod:`tinypipe.planner.clipped`):
+    the embedding, the resident packs (stepped on their device: nothing), the first streamed pack,
+    the head (behind the first pack's uploads, as the builder orders it), the other packs. Cached
+    by what it depends on: the search's plans share a few packings."""
     trains = sizes.layer_train_numels
     head_id = len(trains) - 1
 
@@ -404,14 +398,16 @@ def _race_order(sizes: ModelSizes, pack_list: tuple[tuple[int, ...], ...], fwd_d
 
 
 @lru_cache(maxsize=1024)
-def _assisted_order(sizes: ModelSizes, *key: object) -> tuple[RaceUpload | None, ...]:
-    """Per upload of :func:`_race_order` (``key``: its arguments after ``sizes``) its assisted form
-    (None: nothing trains in it); cached like the order itself."""
-    frozen_bytes = key[-1]
-    assert isinstance(frozen_bytes, int)
+def _assisted_order(sizes: ModelSizes, pack_list: tuple[tuple[int, ...], ...], fwd_device: tuple[int, ...],
+                    embed_device: int, head_device: int, resident: int, embed_on_device: bool,
+                    head_on_device: bool, frozen_bytes: int) -> tuple[RaceUpload | None, ...]:
+    """Per upload of :func:`_race_order` (the same arguments) its assisted form (None: nothing
+    trains in it); cached like the order itself."""
     numels = sizes.layer_numels
+    order = _race_order(sizes, pack_list, fwd_device, embed_device, head_device, resident, embed_on_device,
+                        head_on_device, frozen_bytes)
     return tuple(assisted_upload(u, numels[u.layer], frozen_bytes, DEVICE_ADAMW_S_PER_PARAM) if u.host_numel
-                 else None for u in _race_order(sizes, *key))  # type: ignore[arg-type]
+                 else None for u in order)
 
 
 @dataclass(frozen=True)
@@ -563,7 +559,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     if the clipped step raced with them is shorter: ``StepTime.assisted``."""
     if assist and plan.assisted:
         plan = dataclasses.replace(plan, assisted=())
-    n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
+    P, R = plan.num_packs, plan.resident_packs
     tokens = batch * seq
     w = _Work.of(sizes, plan, hw, batch=batch, seq=seq, precision=precision)
     rates, fwd_flops, packs, dequant = w.rates, w.fwd_flops, w.packs, w.dequant
