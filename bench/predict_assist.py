@@ -1,6 +1,6 @@
 """What the planner predicts for assisted clipped updates (issue #16, ``Plan.assisted``): per
 workload the planner's plan and its step without clipping, in a step where clipping triggers with
-every leftover update on the host (``assist_clipped=False``) and with the GPU assisting some, on
+every leftover update on the host (``assist_updates=False``) and with the GPU assisting some, on
 one preset at one GPU budget. ``bench/run.py W1 --auto --max-grad-norm 1.0`` runs the engine's own
 plan, which the same search chooses (for the budget the engine reads under its cap); ``--save DIR``
 writes the two clipped plans as JSON (``Plan.load``) to run exactly these.
@@ -36,7 +36,7 @@ def predict(name: str, hardware: str, gpu_gib: float, cpu_gib: float) -> dict:
     for label, clip, assist in (("unclipped", None, True), ("clipped, host", 1.0, False),
                                 ("clipped, assisted", 1.0, True)):
         t0 = time.process_time()
-        r = plan_for(cfg, hardware, max_grad_norm=clip, assist_clipped=assist, **kw)
+        r = plan_for(cfg, hardware, max_grad_norm=clip, assist_updates=assist, **kw)
         rows[label] = _row(r, time.process_time() - t0, w.tokens)
     return {"workload": name, "hardware": hardware, "gpu_gib": gpu_gib, "rows": rows}
 

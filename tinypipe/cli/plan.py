@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
                               "--resident-packs", args.resident_packs), ssd=ssd,
-                          assist_clipped=not getattr(args, "no_assist", False))
+                          assist_updates=not getattr(args, "no_assist", False))
         if ssd is not None and ssd.directory is not None and ssd.free_bytes is None:
             result.notes.append(f"offload directory {ssd.directory} does not exist (yet): its free space was "
                                 "not checked")
@@ -287,7 +287,7 @@ def _run_layouts(args: argparse.Namespace, hardware: Any, *, gpus: int, seq: int
                           gpus_per_replica=per_replica, sharding=args.optimizer_sharding,
                           gpu_memory_bytes=gpu_mem, precision=args.precision, max_grad_norm=clip, lora=lora,
                           device_optimizer=args.device_optimizer, resident_packs=resident,
-                          assist_clipped=not getattr(args, "no_assist", False))
+                          assist_updates=not getattr(args, "no_assist", False))
     if args.save_plan and cmp.best is not None:
         try:
             cmp.best.plan().save(args.save_plan)

@@ -14,9 +14,10 @@ automatic plan and a hand-set one alike get the offload set (``Plan.offload``) t
 it, chosen by :class:`~tinypipe.planner.spill.Spill` at the hardware's SSD rates (never measured
 here: the set depends on the budget, the rates only rank plans).
 
-``Config.max_grad_norm`` with ``Config.assist_clipped`` (the default): the automatic plan carries
+``Config.max_grad_norm`` with ``Config.assist_updates`` (the default): the automatic plan carries
 the layers whose clipped updates the GPU steps on their way up (``Plan.assisted``,
-:mod:`tinypipe.planner.assist`); a hand-set plan is run as set (none).
+:mod:`tinypipe.planner.assist`); a hand-set plan is run as set (none). Without clipping the
+planner assists nothing (yet).
 
 Data-parallel replicas (``resolve_plan(..., replicas=R)``, for the distributed runtime): the plan of
 one replica for ``global_batch / R`` sequences, with ``Plan.replicas`` and
@@ -244,7 +245,7 @@ def _search(model: nn.Module, config: Config) -> PlanResult:
                     host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
                     device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
                     ssd=_ssd_of(config, hw), keep_activations=config.keep_activations,
-                    assist_clipped=config.assist_clipped)
+                    assist_updates=config.assist_updates)
 
 
 def _ssd_of(config: Config, hw: HardwareSpec):  # -> SsdSpec | None

@@ -82,17 +82,19 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     act = None
     if prof is not None and prof.precision == precision:  # measured saved activations of this block shape
         act = prof.activation_bytes_for(sizes.block_params[0], sizes.num_heads * sizes.head_dim)
-    mem = estimate_memory(sizes, plan, batch=global_batch, seq=seq, precision=precision, devices=devices,
-                          host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
-                          act_per_token=act)
+
+    def memory(p: Plan, peaks: Sequence[int] | None) -> MemoryReport:
+        return estimate_memory(sizes, p, batch=global_batch, seq=seq, precision=precision, devices=devices,
+                               host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
+                               act_per_token=act)
+
+    mem = memory(plan, peaks)
     need = gpu_need(mem)
-    scratch = 4 * assist_scratch_numel(True)
-    room = assist and need + scratch <= assist_within  # type: ignore[operator]
+    room = assist and need + 4 * assist_scratch_numel(True) <= assist_within  # type: ignore[operator]
     t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision,
                           clipping=clipping, assist=bool(room))
     if t.assisted != plan.assisted and clipping:  # chosen here: the same plan, with the scratch
         plan = dataclasses.replace(plan, assisted=t.assisted)
-        mem = MemoryReport(mem.host, {name: {**cats, "assist_scratch": scratch}
-                                      for name, cats in mem.devices.items()})
+        mem = memory(plan, [cats["activations_peak"] for cats in mem.devices.values()])
         need = gpu_need(mem)
     return Candidate(plan, mem, t, need, mem.host_total + HOST_BASELINE_BYTES)

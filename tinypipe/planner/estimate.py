@@ -15,8 +15,8 @@ device
     ``resident_layers`` embedding / head in the compute dtype where they live; ``layer_slots``
     (largest pack + window) slots of the largest block; ``gradient_accumulators`` (largest pack + 1)
     fp32 slots plus fp32 resident gradients; ``staging`` an fp32 buffer of min(slot, 32 Mi)
-    elements on CUDA in bf16 mode; ``assist_scratch`` on every device, when the plan assists
-    clipped updates (``Plan.assisted``) and gradients are retained, the chunk buffers of
+    elements on CUDA in bf16 mode; ``assist_scratch`` on every device of a plan that assists
+    updates (``Plan.assisted``), the chunk buffers of
     :func:`~tinypipe.memory.device_pool.assist_scratch_numel` (192 MiB).
 
 ``activations_peak`` (per device; everything the engine allocates on top of the static pools)
@@ -126,10 +126,8 @@ def device_stepped_numel(sizes: ModelSizes, plan: Plan, index: int | None = None
 
 
 def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
-                        precision: str, retain_grads: bool = True) -> dict[str, int]:
-    """Preallocated bytes of device entry ``index`` (``DevicePool.bytes_by_category``);
-    ``retain_grads``: the engine keeps gradients for exact clipping (only then does it hold the
-    scratch of ``plan.assisted``)."""
+                        precision: str) -> dict[str, int]:
+    """Preallocated bytes of device entry ``index`` (``DevicePool.bytes_by_category``)."""
     a = dtype_bytes(precision)
     slot = sizes.slot_numel
     has_packs = index in plan.fwd_device or index in plan.bwd_device
@@ -152,17 +150,12 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
         "layer_slots": slots * slot * a,
         "gradient_accumulators": gslots * sizes.grad_slot_numel * 4 + resident_grad * 4,
         "staging": staging,
-        "assist_scratch": assist_scratch_bytes(plan, retain_grads),
     }
+    if plan.assisted:  # every device holds the chunk buffers of assisted updates
+        cats["assist_scratch"] = 4 * assist_scratch_numel(True)
     if plan.device_optimized(index):  # fp32 master + two AdamW moments of the layers stepped here
         cats["optimizer_state"] = 12 * device_stepped_numel(sizes, plan, index)
     return cats
-
-
-def assist_scratch_bytes(plan: Plan, retain_grads: bool) -> int:
-    """Bytes of assisted-update scratch each device of ``plan`` holds (``DevicePool``'s
-    ``assist_scratch``: only with assisted layers and retained gradients)."""
-    return 4 * assist_scratch_numel(bool(plan.assisted) and retain_grads)
 
 
 def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
@@ -340,7 +333,7 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
                                  act_per_token=act_per_token)
     devs = {}
     for i, d in enumerate(devices):
-        cats = device_static_bytes(sizes, plan, i, d, precision, retain_grads=retain)
+        cats = device_static_bytes(sizes, plan, i, d, precision)
         cats["activations_peak"] = peaks[i]
         devs[f"{i}:{d}"] = cats
     return MemoryReport(host, devs)

@@ -99,7 +99,7 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
                            f"({per}) B/param + the process), have {gib_text(budget)}")
             continue
         # replicas assist no clipped update (Plan.assisted is for one pipeline)
-        kw = dict(search, assist_clipped=layout.replicas == 1 and bool(search.get("assist_clipped", True)))
+        kw = dict(search, assist_updates=layout.replicas == 1 and bool(search.get("assist_updates", True)))
         try:
             result = plan_for(cfg, replica_hardware(hw, layout, opt.sharding), gpus=layout.gpus_per_replica,
                               gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=budget // layout.per_node,

@@ -302,7 +302,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              device_optimizer: DeviceOptimizer | None = None,
              resident_packs: int | None = None, ssd: SsdSpec | None = None,
              hiding_search: bool = True, keep_activations: bool | None = None,
-             host_shards: int = 1, assist_clipped: bool = True) -> PlanResult:
+             host_shards: int = 1, assist_updates: bool = True) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
@@ -317,8 +317,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     many data-parallel replicas that shard the host AdamW state (``optimizer_sharding="shard"``):
     each plan's host need is that rank's (:func:`~tinypipe.planner.sharded_host.sharded_candidate`:
     moments and retained gradients 1/R for host-stepped layers, whole for layers stepped on the
-    device), against ``cpu_memory_bytes``, one replica's budget. ``assist_clipped``
-    (``Config.assist_clipped``): under ``max_grad_norm`` each plan that fits gets the layers whose
+    device), against ``cpu_memory_bytes``, one replica's budget. ``assist_updates``
+    (``Config.assist_updates``): under ``max_grad_norm`` each plan that fits gets the layers whose
     clipped updates its GPU steps on their way up (``Plan.assisted``, :mod:`tinypipe.planner.assist`)
     where that is faster in a step where clipping triggers; never for sharded replicas.
 
@@ -377,7 +377,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
 
     # under clipping each plan gets the assisted layers that shorten its clipped step, where it can
     # hold their scratch (not for sharded replicas: their leftover work is the sharded path's)
-    assist = gpu_mem if assist_clipped and max_grad_norm is not None and host_shards == 1 else None
+    assist = gpu_mem if assist_updates and max_grad_norm is not None and host_shards == 1 else None
 
     def ev(plan: Plan, peaks: Sequence[int] | None = None, batch: int = global_batch) -> Candidate:
         c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
@@ -476,7 +476,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                 host_grad_buffers=host_grad_buffers, lora=lora,
                                 device_optimizer=device_optimizer, resident_packs=resident_packs,
                                 ssd=ssd, hiding_search=False, keep_activations=keep_activations,
-                                assist_clipped=assist_clipped).best
+                                assist_updates=assist_updates).best
 
             hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
