@@ -8,9 +8,9 @@ says when a plan fits), keep those that fit, return the fastest and the time-mem
 
 Under clipping every plan is ranked by its clipped step with the layers whose clipped updates its
 GPU should step on their way up (``Plan.assisted``, :mod:`tinypipe.planner.assist`), where it can
-hold their scratch. Choosing them about doubles the search's time (W1 on h200-pcie5 at 24 GiB,
-clipping: ~0.5 s of CPU before, ~1.0 s with it, on the 2-core CPU box) and pays: the clipped W1
-step is predicted 9 % shorter.
+hold their scratch. Choosing them about doubles the search's time (h200-pcie5 at 24 GiB, clipping,
+CPU seconds on the 2-core CPU box: W1 ~0.4 before, ~0.9 with it; W3 ~1.2, ~2.4) and pays: the
+clipped step is predicted 9 % (W1) and 14 % (W3) shorter.
 
 With an SSD (``ssd``: an offload directory and its rates, :mod:`tinypipe.planner.ssd`) a plan that
 fits the GPUs but not the host moves state to the SSD until it does (:mod:`tinypipe.planner.spill`);
