@@ -13,6 +13,7 @@
 #                                        # auto with and without clipping, warm-up 2, traced (raw: *_<tag>.json)
 #   bash bench/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
 #   bash bench/gpu_calls.sh assist8 W1|W3 [tag]  # clipped with / without assisted updates + unclipped (#16)
+#   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -146,6 +147,18 @@ case "${1:-}" in
     for f in tests assist host unclipped; do echo "===== $f"; cat $L/$f.log; done > "$OUT/assist8_${W}_$T.log"
     grep -E "passed|failed|error" $L/tests.log | tail -3
     for f in assist host unclipped; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
+  assist8b)
+    # assisted updates without clipping (#16: W3's backward waits on the host AdamW): W3 unclipped,
+    # traced (device times: is the backward compute- or optimizer-bound?), then with every 3rd and
+    # every 2nd block assisted after its backward. 6 files back: 3 JSON, 2 traces, one log
+    T=${2:-s8}; L=/tmp/assist8b; mkdir -p $L
+    R="python3 bench/run.py W3 --devices cuda:0 --auto --cap-gib 24 --warmup 2 --steps 2"
+    timeout 150 $R --trace "$OUT/w3_$T.trace.json" --json "$OUT/w3_traced_$T.json" > $L/base.log 2>&1
+    timeout 150 $R --assist-every 3 --trace "$OUT/w3_assist3_$T.trace.json" \
+      --json "$OUT/w3_assist3_$T.json" > $L/assist3.log 2>&1
+    timeout 150 $R --assist-every 2 --json "$OUT/w3_assist2_$T.json" > $L/assist2.log 2>&1
+    for f in base assist3 assist2; do echo "===== $f"; cat $L/$f.log; done > "$OUT/assist8b_$T.log"
+    for f in base assist3 assist2; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
   two-gpu)
     nvidia-smi -L
     timeout 560 python3 bench/dp_bench.py --workloads W1,W3 --auto --sharding shard --steps 3 --warmup 2 \

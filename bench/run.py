@@ -19,6 +19,7 @@ their predictions and the ratio (JSON: ``runs``, one entry each).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import faulthandler
 import json
 import os
@@ -41,10 +42,11 @@ from tinypipe.perf.machine import measure  # noqa: E402
 from tinypipe.perf.rss import RssSampler  # noqa: E402
 from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
 from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
-from tinypipe.planner.auto import hardware_for  # noqa: E402
+from tinypipe.planner.auto import hardware_for, resolve_plan  # noqa: E402
 from tinypipe.planner.candidate import Candidate, evaluate  # noqa: E402
 from tinypipe.planner.hardware import HardwareSpec  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from tinypipe.schedule.plan import Plan  # noqa: E402
 from decompose import (pack_recomputes, phases, plan_keep_limit, plan_offload_limit,  # noqa: E402
                        predicted_phases, recompute_share, recomputed_blocks, step_decomposition)
 
@@ -72,6 +74,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--device-optimizer", default="off", choices=DEVICE_OPTIMIZER_CHOICES,
                     help="resident layers stepped on the GPU (default: off)")
     ap.add_argument("--resident-packs", type=int, default=0, help="first N packs resident on the GPU")
+    ap.add_argument("--assist-every", type=int, default=0, metavar="K",
+                    help="add every K-th block the plan steps on the host to Plan.assisted (0: the "
+                         "planner's own choice); to measure assisted updates where the planner picks none")
     ap.add_argument("--no-assist", action="store_true",
                     help="every host-stepped layer stepped on the host (Config.assist_updates=False)")
     ap.add_argument("--keep-activations", default="auto", choices=("auto", "on", "off"),
@@ -115,6 +120,16 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"workload": a.workload, "max_grad_norm": clip, "ratio": ratio, "runs": runs}, f,
                       indent=1, default=str)
     return 0
+
+
+def _every_kth_assisted(model: torch.nn.Module, cfg: tinypipe.Config, k: int) -> Plan:
+    """The plan the engine would run, with every ``k``-th host-stepped block (layer ids k, 2k, ...)
+    assisted -- whatever the planner chose -- to measure what assisting them does."""
+    n = int(model.config.num_hidden_layers)
+    plan, _ = resolve_plan(model, cfg, num_blocks=n, tied=bool(model.config.tie_word_embeddings))
+    on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
+    layers = [layer for layer in range(k, n + 1, k) if layer not in on_device]
+    return dataclasses.replace(plan, assisted=tuple(sorted(set(plan.assisted) | set(layers))))
 
 
 def _candidate(engine: tinypipe.Engine, model: torch.nn.Module, w) -> Candidate:
@@ -234,7 +249,8 @@ def run(a: argparse.Namespace) -> dict:
             trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks, **knobs,
         )
         t0 = time.perf_counter()
-        engine = tinypipe.Engine(model, cfg)
+        plan = _every_kth_assisted(model, cfg, a.assist_every) if a.assist_every else None
+        engine = tinypipe.Engine(model, cfg, plan=plan)
         t_engine = time.perf_counter() - t0
         phase(f"engine ready ({t_engine:.1f} s)")
         planned = engine.plan_result.best if engine.plan_result is not None else None

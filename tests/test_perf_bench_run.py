@@ -40,3 +40,20 @@ def test_tiny_run_records_bound_and_decomposition(tmp_path: Path, capsys: pytest
     off = bound["offload_limit"]  # what offloading instead of recomputing could save in this step
     assert 0 <= off["saved_s"] <= dec["parts"]["recompute"] + 1e-12 and off["bytes_per_block"] > 0
     assert "offloading activations instead of recomputing" in printed
+
+
+@pytest.mark.parametrize("clip", [None, "1e-3"])
+def test_tiny_run_with_every_second_block_assisted(tmp_path: Path, clip: str | None) -> None:
+    """``--assist-every 2`` runs the engine's plan with blocks 2, 4, ... assisted (without clipping
+    stepped after their backward, with clipping at their next upload) and records it."""
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH)
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    out = tmp_path / "run.json"
+    args = ["tiny", "--devices", "cpu", "--precision", "fp32", "--warmup", "1", "--steps", "2",
+            "--assist-every", "2", "--json", str(out)]
+    assert bench.main(args + (["--max-grad-norm", clip] if clip else [])) == 0
+    rec = json.loads(out.read_text())
+    blocks = sum(len(p) for p in rec["plan"]["packs"])
+    assert rec["plan"]["assisted"] == list(range(2, blocks + 1, 2))
+    assert len(rec["losses"]) == 3 and all(loss == loss for loss in rec["losses"])
