@@ -171,6 +171,32 @@ def test_a_checkpoint_with_pending_updates_resumes_bit_identically(tmp_path, sma
     resumed.close()
 
 
+def test_an_evaluation_between_steps_runs_the_pending_updates_and_sees_them(small_chunks: None,
+                                                                           device_runs: list[int]) -> None:
+    """An evaluation's uploads claim the pending updates (stepped on the way up, as a step's
+    would): its loss is the unassisted engine's, and training goes on bit-identically."""
+    batches = [make_batch(5, 12, seed=i) for i in range(4)]
+    cfg = dict(devices=["cpu"], pack_size=1, micro_batch_size=2, max_grad_norm=CLIP)
+    plain = tinypipe.Engine(_fresh("gpt2"), tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD,
+                                                            head_chunk_tokens=7, **cfg))
+    engine = _engine("gpt2", cfg, (1, 3, 5))
+    for e in (plain, engine):
+        for b in batches[:2]:
+            e.step(b)
+    assert engine.optimizer.assist.pending == {1, 3, 5}
+    held_out = make_batch(3, 12, seed=99)
+    assert engine.evaluate(held_out).loss == plain.evaluate(held_out).loss
+    assert sorted(device_runs) == [1, 1, 3, 3, 5, 5]  # step 2's, by the evaluation's uploads
+    for e in (plain, engine):
+        for b in batches[2:]:
+            e.step(b)
+    a, b = engine.state_dict(), plain.state_dict()
+    for k in b:
+        assert torch.equal(a[k], b[k]), k
+    engine.close()
+    plain.close()
+
+
 def test_the_scratch_exists_only_where_updates_are_assisted() -> None:
     for cfg in (dict(max_grad_norm=1.0), {}):  # leftover work; stepped after the backward
         engine = _engine("llama", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=5, **cfg), (1,))
