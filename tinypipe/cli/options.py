@@ -172,6 +172,9 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "resident packs, the last pack) on the GPU, so they are not recomputed: their whole step's "
            "activations in GPU memory; off: recompute every pack (default: the planner's choice on CUDA, "
            "off on cpu)", "on|off"),
+    Option("no-assist", _bool, False, "never let the GPU take host AdamW updates (default: the planner may "
+           "step some layers' updates on the GPU, their fp32 state making a round trip over the link)",
+           flag=True),
     Option("optimizer-sharding", _str, "auto", "with data-parallel replicas (torchrun): each replica keeps "
            "the whole host AdamW state (replicate) or only its 1/R shard (shard: less host memory, one "
            "all-gather of the updated weights per layer) (default: auto, the planner's choice)", None,
