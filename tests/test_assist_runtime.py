@@ -59,20 +59,26 @@ def _engine(family: str, cfg: dict, assisted: tuple[int, ...]) -> tinypipe.Engin
     return tinypipe.Engine(_fresh(family), config, plan=plan)
 
 
+#: (family, hand-set knobs, assisted layers): every family, 1-2 devices, uneven packs, host stash,
+#: kept activations, a device-stepped head and a resident pack beside the assisted layers
+SCHEDULES = [
+    ("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2), (0, 2, 3, 5)),
+    ("gpt2", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=3, backward_micro_batch_size=2,
+                  stash="host"), (1, 2, 3, 4, 5)),
+    ("mistral", dict(devices=["cpu"], pack_size=[1, 3], micro_batch_size=5, prefetch_window=2), (0, 4)),
+    ("qwen2", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, keep_activations=True), (1, 3, 4)),
+    ("qwen3", dict(devices=["cpu"] * 2, pack_size=1, micro_batch_size=2, device_optimizer="head"), (1, 2, 3)),
+    ("opt", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, resident_packs=1), (3, 4, 5)),
+]
+
+
 def _fresh(family: str, layers: int = 4) -> torch.nn.Module:
     model = make_model(family, layers=layers)
     randomize_biases(model)
     return model
 
 
-@pytest.mark.parametrize("family,cfg,assisted", [
-    ("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2), (0, 2, 3, 5)),
-    ("gpt2", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=3, backward_micro_batch_size=2,
-                  stash="host"), (1, 2, 3, 4, 5)),
-    ("mistral", dict(devices=["cpu"], pack_size=[1, 3], micro_batch_size=5, prefetch_window=2), (0, 4)),
-    ("qwen3", dict(devices=["cpu"] * 2, pack_size=1, micro_batch_size=2, device_optimizer="head"), (1, 2, 3)),
-    ("opt", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, resident_packs=1), (3, 4, 5)),
-])
+@pytest.mark.parametrize("family,cfg,assisted", SCHEDULES)
 def test_assisted_updates_equal_the_host_pass_bit_for_bit(small_chunks: None, device_runs: list[int],
                                                           family: str, cfg: dict,
                                                           assisted: tuple[int, ...]) -> None:
@@ -225,15 +231,7 @@ def backward_runs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return ran
 
 
-@pytest.mark.parametrize("family,cfg,assisted", [
-    ("llama", dict(devices=["cpu"], pack_size=1, micro_batch_size=2), (0, 2, 3, 5)),
-    ("gpt2", dict(devices=["cpu"] * 2, pack_size=2, micro_batch_size=3, backward_micro_batch_size=2,
-                  stash="host"), (1, 2, 3, 4, 5)),
-    ("mistral", dict(devices=["cpu"], pack_size=[1, 3], micro_batch_size=5, prefetch_window=2), (0, 4)),
-    ("qwen2", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, keep_activations=True), (1, 3, 4)),
-    ("qwen3", dict(devices=["cpu"] * 2, pack_size=1, micro_batch_size=2, device_optimizer="head"), (1, 2, 3)),
-    ("opt", dict(devices=["cpu"], pack_size=2, micro_batch_size=2, resident_packs=1), (3, 4, 5)),
-])
+@pytest.mark.parametrize("family,cfg,assisted", SCHEDULES)
 def test_unclipped_layers_stepped_after_their_backward_equal_the_host_bit_for_bit(
         small_chunks: None, backward_runs: list[int], family: str, cfg: dict,
         assisted: tuple[int, ...]) -> None:
