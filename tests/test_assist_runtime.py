@@ -72,6 +72,12 @@ SCHEDULES = [
 ]
 
 
+def _bit_identical(state: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert set(state) == set(expected)
+    for k in expected:
+        assert torch.equal(state[k], expected[k]), k
+
+
 def _fresh(family: str, layers: int = 4) -> torch.nn.Module:
     model = make_model(family, layers=layers)
     randomize_biases(model)
@@ -103,8 +109,7 @@ def test_assisted_updates_equal_the_host_pass_bit_for_bit(small_chunks: None, de
     assert [r.loss for r in results] == [r.loss for r in plain_results]
     state, plain_state = engine.state_dict(), plain.state_dict()  # drains the pending ones on the host
     assert not engine.optimizer.assist.pending
-    for k in plain_state:
-        assert torch.equal(state[k], plain_state[k]), k
+    _bit_identical(state, plain_state)
     worst, update_err = compare(state, ref.model, init)
     assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
     engine.close()
@@ -170,9 +175,7 @@ def test_a_checkpoint_with_pending_updates_resumes_bit_identically(tmp_path, sma
     resumed.load_checkpoint(tmp_path / "ckpt")
     for b in batches[2:]:
         resumed.step(b)
-    a, b = straight.state_dict(), resumed.state_dict()
-    for k in a:
-        assert torch.equal(a[k], b[k]), k
+    _bit_identical(resumed.state_dict(), straight.state_dict())
     straight.close()
     resumed.close()
 
@@ -196,9 +199,7 @@ def test_an_evaluation_between_steps_runs_the_pending_updates_and_sees_them(smal
     for e in (plain, engine):
         for b in batches[2:]:
             e.step(b)
-    a, b = engine.state_dict(), plain.state_dict()
-    for k in b:
-        assert torch.equal(a[k], b[k]), k
+    _bit_identical(engine.state_dict(), plain.state_dict())
     engine.close()
     plain.close()
 
@@ -250,8 +251,7 @@ def test_unclipped_layers_stepped_after_their_backward_equal_the_host_bit_for_bi
     assert [r.loss for r in results] == [r.loss for r in plain_results]
     assert [s.step for s in engine.store.layers] == [len(batches)] * len(engine.store.layers)
     state, plain_state = engine.state_dict(), plain.state_dict()
-    for k in plain_state:
-        assert torch.equal(state[k], plain_state[k]), k
+    _bit_identical(state, plain_state)
     moments, plain_moments = engine.optimizer_state(), plain.optimizer_state()
     for k in plain_moments:
         assert torch.equal(moments[k]["exp_avg_sq"], plain_moments[k]["exp_avg_sq"]), k
