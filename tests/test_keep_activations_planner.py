@@ -37,7 +37,9 @@ def test_keeps_packs_when_the_budget_allows_and_none_when_it_does_not() -> None:
     """W1 on an H200: at 24 GiB no kept pack fits and pays (a W1 block holds ~4.3 GB of activations
     for the step) and the plan is the one the search gives without keeping; at 48 GiB the last pack
     (across the turn) is kept and the predicted step is faster; the chosen plans validate and fit."""
-    tight, tight_off = _w1(24), _w1(24, keep_activations=False)
+    # without assisted updates: with them the keep-off search picks a plan within NEAR_FASTEST of the
+    # fastest that assists one layer (1.768 s, less GPU memory) -- this is about kept activations
+    tight, tight_off = _w1(24, assist_updates=False), _w1(24, keep_activations=False, assist_updates=False)
     assert not _kept(tight.best.plan)
     assert tight.best.plan == tight_off.best.plan
     roomy, roomy_off = _w1(48), _w1(48, keep_activations=False)

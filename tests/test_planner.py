@@ -272,10 +272,12 @@ def test_search_choices_build_valid_schedules() -> None:
     cfg = tinypipe.Config(**result.config_kwargs())  # the plan's settings are Config fields; no GPU touched
     again = make_plan(result.sizes.num_blocks, num_devices=len(cfg.devices), tied=result.sizes.tied,
                       **cfg.plan_settings())
-    assert again == result.best.plan
+    # all but the assisted layers, which are no Config field: they travel with the plan (the search
+    # says so in its notes when it chose some)
+    assert again == dataclasses.replace(result.best.plan, assisted=())
     for c in result.pareto:  # every plan's settings rebuild it
         assert make_plan(result.sizes.num_blocks, num_devices=2, tied=result.sizes.tied,
-                         **c.plan.settings()) == c.plan
+                         **c.plan.settings()) == dataclasses.replace(c.plan, assisted=())
 
 
 def test_best_plan_runs_in_the_engine() -> None:
@@ -316,7 +318,9 @@ def test_spare_gpu_memory_goes_to_resident_packs() -> None:
     planner keeps packs resident (and stepped) on the GPU; with a tight GPU it cannot. Every pack
     recomputed, the whole model stays; with kept activations searched the GPU goes to resident
     packs that keep their activations too (fewer of them, no recompute: faster still)."""
-    kw = dict(gpus=1, cpu_memory_bytes=64 * GIB, seq=512, global_batch=4)
+    # without assisted updates: with them the search's front differs (it finds 4 resident packs at
+    # 0.35 s where this search's best is 16 resident packs at 0.53 s) -- this is about resident packs
+    kw = dict(gpus=1, cpu_memory_bytes=64 * GIB, seq=512, global_batch=4, assist_updates=False)
     roomy = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, keep_activations=False, **kw)
     assert roomy.best.plan.resident_packs == roomy.best.plan.num_packs  # the whole model stays
     assert roomy.best.memory.host["gradient_buffers"] == 0

@@ -1,4 +1,5 @@
-"""Which layers' clipped updates to assist on the GPU (``Plan.assisted``).
+"""Which layers' AdamW updates to assist on the GPU (``Plan.assisted``): under clipping, the
+leftover ones (here); without, those stepped right after their backward (``planner/cost.py``).
 
 After a clipped step the host AdamW pass of every host-stepped layer runs ahead of the next
 forward, and each upload waits for its layer (:mod:`tinypipe.planner.clipped`). On the H200 box
@@ -23,10 +24,16 @@ h200-pcie5 at 24 GiB: W1 1.822 s clipped (2.012 without, 1.752 unclipped), W3 3.
 pass streams it too; ``CLIPPED_ADAMW_EFFICIENCY`` was fitted with 4 B/param uploads beside the
 pass, so a measured step slower than predicted would point there first.
 
-Nothing is assisted without clipping (the planner times the deferred pass only under
-``max_grad_norm``; it does not model ``nonfinite="skip"`` steps as deferred), for data-parallel
-replicas (their leftover work is the sharded path's) or in plans with state on the SSD (their
-clipped step is timed by the SSD's lanes, not by the race).
+Without clipping an assisted layer is stepped right after its backward (its state's round trip,
+12 B/param each way, replaces the 4 B/param gradient download): the backward's host AdamW term
+shrinks and its link terms grow. :func:`tinypipe.planner.cost.predict_step_time` chooses those
+layers itself (``_choose_backward_assist``: in backward order while the backward + tail gets
+shorter) and keeps them only if they save >= 1 % of the step; on the H200 preset they never do (16
+cores keep up), with 1 G params/s of host AdamW they bring W3 from 6.73 to 3.58 s per step
+(bench/results/s8_predict_assist_adamw1.json). ``nonfinite="skip"`` steps are not modelled as
+deferred. Nothing is assisted for data-parallel replicas (their leftover work is the sharded
+path's) or in plans with state on the SSD (their clipped step is timed by the SSD's lanes, not by
+the race).
 """
 
 from __future__ import annotations

@@ -14,10 +14,10 @@ automatic plan and a hand-set one alike get the offload set (``Plan.offload``) t
 it, chosen by :class:`~tinypipe.planner.spill.Spill` at the hardware's SSD rates (never measured
 here: the set depends on the budget, the rates only rank plans).
 
-``Config.max_grad_norm`` with ``Config.assist_updates`` (the default): the automatic plan carries
-the layers whose clipped updates the GPU steps on their way up (``Plan.assisted``,
-:mod:`tinypipe.planner.assist`); a hand-set plan is run as set (none). Without clipping the
-planner assists nothing (yet).
+``Config.assist_updates`` (the default): the automatic plan carries the layers whose AdamW the GPU
+steps (``Plan.assisted``, :mod:`tinypipe.planner.assist`) -- with ``max_grad_norm`` their clipped
+updates on their way up, without it right after their backward where the host AdamW would hold the
+backward up; a hand-set plan is run as set (none).
 
 Data-parallel replicas (``resolve_plan(..., replicas=R)``, for the distributed runtime): the plan of
 one replica for ``global_batch / R`` sequences, with ``Plan.replicas`` and

@@ -69,12 +69,13 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     """Estimate ``plan``'s memory and step time on ``plan.num_devices`` GPUs of ``hardware``
     (``peaks``: activation peaks already estimated for the same plan with another window).
 
-    ``assist_within`` (GPU bytes per device, under ``max_grad_norm``): choose the plan's assisted
-    layers (``plan.assisted`` is replaced) -- those that make its clipped step shorter
-    (:func:`~tinypipe.planner.cost.predict_step_time`), if the plan still fits that budget with
-    the scratch every device then holds; None: ``plan.assisted`` as given."""
+    ``assist_within`` (GPU bytes per device): choose the plan's assisted layers (``plan.assisted``
+    is replaced) -- those that make its step shorter (under ``max_grad_norm`` its clipped step;
+    without, its backward and tail: :func:`~tinypipe.planner.cost.predict_step_time`), if the plan
+    still fits that budget with the scratch every device then holds; None: ``plan.assisted`` as
+    given."""
     clipping = max_grad_norm is not None
-    assist = assist_within is not None and clipping
+    assist = assist_within is not None
     if assist and plan.assisted:
         plan = dataclasses.replace(plan, assisted=())
     devices = [f"cuda:{i}" for i in range(plan.num_devices)]
@@ -93,7 +94,7 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     room = assist and need + 4 * assist_scratch_numel(True) <= assist_within  # type: ignore[operator]
     t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision,
                           clipping=clipping, assist=bool(room))
-    if t.assisted != plan.assisted and clipping:  # chosen here: the same plan, with the scratch
+    if t.assisted != plan.assisted:  # chosen here: the same plan, with the scratch
         plan = dataclasses.replace(plan, assisted=t.assisted)
         mem = memory(plan, [cats["activations_peak"] for cats in mem.devices.values()])
         need = gpu_need(mem)

@@ -35,6 +35,13 @@ at the start and an exposed tail at the end::
   the links (and the host-stashed pack inputs with them); the forward phase's roofline carries
   them too, so the clipped step is never shorter than what the two link directions can move.
 
+* **assisted, unclipped** (``Plan.assisted`` without clipping): each assisted layer is stepped
+  on its device right after its backward -- its master and moments go up (12 B/param) and come
+  back instead of its gradient (12 instead of 4 B/param), and it leaves the host AdamW term; a
+  pack-0 / embedding layer trades its tail AdamW for that round trip after the last backward.
+  ``predict_step_time(assist=True, clipping=False)`` chooses them (:func:`_choose_backward_assist`)
+  where they save at least :data:`UNCLIPPED_ASSIST_MIN_GAIN` of the step.
+
 * **SSD** (``plan.offload``, :mod:`tinypipe.planner.offload`): reads and writes are two more lanes
   at ``HardwareSpec.ssd_read_gbps`` / ``ssd_write_gbps``, beside the phase the runtime moves them
   in (:class:`_SsdLanes`); ``StepTime.ssd_*`` holds the bytes and their seconds per step.
@@ -62,6 +69,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 from functools import lru_cache
+from typing import Callable
 
 from tinypipe.errors import ConfigError
 from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL
@@ -538,6 +546,89 @@ def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates, overlappable:
     }
 
 
+#: Bytes per parameter an assisted layer moves right after its backward (no clipping: the download
+#: task steps it, runtime/optim/assist.py): master and moments up, and down instead of the fp32 gradient.
+#: Least share of the step an unclipped step's assisted layers must save for the planner to choose
+#: them: W1 on h200-pcie5 would assist its one tail block for 3 ms of 1.75 s (0.2 %), which the
+#: round trip's chunk latency (not modelled) can eat.
+UNCLIPPED_ASSIST_MIN_GAIN = 0.01
+#: Host seconds per assisted chunk (``ASSIST_CHUNK_NUMEL`` elements) an unclipped step adds to its
+#: backward: about eight launches on the d2h lane's thread, which holds the GIL the compute lanes'
+#: launches need. Not measured (no GPU in the session that wrote it): an estimate at ~4 us a
+#: launch. It also makes a plan that needs no assist win over one that ties with it only by it.
+ASSIST_CHUNK_HOST_S = 3e-5
+BACKWARD_ASSIST_UP_BYTES = 12
+BACKWARD_ASSIST_DOWN_BYTES = 12
+
+
+@dataclass(frozen=True)
+class _BackwardAssist:
+    """Where an unclipped step's assisted layers land: per layer its backward device, trainable
+    elements and whether its update trails the backward (pack 0 / the embedding: the tail)."""
+
+    device: dict[int, int]
+    train: dict[int, int]
+    tail: frozenset[int]
+
+    @staticmethod
+    def of(packs: _Packs, dev: _OnDevice) -> _BackwardAssist:
+        plan, trains = packs.plan, packs.sizes.layer_train_numels
+        head_id = plan.num_blocks + 1
+        where = {0: plan.embed_device, head_id: plan.head_device}
+        for q, p in enumerate(plan.packs):
+            for b in p:
+                where[b + 1] = plan.bwd_device[q] if plan.bwd_device else 0
+        tail = {0} | ({b + 1 for b in plan.packs[plan.resident_packs]} if plan.resident_packs < plan.num_packs
+                      else set())
+        return _BackwardAssist(where, {layer: trains[layer] for layer in where}, frozenset(tail))
+
+    def apply(self, lanes: _Lanes, b_terms_of: Callable[[_Lanes, int], dict[str, float]],
+              layers: tuple[int, ...], overlappable: int, tail_host: int,
+              rates: _Rates) -> tuple[dict[str, float], float, _Lanes]:
+        """The backward's terms and the tail's seconds (host AdamW and the tail layers' round trips
+        side by side) with ``layers`` assisted, and the lanes with their bytes."""
+        b_up, down = list(lanes.b_up), list(lanes.down)
+        over, tail_host_left, tail_link = overlappable, tail_host, 0.0
+        for layer in layers:
+            d, t = self.device[layer], self.train[layer]
+            if layer in self.tail:  # its round trip trails the last backward, as its host step would
+                tail_host_left -= t
+                trip = max(BACKWARD_ASSIST_UP_BYTES / rates.h2d, BACKWARD_ASSIST_DOWN_BYTES / rates.d2h)
+                tail_link += t * trip
+                continue
+            over -= t
+            b_up[d] += t * BACKWARD_ASSIST_UP_BYTES
+            down[d] += t * (BACKWARD_ASSIST_DOWN_BYTES - DOWNLOAD_BYTES)
+        out = _Lanes(lanes.f_comp, lanes.b_comp, lanes.f_up, b_up, down, lanes.f_down)
+        chunks = sum(-(-self.train[layer] // ASSIST_CHUNK_NUMEL) for layer in layers)
+        terms = {k: v + chunks * ASSIST_CHUNK_HOST_S for k, v in b_terms_of(out, over).items()}
+        return terms, max(tail_host_left / rates.adamw, tail_link), out
+
+
+def _choose_backward_assist(bwd: _BackwardAssist, allowed: frozenset[int], base: float,
+                            cost: Callable[[tuple[int, ...]], float]) -> tuple[int, ...]:
+    """The layers to assist right after their backward: in backward order while each makes the
+    backward + tail (``cost``; ``base`` with none) shorter -- they all move the same terms, so the
+    first that does not help ends them (the search prices thousands of plans) -- then each tail
+    layer (pack 0, the embedding: its round trip is exposed) that still helps."""
+    layers: tuple[int, ...] = ()
+    best = base
+    for layer in sorted(bwd.device, reverse=True):
+        # less than a chunk (a tied head's final norm): its round trip costs more than it saves
+        if layer not in allowed or bwd.train[layer] < ASSIST_CHUNK_NUMEL or layer in bwd.tail:
+            continue
+        t = cost(layers + (layer,))
+        if t >= best - 1e-6:
+            break
+        layers, best = layers + (layer,), t
+    for layer in sorted(bwd.tail):
+        if layer in allowed and bwd.train[layer] >= ASSIST_CHUNK_NUMEL:
+            t = cost(layers + (layer,))
+            if t < best - 1e-6:
+                layers, best = layers + (layer,), t
+    return layers
+
+
 def recompute_seconds(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
                       precision: str = "bf16") -> list[float]:
     """Per pack: the seconds of its backward's recompute (its forward's FLOPs at the backward
@@ -554,9 +645,11 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
                       precision: str = "bf16", clipping: bool = True, assist: bool = False) -> StepTime:
     """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens (``clipping``:
     also of a step where global-norm clipping triggers, ``StepTime.clipped_step_s``, with
-    ``plan.assisted``). ``assist``: choose the layers to assist instead
-    (:func:`tinypipe.planner.assist.choose_assisted`; ``plan.assisted`` is ignored) and keep them
-    if the clipped step raced with them is shorter: ``StepTime.assisted``."""
+    ``plan.assisted``; without ``clipping`` the assisted layers are stepped after their backward).
+    ``assist``: choose the layers to assist instead (``plan.assisted`` is ignored) -- under
+    ``clipping`` those whose clipped step raced with them is shorter
+    (:func:`tinypipe.planner.assist.choose_assisted`), without it those that shorten the backward
+    and tail (:func:`_choose_backward_assist`): ``StepTime.assisted``."""
     if assist and plan.assisted:
         plan = dataclasses.replace(plan, assisted=())
     P, R = plan.num_packs, plan.resident_packs
@@ -587,6 +680,29 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     backward = max(b_terms.values())
     last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / rates.d2h
     tail = (pack0 + host_embed) / rates.adamw + last_chunk + dev.train * DEVICE_ADAMW_S_PER_PARAM
+    unclipped_assist: tuple[int, ...] = ()
+    if not clipping and (plan.assisted or assist) and R < P:  # assisted right after their backward
+        bwd = _BackwardAssist.of(packs, dev)
+
+        def with_assisted(layers: tuple[int, ...]) -> tuple[float, dict[str, float], float, _Lanes]:
+            def terms_of(ln: _Lanes, over: int) -> dict[str, float]:
+                return _backward_terms(ln, slowdown, rates, over)
+
+            terms, tail_s, a_lanes = bwd.apply(lanes, terms_of, layers, overlappable, pack0 + host_embed,
+                                               rates)
+            return max(terms.values()) + tail_s, terms, tail_s, a_lanes
+
+        layers = plan.assisted
+        if assist:
+            base = backward + (pack0 + host_embed) / rates.adamw
+            layers = _choose_backward_assist(bwd, assistable(plan), base, lambda x: with_assisted(x)[0])
+            if base - with_assisted(layers)[0] < UNCLIPPED_ASSIST_MIN_GAIN * (fill + forward + head + base):
+                layers = ()  # not worth the scratch, the traffic and the chunk latency the model leaves out
+        if layers:
+            _, b_terms, tail_s, lanes = with_assisted(layers)  # the step's traffic includes their trips
+            backward = max(b_terms.values())
+            tail = tail_s + last_chunk + dev.train * DEVICE_ADAMW_S_PER_PARAM
+            unclipped_assist = tuple(sorted(layers))
 
     no_opt = max(v for k, v in b_terms.items() if k != "cpu optimizer")
     ssd = _SsdLanes(ssd_traffic(sizes, plan, precision), hw)
@@ -641,11 +757,13 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
         tokens_per_s=tokens / step, compute_s=sum(lanes.f_comp) + sum(lanes.b_comp) + head,
         upload_s=max(fu + bu for fu, bu in zip(lanes.f_up, lanes.b_up)) / rates.h2d,
-        download_s=max(lanes.down) / rates.d2h, optimizer_s=(sizes.train_total - dev.train) / rates.adamw,
+        download_s=max(lanes.down) / rates.d2h,
+        optimizer_s=(sizes.train_total - dev.train - sum(trains[x] for x in unclipped_assist)) / rates.adamw,
         clipped_step_s=clipped, forward_limit=max(f_terms, key=f_terms.get),
         backward_limit=max(b_terms, key=b_terms.get), ssd_read_bytes=ssd.t.read_bytes,
         ssd_write_bytes=ssd.t.write_bytes, ssd_read_s=ssd.t.read_bytes / ssd.read if ssd.on else 0.0,
-        ssd_write_s=ssd.t.write_bytes / ssd.write if ssd.on else 0.0, assisted=assisted if clipping else (),
+        ssd_write_s=ssd.t.write_bytes / ssd.write if ssd.on else 0.0,
+        assisted=assisted if clipping else unclipped_assist,
     )
 
 

@@ -10,7 +10,9 @@ Under clipping every plan is ranked by its clipped step with the layers whose cl
 GPU should step on their way up (``Plan.assisted``, :mod:`tinypipe.planner.assist`), where it can
 hold their scratch. Choosing them about doubles the search's time (h200-pcie5 at 24 GiB, clipping,
 CPU seconds on the 2-core CPU box: W1 ~0.4 before, ~0.9 with it; W3 ~1.2, ~2.4) and pays: the
-clipped step is predicted 9 % (W1) and 14 % (W3) shorter.
+clipped step is predicted 9 % (W1) and 14 % (W3) shorter. Without clipping each plan's step
+includes the layers stepped right after their backward where the host AdamW would hold it up
+(:func:`~tinypipe.planner.cost.predict_step_time`; none on the H200 preset).
 
 With an SSD (``ssd``: an offload directory and its rates, :mod:`tinypipe.planner.ssd`) a plan that
 fits the GPUs but not the host moves state to the SSD until it does (:mod:`tinypipe.planner.spill`);
@@ -375,9 +377,9 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     # which resident layers keep their AdamW on the GPU: a tied head owns only its final norm
     dopts = device_optimizer_options(sizes) if device_optimizer is None else (device_optimizer,)
 
-    # under clipping each plan gets the assisted layers that shorten its clipped step, where it can
-    # hold their scratch (not for sharded replicas: their leftover work is the sharded path's)
-    assist = gpu_mem if assist_updates and max_grad_norm is not None and host_shards == 1 else None
+    # each plan gets the assisted layers that shorten its (clipped) step, where it can hold their
+    # scratch (not for sharded replicas: they step their shards, and their leftover work is theirs)
+    assist = gpu_mem if assist_updates and host_shards == 1 else None
 
     def ev(plan: Plan, peaks: Sequence[int] | None = None, batch: int = global_batch) -> Candidate:
         c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
