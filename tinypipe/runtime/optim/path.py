@@ -60,9 +60,7 @@ class OptimizerPath:
         self.last_clipped = False  # a clipped step predicts another: the next one does not speculate
         self._step: StepDecisions | None = None
         self.tier = tier  # state on the SSD, staged around its uses (None: everything in DRAM)
-        # leftover updates run on the device at the layer's next upload (Plan.assisted; only leftover
-        # work has them: steps that retain gradients)
-        # with retained gradients every assisted update is leftover work; without them (no clipping,
+        # Plan.assisted: with retained gradients every assisted update is leftover work; without them (no clipping,
         # nonfinite="raise") assisted layers are stepped on the device right after their backward
         self.assist = AssistedUpdates(store, adamw, assisted, self._retained_of, pin) if assisted else None
         self._assist_after_backward = self.assist is not None and not retain
@@ -113,8 +111,12 @@ class OptimizerPath:
         dec = self._current()
         first = stream.get(abort)
         assert isinstance(first, GradNorm), first
-        if self.assist is not None:  # the last step's assisted update (run at this step's upload,
-            self.assist.settle(layer)  # which the gradient came after) has landed on the host
+        if self.assist is not None and not self._assist_after_backward:
+            # the last step's assisted update (run at this step's upload, which the gradient came
+            # after) has landed on the host. After the backward nothing is to settle here: this
+            # step's upload settled the last step's, and waiting for this step's own round trip
+            # would hold the host's other updates behind the link
+            self.assist.settle(layer)
         first.backend.sync_event(first.event)
         norm = float(first.norm.item())
         decision = dec.decide(layer, norm**2, True if loss_finite is None else loss_finite())
@@ -160,8 +162,8 @@ class OptimizerPath:
         work in the background, queue the device steps, count the step."""
         dec = self._current()
         self.background.wait_all()  # every layer was uploaded, so the last step's leftovers are done
-        if self.assist is not None:
-            self.assist.drain()
+        if self.assist is not None and not self._assist_after_backward:  # (after the backward: the
+            self.assist.drain()  # next upload of each layer, or synchronize, waits for its trip)
         if self.tier is not None:
             self.tier.end_step()
         ran = list(self.background.timings)
