@@ -245,7 +245,8 @@ def run(a: argparse.Namespace) -> dict:
         cfg = tinypipe.Config(
             devices=devices, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=a.pin,
-            max_grad_norm=a.max_grad_norm, optimizer_threads=a.optimizer_threads, assist_updates=not a.no_assist,
+            max_grad_norm=a.max_grad_norm, optimizer_threads=a.optimizer_threads,
+            assist_updates=not a.no_assist,
             trace=a.trace is not None, check_finite=a.check_finite, compile_blocks=a.compile_blocks, **knobs,
         )
         t0 = time.perf_counter()

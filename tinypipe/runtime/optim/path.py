@@ -60,9 +60,12 @@ class OptimizerPath:
         self.last_clipped = False  # a clipped step predicts another: the next one does not speculate
         self._step: StepDecisions | None = None
         self.tier = tier  # state on the SSD, staged around its uses (None: everything in DRAM)
-        # Plan.assisted: with retained gradients every assisted update is leftover work; without them (no clipping,
-        # nonfinite="raise") assisted layers are stepped on the device right after their backward
-        self.assist = AssistedUpdates(store, adamw, assisted, self._retained_of, pin) if assisted else None
+        # Plan.assisted: with retained gradients every assisted update is leftover work; without
+        # them (no clipping, nonfinite="raise") assisted layers are stepped on the device right
+        # after their backward
+        self.assist = None
+        if assisted:
+            self.assist = AssistedUpdates(store, adamw, assisted, self._retained_of, pin)
         self._assist_after_backward = self.assist is not None and not retain
 
     # ------------------------------------------------------------------ one step
