@@ -314,7 +314,7 @@ def test_the_plan_refuses_layers_that_cannot_be_assisted() -> None:
 @pytest.mark.parametrize("clip", [CLIP, None], ids=["clipped_leftover", "after_backward"])
 @pytest.mark.parametrize("cfg,tol", [
     (dict(devices=["cuda:0"], pack_size=1, micro_batch_size=2, prefetch_window=2, stash="host",
-          compile_blocks="off"), 1e-6),
+          compile_blocks="off"), 1e-5),
     (dict(devices=["cuda:0", "cuda:0"], pack_size=[1, 2, 1], micro_batch_size=2, backward_micro_batch_size=3,
           precision="bf16"), 2e-3),
 ], ids=["fp32_1dev_host_stash", "bf16_2x_same_gpu"])
@@ -322,7 +322,8 @@ def test_cuda_assisted_updates_match_the_host_pass(small_chunks: None, device_ru
                                                    backward_runs: list[int], cfg: dict, tol: float,
                                                    clip: float | None) -> None:
     """On CUDA the device's fused AdamW replaces the CPU's: equal to float rounding -- in fp32 within
-    1e-6 of the update; in bf16 a 1-ulp master difference can flip a weight's bf16 cast and move later
+    1e-5 of the update (measured on an H200: 1.3-1.6e-6 after four steps, the two kernels rounding
+    differently; bench/results/s8_assist8_W1_s8.log); in bf16 a 1-ulp master difference can flip a weight's bf16 cast and move later
     gradients, hence 2e-3. An update that read stale weights, skipped the clip coefficient or
     raced its downloads is off by the order of the update itself."""
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -331,18 +332,18 @@ def test_cuda_assisted_updates_match_the_host_pass(small_chunks: None, device_ru
     init = {k: v.clone() for k, v in _fresh("llama").state_dict().items()}
     plain = tinypipe.Engine(_fresh("llama"), tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD,
                                                              head_chunk_tokens=7, **cfg))
-    plain_results = [plain.step(b) for b in batches]
-    engine = _engine("llama", cfg, (0, 2, 3, 5))
-    results = [engine.step(b) for b in batches]
+    with plain:  # closed (its page-locked memory released) even when an assertion fails
+        plain_results = [plain.step(b) for b in batches]
+        plain_state = {k: v.clone() for k, v in plain.state_dict().items()}
+    with _engine("llama", cfg, (0, 2, 3, 5)) as engine:
+        results = [engine.step(b) for b in batches]
+        state = {k: v.clone() for k, v in engine.state_dict().items()}
     assert all(r.clipped for r in results) == (clip is not None)
     ran = device_runs if clip is not None else backward_runs
     assert sorted(ran) == sorted([0, 2, 3, 5] * (3 if clip is not None else 4))
     # the step's link traffic counts the state's round trips (12 B/param each way beyond the plain run)
     assert results[-1].h2d_bytes > plain_results[-1].h2d_bytes
     assert results[-1].d2h_bytes > plain_results[-1].d2h_bytes
-    state, plain_state = engine.state_dict(), plain.state_dict()
     diff = sum(float(((state[k] - plain_state[k]) ** 2).sum()) for k in state) ** 0.5
     delta = sum(float(((plain_state[k] - init[k]) ** 2).sum()) for k in state) ** 0.5
     assert diff <= tol * delta, (diff, delta)
-    engine.close()
-    plain.close()
