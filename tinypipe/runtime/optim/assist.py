@@ -126,48 +126,72 @@ class AssistedUpdates:
 
     def run(self, item: AssistedUpdate, dev: DeviceRuntime, dst: torch.Tensor) -> None:
         """Step ``item`` on ``dev`` and leave the result in ``dst`` (the layer's slot or resident
-        buffer, compute precision): per chunk, upload and step on the h2d stream, download on the
-        d2h stream once stepped. Queued only; :meth:`settle` waits for the host copy."""
+        buffer, compute precision): per chunk, upload (the retained gradient too) and step on the
+        h2d stream, download on the d2h stream once stepped. Queued only; :meth:`settle` waits for
+        the host copy."""
         state = self.store.layers[item.layer]
         grad = self._gradient(item.layer)
         assert grad is not None, f"layer {item.layer}: an assisted update needs its retained gradient"
         n = state.spec.train_numel
-        be = dev.backend
-        h2d, d2h = dev.streams["h2d"], dev.streams["d2h"]
-        bufs = dev.pool.assist
-        ring = self._rings.setdefault(dev.index, _Ring(len(bufs)))
-        last = None
-        with be.use_stream(h2d):
+        h2d = dev.streams["h2d"]
+        with dev.backend.use_stream(h2d):
             scale = None
             if item.coef != 1.0:  # as the host pass: the kernel divides the gradient by 1 / coef
                 scale = torch.full((), 1.0 / item.coef, dtype=torch.float32, device=dev.device)
-            for lo in range(0, n, ASSIST_CHUNK_NUMEL):
-                hi = min(n, lo + ASSIST_CHUNK_NUMEL)
-                k, free = ring.take()
-                be.wait_event(h2d, free)  # the buffer's previous chunk has gone back down
-                p, m, v, g = (row[: hi - lo] for row in bufs[k])
-                p.copy_(state.master[lo:hi], non_blocking=True)
-                if item.step > 1:  # a first step zeroes the moments (ChunkedAdamW.step)
-                    m.copy_(state.exp_avg[lo:hi], non_blocking=True)
-                    v.copy_(state.exp_avg_sq[lo:hi], non_blocking=True)
-                g.copy_(grad[lo:hi], non_blocking=True)
-                chunk = SliceState(state.spec, master=p, exp_avg=m, exp_avg_sq=v, base=lo)
-                self.adamw.step(chunk, 0, hi - lo, g, item.step, item.lr, grad_scale=scale)
-                dst[lo:hi].copy_(p)
-                stepped = be.record_event(h2d)
-                be.wait_event(d2h, stepped)
-                with be.use_stream(d2h):
-                    state.master[lo:hi].copy_(p, non_blocking=True)
-                    state.exp_avg[lo:hi].copy_(m, non_blocking=True)
-                    state.exp_avg_sq[lo:hi].copy_(v, non_blocking=True)
-                    last = ring.free[k] = be.record_event(d2h)
+            # beyond the master upload every layer makes anyway: the gradient (+ moments) up
+            self._round_trip(item.layer, dev, h2d, h2d, item.step, item.lr, host_grad=grad, dst=dst,
+                             grad_scale=scale, extra=(4 * n * (3 if item.step > 1 else 1), 12 * n))
             if state.frozen is not None:  # frozen weights (LoRA): the plain copy after the prefix
                 dst[n : n + state.frozen.numel()].copy_(state.frozen, non_blocking=True)
+
+    def _round_trip(self, layer: int, dev: DeviceRuntime, up: object, on: object, step: int, lr: float, *,
+                    extra: tuple[int, int], host_grad: torch.Tensor | None = None,
+                    device_grad: torch.Tensor | None = None, dst: torch.Tensor | None = None,
+                    grad_scale: torch.Tensor | None = None, found_inf: torch.Tensor | None = None) -> None:
+        """Chunk by chunk: ``layer``'s master and moments (and ``host_grad``) up on stream ``up``,
+        AdamW step ``step`` on stream ``on`` (with ``device_grad`` when the gradient is on the
+        device; the result cast into ``dst`` if given), master and moments back on d2h; the chunk
+        buffers are reused once their download has landed. ``extra``: the link bytes (up, down) the
+        step's traffic adds."""
+        state = self.store.layers[layer]
+        n = state.spec.train_numel
+        be = dev.backend
+        d2h = dev.streams["d2h"]
+        bufs = dev.pool.assist
+        ring = self._rings.setdefault(dev.index, _Ring(len(bufs)))
+        last = None
+        for lo in range(0, n, ASSIST_CHUNK_NUMEL):
+            hi = min(n, lo + ASSIST_CHUNK_NUMEL)
+            k, free = ring.take()
+            be.wait_event(up, free)  # the buffer's previous chunk has gone back down
+            p, m, v, g = (row[: hi - lo] for row in bufs[k])
+            with be.use_stream(up):
+                p.copy_(state.master[lo:hi], non_blocking=True)
+                if step > 1:  # a first step zeroes the moments (ChunkedAdamW.step)
+                    m.copy_(state.exp_avg[lo:hi], non_blocking=True)
+                    v.copy_(state.exp_avg_sq[lo:hi], non_blocking=True)
+                if host_grad is not None:
+                    g.copy_(host_grad[lo:hi], non_blocking=True)
+                uploaded = be.record_event(up)
+            be.wait_event(on, uploaded)
+            with be.use_stream(on):
+                grad = g if device_grad is None else device_grad[lo:hi]
+                chunk = SliceState(state.spec, master=p, exp_avg=m, exp_avg_sq=v, base=lo)
+                self.adamw.step(chunk, 0, hi - lo, grad, step, lr, grad_scale=grad_scale, found_inf=found_inf)
+                if dst is not None:
+                    dst[lo:hi].copy_(p)
+                stepped = be.record_event(on)
+            be.wait_event(d2h, stepped)
+            with be.use_stream(d2h):
+                state.master[lo:hi].copy_(p, non_blocking=True)
+                state.exp_avg[lo:hi].copy_(m, non_blocking=True)
+                state.exp_avg_sq[lo:hi].copy_(v, non_blocking=True)
+                last = ring.free[k] = be.record_event(d2h)
         with self._lock:
-            self._landing[item.layer] = (dev, last)
+            self._landing[layer] = (dev, last)
             if be.is_cuda:  # as step traffic: CPU "devices" move nothing
-                self._moved[0] += 4 * n * (3 if item.step > 1 else 1)  # gradient (+ moments)
-                self._moved[1] += 12 * n  # master and moments
+                self._moved[0] += extra[0]
+                self._moved[1] += extra[1]
 
     def moved(self) -> tuple[int, int]:
         """Bytes the assisted updates moved up and down (beyond the master upload every layer
@@ -187,37 +211,12 @@ class AssistedUpdates:
         device's (otherwise idle) collective stream, are stepped and come back on d2h, so the d2h
         lane's signal covers the gradient's last read. ``norm`` (this layer's, on the device) gates
         the kernel: a non-finite gradient leaves the layer as it was, as the host would."""
-        state = self.store.layers[layer]
-        n = state.spec.train_numel
-        be = dev.backend
-        up, d2h = dev.streams["collective"], dev.streams["d2h"]
-        bufs = dev.pool.assist
-        ring = self._rings.setdefault(dev.index, _Ring(len(bufs)))
+        n = self.store.layers[layer].spec.train_numel
         found_inf = (~torch.isfinite(norm)).to(torch.float32)
-        last = None
-        for lo in range(0, n, ASSIST_CHUNK_NUMEL):
-            hi = min(n, lo + ASSIST_CHUNK_NUMEL)
-            k, free = ring.take()
-            be.wait_event(up, free)
-            p, m, v, _ = (row[: hi - lo] for row in bufs[k])
-            with be.use_stream(up):
-                p.copy_(state.master[lo:hi], non_blocking=True)
-                if step > 1:
-                    m.copy_(state.exp_avg[lo:hi], non_blocking=True)
-                    v.copy_(state.exp_avg_sq[lo:hi], non_blocking=True)
-                uploaded = be.record_event(up)
-            be.wait_event(d2h, uploaded)
-            chunk = SliceState(state.spec, master=p, exp_avg=m, exp_avg_sq=v, base=lo)
-            self.adamw.step(chunk, 0, hi - lo, grad[lo:hi], step, lr, found_inf=found_inf)
-            state.master[lo:hi].copy_(p, non_blocking=True)
-            state.exp_avg[lo:hi].copy_(m, non_blocking=True)
-            state.exp_avg_sq[lo:hi].copy_(v, non_blocking=True)
-            last = ring.free[k] = be.record_event(d2h)
-        with self._lock:
-            self._landing[layer] = (dev, last)
-            if be.is_cuda:
-                self._moved[0] += 4 * n * (3 if step > 1 else 1)  # master (+ moments): no master upload
-                self._moved[1] += 8 * n  # master and moments instead of the fp32 gradient
+        # master (+ moments) up, with no master upload beside it; master and moments down instead
+        # of the fp32 gradient
+        self._round_trip(layer, dev, dev.streams["collective"], dev.streams["d2h"], step, lr,
+                         device_grad=grad, found_inf=found_inf, extra=(4 * n * (3 if step > 1 else 1), 8 * n))
 
     # ------------------------------------------------------------------ readers of the host copy
 
