@@ -501,6 +501,16 @@ class _Work:
                      tokens * sizes.hidden * elem, slowdown)
 
 
+def _layer_devices(plan: Plan, pack_devices: tuple[int, ...]) -> dict[int, int]:
+    """Layer id -> its device: the embedding's and the head's, each block its pack's in
+    ``pack_devices`` (the forward's or the backward's placement; empty: one device)."""
+    where = {0: plan.embed_device, plan.num_blocks + 1: plan.head_device}
+    for q, p in enumerate(plan.packs):
+        for b in p:
+            where[b + 1] = pack_devices[q] if pack_devices else 0
+    return where
+
+
 def _assist_bytes(packs: _Packs, lanes: _Lanes, assisted: tuple[int, ...]) -> tuple[_Lanes, int]:
     """The forward's link bytes with the extra upload and the download of the ``assisted`` layers:
     (per-device lanes, the extra bytes of the layers the fill uploads)."""
@@ -510,10 +520,7 @@ def _assist_bytes(packs: _Packs, lanes: _Lanes, assisted: tuple[int, ...]) -> tu
     f_up, f_down = list(lanes.f_up), list(lanes.f_down)
     extra_up = ASSIST_UP_BYTES - UPLOAD_BYTES
     head_id = plan.num_blocks + 1
-    where = {0: plan.embed_device, head_id: plan.head_device}
-    for q, p in enumerate(plan.packs):
-        for b in p:
-            where[b + 1] = plan.fwd_device[q]
+    where = _layer_devices(plan, plan.fwd_device)
     first = {0} | ({head_id} if plan.head_device == plan.embed_device else set()) | (
         set() if plan.resident_packs else {b + 1 for b in plan.packs[0]})
     fill = 0
@@ -573,11 +580,7 @@ class _BackwardAssist:
     @staticmethod
     def of(packs: _Packs, dev: _OnDevice) -> _BackwardAssist:
         plan, trains = packs.plan, packs.sizes.layer_train_numels
-        head_id = plan.num_blocks + 1
-        where = {0: plan.embed_device, head_id: plan.head_device}
-        for q, p in enumerate(plan.packs):
-            for b in p:
-                where[b + 1] = plan.bwd_device[q] if plan.bwd_device else 0
+        where = _layer_devices(plan, plan.bwd_device)
         tail = {0} | ({b + 1 for b in plan.packs[plan.resident_packs]} if plan.resident_packs < plan.num_packs
                       else set())
         return _BackwardAssist(where, {layer: trains[layer] for layer in where}, frozenset(tail))
