@@ -13,6 +13,7 @@
 #                                        # auto with and without clipping, warm-up 2, traced (raw: *_<tag>.json)
 #   bash bench/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
 #   bash bench/gpu_calls.sh assist8 W1|W3 [tag]  # clipped with / without assisted updates + unclipped (#16)
+#   bash bench/gpu_calls.sh roundtrip9 [tag]    # one assisted round trip vs the link; W1 clipped assisted, traced
 #   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
@@ -159,6 +160,15 @@ case "${1:-}" in
     timeout 150 $R --assist-every 2 --json "$OUT/w3_assist2_$T.json" > $L/assist2.log 2>&1
     for f in base assist3 assist2; do echo "===== $f"; cat $L/$f.log; done > "$OUT/assist8b_$T.log"
     for f in base assist3 assist2; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
+  roundtrip9)
+    # one assisted round trip alone vs the link (#16), then W1 clipped, assisted, traced: does the
+    # step count made without a blocking copy bring the assisted uploads to the link's rate?
+    T=${2:-s9}
+    timeout 120 python3 bench/assist_roundtrip.py --json "$OUT/assist_roundtrip_$T.json" > "$OUT/assist_roundtrip_$T.log" 2>&1
+    timeout 200 python3 bench/run.py W1 --devices cuda:0 --auto --cap-gib 24 --warmup 2 --steps 4 --max-grad-norm 1.0 \
+      --trace "$OUT/w1_clip_assist_$T.trace.json" --json "$OUT/w1_clip_assist_$T.json" > "$OUT/w1_clip_assist_$T.log" 2>&1
+    grep -E "^plan|^step [0-9]" "$OUT/w1_clip_assist_$T.log"; tail -4 "$OUT/w1_clip_assist_$T.log"
+    cat "$OUT/assist_roundtrip_$T.log" ;;
   two-gpu)
     nvidia-smi -L
     timeout 560 python3 bench/dp_bench.py --workloads W1,W3 --auto --sharding shard --steps 3 --warmup 2 \

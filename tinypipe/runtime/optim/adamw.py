@@ -69,8 +69,11 @@ class ChunkedAdamW:
                step: int, lr: float, weight_decay: float, grad_scale: torch.Tensor | None,
                found_inf: torch.Tensor | None = None) -> None:
         """One fused AdamW call over the element ranges ``runs`` (``grad`` starts at ``lo``)."""
-        # the step count as a tensor on the buffers' device (fused CUDA wants it there), one per tensor
-        steps = [torch.tensor(float(step - 1), device=state.master.device) for _ in runs]
+        # the step count as a tensor on the buffers' device (fused CUDA wants it there), one per
+        # tensor; made by a fill kernel: ``torch.tensor(x, device=cuda)`` copies from pageable
+        # memory, which blocks this thread until everything queued before on the stream is done
+        # -- an assisted round trip then stalls at every chunk (bench/assist_roundtrip.py)
+        steps = [torch.full((), float(step - 1), dtype=torch.float32, device=state.master.device) for _ in runs]
         _adamw.adamw(
             [state.master[a:b] for a, b in runs],
             [grad[a - lo : b - lo] for a, b in runs],
