@@ -161,13 +161,18 @@ case "${1:-}" in
     for f in base assist3 assist2; do echo "===== $f"; cat $L/$f.log; done > "$OUT/assist8b_$T.log"
     for f in base assist3 assist2; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
   roundtrip9)
-    # one assisted round trip alone vs the link (#16), then W1 clipped, assisted, traced: does the
-    # step count made without a blocking copy bring the assisted uploads to the link's rate?
-    T=${2:-s9}
+    # one assisted round trip alone vs the link (#16), then session 8's assisted clipped plans for W1
+    # (traced) and W3 again, exactly (--plan): does the step count made without a blocking copy bring
+    # the assisted uploads to the link's rate? 7 files back: 3 JSON, 2 traces, 2 logs
+    T=${2:-s9}; L=/tmp/roundtrip9; mkdir -p $L
     timeout 120 python3 bench/assist_roundtrip.py --json "$OUT/assist_roundtrip_$T.json" > "$OUT/assist_roundtrip_$T.log" 2>&1
-    timeout 200 python3 bench/run.py W1 --devices cuda:0 --auto --cap-gib 24 --warmup 2 --steps 4 --max-grad-norm 1.0 \
-      --trace "$OUT/w1_clip_assist_$T.trace.json" --json "$OUT/w1_clip_assist_$T.json" > "$OUT/w1_clip_assist_$T.log" 2>&1
-    grep -E "^plan|^step [0-9]" "$OUT/w1_clip_assist_$T.log"; tail -4 "$OUT/w1_clip_assist_$T.log"
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --max-grad-norm 1.0"
+    timeout 150 $R W1 --steps 4 --plan bench/results/s8_w1_clip_assist_s8.json \
+      --trace "$OUT/w1_clip_assist_$T.trace.json" --json "$OUT/w1_clip_assist_$T.json" > $L/w1.log 2>&1
+    timeout 220 $R W3 --steps 2 --plan bench/results/s8_w3_clip_assist_s8.json \
+      --trace "$OUT/w3_clip_assist_$T.trace.json" --json "$OUT/w3_clip_assist_$T.json" > $L/w3.log 2>&1
+    for f in w1 w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/roundtrip9_$T.log"
+    for f in w1 w3; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
     cat "$OUT/assist_roundtrip_$T.log" ;;
   two-gpu)
     nvidia-smi -L

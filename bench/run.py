@@ -25,6 +25,7 @@ import json
 import os
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # decompose.py beside this script
@@ -81,6 +82,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="every host-stepped layer stepped on the host (Config.assist_updates=False)")
     ap.add_argument("--keep-activations", default="auto", choices=("auto", "on", "off"),
                     help="kept packs (no recompute): the planner's choice, every pack that can, none")
+    ap.add_argument("--plan", default=None, metavar="FILE",
+                    help="run this plan exactly: a Plan JSON (tinypipe plan --save) or a bench/run.py --json "
+                         "result (its \"plan\"), e.g. to rerun a measured plan after a runtime change")
     ap.add_argument("--auto", action="store_true",
                     help="let the engine plan (packing, micro-batches, device optimizer...) for the workload "
                          "and --cap-gib")
@@ -120,6 +124,13 @@ def main(argv: list[str] | None = None) -> int:
             json.dump({"workload": a.workload, "max_grad_norm": clip, "ratio": ratio, "runs": runs}, f,
                       indent=1, default=str)
     return 0
+
+
+def _load_plan(path: str) -> Plan:
+    """A plan from a Plan JSON file or from a ``bench/run.py --json`` result's ``"plan"``."""
+    data = json.loads(Path(path).read_text())
+    return Plan.from_json(json.dumps(data.get("plan", data) if isinstance(data, dict) and "packs" not in data
+                                     else data))
 
 
 def _every_kth_assisted(model: torch.nn.Module, cfg: tinypipe.Config, k: int) -> Plan:
@@ -251,6 +262,8 @@ def run(a: argparse.Namespace) -> dict:
         )
         t0 = time.perf_counter()
         plan = _every_kth_assisted(model, cfg, a.assist_every) if a.assist_every else None
+        if a.plan:
+            plan = _load_plan(a.plan)
         engine = tinypipe.Engine(model, cfg, plan=plan)
         t_engine = time.perf_counter() - t0
         phase(f"engine ready ({t_engine:.1f} s)")

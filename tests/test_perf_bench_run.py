@@ -57,3 +57,27 @@ def test_tiny_run_with_every_second_block_assisted(tmp_path: Path, clip: str | N
     blocks = sum(len(p) for p in rec["plan"]["packs"])
     assert rec["plan"]["assisted"] == list(range(2, blocks + 1, 2))
     assert len(rec["losses"]) == 3 and all(loss == loss for loss in rec["losses"])
+
+
+def test_plan_file_reruns_a_measured_plan(tmp_path: Path) -> None:
+    """``--plan`` takes a run's JSON result (or a Plan JSON) and runs exactly that plan, with the
+    same losses as the run that recorded it: a plan measured before a runtime change can be
+    measured again after it."""
+    spec = importlib.util.spec_from_file_location("bench_run", BENCH)
+    bench = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(bench)  # type: ignore[union-attr]
+    first, again, again_plan = tmp_path / "first.json", tmp_path / "again.json", tmp_path / "again_plan.json"
+    common = ["tiny", "--devices", "cpu", "--precision", "fp32", "--warmup", "1", "--steps", "1"]
+    assert bench.main(common + ["--pack-size", "2", "--assist-every", "2", "--max-grad-norm", "1e-3",
+                                "--json", str(first)]) == 0
+    rec = json.loads(first.read_text())
+    assert rec["plan"]["assisted"] and len(rec["plan"]["packs"][0]) == 2  # not the default plan
+    assert bench.main(common + ["--max-grad-norm", "1e-3", "--plan", str(first), "--json", str(again)]) == 0
+    plan_file = tmp_path / "plan.json"
+    plan_file.write_text(json.dumps(rec["plan"]))
+    assert bench.main(common + ["--max-grad-norm", "1e-3", "--plan", str(plan_file), "--json",
+                                str(again_plan)]) == 0
+    for path in (again, again_plan):
+        out = json.loads(path.read_text())
+        assert out["plan"] == rec["plan"]
+        assert out["losses"] == rec["losses"]

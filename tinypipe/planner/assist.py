@@ -40,6 +40,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
+from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL
 from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_choosing
 from tinypipe.schedule.plan import Plan
 
@@ -48,6 +49,11 @@ from tinypipe.schedule.plan import Plan
 #: back down.
 ASSIST_UP_BYTES = 16
 ASSIST_DOWN_BYTES = 12
+#: Seconds per chunk (:data:`~tinypipe.memory.device_pool.ASSIST_CHUNK_NUMEL` elements) an assisted
+#: round trip holds its upload stream beyond the link time of its bytes: the lane thread's launches
+#: between one chunk's upload and the next. Fitted by ``bench/refit_assist.py`` on the assisted
+#: blocks' first uploads in one traced run (see bench/RESULTS.md, session 9).
+ASSIST_CHUNK_S = 8.0e-4
 
 
 def assistable(plan: Plan) -> frozenset[int]:
@@ -64,8 +70,9 @@ def assisted_upload(u: RaceUpload, numel: int, frozen_bytes: int, device_s_per_p
     upload: no host time, master + moments + gradient up (frozen weights as before), master +
     moments down, the device's AdamW on the upload stream."""
     t = u.host_numel
+    chunks = -(-t // ASSIST_CHUNK_NUMEL)
     return RaceUpload(u.device, u.pack, 0, t * ASSIST_UP_BYTES + (numel - t) * frozen_bytes, u.gates_forward,
-                      u.layer, t * ASSIST_DOWN_BYTES, t * device_s_per_param)
+                      u.layer, t * ASSIST_DOWN_BYTES, t * device_s_per_param + chunks * ASSIST_CHUNK_S)
 
 
 def choose_assisted(uploads: Sequence[RaceUpload], alternatives: Sequence[RaceUpload | None],
