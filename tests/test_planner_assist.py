@@ -12,6 +12,8 @@ import torch
 import transformers
 
 from model_zoo import make_model
+import tinypipe.planner.assist as assist_mod
+import tinypipe.planner.cost as cost_mod
 from tinypipe import cli
 from tinypipe.devices.backend import CpuBackend
 from tinypipe.memory.device_pool import ASSIST_BUFFERS, ASSIST_CHUNK_NUMEL, DevicePool, assist_scratch_numel
@@ -27,6 +29,18 @@ from tinypipe.planner.sizes import model_sizes
 from tinypipe.schedule.plan import make_plan
 
 GIB = 2**30
+
+
+@pytest.fixture
+def no_chunk_overhead(monkeypatch: pytest.MonkeyPatch):
+    """The race without the fitted per-chunk overhead of a round trip (``ASSIST_CHUNK_S``): the
+    chooser's mechanism, independent of what the last measurement fitted."""
+    monkeypatch.setattr(assist_mod, "ASSIST_CHUNK_S", 0.0)
+    cost_mod._assisted_order.cache_clear()
+    yield
+    cost_mod._assisted_order.cache_clear()
+
+
 SCRATCH = 4 * ASSIST_CHUNK_NUMEL * 4 * ASSIST_BUFFERS  # master, two moments, gradient per chunk buffer
 
 # ------------------------------------------------------------------------- the race, by hand
@@ -130,7 +144,7 @@ def test_assisted_layers_move_their_bytes() -> None:
     assert t1.clipped_step_s > t0.clipped_step_s  # all on the link: slower than the host pass
 
 
-def test_assist_shortens_the_clipped_step_of_a_host_bound_plan() -> None:
+def test_assist_shortens_the_clipped_step_of_a_host_bound_plan(no_chunk_overhead: None) -> None:
     """The same plan with assist chosen: some blocks (not all) assisted, every one host-stepped
     before, and its clipped step shorter; the choice is what the race predicts for that plan."""
     w, sizes, plan, hw = _streamed_w1()
@@ -147,6 +161,32 @@ def test_assist_shortens_the_clipped_step_of_a_host_bound_plan() -> None:
     slowed = evaluate(sizes, slow, plan, assist_within=24 * GIB, **kw)
     assert len(slowed.plan.assisted) < len(layers)
     assert slowed.time.clipped_step_s > chosen.time.clipped_step_s
+
+
+def test_the_per_chunk_overhead_slows_assisted_uploads(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each chunk of an assisted round trip holds the upload stream ``ASSIST_CHUNK_S`` beyond its
+    bytes' link time: a layer of n trainable elements gets ceil(n / chunk) of them as device time;
+    the more it costs, the fewer layers the chooser assists and the slower the clipped step --
+    down to the host-only step where a round trip cannot beat the host."""
+    w, sizes, plan, hw = _streamed_w1()
+    kw = dict(seq=w.seq, global_batch=w.batch, max_grad_norm=1.0, assist_within=24 * GIB)
+    trains = sizes.layer_train_numels
+    chosen = []
+    for chunk_s in (0.0, 2e-4, 1e-2):
+        monkeypatch.setattr(assist_mod, "ASSIST_CHUNK_S", chunk_s)
+        cost_mod._assisted_order.cache_clear()
+        race = clipped_race(sizes, dataclasses.replace(plan, assisted=(3,)), hw, batch=w.batch, seq=w.seq)
+        up = next(u for u in race.uploads if u.layer == 3)
+        chunks = -(-trains[3] // ASSIST_CHUNK_NUMEL)
+        assert up.device_s == pytest.approx(trains[3] * cost_mod.DEVICE_ADAMW_S_PER_PARAM + chunks * chunk_s)
+        c = evaluate(sizes, hw, plan, **kw)
+        chosen.append((len(c.plan.assisted), c.time.clipped_step_s))
+    cost_mod._assisted_order.cache_clear()
+    (n0, t0), (n1, t1), (n2, t2) = chosen
+    assert n0 > n1 > n2 and t0 < t1 < t2
+    # at 10 ms a chunk a round trip is off the critical path at best: no gain left
+    plain = evaluate(sizes, hw, plan, seq=w.seq, global_batch=w.batch, max_grad_norm=1.0).time.clipped_step_s
+    assert t2 <= plain and t2 == pytest.approx(plain, rel=1e-4)
 
 
 def test_a_choice_that_is_not_faster_is_dropped() -> None:
@@ -190,7 +230,7 @@ def test_no_assist_without_clipping_or_room() -> None:
     assert "assist_scratch" not in plain.memory.devices["0:cuda:0"]
 
 
-def test_chooser_leaves_device_stepped_and_offloaded_layers_alone() -> None:
+def test_chooser_leaves_device_stepped_and_offloaded_layers_alone(no_chunk_overhead: None) -> None:
     """Resident packs and the embedding/head stepped on the GPU are never assisted (they have no
     host update); a plan with state on the SSD or with replicas assists nothing."""
     w, sizes = _w("W3")  # untied: the head is a layer of its own
