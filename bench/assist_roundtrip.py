@@ -132,7 +132,6 @@ def main(argv: list[str] | None = None) -> int:
             updates._round_trip(0, dev, h2d, h2d, 5, 1e-5, host_grad=grad, dst=slot, grad_scale=scale,
                                 extra=(0, 0))
 
-    torch.set_num_threads(torch.get_num_threads())
     hn = args.host_numel
     hp, hg, hm, hv = (torch.full((hn,), x) for x in (0.01, 1e-3, 1e-4, 1e-6))
 
@@ -153,32 +152,38 @@ def main(argv: list[str] | None = None) -> int:
     rows.append({"run": f"host AdamW alone ({hn / 1e6:.0f} M params)", "ms": host_alone * 1e3,
                  "gparams_s": hn / host_alone / 1e9})
 
-    # the round trip beside the host pass: loop round trips while one host pass runs
-    trips: list[float] = []
-    done = threading.Event()
+    # the round trip (or its copies alone) looped beside host passes, at two intra-op thread counts
+    threads = torch.get_num_threads()
+    for label, fn in (("round trip", round_trip), ("copies only", copies_only)):
+        for t in sorted({threads, max(1, threads - 4)}, reverse=True):
+            torch.set_num_threads(t)
+            trips: list[float] = []
+            done = threading.Event()
 
-    def trip_loop() -> None:
-        while not done.is_set():
-            trips.append(_timed(round_trip, streams, 0))
+            def trip_loop(fn=fn, trips=trips, done=done) -> None:
+                while not done.is_set():
+                    trips.append(_timed(fn, streams, 1))
 
-    worker = threading.Thread(target=trip_loop)
-    worker.start()
-    time.sleep(0.05)
-    beside = statistics.median(host_pass() for _ in range(3))
-    done.set()
-    worker.join()
-    rows.append({"run": "round trip beside the host pass", "ms": statistics.median(trips), "gbs":
-                 bytes_rt / statistics.median(trips) / 1e6, "trips": len(trips)})
-    rows.append({"run": "host AdamW beside round trips", "ms": beside * 1e3, "gparams_s": hn / beside / 1e9})
+            worker = threading.Thread(target=trip_loop)
+            worker.start()
+            time.sleep(0.05)
+            beside = statistics.median(host_pass() for _ in range(3))
+            done.set()
+            worker.join()
+            rows.append({"run": f"{label} beside the host pass ({t} threads)", "ms": statistics.median(trips),
+                         "gbs": bytes_rt / statistics.median(trips) / 1e6, "trips": len(trips)})
+            rows.append({"run": f"host AdamW beside {label}s ({t} threads)", "ms": beside * 1e3,
+                         "gparams_s": hn / beside / 1e9})
+    torch.set_num_threads(threads)
     ref = rows[1]["ms"]
     print(f"layer of {n / 1e6:.1f} M fp32 params, chunks of {ASSIST_CHUNK_NUMEL} x {ASSIST_BUFFERS} buffers, "
           f"torch {torch.__version__}, {torch.cuda.get_device_name(0)}")
-    print(f"{'run':40s} {'ms':>8s} {'GB/s':>7s} {'G par/s':>8s} {'/copies':>8s}")
+    print(f"{'run':50s} {'ms':>8s} {'GB/s':>7s} {'G par/s':>8s} {'/copies':>8s}")
     for r in rows:
         gbs = f"{r['gbs']:7.1f}" if "gbs" in r else " " * 7
         gp = f"{r['gparams_s']:8.2f}" if "gparams_s" in r else " " * 8
         rel = f"{r['ms'] / ref:8.2f}" if "gbs" in r else ""
-        print(f"{r['run']:40s} {r['ms']:8.2f} {gbs} {gp} {rel}")
+        print(f"{r['run']:50s} {r['ms']:8.2f} {gbs} {gp} {rel}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"numel": n, "chunk_numel": ASSIST_CHUNK_NUMEL, "buffers": ASSIST_BUFFERS,

@@ -14,6 +14,7 @@
 #   bash bench/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
 #   bash bench/gpu_calls.sh assist8 W1|W3 [tag]  # clipped with / without assisted updates + unclipped (#16)
 #   bash bench/gpu_calls.sh roundtrip9 [tag]    # one assisted round trip vs the link; W1 clipped assisted, traced
+#   bash bench/gpu_calls.sh final9 [tag]        # round trip vs host pass; W1/W3 clipped and W3 unclipped, auto
 #   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
@@ -173,6 +174,20 @@ case "${1:-}" in
       --trace "$OUT/w3_clip_assist_$T.trace.json" --json "$OUT/w3_clip_assist_$T.json" > $L/w3.log 2>&1
     for f in w1 w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/roundtrip9_$T.log"
     for f in w1 w3; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
+    cat "$OUT/assist_roundtrip_$T.log" ;;
+  final9)
+    # the round trip beside the host pass at two thread counts; then the planner's own plans with the
+    # refitted chunk overhead: W1 clipped, W3 clipped (traced: the race's forward out of sample) and
+    # W3 unclipped for the ratio. 7 files back: 4 JSON, 1 trace, 2 logs
+    T=${2:-s9}; L=/tmp/final9; mkdir -p $L
+    timeout 150 python3 bench/assist_roundtrip.py --json "$OUT/assist_roundtrip_$T.json" > "$OUT/assist_roundtrip_$T.log" 2>&1
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    timeout 120 $R W1 --steps 4 --max-grad-norm 1.0 --json "$OUT/w1_clip_$T.json" > $L/w1c.log 2>&1
+    timeout 170 $R W3 --steps 2 --max-grad-norm 1.0 --trace "$OUT/w3_clip_$T.trace.json" \
+      --json "$OUT/w3_clip_$T.json" > $L/w3c.log 2>&1
+    timeout 150 $R W3 --steps 2 --json "$OUT/w3_$T.json" > $L/w3.log 2>&1
+    for f in w1c w3c w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/final9_$T.log"
+    for f in w1c w3c w3; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
     cat "$OUT/assist_roundtrip_$T.log" ;;
   two-gpu)
     nvidia-smi -L

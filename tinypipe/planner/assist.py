@@ -53,7 +53,7 @@ ASSIST_DOWN_BYTES = 12
 #: round trip holds its upload stream beyond the link time of its bytes: the lane thread's launches
 #: between one chunk's upload and the next. Fitted by ``bench/refit_assist.py`` on the assisted
 #: blocks' first uploads in one traced run (see bench/RESULTS.md, session 9).
-ASSIST_CHUNK_S = 8.0e-4
+ASSIST_CHUNK_S = 6.1e-4
 
 
 def assistable(plan: Plan) -> frozenset[int]:
