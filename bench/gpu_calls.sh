@@ -15,6 +15,7 @@
 #   bash bench/gpu_calls.sh assist8 W1|W3 [tag]  # clipped with / without assisted updates + unclipped (#16)
 #   bash bench/gpu_calls.sh roundtrip9 [tag]    # one assisted round trip vs the link; W1 clipped assisted, traced
 #   bash bench/gpu_calls.sh final9 [tag]        # round trip vs host pass; W1/W3 clipped and W3 unclipped, auto
+#   bash bench/gpu_calls.sh final9b [tag]       # CUDA assist tests; W3 unclipped traced / assisted; W1 unclipped
 #   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
@@ -189,6 +190,19 @@ case "${1:-}" in
     for f in w1c w3c w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/final9_$T.log"
     for f in w1c w3c w3; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
     cat "$OUT/assist_roundtrip_$T.log" ;;
+  final9b)
+    # the CUDA assist tests after the step-count change; W3 unclipped traced (device times: is its
+    # backward bound by the host AdamW?) and with every 3rd block assisted after its backward; W1
+    # unclipped for the clipped/unclipped ratio of this session. 6 files back: 3 JSON, 1 trace, 2 logs
+    T=${2:-s9}; L=/tmp/final9b; mkdir -p $L
+    timeout 150 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_assist_runtime.py > "$OUT/gpu_assist_tests_$T.log" 2>&1
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    timeout 150 $R W3 --steps 2 --trace "$OUT/w3_traced_$T.trace.json" --json "$OUT/w3_traced_$T.json" > $L/w3t.log 2>&1
+    timeout 150 $R W3 --steps 2 --assist-every 3 --json "$OUT/w3_assist3_$T.json" > $L/w3a.log 2>&1
+    timeout 110 $R W1 --steps 4 --json "$OUT/w1_$T.json" > $L/w1.log 2>&1
+    for f in w3t w3a w1; do echo "===== $f"; cat $L/$f.log; done > "$OUT/final9b_$T.log"
+    for f in w3t w3a w1; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
+    tail -3 "$OUT/gpu_assist_tests_$T.log" ;;
   two-gpu)
     nvidia-smi -L
     timeout 560 python3 bench/dp_bench.py --workloads W1,W3 --auto --sharding shard --steps 3 --warmup 2 \
