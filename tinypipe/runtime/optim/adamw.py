@@ -73,7 +73,8 @@ class ChunkedAdamW:
         # tensor; made by a fill kernel: ``torch.tensor(x, device=cuda)`` copies from pageable
         # memory, which blocks this thread until everything queued before on the stream is done
         # -- an assisted round trip then stalls at every chunk (bench/assist_roundtrip.py)
-        steps = [torch.full((), float(step - 1), dtype=torch.float32, device=state.master.device) for _ in runs]
+        dev = state.master.device
+        steps = [torch.full((), float(step - 1), dtype=torch.float32, device=dev) for _ in runs]
         _adamw.adamw(
             [state.master[a:b] for a, b in runs],
             [grad[a - lo : b - lo] for a, b in runs],
