@@ -10,15 +10,25 @@ moments later, while the next backward runs. A memory-bound pass moves 28 B/para
 the split gives the same bits as one pass.
 
     python bench/adamw_split_bench.py --params 400 --threads 16,8 --json out.json
+    python bench/adamw_split_bench.py --params 400 --chunks 262144,1048576 --beside-link --json out.json
 
 Prints a table last: G params/s of the one pass, the weights pass and the moments pass.
+
+``--beside-link`` (CUDA) times each pass again while a thread keeps the link busy both ways
+(page-locked host buffers to the device and back, as a clipped step's uploads and assisted
+round trips do): in the forward after a clipped step the host pass and the link share host DRAM
+(bench/results/s9_assist_roundtrip_s9.json: the fused pass fell from 4.37 to ~3 G params/s beside
+round trips), and a weights pass reads and writes 8 B/param less of it than one pass.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import threading
 import time
+from typing import Iterator
 
 import torch
 import torch.optim.adamw as _adamw
@@ -51,7 +61,46 @@ def moments_pass(g, m, v, chunk: int, step: int, ps) -> None:
         _adamw_call(ps[: b - a], g[a:b], m[a:b], v[a:b], step, None)
 
 
-def run(n: int, chunk: int, threads: int, repeat: int) -> dict:
+@contextlib.contextmanager
+def link_traffic(enabled: bool, nbytes: int = 1 << 30) -> Iterator[dict]:
+    """While inside, a thread copies ``nbytes`` up and down at once, again and again (CUDA only);
+    yields a dict that holds the GB/s both ways together once the block ends."""
+    out: dict = {}
+    if not enabled:
+        yield out
+        return
+    import torch.cuda as cuda
+
+    up_src = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    down_dst = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    dev_a = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    dev_b = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s_up, s_down = cuda.Stream(), cuda.Stream()
+    done = threading.Event()
+    moved = [0]
+
+    def loop() -> None:
+        while not done.is_set():
+            with cuda.stream(s_up):
+                dev_a.copy_(up_src, non_blocking=True)
+            with cuda.stream(s_down):
+                down_dst.copy_(dev_b, non_blocking=True)
+            s_up.synchronize()
+            s_down.synchronize()
+            moved[0] += 2 * nbytes
+
+    worker = threading.Thread(target=loop)
+    t0 = time.perf_counter()
+    worker.start()
+    try:
+        yield out
+    finally:
+        done.set()
+        worker.join()
+        out["link_gbs"] = moved[0] / (time.perf_counter() - t0) / 1e9
+
+
+def run(n: int, chunk: int, threads: int, repeat: int, beside_link: bool = False) -> dict:
     torch.set_num_threads(threads)
     gen = torch.Generator().manual_seed(0)
     p0 = torch.randn(n, generator=gen)
@@ -68,19 +117,21 @@ def run(n: int, chunk: int, threads: int, repeat: int) -> dict:
     moments_pass(g2, m2, v2, chunk, 3, ps)
     same = bool(torch.equal(p, p2) and torch.equal(m, m2) and torch.equal(v, v2) and torch.equal(g, g2))
     times = {"one_pass": [], "weights_pass": [], "moments_pass": []}
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        one_pass(p, g, m, v, chunk, 3, None)
-        times["one_pass"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        weights_pass(p, g, m, v, chunk, 3, None, ms, vs)
-        times["weights_pass"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        moments_pass(g, m, v, chunk, 3, ps)
-        times["moments_pass"].append(time.perf_counter() - t0)
+    with link_traffic(beside_link) as link:
+        for _ in range(repeat):
+            t0 = time.perf_counter()
+            one_pass(p, g, m, v, chunk, 3, None)
+            times["one_pass"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            weights_pass(p, g, m, v, chunk, 3, None, ms, vs)
+            times["weights_pass"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            moments_pass(g, m, v, chunk, 3, ps)
+            times["moments_pass"].append(time.perf_counter() - t0)
     best = {k: min(t) for k, t in times.items()}
-    return {"params": n, "chunk": chunk, "threads": threads, "bit_identical": same,
-            "seconds": best, "gparams_per_s": {k: n / s / 1e9 for k, s in best.items()}}
+    return {"params": n, "chunk": chunk, "threads": threads, "bit_identical": same, "beside_link": beside_link,
+            "link_gbs": link.get("link_gbs"), "seconds": best,
+            "gparams_per_s": {k: n / s / 1e9 for k, s in best.items()}}
 
 
 def main() -> None:
@@ -89,17 +140,22 @@ def main() -> None:
     ap.add_argument("--threads", default=str(torch.get_num_threads()), help="comma list")
     ap.add_argument("--chunks", default="1048576,4194304", help="comma list of elements per call")
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--beside-link", action="store_true", help="also time each beside link traffic (CUDA)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     n = int(a.params * 1e6)
-    rows = [run(n, int(c), int(t), a.repeat) for t in a.threads.split(",") for c in a.chunks.split(",")]
+    modes = (False, True) if a.beside_link else (False,)
+    rows = [run(n, int(c), int(t), a.repeat, link) for t in a.threads.split(",") for c in a.chunks.split(",")
+            for link in modes]
     if a.json:
         with open(a.json, "w") as f:
             json.dump(rows, f, indent=1)
-    print(f"{'threads':>7} {'chunk':>9} {'one pass':>9} {'weights':>9} {'moments':>9}  G params/s; bits equal")
+    print(f"{'threads':>7} {'chunk':>9} {'link GB/s':>9} {'one pass':>9} {'weights':>9} {'moments':>9}"
+          "  G params/s; bits equal")
     for r in rows:
         gp = r["gparams_per_s"]
-        print(f"{r['threads']:>7} {r['chunk']:>9} {gp['one_pass']:>9.2f} {gp['weights_pass']:>9.2f} "
+        link = f"{r['link_gbs']:9.1f}" if r["link_gbs"] is not None else f"{'-':>9}"
+        print(f"{r['threads']:>7} {r['chunk']:>9} {link} {gp['one_pass']:>9.2f} {gp['weights_pass']:>9.2f} "
               f"{gp['moments_pass']:>9.2f}  {r['bit_identical']}")
 
 
