@@ -16,6 +16,7 @@
 #   bash bench/gpu_calls.sh roundtrip9 [tag]    # one assisted round trip vs the link; W1 clipped assisted, traced
 #   bash bench/gpu_calls.sh final9 [tag]        # round trip vs host pass; W1/W3 clipped and W3 unclipped, auto
 #   bash bench/gpu_calls.sh final9b [tag]       # CUDA assist tests; W3 unclipped traced / assisted; W1 unclipped
+#   bash bench/gpu_calls.sh final9c [tag]       # blocking CUDA events: W3 clipped, W1 unclipped and clipped
 #   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
@@ -203,6 +204,16 @@ case "${1:-}" in
     for f in w3t w3a w1; do echo "===== $f"; cat $L/$f.log; done > "$OUT/final9b_$T.log"
     for f in w3t w3a w1; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
     tail -3 "$OUT/gpu_assist_tests_$T.log" ;;
+  final9c)
+    # blocking CUDA events (waiting lanes sleep, not spin): W3 clipped, W1 unclipped, W1 clipped,
+    # the planner's plans. 4 files back: 3 JSON, one log
+    T=${2:-s9c}; L=/tmp/final9c; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    timeout 130 $R W3 --steps 2 --max-grad-norm 1.0 --json "$OUT/w3_clip_$T.json" > $L/w3c.log 2>&1
+    timeout 70 $R W1 --steps 3 --json "$OUT/w1_$T.json" > $L/w1.log 2>&1
+    timeout 80 $R W1 --steps 3 --max-grad-norm 1.0 --json "$OUT/w1_clip_$T.json" > $L/w1c.log 2>&1
+    for f in w3c w1 w1c; do echo "===== $f"; cat $L/$f.log; done > "$OUT/final9c_$T.log"
+    for f in w3c w1 w1c; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done ;;
   two-gpu)
     nvidia-smi -L
     timeout 560 python3 bench/dp_bench.py --workloads W1,W3 --auto --sharding shard --steps 3 --warmup 2 \

@@ -78,7 +78,11 @@ class CudaBackend(Backend):
         return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
     def record_event(self, stream: object, timing: bool = False) -> object | None:
-        event = torch.cuda.Event(enable_timing=timing)
+        # blocking: a thread waiting on it sleeps instead of spinning a core (CUDA spins by
+        # default with one context on a many-core host), so the host AdamW's OpenMP team is not
+        # left waiting on a core a waiting lane holds (bench/results/s9_adamw_split_link_s9.json:
+        # one spinning copy thread took the fused pass from 4.14 to 1.90 G params/s)
+        event = torch.cuda.Event(enable_timing=timing, blocking=True)
         event.record(stream)  # type: ignore[arg-type]
         return event
 
