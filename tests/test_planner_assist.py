@@ -146,14 +146,19 @@ def test_assisted_layers_move_their_bytes() -> None:
 
 def test_assist_shortens_the_clipped_step_of_a_host_bound_plan(no_chunk_overhead: None) -> None:
     """The same plan with assist chosen: some blocks (not all) assisted, every one host-stepped
-    before, and its clipped step shorter; the choice is what the race predicts for that plan."""
-    w, sizes, plan, hw = _streamed_w1()
+    before, and its clipped step shorter; the choice is what the race predicts for that plan. With
+    the host-DRAM floor (planner/dram.py, the preset's rate) the gain is smaller: both the host pass
+    and the round trips move the state through host memory."""
+    w, sizes, plan, floored = _streamed_w1()
+    hw = dataclasses.replace(floored, host_dram_gbs=None)  # the race alone
     kw = dict(seq=w.seq, global_batch=w.batch, max_grad_norm=1.0)
     plain = evaluate(sizes, hw, plan, **kw)
     chosen = evaluate(sizes, hw, plan, assist_within=24 * GIB, **kw)
     layers = chosen.plan.assisted
     assert 0 < len(layers) < sizes.num_blocks and set(layers) <= assistable(plan)
     assert chosen.time.clipped_step_s < 0.9 * plain.time.clipped_step_s
+    held = evaluate(sizes, floored, plan, assist_within=24 * GIB, **kw).time.clipped_step_s
+    assert chosen.time.clipped_step_s < held < plain.time.clipped_step_s
     assert chosen.time.step_s == plain.time.step_s
     assert evaluate(sizes, hw, chosen.plan, **kw).time.clipped_step_s == chosen.time.clipped_step_s
     # a slower d2h lane leaves less room for the downloads: fewer layers assisted, a slower step
@@ -203,8 +208,9 @@ def test_a_choice_that_is_not_faster_is_dropped() -> None:
     layers, _ = choose_assisted(race.uploads, race.alternatives, race.pack_forward_s, **race.kwargs)
     plain = predict_step_time(sizes, plan, fast_host, **kw)
     assert layers == (sizes.num_blocks + 1,)
+    # no shorter but for the host-DRAM floor's 4 B x 3072 (planner/dram.py): a rounding, not a gain
     assert predict_step_time(sizes, dataclasses.replace(plan, assisted=layers), fast_host,
-                             **kw).clipped_step_s >= plain.clipped_step_s
+                             **kw).clipped_step_s >= plain.clipped_step_s - 1e-6
     chosen = predict_step_time(sizes, plan, fast_host, assist=True, **kw)
     assert chosen.assisted == () and chosen.clipped_step_s == plain.clipped_step_s
     _, _, streamed, _ = _streamed_w1()
@@ -213,11 +219,13 @@ def test_a_choice_that_is_not_faster_is_dropped() -> None:
     assert t.forward_limit == "stash download" and t.assisted == ()
 
 
-def test_no_assist_without_clipping_or_room() -> None:
+def test_no_assist_without_clipping_or_room(no_chunk_overhead: None) -> None:
     """No clipping on the H200 preset: its backward is compute-bound, nothing assisted (see the
     CPU-starved box below). A budget one byte short of the plan plus its scratch: none; exactly
-    that: assisted, and the estimate holds the scratch on the device."""
+    that: assisted, and the estimate holds the scratch on the device (the race alone: no chunk
+    overhead, no DRAM floor -- what is tested is the room)."""
     w, sizes, plan, hw = _streamed_w1()
+    hw = dataclasses.replace(hw, host_dram_gbs=None)
     kw = dict(seq=w.seq, global_batch=w.batch)
     assert evaluate(sizes, hw, plan, assist_within=24 * GIB, **kw).plan.assisted == ()
     plain = evaluate(sizes, hw, plan, max_grad_norm=1.0, **kw)

@@ -81,6 +81,7 @@ from tinypipe.planner.assist import (
     choose_assisted,
 )
 from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_forward_end
+from tinypipe.planner.dram import clipped_forward_dram
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 
@@ -732,11 +733,21 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         terms = dict(f_terms, **(_forward_terms(a_lanes, slowdown, rates) if layers else {}))
         return fill + fill_extra / rates.h2d, terms
 
+    def dram_floor(layers: tuple[int, ...]) -> float:
+        """The forward after a clipped step moves the host-held layers' state through host memory
+        (:mod:`tinypipe.planner.dram`): no shorter than its bytes at the host's DRAM rate."""
+        if not hw.host_dram_gbs:
+            return 0.0
+        win = clipped_forward_dram(sizes, dataclasses.replace(plan, assisted=layers),
+                                   stash_bytes=w.stash_bytes, upload_bytes=UPLOAD_BYTES,
+                                   frozen_bytes=packs.frozen_bytes)
+        return win.seconds(hw.host_dram_gbs)
+
     def raced(layers: tuple[int, ...], race: RaceResult) -> float:
         a_fill, terms = roofline(layers)
         # the head runs once the forward is done and its own update and upload are, and the
         # assisted layers' state is back down
-        ends = (race.forward_end_s, race.uploads_end_s, race.downloads_end_s)
+        ends = (race.forward_end_s, race.uploads_end_s, race.downloads_end_s, dram_floor(layers))
         return (max(a_fill + max(terms.values()), *ends) + head + no_opt + last_chunk
                 + dev.train * DEVICE_ADAMW_S_PER_PARAM)
 
@@ -754,7 +765,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
             alts = tuple(a if a is not None and a.layer in allowed else None for a in setup.alternatives)
             layers, walked = choose_assisted(setup.uploads, alts, setup.pack_forward_s, **setup.kwargs)
             faster = raced(layers, walked)
-            if layers and faster < clipped:
+            if layers and faster < clipped - 1e-6:  # a gain, not a rounding of the same bound
                 clipped, assisted = faster, layers
     return StepTime(
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,

@@ -55,6 +55,10 @@ class HardwareSpec:
     layer_profile: LayerProfile | None = None  # measured per-layer times (tinypipe profile)
     ssd_read_gbps: float | None = None  # the offload directory's direct-I/O read rate, GB/s
     ssd_write_gbps: float | None = None  # ... and write rate (None: unknown)
+    #: host memory bandwidth the CPU and the DMA engines share, GB/s (None: unknown, no floor):
+    #: the forward after a clipped step moves every host-held layer's AdamW state through it
+    #: (:mod:`tinypipe.planner.dram`)
+    host_dram_gbs: float | None = None
 
     def tflops(self, precision: str) -> float:
         if precision == "fp32":
@@ -79,10 +83,12 @@ HARDWARE: dict[str, HardwareSpec] = {
         # bf16: 525 TFLOP/s fitted on one compiled-block run (QLoRA, Llama-3.1-8B shape, 3.027 s/step,
         # bench/results/s4_qlora_8b.json) and checked on runs not fitted on: W1 full FT -0.6 %, 8B bf16
         # LoRA -4.8 %, 70B QLoRA +9.7 % (python bench/fit_h200_rate.py); 400 was HF's eager blocks
+        # host DRAM: 155 GB/s shared by the host AdamW and the DMA engines (planner/dram.py: two
+        # benchmarks, bench/results/s9_assist_roundtrip_s9.json and s9_adamw_split_link_s9.json)
         HardwareSpec("h200-pcie5", 140 * GiB, 55.5, 55.3, 101.0, 525.0, 4.1, fp32_tflops=35.0,
                      description="H200 on PCIe 5.0 x16, 16-core host (measured here, compiled blocks; "
-                                 "its disk too)",
-                     ssd_read_gbps=H200_BOX_SSD[0], ssd_write_gbps=H200_BOX_SSD[1]),
+                                 "its disk and host memory too)",
+                     ssd_read_gbps=H200_BOX_SSD[0], ssd_write_gbps=H200_BOX_SSD[1], host_dram_gbs=155.0),
         HardwareSpec("rtx4090-pcie4", 24 * GiB, 25.0, 25.0, 45.0, 90.0, 2.0, fp32_tflops=40.0,
                      description="RTX 4090 on PCIe 4.0 x16, desktop/workstation CPU", **_GEN4),
         HardwareSpec("rtx3090-pcie4", 24 * GiB, 22.0, 22.0, 38.0, 35.0, 2.0, fp32_tflops=18.0,
@@ -96,7 +102,8 @@ HARDWARE: dict[str, HardwareSpec] = {
     )
 }
 
-_OPTIONAL = ("fp32_tflops", "description", "layer_profile", "ssd_read_gbps", "ssd_write_gbps")
+_OPTIONAL = ("fp32_tflops", "description", "layer_profile", "ssd_read_gbps", "ssd_write_gbps",
+             "host_dram_gbs")
 
 
 def _from_dict(d: dict, default_name: str) -> HardwareSpec:
@@ -132,7 +139,7 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
             d[k] = float(d[k])
             if not d[k] > 0:
                 raise ConfigError(f"hardware file: {k} must be > 0, got {d[k]}")
-        for k in ("fp32_tflops", "ssd_read_gbps", "ssd_write_gbps"):
+        for k in ("fp32_tflops", "ssd_read_gbps", "ssd_write_gbps", "host_dram_gbs"):
             if d.get(k) is not None:
                 d[k] = float(d[k])
                 if not d[k] > 0:

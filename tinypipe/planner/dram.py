@@ -1,0 +1,74 @@
+"""Host DRAM traffic of the forward that follows a clipped step, and the floor it puts on it (#16).
+
+When clipping triggers, every host-stepped layer's AdamW waits for the global norm and runs ahead
+of the next forward, which follows it layer by layer (:mod:`tinypipe.planner.clipped`); the
+layers in ``Plan.assisted`` make a round trip to their device instead. Everything then in flight
+reads or writes host memory at once: the host pass (:data:`ADAMW_DRAM_BYTES` per parameter), the
+uploads, the assisted round trips and the host-stashed activations' moves. On the H200 box the
+sum stayed near 155 GB/s however it was split between the CPU and the DMA engines (the
+``h200-pcie5`` preset's ``host_dram_gbs``):
+
+* ``bench/results/s9_assist_roundtrip_s9.json``: round trips at 67.5 GB/s beside a host pass at
+  3.24 G params/s (90.6 GB/s), copies at 71.8 beside 2.95 G params/s (82.7): 158 and 155 GB/s;
+* ``bench/results/s9_adamw_split_link_s9.json``: the link copying at 90.7 GB/s beside a pass at
+  1.90 G params/s (53.2 GB/s): 144 GB/s; the pass alone ran 4.14-4.37 G params/s (116-122 GB/s).
+
+So that forward lasts at least ``bytes / DRAM rate``: whether the host or the GPU steps a layer,
+its state crosses host memory (28 B/param either way, plus the host-stepped layer's 4 B/param
+upload); only state that lives on the GPU (resident packs, ``device_optimizer``) stays out of it.
+:func:`clipped_forward_dram` counts the bytes of a plan; the cost model's clipped step is at least
+that long where the hardware states ``host_dram_gbs``; ``bench/dram_window.py`` checks the floor
+against measured clipped steps.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES
+from tinypipe.planner.sizes import ModelSizes
+from tinypipe.schedule.plan import Plan
+
+#: Host memory one fused AdamW step on fp32 moves per parameter: master, both moments and the
+#: gradient read (16 B), master and moments written (12 B).
+ADAMW_DRAM_BYTES = 28
+
+
+@dataclass(frozen=True)
+class DramWindow:
+    """Trainable elements the host steps and the device steps after a clipped step, and the host
+    DRAM bytes the next forward moves: the host pass, the uploads, the assisted round trips and
+    the host-stashed activations written down and read back."""
+
+    host_stepped: int
+    assisted: int
+    bytes: int
+
+    def seconds(self, dram_gbs: float) -> float:
+        """The floor on that forward at ``dram_gbs`` GB/s."""
+        return self.bytes / (dram_gbs * 1e9)
+
+
+def clipped_forward_dram(sizes: ModelSizes, plan: Plan, *, stash_bytes: int, upload_bytes: int,
+                         frozen_bytes: int = 2) -> DramWindow:
+    """The DRAM window of ``plan`` (module docstring): layers stepped on their device (resident
+    packs, ``device_optimizer``) move nothing; a host-stepped layer's trainable elements go up at
+    ``upload_bytes`` each (the cost model's ``UPLOAD_BYTES``), frozen ones at ``frozen_bytes``;
+    ``stash_bytes``: one host-stashed pack input (tokens x hidden x the compute element size)."""
+    on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
+    assisted = set(plan.assisted)
+    host = dev = total = 0
+    for layer, (numel, train) in enumerate(zip(sizes.layer_numels, sizes.layer_train_numels)):
+        if layer in on_device:
+            continue
+        total += (numel - train) * frozen_bytes
+        if layer in assisted:
+            dev += train
+            total += train * (ASSIST_UP_BYTES + ASSIST_DOWN_BYTES)
+        else:
+            host += train
+            total += train * (ADAMW_DRAM_BYTES + upload_bytes)
+    stashed = sum(1 for q in range(1, plan.num_packs + 1)
+                  if q < len(plan.stash_on_host) and plan.stash_on_host[q])
+    total += stashed * 2 * stash_bytes  # written down, read back up
+    return DramWindow(host_stepped=host, assisted=dev, bytes=total)
