@@ -8,7 +8,8 @@ Prints a table last; ``--json FILE`` writes everything, ``--trace FILE`` the las
 Chrome/Perfetto timeline (per device stream and host worker). Each run prints the planner's
 prediction for the plan it ran (the clipped step's when its timed steps clipped), the physical bound
 three ways (compute without recompute, with the plan's, with the least the GPU budget forces: JSON
-``bound``) and the last step decomposed into compute, recompute (measured sub-spans with ``--trace``,
+``bound``; with ``--max-grad-norm`` also the host-memory bytes of the forward after a clipped step
+and the floor they set, ``bound.clipped_dram``, planner/dram.py) and the last step decomposed into compute, recompute (measured sub-spans with ``--trace``,
 else split by the time model), exposed transfers and optimizer, and idle, with its phases next to
 the prediction's (JSON ``decomposition``; device times with ``--trace``, host launch times
 otherwise). ``--clip-compare`` runs the workload twice in one call, without clipping and then with
@@ -45,6 +46,8 @@ from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: 
 from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
 from tinypipe.planner.auto import hardware_for, resolve_plan  # noqa: E402
 from tinypipe.planner.candidate import Candidate, evaluate  # noqa: E402
+from tinypipe.planner.cost import UPLOAD_BYTES  # noqa: E402
+from tinypipe.planner.dram import clipped_forward_dram  # noqa: E402
 from tinypipe.planner.hardware import HardwareSpec  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
 from tinypipe.schedule.plan import Plan  # noqa: E402
@@ -131,6 +134,19 @@ def _load_plan(path: str) -> Plan:
     data = json.loads(Path(path).read_text())
     return Plan.from_json(json.dumps(data.get("plan", data) if isinstance(data, dict) and "packs" not in data
                                      else data))
+
+
+def _clipped_dram(engine: tinypipe.Engine, model: torch.nn.Module, w, hw: HardwareSpec) -> dict:
+    """The host-memory bytes of the forward after a clipped step for the plan run
+    (:mod:`tinypipe.planner.dram`) and the floor they set at the hardware's ``host_dram_gbs``
+    (None where it states none)."""
+    sizes = model_sizes(model.config)
+    act = 4 if engine.config.precision == "fp32" else 2
+    win = clipped_forward_dram(sizes, engine.plan, stash_bytes=w.tokens * sizes.hidden * act,
+                               upload_bytes=UPLOAD_BYTES, frozen_bytes=act)
+    gbs = hw.host_dram_gbs
+    return {"bytes": win.bytes, "host_stepped": win.host_stepped, "assisted": win.assisted, "dram_gbs": gbs,
+            "floor_s": win.seconds(gbs) if gbs else None}
 
 
 def _every_kth_assisted(model: torch.nn.Module, cfg: tinypipe.Config, k: int) -> Plan:
@@ -316,6 +332,10 @@ def run(a: argparse.Namespace) -> dict:
     hw = hardware_for(engine.config)
     limit = _keep_limit(engine, model, cand, w, _gpu_budget(a, devices), hw)
     out["bound"] = {"keep_limit": limit.as_dict()}
+    dram = None
+    if a.max_grad_norm is not None:  # the forward after a clipped step: its host-memory traffic
+        dram = _clipped_dram(engine, model, w, hw)
+        out["bound"]["clipped_dram"] = dram
     if rates is not None:
         bound = step_bound(params, block_params, head_params, dec.num_blocks, int(model.config.hidden_size),
                            w.seq, w.batch, rates,
@@ -365,6 +385,12 @@ def run(a: argparse.Namespace) -> dict:
                 print(f"  bound with only the recompute memory forces {bound.forced_bound_s:.3f} s/step "
                       f"-> measured/that = {sec / bound.forced_bound_s:.2f}")
     print(f"  memory: {limit.describe()}")
+    if dram is not None:
+        floor = f" -> at least {dram['floor_s']:.3f} s at {dram['dram_gbs']:g} GB/s" if dram["floor_s"] else ""
+        fwd = (decomposition or {}).get("phases", {}).get("forward")
+        seen = f" (measured forward phase {fwd:.3f} s)" if fwd is not None else ""
+        print(f"  after a clipped step the forward moves {dram['bytes'] / 1e9:.1f} GB through host memory"
+              f"{floor}{seen}")
     if offload_text is not None:
         print(f"  {offload_text}")
     if decomposition is not None:

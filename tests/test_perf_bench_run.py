@@ -57,6 +57,13 @@ def test_tiny_run_with_every_second_block_assisted(tmp_path: Path, clip: str | N
     blocks = sum(len(p) for p in rec["plan"]["packs"])
     assert rec["plan"]["assisted"] == list(range(2, blocks + 1, 2))
     assert len(rec["losses"]) == 3 and all(loss == loss for loss in rec["losses"])
+    dram = rec["bound"].get("clipped_dram")
+    if clip is None:
+        assert dram is None
+    else:  # the forward after a clipped step: its host traffic (no DRAM rate for a CPU device)
+        assert dram["assisted"] > 0 and dram["host_stepped"] > 0
+        assert dram["bytes"] >= 32 * dram["host_stepped"] + 28 * dram["assisted"]
+        assert dram["floor_s"] is None or dram["floor_s"] > 0
 
 
 def test_plan_file_reruns_a_measured_plan(tmp_path: Path) -> None:
