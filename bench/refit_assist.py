@@ -82,7 +82,7 @@ def fit(run: dict, trace: dict, hardware: str) -> tuple[float, list[dict]]:
         if not u.down_bytes or u.layer not in measured:
             continue
         link = max(u.up_bytes / k["h2d"] + u.device_s, (u.up_bytes + u.down_bytes) / k["bidir"])
-        chunks = -(-u.down_bytes // (4 * 3 * ASSIST_CHUNK_NUMEL))  # 12 B/param down
+        chunks = -(-u.down_bytes // (assist.ASSIST_DOWN_BYTES * ASSIST_CHUNK_NUMEL))
         rows.append({"layer": u.layer, "measured_s": measured[u.layer], "link_s": link, "chunks": chunks,
                      "per_chunk_s": (measured[u.layer] - link) / chunks, "first": u.layer == first})
     fitted = statistics.median(r["per_chunk_s"] for r in rows if not r["first"])

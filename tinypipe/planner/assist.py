@@ -17,12 +17,11 @@ the choice only if its clipped step, raced with it, is shorter; the search
 (:mod:`tinypipe.planner.search`) keeps it only if the plan still fits with the scratch every device
 then holds (:func:`tinypipe.memory.device_pool.assist_scratch_numel`, 192 MiB).
 
-Measured before this existed (H200, session 7, bench/results/s7_*_final.json): W1 clipped ran
-0.87x its unclipped speed (1.926 vs 1.684 s), W3 0.78x (4.219 vs 3.292 s). Predicted with it on
-h200-pcie5 at 24 GiB: W1 1.822 s clipped (2.012 without, 1.752 unclipped), W3 3.821 s (4.428,
-3.559). Not modelled: the assisted transfers read and write host DRAM (28 B/param) while the host
-pass streams it too; ``CLIPPED_ADAMW_EFFICIENCY`` was fitted with 4 B/param uploads beside the
-pass, so a measured step slower than predicted would point there first.
+Measured on the H200 at 24 GiB with the planner's choice (session 9, bench/results/s9_*): W1
+clipped 1.818 s (0.93x its unclipped 1.692), W3 3.801 s (0.85x its 3.236); the host pass alone
+ran 1.889 and 4.336 s in session 8. Each round trip holds its upload stream
+:data:`ASSIST_CHUNK_S` per chunk beyond its bytes' link time (fitted); and host pass and round
+trips share host DRAM, whose floor (:mod:`tinypipe.planner.dram`) the cost model applies too.
 
 Without clipping an assisted layer is stepped right after its backward (its state's round trip,
 12 B/param each way, replaces the 4 B/param gradient download): the backward's host AdamW term

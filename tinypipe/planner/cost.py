@@ -738,9 +738,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         (:mod:`tinypipe.planner.dram`): no shorter than its bytes at the host's DRAM rate."""
         if not hw.host_dram_gbs:
             return 0.0
-        win = clipped_forward_dram(sizes, dataclasses.replace(plan, assisted=layers),
-                                   stash_bytes=w.stash_bytes, upload_bytes=UPLOAD_BYTES,
-                                   frozen_bytes=packs.frozen_bytes)
+        win = clipped_forward_dram(sizes, plan, stash_bytes=w.stash_bytes, upload_bytes=UPLOAD_BYTES,
+                                   frozen_bytes=packs.frozen_bytes, assisted=layers)
         return win.seconds(hw.host_dram_gbs)
 
     def raced(layers: tuple[int, ...], race: RaceResult) -> float:

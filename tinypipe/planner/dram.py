@@ -24,6 +24,7 @@ against measured clipped steps.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Iterable
 
 from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES
 from tinypipe.planner.sizes import ModelSizes
@@ -50,13 +51,15 @@ class DramWindow:
 
 
 def clipped_forward_dram(sizes: ModelSizes, plan: Plan, *, stash_bytes: int, upload_bytes: int,
-                         frozen_bytes: int = 2) -> DramWindow:
+                         frozen_bytes: int = 2, assisted: Iterable[int] | None = None) -> DramWindow:
     """The DRAM window of ``plan`` (module docstring): layers stepped on their device (resident
     packs, ``device_optimizer``) move nothing; a host-stepped layer's trainable elements go up at
     ``upload_bytes`` each (the cost model's ``UPLOAD_BYTES``), frozen ones at ``frozen_bytes``;
-    ``stash_bytes``: one host-stashed pack input (tokens x hidden x the compute element size)."""
+    ``stash_bytes``: one host-stashed pack input (tokens x hidden x the compute element size);
+    ``assisted``: the layers stepped on their device instead of ``plan.assisted`` (a chooser's
+    candidate set, without a copy of the plan)."""
     on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
-    assisted = set(plan.assisted)
+    assisted = set(plan.assisted if assisted is None else assisted)
     host = dev = total = 0
     for layer, (numel, train) in enumerate(zip(sizes.layer_numels, sizes.layer_train_numels)):
         if layer in on_device:
