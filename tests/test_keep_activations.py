@@ -3,10 +3,12 @@ the device and its backward differentiates it -- no recompute, no stash read, no
 
 Training through kept packs must equal plain PyTorch (fp32, 1e-5 relative per step, weights 1e-5,
 the update vector 1e-4, as tests/test_equivalence.py) -- resident packs kept, the last pack kept
-across the forward->backward turn, kept packs mixed with recomputed ones, several forward
-micro-batches per backward one, two devices, clipping -- and equal the same engine without keeping
-bit for bit where the backward micro-batches are the forward ones (dropout included). A graph whose
-weights were overwritten between forward and backward must not go unnoticed.
+across the forward->backward turn, streamed packs kept (their slots refilled before their
+backward: the graph re-reads its weights from the backward's slots, runtime/weight_refs.py), kept
+packs mixed with recomputed ones, several forward micro-batches per backward one, two devices,
+clipping -- and equal the same engine without keeping bit for bit where the backward micro-batches
+are the forward ones (dropout included). Without the weight references a streamed pack's graph
+reads overwritten slots, and that must not pass as exact.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from reference import compare, randomize_biases, train_both
 from test_dropout import gpt2_with_dropout, llama_lora_with_dropout, run_against_reference
 from tinypipe.errors import ConfigError, WorkerError
 from tinypipe.schedule.builder import build_schedule
+from tinypipe.schedule.ids import Kind
 from tinypipe.schedule.plan import make_plan
-from tinypipe.schedule.validate import validate
+from tinypipe.schedule.validate import _check_kept, validate
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
 BATCH, SEQ, STEPS = 5, 12, 3
@@ -44,18 +47,30 @@ def run_both(family: str, cfg: dict, layers: int = 4) -> tinypipe.Engine:
 
 
 KEPT = {
-    # the last pack, its slots carried across the turn, is the only one kept
-    "turn_packs2_mb2": (dict(devices=["cpu"], pack_size=2, micro_batch_size=2, keep_activations=True), (1,)),
+    # the last pack alone, its slots carried across the turn
+    "turn_packs2_mb2": (dict(devices=["cpu"], pack_size=2, micro_batch_size=2,
+                             keep_activations=[False, True]), (1,)),
+    # every pack (True): pack 0 is streamed, its slots refilled before its backward
+    "all_packs2_mb2": (dict(devices=["cpu"], pack_size=2, micro_batch_size=2, keep_activations=True), (0, 1)),
     # resident packs kept, the last one recomputed; clipping triggers
     "resident_layerwise_clip": (dict(devices=["cpu"], pack_size=1, micro_batch_size=2, resident_packs=2,
                                      keep_activations=[True, True, False, False], max_grad_norm=0.5), (0, 1)),
-    # resident + turn kept, the middle recomputed from a host stash; each backward micro-batch is
-    # two forward ones (each graph differentiated on its own rows)
+    # resident, streamed and turn packs kept, pack 2 recomputed from a host stash; each backward
+    # micro-batch is two forward ones (each graph differentiated on its own rows)
     "mixed_mb1_bwd2_host_stash": (dict(devices=["cpu"], pack_size=1, micro_batch_size=1,
                                        backward_micro_batch_size=2, resident_packs=1, stash="host",
-                                       keep_activations=True, prefetch_window=2), (0, 3)),
+                                       keep_activations=[True, True, False, True], prefetch_window=2), (0, 1, 3)),
+    # streamed packs kept layer-wise with one slot of read-ahead: their slots are refilled by
+    # other layers before their backward, which re-uploads them into the same slots
+    "streamed_layerwise_window1_clip": (dict(devices=["cpu"], pack_size=1, micro_batch_size=2,
+                                             prefetch_window=1, keep_activations=[True, True, False, False],
+                                             max_grad_norm=0.5), (0, 1)),
+    # window 2: the backward of packs 1 and 2 runs in other slots than their forward
+    # (test_a_streamed_backward_runs_in_other_slots)
+    "streamed_other_slots": (dict(devices=["cpu"], pack_size=1, micro_batch_size=2, prefetch_window=2,
+                                  keep_activations=[False, True, True, False]), (1, 2)),
     "uneven_packs_window0": (dict(devices=["cpu"], pack_size=[1, 2, 1], micro_batch_size=3, resident_packs=1,
-                                  keep_activations=True, prefetch_window=0, max_grad_norm=100.0), (0, 2)),
+                                  keep_activations=True, prefetch_window=0, max_grad_norm=100.0), (0, 1, 2)),
 }
 
 
@@ -70,14 +85,38 @@ def test_kept_packs_match_pytorch(family: str, name: str) -> None:
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 def test_two_devices_kept_match_pytorch(family: str) -> None:
-    """cpu,cpu: resident pack 0 (forward and backward on device 1) and the last pack (device 0,
-    carried across the turn) kept, the rest recomputed; clipping triggers."""
+    """cpu,cpu: resident pack 0, streamed pack 1 and the last pack (carried across the turn) kept,
+    each on the device its forward and backward share; clipping triggers."""
     cfg = dict(devices=["cpu", "cpu"], pack_size=2, micro_batch_size=2, resident_packs=1,
                keep_activations=True, max_grad_norm=0.5)
     engine = run_both(family, cfg, layers=6)
-    assert engine.plan.keepable_packs() == (0, 2) and engine.plan.kept(0) and engine.plan.kept(2)
-    assert not engine.plan.kept(1)
+    assert engine.plan.fixed_slot_packs() == (0, 2)
+    assert all(engine.plan.kept(q) for q in range(3))
     engine.close()
+
+
+def test_four_devices_keep_streamed_packs_whose_backward_stays() -> None:
+    """cpu x4, layer-wise: the packs whose forward and backward land on one device keep (their
+    slots there refilled meanwhile), the others recompute."""
+    cfg = dict(devices=["cpu"] * 4, pack_size=1, micro_batch_size=2, keep_activations=True, max_grad_norm=0.5)
+    engine = run_both("llama", cfg, layers=6)
+    kept = [q for q in range(engine.plan.num_packs) if engine.plan.kept(q)]
+    assert kept == list(engine.plan.keepable_packs()) and 0 < len(kept) < engine.plan.num_packs
+    assert any(q not in engine.plan.fixed_slot_packs() for q in kept)
+    engine.close()
+
+
+def test_a_streamed_backward_runs_in_other_slots() -> None:
+    """The plan of KEPT's ``streamed_other_slots``: kept packs 1 and 2 compute their backward in
+    other slots than their forward (so their graphs re-read the weights from elsewhere)."""
+    cfg, kept = KEPT["streamed_other_slots"]
+    plan = make_plan(4, num_devices=1, tied=False, backward_micro_batch_size=2, stash="device",
+                     **{k: v for k, v in cfg.items() if k not in ("devices",)})
+    sched = build_schedule(plan, BATCH, False)
+    for q in kept:
+        fwd = {t.slots for t in sched.tasks.values() if t.kind is Kind.FWD and t.pack == q}
+        bwd = {t.slots for t in sched.tasks.values() if t.kind is Kind.BWD and t.pack == q}
+        assert len(fwd) == len(bwd) == 1 and fwd != bwd
 
 
 def _train(model: torch.nn.Module, cfg: dict, batches: list[dict]) -> tuple[list, dict]:
@@ -129,39 +168,36 @@ def test_kept_lora_dropout_matches_peft() -> None:
     engine.close()
 
 
-def test_a_graph_whose_weights_changed_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keeping a streamed pack's graph (its slots are refilled before its backward) with the
-    validator switched off: the run must not pass as exact -- autograd sees its saved weights
-    overwritten, or the gradients differ from the reference."""
-    import tinypipe.runtime.engine as engine_mod
+def test_without_weight_references_a_streamed_graph_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeping a streamed pack's graph with the weight references switched off (its saved weights
+    stay views of the forward's slots, refilled before the backward): the run must not pass as
+    exact -- so the references are what makes test_kept_packs_match_pytorch pass."""
+    import contextlib
 
-    monkeypatch.setattr(engine_mod, "validate", lambda sched: None)
+    from reference import assert_steps_match, train_reference
+    from tinypipe.runtime.weight_refs import WeightRefs
+
+    monkeypatch.setattr(WeightRefs, "saving", lambda self: contextlib.nullcontext())
     model = make_model("llama", layers=4)
-    plan = make_plan(4, pack_size=1, micro_batch_size=2, backward_micro_batch_size=2, num_devices=1,
-                     prefetch_window=1, stash="device", tied=False)
-    wrong = dataclasses.replace(plan, keep_activations=(True, False, False, False))
     batches = [make_batch(BATCH, SEQ, seed=i) for i in range(STEPS)]
+    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
+    cfg = tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, devices=["cpu"], pack_size=1, micro_batch_size=2,
+                          prefetch_window=1, keep_activations=[True, False, False, False])
+    engine = tinypipe.Engine(model, cfg)
     with pytest.raises((WorkerError, AssertionError)):
-        from reference import assert_steps_match, train_reference
-
-        ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
-        engine = tinypipe.Engine(model, tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD), plan=wrong)
         assert_steps_match([engine.step(b) for b in batches], ref, None)
+    engine.close()
 
 
 def test_unkeepable_packs_are_refused() -> None:
-    """The validator refuses a kept pack whose slots are refilled between its forward and its
-    backward (the engine at construction, before any step); the plan refuses one whose forward
-    and backward run on two devices, or backward micro-batches that split forward ones."""
-    model = make_model("llama", layers=4)
+    """The plan refuses a kept pack whose forward and backward run on two devices, or backward
+    micro-batches that split forward ones; the config a wrong value."""
     plan = make_plan(4, pack_size=1, micro_batch_size=2, backward_micro_batch_size=2, num_devices=1,
                      prefetch_window=1, stash="device", tied=False)
-    with pytest.raises(ConfigError, match="kept pack 1"):
-        tinypipe.Engine(model, tinypipe.Config(), plan=dataclasses.replace(
-            plan, keep_activations=(False, True, False, False)))
     three = make_plan(4, pack_size=1, micro_batch_size=2, backward_micro_batch_size=2, num_devices=3,
                       prefetch_window=1, stash="device", tied=False)
-    assert three.keepable_packs() == ()  # on 3 devices the last pack's backward runs elsewhere
+    assert three.fixed_slot_packs() == ()  # on 3 devices the last pack's backward runs elsewhere
+    assert 3 not in three.keepable_packs()
     with pytest.raises(ConfigError, match="device"):
         dataclasses.replace(three, keep_activations=(False, False, False, True))
     with pytest.raises(ConfigError, match="multiple"):
@@ -172,12 +208,29 @@ def test_unkeepable_packs_are_refused() -> None:
         tinypipe.Config(keep_activations="yes")
 
 
+def test_validator_refuses_a_layer_changed_between_forward_and_backward() -> None:
+    """A kept pack's layer updated between its forward and its backward (an update task moved
+    into that window) is refused: the backward would re-read other weights than the forward's."""
+    plan = make_plan(4, pack_size=1, micro_batch_size=2, backward_micro_batch_size=2, num_devices=1,
+                     prefetch_window=1, stash="device", tied=False, keep_activations=[True, False, False, False])
+    sched = build_schedule(plan, 7, False)
+    validate(sched)
+    order = list(sched.order)
+    upd = next(t for t in order if sched.tasks[t].kind is Kind.UPDATE and sched.tasks[t].layers == (1,))
+    order.remove(upd)
+    first_fwd = next(i for i, t in enumerate(order) if sched.tasks[t].kind is Kind.FWD and sched.tasks[t].pack == 0)
+    order.insert(first_fwd + 1, upd)
+    sched.order = order
+    with pytest.raises(ConfigError, match="kept pack 0"):
+        _check_kept(sched)
+
+
 @pytest.mark.parametrize("devices", [1, 2, 3, 4])
 @pytest.mark.parametrize("resident", [0, 1, 2])
 @pytest.mark.parametrize("pack", [1, 2, (1, 3, 2)])
 def test_validator_accepts_exactly_the_keepable_packs(devices: int, resident: int, pack) -> None:
     """Every pack :meth:`Plan.keepable_packs` names validates as kept (alone and all together);
-    every other pack placed on one device is refused by the validator."""
+    the fixed-slot packs are among them; every other pack is refused by the plan."""
     try:
         plan = make_plan(6, pack_size=pack, micro_batch_size=2, backward_micro_batch_size=4,
                          num_devices=devices, prefetch_window=1, stash="device", tied=False,
@@ -186,7 +239,10 @@ def test_validator_accepts_exactly_the_keepable_packs(devices: int, resident: in
         return
     P = plan.num_packs
     keepable = plan.keepable_packs()
-    assert set(range(resident)) <= set(keepable)
+    assert set(range(resident)) <= set(plan.fixed_slot_packs()) <= set(keepable)
+    assert plan.keepable_packs(streamed=False) == plan.fixed_slot_packs()
+    if devices == 1:
+        assert keepable == tuple(range(P))
     if keepable:
         validate(build_schedule(dataclasses.replace(plan, keep_activations=tuple(
             q in keepable for q in range(P))), 7, False))
@@ -196,18 +252,18 @@ def test_validator_accepts_exactly_the_keepable_packs(devices: int, resident: in
         except ConfigError:  # forward and backward on two devices: refused by the plan itself
             assert q not in keepable
             continue
-        if q in keepable:
-            validate(build_schedule(one, 7, False))
-        else:
-            with pytest.raises(ConfigError, match=f"kept pack {q}"):
-                validate(build_schedule(one, 7, False))
+        assert q in keepable
+        validate(build_schedule(one, 7, False))
 
 
 def test_plan_round_trip_and_settings() -> None:
     plan = make_plan(6, pack_size=2, micro_batch_size=2, backward_micro_batch_size=2, num_devices=2,
-                     prefetch_window=1, stash="device", tied=False, resident_packs=1, keep_activations=True)
+                     prefetch_window=1, stash="device", tied=False, resident_packs=1,
+                     keep_activations=[True, False, True])
     assert plan.keep_activations == (True, False, True)
     assert plan.describe().endswith("activations kept (no recompute) for packs 0,2")
+    every = make_plan(6, num_devices=2, tied=False, **dict(plan.settings(), keep_activations=True))
+    assert every.keep_activations == (True, True, True)
     assert type(plan).from_json(plan.to_json()) == plan
     assert plan.settings()["keep_activations"] == (True, False, True)
     assert make_plan(6, num_devices=2, tied=False, **plan.settings()) == plan

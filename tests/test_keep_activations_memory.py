@@ -26,6 +26,7 @@ from tinypipe.perf.workloads import WORKLOADS
 from tinypipe.planner.estimate import activation_peaks, kept_bytes
 from tinypipe.planner.sizes import model_sizes, probe_config
 from tinypipe.runtime.handlers import TaskHandlers
+from tinypipe.runtime.weight_refs import WeightRefs
 from tinypipe.schedule.plan import make_plan
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -101,7 +102,8 @@ def _pool_storages(engine: tinypipe.Engine) -> set[int]:
 ], ids=["packs2_mb2", "layerwise_mb1_bwd2_host_stash"])
 def test_the_engines_kept_graphs_hold_what_the_estimate_counts(cfg: dict,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
-    """Every tensor the engine's kept forwards save (their pack's inputs and weights aside), summed
+    """Every tensor the engine's kept forwards save (their pack's inputs and weights -- saved by
+    reference -- aside), summed
     per pack over the step's forward micro-batches, is within :func:`kept_bytes` (and at least
     half of its saved-activation part: the estimate is not vacuous); all of them are released
     by the end of the step (each graph freed once differentiated)."""
@@ -109,18 +111,22 @@ def test_the_engines_kept_graphs_hold_what_the_estimate_counts(cfg: dict,
     alive: list[weakref.ref] = []
     skip: set[int] = set()
     original = TaskHandlers._fwd_kept
+    original_pack = WeightRefs._pack
+    current: dict[str, int] = {}
+
+    def counting_pack(self, t: torch.Tensor):  # noqa: ANN001, ANN202 - the kept forward's own hook
+        out = original_pack(self, t)
+        st = t.untyped_storage()
+        if isinstance(out, torch.Tensor) and not (t.is_leaf and t.requires_grad) and st.data_ptr() not in skip:
+            saved[current["pack"]][st.data_ptr()] = st.nbytes()
+            alive.append(weakref.ref(t))
+        return out
 
     def spy(self, task, dev):  # noqa: ANN001, ANN202 - the real kept forward, its saved tensors counted
-        def pack(t: torch.Tensor) -> torch.Tensor:
-            st = t.untyped_storage()
-            if not (t.is_leaf and t.requires_grad) and st.data_ptr() not in skip:
-                saved[task.pack][st.data_ptr()] = st.nbytes()
-                alive.append(weakref.ref(t))
-            return t
+        current["pack"] = task.pack
+        original(self, task, dev)
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-            original(self, task, dev)
-
+    monkeypatch.setattr(WeightRefs, "_pack", counting_pack)
     monkeypatch.setattr(TaskHandlers, "_fwd_kept", spy)
     batch, seq = 5, 16
     model = make_model("llama", layers=4)

@@ -68,9 +68,11 @@ def test_the_time_model_drops_the_kept_packs_recompute() -> None:
 
 
 def test_an_explicit_choice_is_kept() -> None:
-    forced = _w1(48, keep_activations=True).best.plan
-    assert _kept(forced) == list(forced.keepable_packs())
+    """``keep_activations=True``: every pack keeps (no recompute at all) -- on a GPU with room for
+    all 28 W1 blocks' graphs; at 48 GiB no plan can, and the error says so."""
+    forced = _w1(400, keep_activations=True).best.plan
+    assert _kept(forced) == list(forced.keepable_packs()) == list(range(forced.num_packs))
     with pytest.raises(ConfigError, match="per-pack"):
         _w1(48, keep_activations=(True, False))
     with pytest.raises(PlanDoesNotFitError, match="keep"):  # a kept W1 block alone is ~4.3 GB
-        _w1(8, keep_activations=True)
+        _w1(48, keep_activations=True)

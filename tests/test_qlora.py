@@ -145,6 +145,29 @@ def test_qwen2_tied_biases_some_targets() -> None:
     engine.close()
 
 
+def test_kept_packs_over_a_quantized_base_stay_in_fixed_slots(monkeypatch: pytest.MonkeyPatch) -> None:
+    """bitsandbytes' 4-bit matmul holds its packed weight on its autograd context, outside the
+    saved-tensor hooks a streamed kept pack re-reads its weights through: ``keep_activations=True``
+    keeps only the resident packs and the last one (and matches PEFT), a streamed pack kept by
+    hand is refused in one line -- and with that refusal switched off the run is not exact."""
+    cfg = dict(devices=["cpu"], pack_size=1, micro_batch_size=2, prefetch_window=1, resident_packs=1,
+               keep_activations=True)
+    engine = run_both("llama", NF4, cfg)
+    assert [q for q in range(engine.plan.num_packs) if engine.plan.kept(q)] == [0, 3]
+    engine.close()
+    # window 2: pack 1's backward runs in another slot than its forward, whose slot holds another
+    # layer by then; its input gradient reaches pack 0's adapters (pack 0's own would reach only
+    # the frozen embedding)
+    streamed = dict(cfg, resident_packs=0, prefetch_window=2, keep_activations=[False, True] + [False] * 4)
+    with pytest.raises(tinypipe.ConfigError, match="streamed pack 1 over a quantized base"):
+        tinypipe.Engine(qlora_model("llama", NF4, layers=6), tinypipe.Config(**streamed))
+    import tinypipe.runtime.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "check_keepable", lambda plan, model: None)
+    with pytest.raises((tinypipe.WorkerError, AssertionError)):
+        run_both("llama", NF4, streamed, layers=6).close()
+
+
 def test_compiled_blocks_trace_bitsandbytes_without_breaks_or_recompiles() -> None:
     """Dynamo traces the rebuilt bitsandbytes parameters and ops: one graph per grad mode for every
     layer and slot (as for dense blocks, models/compiled.py), no graph break."""

@@ -34,7 +34,7 @@ def _bench_module(name: str):
 DEC = _bench_module("decompose")
 
 # 6 blocks in 3 packs, the first resident: packs 0 and 2 keep their activations, pack 1 recomputes
-KEPT = dict(pack_size=2, micro_batch_size=2, resident_packs=1, keep_activations=True)
+KEPT = dict(pack_size=2, micro_batch_size=2, resident_packs=1, keep_activations=[True, False, True])
 
 
 def ev(lane: str, name: str, start_ms: float, dur_ms: float, parent: str | None = None) -> dict:

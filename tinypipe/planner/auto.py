@@ -99,9 +99,11 @@ def hardware_for(cfg: Config) -> HardwareSpec:
     return HARDWARE["rtx4090-pcie4"]
 
 
-def manual_plan(config: Config, *, num_blocks: int, tied: bool) -> Plan:
-    """The plan the hand-set knobs of ``config`` describe (unset ones at their defaults)."""
-    return make_plan(num_blocks, num_devices=len(config.devices), tied=tied, **config.plan_settings())
+def manual_plan(config: Config, *, num_blocks: int, tied: bool, keep_streamed: bool = True) -> Plan:
+    """The plan the hand-set knobs of ``config`` describe (unset ones at their defaults);
+    ``keep_streamed`` False (a QLoRA base): ``keep_activations=True`` keeps fixed-slot packs only."""
+    return make_plan(num_blocks, num_devices=len(config.devices), tied=tied, keep_streamed=keep_streamed,
+                     **config.plan_settings())
 
 
 def resolve_plan(model: nn.Module, config: Config, *, num_blocks: int, tied: bool,
@@ -209,10 +211,11 @@ def _choose(model: nn.Module, config: Config, *, num_blocks: int,
     """The hand-set knobs' plan (checked when the workload is given), or the planner's."""
     have_workload = config.seq_len is not None and config.global_batch is not None
     cuda = any(d.startswith("cuda") for d in config.devices)
+    streamed = not quantized_base(model)
     if cuda and not torch.cuda.is_available():  # the device backend reports it, in its words
-        return manual_plan(config, num_blocks=num_blocks, tied=tied), None
+        return manual_plan(config, num_blocks=num_blocks, tied=tied, keep_streamed=streamed), None
     if not config.auto_plan:
-        own = manual_plan(config, num_blocks=num_blocks, tied=tied)
+        own = manual_plan(config, num_blocks=num_blocks, tied=tied, keep_streamed=streamed)
         if have_workload:
             own = _check_fits(model, config, own)
         elif config.offload_dir is not None:
@@ -220,7 +223,7 @@ def _choose(model: nn.Module, config: Config, *, num_blocks: int,
         return own, None
     if not have_workload:
         if not cuda:
-            own = manual_plan(config, num_blocks=num_blocks, tied=tied)
+            own = manual_plan(config, num_blocks=num_blocks, tied=tied, keep_streamed=streamed)
             if config.offload_dir is not None:
                 own = _offload_without_workload(model, config, own)
             return own, None
@@ -246,6 +249,25 @@ def _search(model: nn.Module, config: Config) -> PlanResult:
                     device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
                     ssd=_ssd_of(config, hw), keep_activations=config.keep_activations,
                     assist_updates=config.assist_updates)
+
+
+def quantized_base(model: nn.Module) -> bool:
+    """Whether ``model`` holds bitsandbytes modules (a QLoRA base): their kernels keep the packed
+    weight on their autograd context, outside saved-tensor hooks, so a streamed pack cannot keep
+    its graph (:meth:`Plan.keepable_packs`)."""
+    from tinypipe.quant.model import quantized_modules
+
+    return next(quantized_modules(model), None) is not None
+
+
+def check_keepable(plan: Plan, model: nn.Module) -> None:
+    """ConfigError when ``plan`` keeps a streamed pack's graph over a QLoRA base."""
+    kept = {q for q in range(plan.num_packs) if plan.kept(q)}
+    streamed = sorted(kept - set(plan.fixed_slot_packs()))
+    if streamed and quantized_base(model):
+        raise ConfigError(f"plan keeps the activations of streamed pack {streamed[0]} over a quantized base: "
+                          "bitsandbytes keeps its 4-bit weights outside the saved tensors a streamed pack "
+                          "re-reads; keep only resident packs and the last pack")
 
 
 def _ssd_of(config: Config, hw: HardwareSpec):  # -> SsdSpec | None

@@ -201,17 +201,19 @@ KEEP_SEEDS = 12
 def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
                            settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
                            saved_per_byte: Callable[[Plan], list[float]], grow_resident: bool,
-                           ) -> tuple[list[Candidate], list[Candidate]]:
+                           streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
     """Each seed plan with activations kept on the GPU, greedily: first the seed's keepable packs
-    (:meth:`Plan.keepable_packs`: resident packs, the last pack across the turn) in order of
+    (:meth:`Plan.keepable_packs`: every pack on one device; with ``streamed`` False only the
+    resident packs and the last pack across the turn) in order of
     recompute seconds saved per byte held (``saved_per_byte``), each added while the plan still
     fits and skipped when it does not (a smaller pack may); then (``grow_resident``) one more
     resident pack at a time, kept too, for as long as that fits: (every plan evaluated, those
     that fit).
 
     A kept pack holds its whole step's activations (every forward micro-batch) on the GPU from its
-    forward to its backward and is not recomputed: one forward of its FLOPs less per step. Only
-    packs whose weights stay on the device can keep them, so keeping more than the last pack means
+    forward to its backward and is not recomputed: one forward of its FLOPs less per step. A
+    streamed pack's graph re-reads its weights from the backward's slots (runtime/weight_refs.py),
+    so any pack can keep; a QLoRA base's cannot, and there keeping more than the last pack means
     making packs resident (18 bytes per parameter in bf16 on top of their activations)."""
     out, fits = [], []
 
@@ -229,7 +231,7 @@ def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
             continue
         ratio = saved_per_byte(plan)
         keep: set[int] = set()
-        for q in sorted(plan.keepable_packs(), key=lambda q: -ratio[q]):
+        for q in sorted(plan.keepable_packs(streamed), key=lambda q: -ratio[q]):
             if fitting(trial := _keeping(plan, keep | {q})):
                 keep.add(q)
                 plan = trial
@@ -255,14 +257,14 @@ def _keeping(plan: Plan, kept: set[int]) -> Plan:
 
 
 def _keep_all(fits: list[Candidate], evaluate_plan: Evaluate, settle: Callable[[Candidate], Candidate | None],
-              gpu_mem: int) -> tuple[list[Candidate], list[Candidate]]:
+              gpu_mem: int, streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
     """``keep_activations=True``: every plan that can keep them, with every keepable pack kept."""
     out, kept = [], []
     for c in fits:
         p = dataclasses.replace(c.plan, assisted=())  # settle chooses them again
-        if not p.keepable_packs() or p.backward_micro_batch_size % p.micro_batch_size:
+        if not p.keepable_packs(streamed) or p.backward_micro_batch_size % p.micro_batch_size:
             continue
-        trial = evaluate_plan(_keeping(p, set(p.keepable_packs())), None)
+        trial = evaluate_plan(_keeping(p, set(p.keepable_packs(streamed))), None)
         out.append(trial)
         settled = settle(trial) if trial.gpu_need <= gpu_mem else None
         if settled is not None:
@@ -445,11 +447,12 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         seeds = _pareto([c for c in fits if not c.plan.backward_micro_batch_size % c.plan.micro_batch_size],
                         clipping)
         more, more_fits = _with_kept_activations(seeds[:KEEP_SEEDS], ev, settle, gpu_mem, saved_per_byte,
-                                                 grow_resident=resident_packs is None)
+                                                 grow_resident=resident_packs is None,
+                                                 streamed=not sizes.quantize)
         cands += more
         fits += more_fits
     elif keep_activations:
-        more, fits = _keep_all(fits, ev, settle, gpu_mem)
+        more, fits = _keep_all(fits, ev, settle, gpu_mem, streamed=not sizes.quantize)
         cands += more
         if not fits:
             raise PlanDoesNotFitError("no plan that fits can keep the activations of its keepable packs "

@@ -35,6 +35,7 @@ from tinypipe.memory.report import MemoryReport
 from tinypipe.models.decompose import Decomposition
 from tinypipe.models.export import save_hf_directory
 from tinypipe.models.head import chunk_tokens_for
+from tinypipe.planner.auto import check_keepable
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
 from tinypipe.runtime.checkpoint_sharded import find_sharded, load_replicas, save_replicas, sharded_extra
@@ -136,6 +137,7 @@ class Engine:
         self.plan, self.plan_result = resolve_replica_plan(
             given, cfg, self.replicas, num_blocks=dec.num_blocks, tied=dec.tied, plan=plan)
         self.plan = replica_plan(self.plan, self.replicas, adopt_rank0=plan is None)
+        check_keepable(self.plan, model)
         if self.replicas is not None:
             check_replicas_agree(self.replicas, cfg, self.plan, model)
         topo = self.replicas.topology if self.replicas is not None else None

@@ -22,6 +22,7 @@ from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.rng import EMBED, HEAD, PACK, TaskRng, replay_pieces
 from tinypipe.runtime.stash_io import StashIO
 from tinypipe.runtime.upload import upload_layer
+from tinypipe.runtime.weight_refs import WeightRefs
 from tinypipe.schedule.ids import Kind, Lane, head_id
 from tinypipe.schedule.tasks import COMPUTE_KINDS, Task
 
@@ -32,13 +33,14 @@ NORM_CHUNK = 1 << 24  # elements per partial gradient norm
 @dataclass
 class KeptGraph:
     """One forward micro-batch of a kept pack: its input leaf, its output (whose graph holds the
-    saved activations), the weights it was bound to (trainable ones, in layer order) and how many
-    of them each layer has."""
+    saved activations), the weights it was bound to (trainable ones, in layer order), how many
+    of them each layer has, and the references its saved weights were stored as."""
 
     input: torch.Tensor
     output: torch.Tensor
     params: list[torch.Tensor]
     counts: list[int]
+    refs: WeightRefs
 
 
 class TaskHandlers:
@@ -224,18 +226,27 @@ class TaskHandlers:
     def _fwd_kept(self, task: Task, dev: DeviceRuntime) -> None:
         """A kept pack's forward micro-batch: autograd records it (weights bound as requires-grad
         views of the pack's buffers, the input a detached leaf) and the graph waits on the device
-        for the backward (:meth:`_bwd_kept`). The input is read without read-ahead: the graph may
-        save it, and a read-ahead buffer is reused two reads later. Dropout's masks live in the
-        graph, so nothing is replayed; the generator is seeded as for a recomputed pack, which
-        keeps the masks -- and the results -- the same with and without keeping."""
+        for the backward (:meth:`_bwd_kept`). What it saves of the weights is saved by reference
+        (:class:`~tinypipe.runtime.weight_refs.WeightRefs`), so the slots may be refilled before
+        the backward, which re-reads the weights from its own. The input is read without
+        read-ahead: the graph may save it, and a read-ahead buffer is reused two reads later.
+        Dropout's masks live in the graph, so nothing is replayed; the generator is seeded as for
+        a recomputed pack, which keeps the masks -- and the results -- the same with and without
+        keeping."""
         q, ctx = task.pack, self.ctx
         params, counts = self._bind_trainable(task, dev)
+        refs = WeightRefs(self._pack_buffers(task, dev))
         x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
-        y = self._forward_seeded(task, dev, x, record=True)
+        with refs.saving():
+            y = self._forward_seeded(task, dev, x, record=True)
         self.stash.write_rows(ctx.acts[q + 1], *task.rows, y.detach(), dev)
-        self._kept[(q, task.mb)] = KeptGraph(x, y, params, counts)
+        self._kept[(q, task.mb)] = KeptGraph(x, y, params, counts, refs)
         if task.last and q > 0:  # the backward reads no stash: what the graphs saved of it is theirs
             ctx.acts[q].free()  # (the embedding's output, acts[0], stays for the embedding's backward)
+
+    def _pack_buffers(self, task: Task, dev: DeviceRuntime) -> dict[int, torch.Tensor]:
+        """Layer -> the device buffer ``task`` computes it in (its slot, or its resident buffer)."""
+        return {layer: dev.pool.params(layer, slot) for layer, slot in zip(task.layers, task.slots)}
 
     def _head(self, task: Task, dev: DeviceRuntime) -> None:
         ctx, inp = self.ctx, self.ctx.inputs
@@ -350,13 +361,17 @@ class TaskHandlers:
     def _bwd_kept(self, task: Task, dev: DeviceRuntime) -> None:
         """A kept pack's backward micro-batch: autograd through the graph of each forward
         micro-batch in its rows (whole ones: the plan and the validator see to it), in row order,
-        each freed once differentiated -- no recompute, no stash read, no replayed draws."""
+        each freed once differentiated -- no recompute, no stash read, no replayed draws. The
+        saved weights are read from this task's buffers (the forward's slots may hold other
+        layers by now)."""
         q, ctx = task.pack, self.ctx
         lo, hi = task.rows
         gout = ctx.grads[q + 1].read(lo, hi, dev.device)
         self._check(task, "output gradient", gout)
+        buffers = self._pack_buffers(task, dev)
         for m, a, b in replay_pieces(ctx.schedule.fwd_rows(), lo, hi):
             kept = self._kept.pop((q, m))
+            kept.refs.rebind(buffers)
             grads = torch.autograd.grad(kept.output, [kept.input] + kept.params, gout[a - lo : b - lo],
                                         allow_unused=True)
             self._store_grads(task, dev, (a, b), grads, kept.counts)

@@ -138,11 +138,21 @@ class Plan:
         """Whether pack ``q`` keeps its forward's autograd graph for its backward."""
         return bool(self.keep_activations) and self.keep_activations[q]
 
-    def keepable_packs(self) -> tuple[int, ...]:
+    def keepable_packs(self, streamed: bool = True) -> tuple[int, ...]:
+        """Packs that can keep their activations: every pack whose forward and backward run on one
+        device. A streamed pack's slots are refilled between its forward and its backward; its
+        graph saves its weights by reference and re-reads them from the backward's buffers
+        (runtime/weight_refs.py). ``streamed=False``: only :meth:`fixed_slot_packs` (a QLoRA base,
+        whose kernels hold their 4-bit weights outside autograd's saved tensors)."""
+        if not streamed:
+            return self.fixed_slot_packs()
+        return tuple(q for q in range(len(self.packs))
+                     if self._device(self.fwd_device, q) == self._device(self.bwd_device, q))
+
+    def fixed_slot_packs(self) -> tuple[int, ...]:
         """Packs whose weights stay in their device buffers, unchanged, from their forward to their
         backward: the resident packs, and the last pack when its forward and backward share a
-        device (the schedule keeps its slots across the turn). Every other pack's slots are
-        refilled between its forward and backward, so its graph would point at other weights."""
+        device (the schedule keeps its slots across the turn)."""
         P, R = len(self.packs), self.resident_packs
         out = list(range(R))
         if P > R and self._device(self.fwd_device, P - 1) == self._device(self.bwd_device, P - 1):
@@ -370,10 +380,11 @@ def make_plan(
     resident_packs: int = 0,
     offload: Sequence[tuple[int, str]] = (),
     keep_activations: bool | Sequence[bool] = False,
+    keep_streamed: bool = True,
 ) -> Plan:
     """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes).
-    ``keep_activations``: True keeps them for every pack that can (:meth:`Plan.keepable_packs`),
-    a list says it per pack."""
+    ``keep_activations``: True keeps them for every pack that can (:meth:`Plan.keepable_packs`,
+    with ``keep_streamed``), a list says it per pack."""
     packs = split_packs(num_blocks, pack_size)
     for s in (stash,) if isinstance(stash, str) else stash:
         if s not in STASH_PLACES:
@@ -409,7 +420,7 @@ def make_plan(
     if keep_activations is False:
         return plan
     if keep_activations is True:
-        kept = set(plan.keepable_packs())
+        kept = set(plan.keepable_packs(keep_streamed))
         keep = tuple(q in kept for q in range(len(packs)))
     elif isinstance(keep_activations, (list, tuple)):
         keep = tuple(keep_activations)

@@ -1,6 +1,6 @@
 """Check a schedule without running it: dependencies exist, lanes cannot deadlock, no slot is
 overwritten while its previous occupant may still be in use, and a pack that keeps its forward's
-autograd graph (``Plan.keep_activations``) finds the same weights in the same buffers in its
+autograd graph (``Plan.keep_activations``) finds the same weights (in its backward's buffers) in its
 backward."""
 
 from __future__ import annotations
@@ -103,13 +103,14 @@ def _check_slots(sched: Schedule) -> None:
 
 
 def _check_kept(sched: Schedule) -> None:
-    """A kept pack's backward differentiates the graph its forward recorded, which points at the
-    weights in the buffers the forward used. Proven here: forward and backward on one device, in
-    the same buffers (the same slot per layer, or the layer's resident buffer), nothing loaded into
-    those slots and nothing loaded into or updated of those layers between the pack's first
-    forward and its last backward in the step's order (with :func:`_check_slots`, which makes
-    every later upload into a slot wait for its last user, this holds for any execution), and
-    every backward task covering whole forward micro-batches (a graph is differentiated once)."""
+    """A kept pack's backward differentiates the graph its forward recorded. The graph saved the
+    pack's weights by reference (runtime/weight_refs.py) and re-reads them from the backward's
+    buffers, which the slot checks prove hold the pack's layers; the activations it saved are the
+    forward's. Proven here: forward and backward on one device (the graph lives there), nothing
+    loaded into or updated of those layers' resident buffers and no update of the layers between
+    the pack's first forward and its last backward in the step's order (the weights the backward
+    re-reads are the ones the forward used), and every backward task covering whole forward
+    micro-batches (a graph is differentiated once)."""
     plan = sched.plan
     kept = [q for q in range(plan.num_packs) if plan.kept(q)]
     if not kept:
@@ -127,25 +128,15 @@ def _check_kept(sched: Schedule) -> None:
         if len(devices) != 1:
             raise ConfigError(f"schedule: kept pack {q} runs on devices {sorted(devices)}; "
                               "its graph lives on one")
-        dev = devices.pop()
-        buffers = {(t.layers, t.slots) for t in fwds + bwds}
-        if len(buffers) != 1:
-            raise ConfigError(f"schedule: kept pack {q} computes its backward in other buffers "
-                              f"({sorted(map(str, buffers))}) than its forward: its graph points at "
-                              "the forward's")
         for t in bwds:
             if t.rows[0] not in bounds or t.rows[1] not in bounds:
                 raise ConfigError(f"schedule: {t.id} of kept pack {q} splits a forward micro-batch "
                                   f"(rows {t.rows[0]}:{t.rows[1]})")
-        layers, slots = fwds[0].layers, fwds[0].slots
-        watched = {(dev, s) for s in slots if s is not None}
+        layers = set(fwds[0].layers)
         start = min(pos[t.id] for t in fwds)
         end = max(pos[t.id] for t in bwds)
         for tid in sched.order[start + 1 : end]:
             t = tasks[tid]
-            if t.kind is Kind.UPLOAD and (t.device, t.slots[0]) in watched:
-                raise ConfigError(f"schedule: {t.id} refills slot {(t.device, t.slots[0])} between the "
-                                  f"forward and the backward of kept pack {q}")
-            if t.kind in (Kind.UPLOAD, Kind.RESIDENT_UPLOAD, Kind.UPDATE) and set(t.layers) & set(layers):
+            if t.kind in (Kind.RESIDENT_UPLOAD, Kind.UPDATE) and set(t.layers) & layers:
                 raise ConfigError(f"schedule: {t.id} changes layer {t.layers[0]} between the forward and the "
                                   f"backward of kept pack {q}")
