@@ -23,6 +23,7 @@ from model_zoo import make_batch, make_model
 from reference import compare, randomize_biases, train_both
 from test_dropout import gpt2_with_dropout, llama_lora_with_dropout, run_against_reference
 from tinypipe.errors import ConfigError, WorkerError
+from tinypipe.runtime.handlers import TaskHandlers
 from tinypipe.schedule.builder import build_schedule
 from tinypipe.schedule.ids import Kind
 from tinypipe.schedule.plan import make_plan
@@ -168,22 +169,39 @@ def test_kept_lora_dropout_matches_peft() -> None:
     engine.close()
 
 
-def test_without_weight_references_a_streamed_graph_is_wrong(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Keeping a streamed pack's graph with the weight references switched off (its saved weights
-    stay views of the forward's slots, refilled before the backward): the run must not pass as
-    exact -- so the references are what makes test_kept_packs_match_pytorch pass."""
+@pytest.mark.parametrize("name", ["all_packs2_mb2", "streamed_other_slots", "mixed_mb1_bwd2_host_stash"])
+def test_full_kept_graphs_match_pytorch(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kept graphs saved in full (as with dropout, or a QLoRA base): autograd saves the weights
+    too, by reference, and the backward re-reads them from its own slots."""
+    monkeypatch.setattr(TaskHandlers, "_compact", lambda self, dev: False)
+    cfg, kept = KEPT[name]
+    engine = run_both("llama", dict(cfg))
+    assert [q for q in range(engine.plan.num_packs) if engine.plan.kept(q)] == list(kept)
+    engine.close()
+
+
+@pytest.mark.parametrize("sabotage", ["full_graph_without_weight_references", "compact_graph_unbound"])
+def test_a_streamed_graph_reading_the_forwards_slots_is_wrong(sabotage: str,
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Keeping streamed packs whose backward runs in other slots, with what makes their weights
+    the backward's switched off -- a full graph's weight references, or a compact graph's
+    rebinding (its recompute then reads the forward's slots, which hold other layers): the run
+    must not pass as exact. So test_kept_packs_match_pytorch passes because of them."""
     import contextlib
 
     from reference import assert_steps_match, train_reference
     from tinypipe.runtime.weight_refs import WeightRefs
 
-    monkeypatch.setattr(WeightRefs, "saving", lambda self: contextlib.nullcontext())
+    if sabotage == "full_graph_without_weight_references":
+        monkeypatch.setattr(TaskHandlers, "_compact", lambda self, dev: False)
+        monkeypatch.setattr(WeightRefs, "saving", lambda self: contextlib.nullcontext())
+    else:
+        monkeypatch.setattr(TaskHandlers, "_rebind_kept", lambda self, task, dev: None)
+    cfg, _ = KEPT["streamed_other_slots"]
     model = make_model("llama", layers=4)
     batches = [make_batch(BATCH, SEQ, seed=i) for i in range(STEPS)]
     ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
-    cfg = tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, devices=["cpu"], pack_size=1, micro_batch_size=2,
-                          prefetch_window=1, keep_activations=[True, False, False, False])
-    engine = tinypipe.Engine(model, cfg)
+    engine = tinypipe.Engine(model, tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, **cfg))
     with pytest.raises((WorkerError, AssertionError)):
         assert_steps_match([engine.step(b) for b in batches], ref, None)
     engine.close()

@@ -27,6 +27,7 @@ from torch import nn
 
 from tinypipe.errors import UnsupportedModelError
 from tinypipe.models.blocks import find_blocks
+from tinypipe.models.compact import CompactBlock
 
 #: Element alignment of every parameter inside a layer's flat buffer (keeps device views aligned
 #: for vectorised kernels: 64 elements = 128 bytes in bf16, 256 in fp32).
@@ -427,6 +428,8 @@ class Shell:
             nn.ModuleList(_Capture(self.recorder, i, b) for i, b in enumerate(self.blocks)),
         )
         self.runners: list[Any] = list(self.blocks)  # what block_forward calls (eager or compiled)
+        # what block_forward calls for a kept pack's recorded forward (models/compact.py)
+        self.compact_runners: list[Any] = [CompactBlock(b) for b in self.blocks]
         self.post = [trunk.get_submodule(n) for n in decomposition.post_names]
         self.lm_head = shell.get_submodule(decomposition.head_path)
         self._slots: dict[str, tuple[nn.Module, str]] = {}
@@ -451,6 +454,11 @@ class Shell:
         """Whether the shell runs in training mode (the model's dropout applied)."""
         return self.model.training
 
+    @property
+    def quantized(self) -> bool:
+        """Whether the shell holds bitsandbytes weights (a QLoRA base)."""
+        return bool(self._packed)
+
     def set_dropout(self, enabled: bool) -> None:
         """Training mode (``True``) or eval mode for every module, e.g. eval for a forward-only
         evaluation; compiled blocks compile one more graph per mode. Quantized base layers (QLoRA)
@@ -471,6 +479,7 @@ class Shell:
         from tinypipe.models.compiled import CompiledBlock
 
         self.runners = [CompiledBlock(b, backend, replay_random) for b in self.blocks]
+        self.compact_runners = [CompiledBlock(CompactBlock(b), backend, replay_random) for b in self.blocks]
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         """Point every alias of canonical parameter ``name`` at ``tensor`` (a quantized weight's
@@ -505,9 +514,11 @@ class Shell:
             raise UnsupportedModelError("the trunk's forward did not reach every decoder block")
         return rec.hidden, list(rec.calls)  # type: ignore[arg-type]
 
-    def block_forward(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict]) -> torch.Tensor:
+    def block_forward(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
+                      compact: bool = False) -> torch.Tensor:
+        """Block ``index`` on ``hidden``; ``compact``: saving only what models/compact.py keeps."""
         args, kwargs = call
-        out = self.runners[index](hidden, *args, **kwargs)
+        out = (self.compact_runners if compact else self.runners)[index](hidden, *args, **kwargs)
         return out[0] if isinstance(out, (tuple, list)) else out
 
     def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -176,6 +176,7 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     bsh = B * S * H * a
     chunk = head_chunk or head_chunk_tokens(V)
     act_tok = act_per_token or sizes.block_act_bytes(precision)
+    kept_tok = min(act_tok, sizes.kept_block_bytes(precision))
     cuda = [_is_cuda(d) for d in devices]
     norm_copy = NORM_COPY_BYTES_PER_ELEMENT
 
@@ -237,7 +238,8 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         d = plan.bwd_device[q]
         pack = plan.packs[q]
         if plan.kept(q):  # no recompute: one forward micro-batch's graph differentiated at a time
-            work[d][Bk(q)] += tf * 2 * sizes.intermediate * a
+            # (a compact graph recomputes one block's elementwise tensors for it: the difference)
+            work[d][Bk(q)] += tf * 2 * sizes.intermediate * a + tf * max(0.0, act_tok - kept_tok)
             continue
         saved = tb * act_tok * len(pack) + tb * H * a * (len(pack) - 1)
         transient = tb * 2 * sizes.intermediate * a
@@ -246,7 +248,7 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     for q in range(P):
         if plan.kept(q):
             held = kept_bytes(sizes, plan, q, batch=B, seq=S, precision=precision, hidden=H,
-                              act_per_token=act_tok)
+                              act_per_token=kept_tok)
             alive(plan.fwd_device[q], F(q), Bk(q), held)
     # embedding backward: recomputed output, dense weight gradient, CUDA fp32 partial sums, and
     # the downloads of pack 0's layers beside it
@@ -278,14 +280,14 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
 def kept_bytes(sizes: ModelSizes, plan: Plan, q: int, *, batch: int, seq: int, precision: str,
                hidden: int | None = None, act_per_token: float | None = None) -> int:
     """Device bytes pack ``q``'s kept graphs hold between its forward and its backward (every
-    forward micro-batch of the step): what autograd saves per block (the probe's
-    ``block_act_bytes``), the inputs of the pack's inner blocks, the pack's outputs (each graph
+    forward micro-batch of the step): what a kept block saves per token (the probe's
+    ``kept_block_bytes``: the compact set, models/compact.py, or the full graph), the inputs of the pack's inner blocks, the pack's outputs (each graph
     is differentiated from its output tensor), and -- when the pack reads its input from host
     memory or from another device -- the device copies of its input the graphs may save (an input
     stashed on the device is counted with the stash, alive until the pack's backward anyway)."""
     H = hidden or sizes.hidden
     a = dtype_bytes(precision)
-    act_tok = act_per_token or sizes.block_act_bytes(precision)
+    act_tok = act_per_token or sizes.kept_block_bytes(precision)
     n = len(plan.packs[q])
     tokens = batch * seq
     out = tokens * (act_tok * n + H * a * (n - 1) + H * a)

@@ -31,6 +31,7 @@ import transformers
 from torch import nn
 
 from tinypipe.errors import ConfigError, UnsupportedModelError
+from tinypipe.models.compact import saved_output_bytes
 from tinypipe.models.decompose import ALIGN, Decomposition, Shell
 
 if TYPE_CHECKING:
@@ -78,6 +79,11 @@ class ModelSizes:
     post_names: tuple[str, ...] = ()
     act_bytes_per_token: dict = field(default_factory=dict, compare=False)
     act_source: str = "probe"
+    #: bytes per token a *kept* block saves in the compact form (models/compact.py: matmul and
+    #: attention outputs), per precision; empty: as ``act_bytes_per_token``
+    kept_bytes_per_token: dict = field(default_factory=dict, compare=False)
+    #: the config has dropout (a kept graph then saves in full, to hold its masks)
+    draws: bool = False
     #: trainable elements per layer (runtime order) when some parameters are frozen (LoRA: the
     #: adapters); empty for full fine-tuning, where every element trains
     train_numels: tuple[int, ...] = ()
@@ -133,6 +139,15 @@ class ModelSizes:
         if precision not in self.act_bytes_per_token:
             raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
         return float(self.act_bytes_per_token[precision])
+
+    def kept_block_bytes(self, precision: str) -> float:
+        """Bytes per token one block of a kept pack holds from its forward to its backward: the
+        compact set (models/compact.py), or the full graph with dropout or a QLoRA base (the
+        runtime's choice, runtime/handlers.py)."""
+        full = self.block_act_bytes(precision)
+        if self.draws or self.quantize or precision not in self.kept_bytes_per_token:
+            return full
+        return min(full, float(self.kept_bytes_per_token[precision]))
 
 
 # --------------------------------------------------------------------------- config helpers
@@ -295,9 +310,10 @@ def _layer_sizes(model: nn.Module, dec: Decomposition) -> tuple[list[int], list[
 # --------------------------------------------------------------------------- activation probe
 
 
-def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype) -> float:
+def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype, compact: bool = False) -> float:
     """Bytes autograd saves per token for block 0 of a (probe-sized) model, excluding its input
-    and its parameters: what the backward pass holds for one recomputed block."""
+    and its parameters: what the backward pass holds for one recomputed block (``compact``: what
+    a kept block saves in the compact form, models/compact.py)."""
     model = _build(cfg, "cpu", dtype)
     with torch.no_grad():
         for p in model.parameters():
@@ -316,7 +332,10 @@ def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtyp
     x = hidden.detach().to(dtype).requires_grad_(True)
     skip = param_ptrs | {x.untyped_storage().data_ptr()}
     with torch.enable_grad():
-        nbytes = saved_tensor_bytes(lambda: shell.block_forward(0, x, calls[0]), skip)
+        if compact:
+            nbytes = saved_output_bytes(lambda: shell.block_forward(0, x, calls[0]))
+        else:
+            nbytes = saved_tensor_bytes(lambda: shell.block_forward(0, x, calls[0]), skip)
     return nbytes / (PROBE_BATCH * PROBE_SEQ)
 
 
@@ -336,6 +355,15 @@ def saved_tensor_bytes(run: Callable[[], object], skip: set[int]) -> int:
     return sum(saved.values())
 
 
+def config_draws(cfg: transformers.PretrainedConfig) -> bool:
+    """Whether ``cfg`` sets a dropout probability above 0 (``attention_dropout``, ``resid_pdrop``,
+    ``hidden_dropout_prob`` ...): its blocks then draw random numbers while training."""
+    for key, value in cfg.to_dict().items():
+        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
+            return True
+    return False
+
+
 def _act_formula(shape: dict[str, int], precision: str) -> float:
     """Fallback when no probe can run: a gated-MLP decoder block (measured on Llama: 24*H + 8*I
     bytes per token in bf16, fp32 norms included)."""
@@ -343,8 +371,9 @@ def _act_formula(shape: dict[str, int], precision: str) -> float:
     return float(24 * h + 8 * i) * (2.0 if precision == "fp32" else 1.0)
 
 
-def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: str) -> float:
-    """Saved bytes per token of one real-size block.
+def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: str,
+                   compact: bool = False) -> float:
+    """Saved bytes per token of one real-size block (``compact``: kept in the compact form).
 
     Small models are probed at their real widths. Larger ones are probed at widths /scale and
     /(scale/2): b(s) = A/s + C separates the width-proportional part A from the per-token constant
@@ -352,11 +381,11 @@ def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: st
     """
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     if shape_of(cfg)["hidden"] <= 1024:
-        return _saved_bytes_per_token(probe_config(cfg, 1, layers=1), dtype)
+        return _saved_bytes_per_token(probe_config(cfg, 1, layers=1), dtype, compact)
     if scale < 4:
         raise UnsupportedModelError("widths do not scale down")
-    b1 = _saved_bytes_per_token(probe_config(cfg, scale, layers=1), dtype)
-    b2 = _saved_bytes_per_token(probe_config(cfg, scale // 2, layers=1), dtype)
+    b1 = _saved_bytes_per_token(probe_config(cfg, scale, layers=1), dtype, compact)
+    b2 = _saved_bytes_per_token(probe_config(cfg, scale // 2, layers=1), dtype, compact)
     return max((b2 - b1) * scale + max(2 * b1 - b2, 0.0), b1)
 
 
@@ -403,12 +432,15 @@ def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
         raise UnsupportedModelError(f"model_type {cfg.model_type!r}: found {len(numels) - 2} blocks, "
                                     f"config says {shape['layers']}")
     acts: dict[str, float] = {}
+    kept: dict[str, float] = {}
     source = "probe"
     for precision in ("bf16", "fp32"):
         try:
             acts[precision] = _act_per_token(cfg, scale, precision)
+            kept[precision] = _act_per_token(cfg, scale, precision, compact=True)
         except Exception:  # noqa: BLE001 - the probe is an estimate; any failure falls back to the formula
             acts[precision] = _act_formula(shape, precision)
+            kept.pop(precision, None)  # kept blocks then count as full graphs
             source = "formula"
     return ModelSizes(
         model_type=str(getattr(cfg, "model_type", type(meta).__name__)),
@@ -431,6 +463,8 @@ def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
         post_names=tuple(dec.post_names),
         act_bytes_per_token=acts,
         act_source=source,
+        kept_bytes_per_token=kept,
+        draws=config_draws(cfg),
     )
 
 
@@ -465,4 +499,5 @@ def lora_sizes(cfg: transformers.PretrainedConfig, settings: LoraSettings) -> Mo
         lora=f"LoRA rank {settings.rank} on {targets if isinstance(targets, str) else ','.join(targets)}"
         + (f" over a {quant.label} base" if quant is not None else ""),
         quantize=quant.label if quant is not None else "", quant_block_params=tuple(quantized[1:-1]),
+        draws=base.draws or settings.dropout > 0,
     )

@@ -179,13 +179,20 @@ class TaskHandlers:
         return pos.to(dev.device, non_blocking=True) if pos is not None else None
 
     def _run_pack(self, task: Task, dev: DeviceRuntime, x: torch.Tensor,
-                  rows: tuple[int, int] | None = None) -> torch.Tensor:
+                  rows: tuple[int, int] | None = None, compact: bool = False) -> torch.Tensor:
         calls = self._block_calls(dev)
         lo, hi = rows or task.rows
         for layer in task.layers:
             call = slice_rows(calls[layer - 1], lo, hi, self.ctx.inputs.batch)
-            x = dev.shell.block_forward(layer - 1, x, call)
+            x = dev.shell.block_forward(layer - 1, x, call, compact=compact)
         return x
+
+    def _compact(self, dev: DeviceRuntime) -> bool:
+        """Whether a kept forward saves the compact set (models/compact.py): not once a kept
+        forward drew random numbers (dropout: the compact recompute of the elementwise ops could
+        not replay the masks) nor over a QLoRA base (its matmuls are bitsandbytes' own ops, which
+        the compact set would recompute)."""
+        return self.res.kept_saving.compact and not dev.shell.quantized
 
     def _fwd(self, task: Task, dev: DeviceRuntime) -> None:
         q = task.pack
@@ -205,10 +212,18 @@ class TaskHandlers:
         (a recompute replays them); ``record``: with autograd recording (a kept pack)."""
         self._check(task, "input", x)
         self._seed(dev, PACK, task.pack, task.mb)
+        compact = record and self._compact(dev)
         with torch.enable_grad() if record else torch.no_grad():
-            y = self._run_pack(task, dev, x)
+            y = self._run_pack(task, dev, x, compact=compact)
         held = self._rng.get(dev.index)
-        self._drew[(task.pack, task.mb)] = held is not None and held.drew()
+        drew = held is not None and held.drew()
+        if compact and drew:  # its recompute could not replay the masks: record it in full, same masks
+            self.res.kept_saving.compact = False
+            del y
+            self._seed(dev, PACK, task.pack, task.mb)
+            with torch.enable_grad():
+                y = self._run_pack(task, dev, x)
+        self._drew[(task.pack, task.mb)] = drew
         self._check(task, "output", y)
         return y
 
@@ -361,13 +376,15 @@ class TaskHandlers:
     def _bwd_kept(self, task: Task, dev: DeviceRuntime) -> None:
         """A kept pack's backward micro-batch: autograd through the graph of each forward
         micro-batch in its rows (whole ones: the plan and the validator see to it), in row order,
-        each freed once differentiated -- no recompute, no stash read, no replayed draws. The
-        saved weights are read from this task's buffers (the forward's slots may hold other
-        layers by now)."""
+        each freed once differentiated -- no stash read, no replayed draws. The saved weights are
+        read from this task's buffers (the forward's slots may hold other layers by now), and the
+        layers are bound to them: a compact graph (models/compact.py) recomputes its elementwise
+        ops through the blocks, in eager mode reading the weights they are bound to."""
         q, ctx = task.pack, self.ctx
         lo, hi = task.rows
         gout = ctx.grads[q + 1].read(lo, hi, dev.device)
         self._check(task, "output gradient", gout)
+        self._rebind_kept(task, dev)
         buffers = self._pack_buffers(task, dev)
         for m, a, b in replay_pieces(ctx.schedule.fwd_rows(), lo, hi):
             kept = self._kept.pop((q, m))
@@ -378,6 +395,12 @@ class TaskHandlers:
             del grads, kept  # the last reference to this graph: its saved tensors go with it
         del gout
         self._bwd_done(task)
+
+    def _rebind_kept(self, task: Task, dev: DeviceRuntime) -> None:
+        """Bind a kept pack's layers to its backward's buffers as its forward bound them (requires-
+        grad views): a compact graph's recompute then reads these weights and saves what the
+        forward saved."""
+        self._bind_trainable(task, dev)
 
     def _span_open(self, task: Task, dev: DeviceRuntime) -> tuple[float, object | None]:
         """A traced sub-span's start, taken as the lane takes a task's: host time, then (CUDA) a

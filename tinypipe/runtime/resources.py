@@ -21,6 +21,15 @@ from tinypipe.runtime.workers import LaneWorkers
 
 
 @dataclass
+class KeptSaving:
+    """Whether kept forwards save the compact set (models/compact.py). Switched off for the
+    engine's life the first time a compact kept forward draws random numbers (dropout): the
+    compact graph recomputes its elementwise ops, and could not replay the masks."""
+
+    compact: bool = True
+
+
+@dataclass
 class EngineResources:
     """Devices, the host store and its optimizer path, the lane workers, the host stash and the
     read-ahead buffers, plus the settings every step reads."""
@@ -42,3 +51,4 @@ class EngineResources:
     replicas: Replicas | None = None  # data-parallel replicas (torch.distributed); None: this one only
     # the head's loss and logit gradient (fused by Inductor on CUDA when the blocks compile)
     head_loss: HeadLoss = field(default_factory=lambda: HeadLoss(None))
+    kept_saving: KeptSaving = field(default_factory=lambda: KeptSaving())
