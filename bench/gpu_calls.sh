@@ -18,6 +18,8 @@
 #   bash bench/gpu_calls.sh final9b [tag]       # CUDA assist tests; W3 unclipped traced / assisted; W1 unclipped
 #   bash bench/gpu_calls.sh final9c [tag]       # blocking CUDA events: W3 clipped, W1 unclipped and clipped
 #   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
+#   bash bench/gpu_calls.sh keep10 [tag] W1|W3  # CUDA kept-graph tests (W1); the planner's plan (kept packs) vs
+#                                               # --keep-activations off, same call (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -177,6 +179,23 @@ case "${1:-}" in
     for f in w1 w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/roundtrip9_$T.log"
     for f in w1 w3; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
     cat "$OUT/assist_roundtrip_$T.log" ;;
+  keep10)
+    # compact kept graphs of streamed packs (session 10): the CUDA equivalence of the new path,
+    # then $3 (W1 or W3) with the planner's plan (it keeps packs now) and with --keep-activations
+    # off (session 9's plan) in the same call. 5 files back: 2 JSON, 3 logs
+    T=${2:-s10}; W=${3:-W1}; L=/tmp/keep10; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    if [ "$W" = W1 ]; then
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "streamed_kept or 1dev_host" \
+        > "$OUT/gpu_keep_tests_$T.log" 2>&1; tail -3 "$OUT/gpu_keep_tests_$T.log"
+      S=4; B=130
+    else
+      S=2; B=170
+    fi
+    timeout $B $R $W --steps $S --json "$OUT/${W,,}_keep_$T.json" > $L/keep.log 2>&1
+    timeout $B $R $W --steps $S --keep-activations off --json "$OUT/${W,,}_nokeep_$T.json" > $L/off.log 2>&1
+    for f in keep off; do echo "===== $f"; cat $L/$f.log; done > "$OUT/keep10_${W}_$T.log"
+    for f in keep off; do echo "== $f"; grep -E "^plan|^step [0-9]|tokens/s|peak" $L/$f.log | head -12; done ;;
   final9)
     # the round trip beside the host pass at two thread counts; then the planner's own plans with the
     # refitted chunk overhead: W1 clipped, W3 clipped (traced: the race's forward out of sample) and

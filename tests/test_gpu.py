@@ -22,7 +22,11 @@ LR, EPS, WD = 1e-3, 1e-6, 0.1
          max_grad_norm=0.5, device_optimizer="both"),
     dict(devices=["cuda:0"], pack_size=2, micro_batch_size=5, prefetch_window=1, max_grad_norm=0.5,
          pin_memory="pageable", compile_blocks="off"),
-], ids=["1dev_host_stash_embed_and_2_packs_on_gpu", "2x_same_gpu_clip_both_on_gpu", "pageable_clip_eager"])
+    # streamed packs 1 and 2 keep compact compiled graphs, their backward in other slots (window 2)
+    dict(devices=["cuda:0"], pack_size=1, micro_batch_size=2, prefetch_window=2, stash="host",
+         keep_activations=[False, True, True, False], max_grad_norm=0.5),
+], ids=["1dev_host_stash_embed_and_2_packs_on_gpu", "2x_same_gpu_clip_both_on_gpu", "pageable_clip_eager",
+        "streamed_kept_compiled"])
 def test_cuda_fp32_matches_pytorch(family: str, cfg: dict) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

@@ -70,6 +70,10 @@ KEPT = {
     # (test_a_streamed_backward_runs_in_other_slots)
     "streamed_other_slots": (dict(devices=["cpu"], pack_size=1, micro_batch_size=2, prefetch_window=2,
                                   keep_activations=[False, True, True, False]), (1, 2)),
+    # compiled (AOT autograd, as Inductor partitions): the compact graph's saved weights are the
+    # compiled function's, saved by reference
+    "streamed_compiled": (dict(devices=["cpu"], pack_size=1, micro_batch_size=2, prefetch_window=2,
+                               keep_activations=[False, True, True, False], compile_blocks="aot_eager"), (1, 2)),
     "uneven_packs_window0": (dict(devices=["cpu"], pack_size=[1, 2, 1], micro_batch_size=3, resident_packs=1,
                                   keep_activations=True, prefetch_window=0, max_grad_norm=100.0), (0, 1, 2)),
 }
@@ -180,24 +184,29 @@ def test_full_kept_graphs_match_pytorch(name: str, monkeypatch: pytest.MonkeyPat
     engine.close()
 
 
-@pytest.mark.parametrize("sabotage", ["full_graph_without_weight_references", "compact_graph_unbound"])
+@pytest.mark.parametrize("sabotage", ["full_graph_without_weight_references", "compact_graph_unbound",
+                                      "compiled_compact_graph_without_weight_references"])
 def test_a_streamed_graph_reading_the_forwards_slots_is_wrong(sabotage: str,
                                                             monkeypatch: pytest.MonkeyPatch) -> None:
     """Keeping streamed packs whose backward runs in other slots, with what makes their weights
     the backward's switched off -- a full graph's weight references, or a compact graph's
     rebinding (its recompute then reads the forward's slots, which hold other layers): the run
-    must not pass as exact. So test_kept_packs_match_pytorch passes because of them."""
+    must not pass as exact. So test_kept_packs_match_pytorch passes because of them. (A compiled
+    compact graph saves the weights as autograd tensors: it needs the references too.)"""
     import contextlib
 
     from reference import assert_steps_match, train_reference
     from tinypipe.runtime.weight_refs import WeightRefs
 
+    cfg, _ = KEPT["streamed_other_slots"]
     if sabotage == "full_graph_without_weight_references":
         monkeypatch.setattr(TaskHandlers, "_compact", lambda self, dev: False)
-        monkeypatch.setattr(WeightRefs, "saving", lambda self: contextlib.nullcontext())
-    else:
+    if sabotage == "compact_graph_unbound":
         monkeypatch.setattr(TaskHandlers, "_rebind_kept", lambda self, task, dev: None)
-    cfg, _ = KEPT["streamed_other_slots"]
+    else:
+        monkeypatch.setattr(WeightRefs, "saving", lambda self: contextlib.nullcontext())
+    if sabotage.startswith("compiled"):  # AOT autograd saves the weights among its tensors
+        cfg = dict(cfg, compile_blocks="aot_eager")
     model = make_model("llama", layers=4)
     batches = [make_batch(BATCH, SEQ, seed=i) for i in range(STEPS)]
     ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD)
