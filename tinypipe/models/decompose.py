@@ -430,6 +430,7 @@ class Shell:
         self.runners: list[Any] = list(self.blocks)  # what block_forward calls (eager or compiled)
         # what block_forward calls for a kept pack's recorded forward (models/compact.py)
         self.compact_runners: list[Any] = [CompactBlock(b) for b in self.blocks]
+        self.compiled = False  # whether the runners go through torch.compile
         self.post = [trunk.get_submodule(n) for n in decomposition.post_names]
         self.lm_head = shell.get_submodule(decomposition.head_path)
         self._slots: dict[str, tuple[nn.Module, str]] = {}
@@ -480,6 +481,7 @@ class Shell:
 
         self.runners = [CompiledBlock(b, backend, replay_random) for b in self.blocks]
         self.compact_runners = [CompiledBlock(CompactBlock(b), backend, replay_random) for b in self.blocks]
+        self.compiled = True
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
         """Point every alias of canonical parameter ``name`` at ``tensor`` (a quantized weight's

@@ -281,8 +281,9 @@ def kept_bytes(sizes: ModelSizes, plan: Plan, q: int, *, batch: int, seq: int, p
                hidden: int | None = None, act_per_token: float | None = None) -> int:
     """Device bytes pack ``q``'s kept graphs hold between its forward and its backward (every
     forward micro-batch of the step): what a kept block saves per token (the probe's
-    ``kept_block_bytes``: the compact set, models/compact.py, or the full graph), the inputs of the pack's inner blocks, the pack's outputs (each graph
-    is differentiated from its output tensor), and -- when the pack reads its input from host
+    ``kept_block_bytes``: the compact set, models/compact.py, or the full graph), the inputs of
+    the pack's inner blocks, the pack's outputs (each graph is differentiated from its output
+    tensor), and -- when the pack reads its input from host
     memory or from another device -- the device copies of its input the graphs may save (an input
     stashed on the device is counted with the stash, alive until the pack's backward anyway)."""
     H = hidden or sizes.hidden

@@ -310,7 +310,8 @@ def _layer_sizes(model: nn.Module, dec: Decomposition) -> tuple[list[int], list[
 # --------------------------------------------------------------------------- activation probe
 
 
-def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype, compact: bool = False) -> float:
+def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype,
+                           compact: bool = False) -> float:
     """Bytes autograd saves per token for block 0 of a (probe-sized) model, excluding its input
     and its parameters: what the backward pass holds for one recomputed block (``compact``: what
     a kept block saves in the compact form, models/compact.py)."""

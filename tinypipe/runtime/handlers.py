@@ -17,6 +17,7 @@ from tinypipe.models.decompose import LayerSpec, map_tensors, slice_rows
 from tinypipe.models.head import autograd_head_chunk, fused_head_chunk, is_plain_linear
 from tinypipe.runtime.context import StepContext, TaskTiming
 from tinypipe.runtime.device import DeviceRuntime
+from tinypipe.runtime.host_kept import HostKeptGraph, prefetch_order
 from tinypipe.runtime.optim.messages import GradChunk, GradEnd, GradNorm
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.rng import EMBED, HEAD, PACK, TaskRng, replay_pieces
@@ -41,6 +42,7 @@ class KeptGraph:
     params: list[torch.Tensor]
     counts: list[int]
     refs: WeightRefs
+    host: HostKeptGraph | None = None  # its saved activations in host memory (Plan.kept_on_host)
 
 
 class TaskHandlers:
@@ -57,6 +59,8 @@ class TaskHandlers:
         self._drew: dict[tuple[int, int], bool] = {}  # (pack, forward micro-batch) -> its forward drew
         # (kept pack, forward micro-batch) -> its forward's graph, until its backward differentiates it
         self._kept: dict[tuple[int, int], KeptGraph] = {}
+        # compute task -> the host-kept graphs it starts copying back when done (runtime/host_kept.py)
+        self._prefetch = prefetch_order(ctx.schedule)
         self._by_kind: dict[Kind, Callable[[Task, DeviceRuntime], None]] = {
             Kind.RESIDENT_UPLOAD: self._upload,
             Kind.UPLOAD: self._upload,
@@ -212,7 +216,9 @@ class TaskHandlers:
         (a recompute replays them); ``record``: with autograd recording (a kept pack)."""
         self._check(task, "input", x)
         self._seed(dev, PACK, task.pack, task.mb)
-        compact = record and self._compact(dev)
+        # (a host-kept eager graph saves in full: an eager compact graph's cache bypasses the hooks)
+        compact = record and self._compact(dev) and (
+            dev.shell.compiled or not self.ctx.schedule.plan.on_host(task.pack))
         with torch.enable_grad() if record else torch.no_grad():
             y = self._run_pack(task, dev, x, compact=compact)
         held = self._rng.get(dev.index)
@@ -250,12 +256,17 @@ class TaskHandlers:
         keeping."""
         q, ctx = task.pack, self.ctx
         params, counts = self._bind_trainable(task, dev)
-        refs = WeightRefs(self._pack_buffers(task, dev))
+        host = None
+        if ctx.schedule.plan.on_host(q):
+            host = HostKeptGraph(self.res.host_kept, q, task.mb, dev)
+            refs = WeightRefs(self._pack_buffers(task, dev), host.offload, host.restore)
+        else:
+            refs = WeightRefs(self._pack_buffers(task, dev))
         x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
         with refs.saving():
             y = self._forward_seeded(task, dev, x, record=True)
         self.stash.write_rows(ctx.acts[q + 1], *task.rows, y.detach(), dev)
-        self._kept[(q, task.mb)] = KeptGraph(x, y, params, counts, refs)
+        self._kept[(q, task.mb)] = KeptGraph(x, y, params, counts, refs, host)
         if task.last and q > 0:  # the backward reads no stash: what the graphs saved of it is theirs
             ctx.acts[q].free()  # (the embedding's output, acts[0], stays for the embedding's backward)
 
@@ -323,6 +334,7 @@ class TaskHandlers:
             self._check(task, "input gradient", gx)
             ctx.loss_sum += loss.double()  # type: ignore[operator]
         ctx.grads[P].write(*task.rows, grad_x.view_as(x))
+        self._start_prefetch(task)
         if task.last and ctx.acts[P].owner is not None:
             ctx.acts[P].free()
 
@@ -365,8 +377,10 @@ class TaskHandlers:
             i += n
 
     def _bwd_done(self, task: Task) -> None:
-        """After a pack's last backward micro-batch: free its output gradient and its input stash
-        (the embedding's output, acts[0], stays for the embedding's backward)."""
+        """After a backward micro-batch: start copying back the host-kept graphs the lane's next
+        backward differentiates; after a pack's last one: free its output gradient and its input
+        stash (the embedding's output, acts[0], stays for the embedding's backward)."""
+        self._start_prefetch(task)
         if task.last:
             q = task.pack
             self.ctx.grads[q + 1].free()
@@ -389,12 +403,21 @@ class TaskHandlers:
         for m, a, b in replay_pieces(ctx.schedule.fwd_rows(), lo, hi):
             kept = self._kept.pop((q, m))
             kept.refs.rebind(buffers)
+            if kept.host is not None:
+                kept.host.ready()
             grads = torch.autograd.grad(kept.output, [kept.input] + kept.params, gout[a - lo : b - lo],
                                         allow_unused=True)
             self._store_grads(task, dev, (a, b), grads, kept.counts)
             del grads, kept  # the last reference to this graph: its saved tensors go with it
         del gout
         self._bwd_done(task)
+
+    def _start_prefetch(self, task: Task) -> None:
+        """Copy back the host-kept graphs of the lane's next backward task (one task ahead)."""
+        for key in self._prefetch.get(task.id, ()):
+            kept = self._kept.get(key)
+            if kept is not None and kept.host is not None:
+                kept.host.prefetch()
 
     def _rebind_kept(self, task: Task, dev: DeviceRuntime) -> None:
         """Bind a kept pack's layers to its backward's buffers as its forward bound them (requires-

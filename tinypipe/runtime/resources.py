@@ -15,6 +15,7 @@ from tinypipe.memory.host_store import HostStore
 from tinypipe.models.head_loss import HeadLoss
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.path import OptimizerPath
+from tinypipe.runtime.host_kept import HostKeptBuffers
 from tinypipe.runtime.rng import DropoutRng
 from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
@@ -52,3 +53,5 @@ class EngineResources:
     # the head's loss and logit gradient (fused by Inductor on CUDA when the blocks compile)
     head_loss: HeadLoss = field(default_factory=lambda: HeadLoss(None))
     kept_saving: KeptSaving = field(default_factory=lambda: KeptSaving())
+    # host buffers of kept graphs in host memory (Plan.kept_on_host), reused step after step
+    host_kept: HostKeptBuffers = field(default_factory=lambda: HostKeptBuffers())

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 
@@ -39,12 +39,18 @@ class WeightRefs:
     """Saved-tensor hooks mapping views of a pack's weight buffers to references (see module doc).
 
     ``buffers``: layer -> its flat device buffer in the forward. :meth:`rebind` points the
-    references at the backward's buffers before the graph is differentiated.
+    references at the backward's buffers before the graph is differentiated. ``sink`` /
+    ``restore``: where the other saved tensors go and come back from (a kept graph in host
+    memory, runtime/host_kept.py); without them they stay as they are.
     """
 
-    def __init__(self, buffers: Mapping[int, torch.Tensor]) -> None:
+    def __init__(self, buffers: Mapping[int, torch.Tensor],
+                 sink: Callable[[torch.Tensor], object] | None = None,
+                 restore: Callable[[object], torch.Tensor] | None = None) -> None:
         self._forward = dict(buffers)
         self._current = dict(buffers)
+        self._sink = sink
+        self._restore = restore
 
     @contextlib.contextmanager
     def saving(self) -> Iterator[None]:
@@ -59,7 +65,7 @@ class WeightRefs:
             raise RuntimeError(f"kept graph: no backward buffer for layers {sorted(missing)}")
         self._current = dict(buffers)
 
-    def _pack(self, t: torch.Tensor) -> torch.Tensor | _Ref:
+    def _pack(self, t: torch.Tensor) -> object:
         ptr = t.data_ptr()
         for layer, buf in self._forward.items():
             start = buf.data_ptr()
@@ -69,10 +75,13 @@ class WeightRefs:
                 raise RuntimeError(f"kept graph saves a {t.dtype} view of layer {layer}'s "
                                    f"{buf.dtype} weights")
             return _Ref(layer, (ptr - start) // t.element_size(), tuple(t.shape), tuple(t.stride()))
-        return t
+        return t if self._sink is None else self._sink(t)
 
-    def _unpack(self, saved: torch.Tensor | _Ref) -> torch.Tensor:
-        if not isinstance(saved, _Ref):
+    def _unpack(self, saved: object) -> torch.Tensor:
+        if isinstance(saved, torch.Tensor):
             return saved
+        if not isinstance(saved, _Ref):
+            assert self._restore is not None, "a saved tensor sunk without a way back"
+            return self._restore(saved)
         buf = self._current[saved.layer]
         return torch.as_strided(buf, saved.size, saved.stride, buf.storage_offset() + saved.offset)

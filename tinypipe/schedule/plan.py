@@ -65,6 +65,9 @@ class Plan:
     optimizer_sharding: OptimizerSharding = "replicate"
     # per pack: its forward's autograd graph is kept on the device for its backward (empty: none)
     keep_activations: tuple[bool, ...] = ()
+    # per pack (kept ones only): its graph's saved activations go down to host memory as the
+    # forward makes them and come back up before its backward (runtime/host_kept.py; empty: none)
+    kept_on_host: tuple[bool, ...] = ()
     # host-stepped layers (ids as in ``offload``) whose AdamW update runs on their device instead:
     # right after their backward, or -- when the update waits for the global norm (clipping) -- at
     # their first upload of the next step (runtime/optim/assist.py)
@@ -90,6 +93,7 @@ class Plan:
                               f"got {self.optimizer_sharding!r}")
         object.__setattr__(self, "offload", self._checked_offload())
         object.__setattr__(self, "keep_activations", self._checked_keep())
+        object.__setattr__(self, "kept_on_host", self._checked_on_host())
         object.__setattr__(self, "assisted", self._checked_assisted())
 
     def _checked_assisted(self) -> tuple[int, ...]:
@@ -137,6 +141,25 @@ class Plan:
     def kept(self, q: int) -> bool:
         """Whether pack ``q`` keeps its forward's autograd graph for its backward."""
         return bool(self.keep_activations) and self.keep_activations[q]
+
+    def on_host(self, q: int) -> bool:
+        """Whether kept pack ``q``'s saved activations wait in host memory for its backward."""
+        return bool(self.kept_on_host) and self.kept_on_host[q]
+
+    def _checked_on_host(self) -> tuple[bool, ...]:
+        """``kept_on_host`` as a tuple of bools, () when none; ConfigError for a wrong length or a
+        pack that does not keep its activations."""
+        host = tuple(self.kept_on_host)
+        if not any(host):
+            return ()
+        if len(host) != len(self.packs) or not all(isinstance(k, bool) for k in host):
+            raise ConfigError(f"plan: kept_on_host needs one true/false per pack ({len(self.packs)}), "
+                              f"got {list(host)}")
+        for q in (q for q, h in enumerate(host) if h):
+            if not self.kept(q):
+                raise ConfigError(f"plan: pack {q}'s activations go to host memory but the pack does not "
+                                  "keep them (keep_activations)")
+        return host
 
     def keepable_packs(self, streamed: bool = True) -> tuple[int, ...]:
         """Packs that can keep their activations: every pack whose forward and backward run on one
@@ -253,7 +276,10 @@ class Plan:
         kept = [q for q in range(len(self.packs)) if self.kept(q)]
         if not kept:
             return ""
-        return f", activations kept (no recompute) for pack{'s' * (len(kept) > 1)} {','.join(map(str, kept))}"
+        host = [q for q in kept if self.on_host(q)]
+        which = ",".join(map(str, kept))
+        return (f", activations kept (no recompute) for pack{'s' * (len(kept) > 1)} {which}"
+                + ("" if not host else f" (in host memory: {','.join(map(str, host))})"))
 
     def _describe_offload(self, ssd_bytes: int | None) -> str:
         if not self.offload:
@@ -325,7 +351,8 @@ class Plan:
                 d[new] = d.pop(old)
         for key in ("packs",):
             d[key] = tuple(tuple(p) for p in d[key])
-        for key in ("stash_on_host", "fwd_device", "bwd_device", "keep_activations", "assisted"):
+        for key in ("stash_on_host", "fwd_device", "bwd_device", "keep_activations", "kept_on_host",
+                    "assisted"):
             d[key] = tuple(d.get(key, ()))
         d["offload"] = tuple(tuple(p) for p in d.get("offload", ()))  # older files: nothing offloaded
         return Plan(**d)
