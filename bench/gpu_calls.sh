@@ -186,7 +186,8 @@ case "${1:-}" in
     T=${2:-s10}; W=${3:-W1}; L=/tmp/keep10; mkdir -p $L
     R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
     if [ "$W" = W1 ]; then
-      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "streamed_kept or 1dev_host" \
+      timeout 200 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py tests/test_keep_on_host.py \
+        -k "streamed_kept or 1dev_host or cuda_host_kept" \
         > "$OUT/gpu_keep_tests_$T.log" 2>&1; tail -3 "$OUT/gpu_keep_tests_$T.log"
       S=4; B=130
     else
