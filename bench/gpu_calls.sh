@@ -18,6 +18,7 @@
 #   bash bench/gpu_calls.sh final9b [tag]       # CUDA assist tests; W3 unclipped traced / assisted; W1 unclipped
 #   bash bench/gpu_calls.sh final9c [tag]       # blocking CUDA events: W3 clipped, W1 unclipped and clipped
 #   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
+#   bash bench/gpu_calls.sh host10 [tag]        # CUDA host-kept tests; W1, W3 auto (kept graphs in host memory)
 #   bash bench/gpu_calls.sh keep10 [tag] W1|W3  # CUDA kept-graph tests (W1); the planner's plan (kept packs) vs
 #                                               # --keep-activations off, same call (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
@@ -179,6 +180,17 @@ case "${1:-}" in
     for f in w1 w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/roundtrip9_$T.log"
     for f in w1 w3; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
     cat "$OUT/assist_roundtrip_$T.log" ;;
+  host10)
+    # kept graphs in host memory (session 10): their CUDA equivalence, then W1 and W3 with the
+    # planner's plans (kept packs on the GPU and in host memory). 5 files back: 2 JSON, 3 logs
+    T=${2:-s10}; L=/tmp/host10; mkdir -p $L
+    timeout 210 python3 -m pytest -q -p no:cacheprovider tests/test_keep_on_host.py -k cuda \
+      > "$OUT/gpu_host_kept_tests_$T.log" 2>&1; tail -3 "$OUT/gpu_host_kept_tests_$T.log"
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    timeout 130 $R W1 --steps 4 --json "$OUT/w1_host_$T.json" > $L/w1.log 2>&1
+    timeout 200 $R W3 --steps 2 --json "$OUT/w3_host_$T.json" > $L/w3.log 2>&1
+    for f in w1 w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/host10_$T.log"
+    for f in w1 w3; do echo "== $f"; grep -E "^plan|^step [0-9]|tokens/s|peak|Error|error" $L/$f.log | head -14; done ;;
   keep10)
     # compact kept graphs of streamed packs (session 10): the CUDA equivalence of the new path,
     # then $3 (W1 or W3) with the planner's plan (it keeps packs now) and with --keep-activations

@@ -25,7 +25,8 @@ import tinypipe
 from model_zoo import make_batch, make_model
 from tinypipe.models.compact import CompactBlock
 from tinypipe.perf.workloads import WORKLOADS
-from tinypipe.planner.estimate import activation_peaks, kept_bytes
+from tinypipe.planner.estimate import activation_peaks
+from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import model_sizes, probe_config
 from tinypipe.runtime.handlers import TaskHandlers
 from tinypipe.runtime.weight_refs import WeightRefs

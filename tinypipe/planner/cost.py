@@ -69,7 +69,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass
 from functools import lru_cache
-from typing import Callable
+from typing import Callable, Sequence
 
 from tinypipe.errors import ConfigError
 from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL
@@ -83,6 +83,7 @@ from tinypipe.planner.assist import (
 from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_forward_end
 from tinypipe.planner.dram import clipped_forward_dram
 from tinypipe.planner.hardware import HardwareSpec
+from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 
 #: Why the SSD's reads and writes are one lane, not two: measured on the H200 box's disk (1.63 GB/s
@@ -338,6 +339,15 @@ def _add_stash_traffic(lanes: _Lanes, plan: Plan, stash_bytes: int) -> None:
             lanes.f_up[reader] += stash_bytes
             if q < P and not plan.kept(q):  # a kept pack's backward reads no stash
                 lanes.b_up[plan.bwd_device[q]] += stash_bytes
+
+
+def _add_host_kept_traffic(lanes: _Lanes, plan: Plan, held: Sequence[int]) -> None:
+    """Kept graphs in host memory (``Plan.kept_on_host``): pack ``q``'s saved activations
+    (``held[q]`` bytes) go down in its forward and come back up in its backward."""
+    for q in range(plan.num_packs):
+        if plan.on_host(q):
+            lanes.f_down[plan.fwd_device[q]] += held[q]
+            lanes.b_up[plan.bwd_device[q]] += held[q]
 
 
 def _fill_s(packs: _Packs, embed_dev: bool, head_dev: bool, h2d: float) -> float:
@@ -665,6 +675,10 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
 
     lanes = _pack_work(packs, fwd_flops, rates, lora, dequant)
     _add_stash_traffic(lanes, plan, stash_bytes=w.stash_bytes)
+    if plan.kept_on_host:
+        held = [kept_bytes(sizes, plan, q, batch=batch, seq=seq, precision=precision)
+                if plan.on_host(q) else 0 for q in range(P)]
+        _add_host_kept_traffic(lanes, plan, held)
     dev = _on_device(packs)
     lanes.down[plan.embed_device] += 0 if dev.embed else trains[0] * DOWNLOAD_BYTES
     lanes.down[plan.head_device] += 0 if dev.head else trains[-1] * DOWNLOAD_BYTES

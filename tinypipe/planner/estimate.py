@@ -61,7 +61,8 @@ from tinypipe.memory.report import MemoryReport
 from tinypipe.models.head_loss import logit_bytes
 from tinypipe.planner.cost import pack_stats
 from tinypipe.planner.offload import apply_offload
-from tinypipe.planner.sizes import ModelSizes
+from tinypipe.planner.kept import kept_bytes
+from tinypipe.planner.sizes import ModelSizes, dtype_bytes
 from tinypipe.schedule.plan import Plan
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
@@ -72,16 +73,6 @@ STAGING_MAX = 32 * 1024 * 1024
 NORM_COPY_BYTES_PER_ELEMENT = 0
 #: cuBLAS workspaces per stream, loss scalars, contexts: measured residue on the H200 runs.
 CUDA_WORKSPACE_BYTES = 288 * 1024**2
-
-_ELEM = {"bf16": 2, "fp32": 4}
-
-
-def dtype_bytes(precision: str) -> int:
-    try:
-        return _ELEM[precision]
-    except KeyError:
-        raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}") from None
-
 
 def _is_cuda(device: str) -> bool:
     return device.startswith("cuda")
@@ -113,6 +104,10 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
         "gradient_buffers": 4 * (train - device_stepped_numel(sizes, plan)) if retain_grads else 0,
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
     }
+    on_host = [q for q in range(plan.num_packs) if plan.on_host(q)]
+    if on_host:  # kept graphs waiting in host memory (runtime/host_kept.py)
+        cats["kept_activations"] = sum(kept_bytes(sizes, plan, q, batch=batch, seq=seq, precision=precision,
+                                                  hidden=hidden) for q in on_host)
     if sizes.frozen_total:  # LoRA: the frozen base at compute precision (QLoRA: its payload bytes)
         cats[sizes.frozen_label] = sizes.frozen_total * dtype_bytes(precision)
     return apply_offload(cats, sizes, plan, precision)  # state on the SSD leaves DRAM; staging comes
@@ -244,11 +239,21 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         saved = tb * act_tok * len(pack) + tb * H * a * (len(pack) - 1)
         transient = tb * 2 * sizes.intermediate * a
         work[d][Bk(q)] += saved + transient + remote_rows(q, d, tb)
-    # kept packs: every forward micro-batch's graph, from the pack's forward to its backward
+    # kept packs: every forward micro-batch's graph, from the pack's forward to its backward; in
+    # host memory (Plan.kept_on_host) only what is in flight: two forward micro-batches' graphs
+    # on their way down, the backward's and the next one's copied back (runtime/host_kept.py)
+    nf = -(-B // min(plan.micro_batch_size, B))
     for q in range(P):
         if plan.kept(q):
             held = kept_bytes(sizes, plan, q, batch=B, seq=S, precision=precision, hidden=H,
                               act_per_token=kept_tok)
+            if plan.on_host(q):
+                one = -(-held // nf)
+                work[plan.fwd_device[q]][F(q)] += 2 * one
+                work[plan.bwd_device[q]][Bk(q)] += 2 * one
+                before = HEAD if q == P - 1 else Bk(q + 1)  # its first graph comes back meanwhile
+                work[plan.bwd_device[q]][before] += one
+                continue
             alive(plan.fwd_device[q], F(q), Bk(q), held)
     # embedding backward: recomputed output, dense weight gradient, CUDA fp32 partial sums, and
     # the downloads of pack 0's layers beside it
@@ -275,27 +280,6 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         peaks.append(int(totals[k] + const))
         where.append(_phase_name(k, P))
     return (peaks, where) if detail else peaks
-
-
-def kept_bytes(sizes: ModelSizes, plan: Plan, q: int, *, batch: int, seq: int, precision: str,
-               hidden: int | None = None, act_per_token: float | None = None) -> int:
-    """Device bytes pack ``q``'s kept graphs hold between its forward and its backward (every
-    forward micro-batch of the step): what a kept block saves per token (the probe's
-    ``kept_block_bytes``: the compact set, models/compact.py, or the full graph), the inputs of
-    the pack's inner blocks, the pack's outputs (each graph is differentiated from its output
-    tensor), and -- when the pack reads its input from host
-    memory or from another device -- the device copies of its input the graphs may save (an input
-    stashed on the device is counted with the stash, alive until the pack's backward anyway)."""
-    H = hidden or sizes.hidden
-    a = dtype_bytes(precision)
-    act_tok = act_per_token or sizes.kept_block_bytes(precision)
-    n = len(plan.packs[q])
-    tokens = batch * seq
-    out = tokens * (act_tok * n + H * a * (n - 1) + H * a)
-    owner = plan.embed_device if q == 0 else plan.fwd_device[q]
-    if (q > 0 and plan.stash_on_host[q]) or owner != plan.fwd_device[q]:
-        out += tokens * H * a
-    return int(out)
 
 
 def _phase_name(k: int, P: int) -> str:

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 
 from tinypipe.devices.host_buffers import PAGE
 from tinypipe.errors import ConfigError
-from tinypipe.planner.sizes import ModelSizes
+from tinypipe.planner.sizes import ModelSizes, dtype_bytes
 from tinypipe.schedule.plan import OFFLOAD_KINDS, OffloadKind, Plan
 from tinypipe.schedule.staging import DEFAULT_READ_AHEAD, PoolShape
 from tinypipe.storage.direct import align_up
@@ -68,21 +68,11 @@ CATEGORY = {"master": "master_weights", "moments": "optimizer_state", "grad": "g
             "frozen": "frozen_weights"}
 STAGING_CATEGORY = "ssd_staging"
 
-_ELEM = {"bf16": 2, "fp32": 4}
-
-
-def _dtype_bytes(precision: str) -> int:
-    try:
-        return _ELEM[precision]
-    except KeyError:
-        raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}") from None
-
-
 def region_bytes(sizes: ModelSizes, layer: int, kind: str, precision: str) -> int:
     """Bytes of one region of ``kind`` for ``layer`` (moments: each of its two regions)."""
     train = sizes.layer_train_numels[layer]
     if kind == "frozen":
-        return (sizes.layer_numels[layer] - train) * _dtype_bytes(precision)
+        return (sizes.layer_numels[layer] - train) * dtype_bytes(precision)
     if kind in REGIONS:
         return 4 * train
     raise ConfigError(f"offload kind must be one of {', '.join(OFFLOAD_KINDS)}, got {kind!r}")

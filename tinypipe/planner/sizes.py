@@ -45,6 +45,17 @@ PROBE_VOCAB = 128
 PROBE_BATCH, PROBE_SEQ = 2, 16
 
 
+_ELEM = {"bf16": 2, "fp32": 4}
+
+
+def dtype_bytes(precision: str) -> int:
+    """Bytes per element of the compute precision (``"bf16"`` or ``"fp32"``)."""
+    try:
+        return _ELEM[precision]
+    except KeyError:
+        raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}") from None
+
+
 def aligned(n: int) -> int:
     """``n`` rounded up to the runtime's per-parameter alignment (:data:`ALIGN` elements)."""
     return (n + ALIGN - 1) // ALIGN * ALIGN

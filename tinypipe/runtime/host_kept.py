@@ -75,7 +75,8 @@ class HostKeptGraph:
     def offload(self, t: torch.Tensor) -> torch.Tensor | _Offloaded:
         """A saved tensor's pack hook: its host copy's handle (a view of part of a storage stays as
         it is: copying it would not free the storage)."""
-        if t.numel() == 0 or t.storage_offset() or t.untyped_storage().nbytes() != t.numel() * t.element_size():
+        whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
+        if t.numel() == 0 or t.storage_offset() or not whole:
             return t
         dev = self.dev
         cuda = dev.backend.is_cuda

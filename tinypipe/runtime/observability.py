@@ -45,6 +45,8 @@ def memory_report(res: EngineResources, rss: RssPeak) -> MemoryReport:
         "gradient_buffers": res.optimizer.retained_bytes,
         "stashed_activations": res.host_stash.nbytes,
     }
+    if res.host_kept.nbytes:  # kept graphs waiting in host memory (Plan.kept_on_host)
+        host["kept_activations"] = res.host_kept.nbytes
     tier = res.optimizer.tier
     if tier is not None:  # the SSD tier's DRAM: its staging pools (the state itself is on the SSD)
         host["ssd_staging_pool"] = tier.nbytes
