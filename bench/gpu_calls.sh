@@ -180,6 +180,18 @@ case "${1:-}" in
     for f in w1 w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/roundtrip9_$T.log"
     for f in w1 w3; do echo "== $f"; grep -E "^plan|^step [0-9]" $L/$f.log; tail -3 $L/$f.log; done
     cat "$OUT/assist_roundtrip_$T.log" ;;
+  host10b)
+    # host-kept copies on their own streams, at most two graphs on their way down: the CUDA tests,
+    # then W1 auto untraced and traced (the step decomposition). 6 files back: 2 JSON, 1 trace, 3 logs
+    T=${2:-s10b}; L=/tmp/host10b; mkdir -p $L
+    timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_keep_on_host.py -k cuda \
+      > "$OUT/gpu_host_kept_tests_$T.log" 2>&1; tail -3 "$OUT/gpu_host_kept_tests_$T.log"
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    timeout 130 $R W1 --steps 4 --json "$OUT/w1_host_$T.json" > $L/w1.log 2>&1
+    timeout 130 $R W1 --steps 2 --trace "$OUT/w1_host_$T.trace.json" --json "$OUT/w1_host_traced_$T.json" \
+      > $L/w1t.log 2>&1
+    for f in w1 w1t; do echo "===== $f"; cat $L/$f.log; done > "$OUT/host10b_$T.log"
+    for f in w1 w1t; do echo "== $f"; grep -E "^plan|^step [0-9]|^\| [a-z]|peak_res|Error|error" $L/$f.log | head -40; done ;;
   host10)
     # kept graphs in host memory (session 10): their CUDA equivalence, then W1 and W3 with the
     # planner's plans (kept packs on the GPU and in host memory). 5 files back: 2 JSON, 3 logs

@@ -13,9 +13,10 @@ from tinypipe.models.decompose import Shell
 from tinypipe.schedule.ids import Lane
 
 #: Streams per device: the lanes' (compute, uploads, gradient downloads, replicas' gradient
-#: collectives) and the two side streams host-stashed activations move on (so compute never waits
-#: for a stash transfer)
-STREAMS = ("compute", "h2d", "d2h", "collective", "stash_in", "stash_out")
+#: collectives), the two side streams host-stashed activations move on (so compute never waits
+#: for a stash transfer) and the two kept graphs in host memory move on (runtime/host_kept.py:
+#: their gigabytes queued on the stash streams would hold up the next pack's input)
+STREAMS = ("compute", "h2d", "d2h", "collective", "stash_in", "stash_out", "kept_in", "kept_out")
 
 
 @dataclass

@@ -61,6 +61,7 @@ class TaskHandlers:
         self._kept: dict[tuple[int, int], KeptGraph] = {}
         # compute task -> the host-kept graphs it starts copying back when done (runtime/host_kept.py)
         self._prefetch = prefetch_order(ctx.schedule)
+        self._going_down: dict[int, list[HostKeptGraph]] = {}  # device entry -> graphs being offloaded
         self._by_kind: dict[Kind, Callable[[Task, DeviceRuntime], None]] = {
             Kind.RESIDENT_UPLOAD: self._upload,
             Kind.UPLOAD: self._upload,
@@ -258,7 +259,11 @@ class TaskHandlers:
         params, counts = self._bind_trainable(task, dev)
         host = None
         if ctx.schedule.plan.on_host(q):
+            going = self._going_down.setdefault(dev.index, [])
+            while len(going) >= 2:  # at most two graphs on their way down (runtime/host_kept.py)
+                going.pop(0).wait_down()
             host = HostKeptGraph(self.res.host_kept, q, task.mb, dev)
+            going.append(host)
             refs = WeightRefs(self._pack_buffers(task, dev), host.offload, host.restore)
         else:
             refs = WeightRefs(self._pack_buffers(task, dev))

@@ -7,11 +7,15 @@ moves a kept pack's saved activations to host memory as its forward makes them -
 device-to-host direction of the link, which the forward otherwise leaves mostly idle -- and back
 before its backward, over the host-to-device direction beside the weight uploads:
 
-* each saved tensor (a :class:`~tinypipe.runtime.weight_refs.WeightRefs` sink: the weights are
-  references anyway) is copied into a page-locked host buffer on the ``stash_out`` side stream
-  once the compute stream has produced it; the device copy is released when the copy is done;
+* each saved tensor on the device (a :class:`~tinypipe.runtime.weight_refs.WeightRefs` sink: the
+  weights are references anyway) is copied into a page-locked host buffer on the ``kept_out``
+  side stream once the compute stream has produced it; the device copy is released when the copy
+  is done;
+* a host-kept forward waits (its lane, not the GPU) until the copies of the graph two forward
+  micro-batches back are done: the device holds at most two graphs on their way down, however
+  far the link falls behind (the estimator counts two);
 * one backward task ahead (the compute lane's order, :func:`prefetch_order`), the graph's tensors
-  are copied back on the ``stash_in`` side stream into fresh device tensors; the backward waits
+  are copied back on the ``kept_in`` side stream into fresh device tensors; the backward waits
   for that copy only, and frees them with the graph.
 
 The host buffers are reused step after step (the same shapes each step), so a step pins nothing.
@@ -76,13 +80,13 @@ class HostKeptGraph:
         """A saved tensor's pack hook: its host copy's handle (a view of part of a storage stays as
         it is: copying it would not free the storage)."""
         whole = t.untyped_storage().nbytes() == t.numel() * t.element_size()
-        if t.numel() == 0 or t.storage_offset() or not whole:
+        if t.numel() == 0 or t.storage_offset() or not whole or t.device != self.dev.device:
             return t
         dev = self.dev
         cuda = dev.backend.is_cuda
         host = self.buffers.get((self.pack, self.mb, len(self.items)), t, pin=cuda)
         if cuda:
-            side = dev.streams["stash_out"]
+            side = dev.streams["kept_out"]
             dev.backend.wait_event(side, dev.backend.record_event(dev.streams["compute"]))
             with dev.backend.use_stream(side):
                 host.copy_(t, non_blocking=True)
@@ -94,13 +98,17 @@ class HostKeptGraph:
         self.items.append(item)
         return item
 
+    def wait_down(self) -> None:
+        """Block the calling lane until this graph's copies to the host are done."""
+        self.dev.backend.sync_event(self._down)
+
     def prefetch(self) -> None:
         """Start copying the saved activations back to the device (once)."""
         if self._prefetched:
             return
         self._prefetched = True
         dev = self.dev
-        side = dev.streams["stash_in"]
+        side = dev.streams["kept_in"]
         dev.backend.wait_event(side, self._down)
         with dev.backend.use_stream(side):
             for item in self.items:
