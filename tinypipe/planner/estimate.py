@@ -241,7 +241,8 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         work[d][Bk(q)] += saved + transient + remote_rows(q, d, tb)
     # kept packs: every forward micro-batch's graph, from the pack's forward to its backward; in
     # host memory (Plan.kept_on_host) only what is in flight: two forward micro-batches' graphs
-    # on their way down, the backward's and the next one's copied back (runtime/host_kept.py)
+    # on their way down (until the forward ends: the link may lag), the backward's and the next
+    # one's copied back (runtime/host_kept.py)
     nf = -(-B // min(plan.micro_batch_size, B))
     for q in range(P):
         if plan.kept(q):
@@ -249,7 +250,8 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
                               act_per_token=kept_tok)
             if plan.on_host(q):
                 one = -(-held // nf)
-                work[plan.fwd_device[q]][F(q)] += 2 * one
+                # the link may still be carrying them down while the later packs run forward
+                alive(plan.fwd_device[q], F(q), F(P - 1), 2 * one)
                 work[plan.bwd_device[q]][Bk(q)] += 2 * one
                 before = HEAD if q == P - 1 else Bk(q + 1)  # its first graph comes back meanwhile
                 work[plan.bwd_device[q]][before] += one
