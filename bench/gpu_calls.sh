@@ -19,6 +19,7 @@
 #   bash bench/gpu_calls.sh final9c [tag]       # blocking CUDA events: W3 clipped, W1 unclipped and clipped
 #   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
 #   bash bench/gpu_calls.sh host10 [tag]        # CUDA host-kept tests; W1, W3 auto (kept graphs in host memory)
+#   bash bench/gpu_calls.sh host10b|host10c [tag]  # host-kept: CUDA tests + W1 auto; W1 two host-kept packs traced
 #   bash bench/gpu_calls.sh keep10 [tag] W1|W3  # CUDA kept-graph tests (W1); the planner's plan (kept packs) vs
 #                                               # --keep-activations off, same call (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /

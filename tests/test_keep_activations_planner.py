@@ -33,25 +33,23 @@ def _kept(plan) -> list[int]:
     return [q for q in range(plan.num_packs) if plan.kept(q)]
 
 
-def test_keeps_packs_where_gpu_or_host_memory_allows() -> None:
+def test_keeps_compact_packs_where_the_gpu_budget_allows() -> None:
     """W1 on an H200 at 24 GiB: compact kept graphs (~2 GB per block for the step) fit for a few
-    packs on the GPU and more packs keep theirs in host memory; the predicted step is faster than
-    without keeping, the plan validates and fits both budgets; at 48 GiB more stays on the GPU."""
+    blocks; the predicted step is faster than without keeping, the plan validates and fits; the
+    search never puts kept graphs in host memory (measured slower: bench/RESULTS.md, session 10);
+    at 48 GiB more packs keep."""
     tight, tight_off = _w1(24), _w1(24, keep_activations=False)
     plan = tight.best.plan
     kept = _kept(plan)
-    host = [q for q in kept if plan.on_host(q)]
-    assert host and set(host) < set(kept)
+    assert kept and not plan.kept_on_host
     assert tight.best.time.step_s < tight_off.best.time.step_s
-    assert tight.best.gpu_need <= 24 * GIB and tight.best.host_need <= 200 * GIB
-    assert tight.best.memory.host["kept_activations"] > 0
+    assert tight.best.gpu_need <= 24 * GIB
     validate(build_schedule(plan, W1.batch, tight.sizes.tied))
-    assert "in host memory" in tight.best.describe()
-    assert any("kept graphs in host memory are part of the plan" in n for n in tight.notes)
+    assert "activations kept" in tight.best.describe()
     roomy = _w1(48)
-    on_gpu = [q for q in _kept(roomy.best.plan) if not roomy.best.plan.on_host(q)]
-    assert len(on_gpu) > len(set(kept) - set(host))
-    assert roomy.best.time.step_s <= tight.best.time.step_s
+    blocks = lambda p: sum(len(p.packs[q]) for q in _kept(p))  # noqa: E731
+    assert blocks(roomy.best.plan) > blocks(plan)
+    assert roomy.best.time.step_s < tight.best.time.step_s
     cfg = tinypipe.Config(**{k: v for k, v in roomy.config_kwargs().items() if k != "devices"})
     assert cfg.keep_activations == roomy.best.plan.keep_activations
 

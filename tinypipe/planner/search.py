@@ -247,41 +247,6 @@ def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
     return out, fits
 
 
-#: Plans (fastest first, after kept activations were tried) tried with kept graphs in host memory.
-HOST_KEEP_SEEDS = 4
-
-
-def _with_host_kept(seeds: list[Candidate], evaluate_plan: Evaluate,
-                    settle: Callable[[Candidate], Candidate | None], gpu_mem: int, clipping: bool,
-                    streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
-    """Each seed plan with recomputed packs keeping their graphs in host memory instead
-    (``Plan.kept_on_host``, runtime/host_kept.py), greedily in forward order: each pack added
-    while the plan still fits (GPU and host) and its predicted step gets shorter -- the saved
-    activations ride the link's idle directions (down in the forward, up in the backward), so the
-    time model's link terms say where that stops paying: (every plan evaluated, those that fit)."""
-    out, fits = [], []
-    for seed in seeds:
-        plan = dataclasses.replace(seed.plan, assisted=())  # settle chooses them again
-        if plan.backward_micro_batch_size % plan.micro_batch_size:
-            continue
-        best = ranking_seconds(seed, clipping)
-        keepable = set(plan.keepable_packs(streamed))
-        for q in range(plan.num_packs):
-            if plan.kept(q) or q not in keepable:
-                continue
-            kept = {p for p in range(plan.num_packs) if plan.kept(p)} | {q}
-            host = tuple(plan.on_host(p) or p == q for p in range(plan.num_packs))
-            trial = dataclasses.replace(_keeping(plan, kept), kept_on_host=host)
-            c = evaluate_plan(trial, None)
-            out.append(c)
-            settled = settle(c) if c.gpu_need <= gpu_mem else None
-            if settled is None or ranking_seconds(settled, clipping) >= best:
-                continue
-            fits.append(settled)
-            plan, best = trial, ranking_seconds(settled, clipping)
-    return out, fits
-
-
 def _keeping(plan: Plan, kept: set[int]) -> Plan:
     """``plan`` with the activations of packs ``kept`` kept, their inputs stashed on the device:
     a kept pack's backward reads no stash, so a host stash would only move its input down and up
@@ -486,10 +451,6 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                                  streamed=not sizes.quantize)
         cands += more
         fits += more_fits
-        more, more_fits = _with_host_kept(_pareto(fits, clipping)[:HOST_KEEP_SEEDS], ev, settle, gpu_mem,
-                                          clipping, streamed=not sizes.quantize)
-        cands += more
-        fits += more_fits
     elif keep_activations:
         more, fits = _keep_all(fits, ev, settle, gpu_mem, streamed=not sizes.quantize)
         cands += more
@@ -501,10 +462,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     fastest = ranking_seconds(front[0], clipping)
     best = min((c for c in front if ranking_seconds(c, clipping) <= fastest * (1 + NEAR_FASTEST)),
                key=lambda c: c.gpu_need)
-    extras = [what for what, on in (("the assisted layers", best.plan.assisted),
-                                     ("the kept graphs in host memory", best.plan.kept_on_host)) if on]
-    if extras:
-        notes.append(f"{' and '.join(extras)} are part of the plan, not of the Config fields: pass the plan "
+    if best.plan.assisted:
+        notes.append("the assisted layers are part of the plan, not of the Config fields: pass the plan "
                      "(--save-plan FILE; Engine(model, config, plan=Plan.load(FILE))) or let the engine plan "
                      "(no packing knob set)")
     hiding = None
