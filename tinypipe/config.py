@@ -81,10 +81,11 @@ class Config:
       link are what the rest of the model shares. The first packs' updates are also the last
       the backward produces. Needs each of those packs' forward and backward on one device.
     * ``keep_activations`` -- ``True`` keeps the autograd activations of every pack that can keep
-      them (the resident packs, and the last pack when its forward and backward share a device)
-      on the device from its forward to its backward, so that pack is not recomputed: one forward
-      of its FLOPs less per step, its full activations (every micro-batch of the step) held on
-      the device meanwhile. A list gives it per pack. Needs the backward micro-batch to be a
+      them (every pack whose forward and backward share a device; over a QLoRA base only the
+      resident packs and the last one) on the device from its forward to its backward, so that
+      pack is not recomputed: one forward of its FLOPs less per step, its activations (every
+      micro-batch of the step; matmul and attention outputs only, models/compact.py, unless the
+      blocks draw dropout masks) held on the device meanwhile. A list gives it per pack. Needs the backward micro-batch to be a
       multiple of the forward one. ``False``: every pack is recomputed (the stash only).
     * ``assist_updates`` -- True lets the planner move the AdamW updates of some host-stepped layers
       to the GPU (``Plan.assisted``, :mod:`tinypipe.runtime.optim.assist`) when the host's pass

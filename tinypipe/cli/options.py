@@ -168,10 +168,10 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
     Option("resident-packs", _int, None, "keep the first N packs on the GPU for the whole run, stepped "
            "there: 18 bytes/parameter of GPU memory (bf16), no swapping or host AdamW for them (default: "
            "the planner's choice on CUDA, 0 on cpu)", "N"),
-    Option("keep-activations", _bool, None, "on: keep the autograd activations of the packs that can (the "
-           "resident packs, the last pack) on the GPU, so they are not recomputed: their whole step's "
-           "activations in GPU memory; off: recompute every pack (default: the planner's choice on CUDA, "
-           "off on cpu)", "on|off"),
+    Option("keep-activations", _bool, None, "on: keep the autograd activations of every pack on the GPU "
+           "(over a QLoRA base: the resident packs and the last pack), so none is recomputed: their whole "
+           "step's activations in GPU memory; off: recompute every pack (default: the planner's choice "
+           "on CUDA, off on cpu)", "on|off"),
     Option("no-assist", _bool, False, "never let the GPU take host AdamW updates (default: the planner may "
            "step some layers' updates on the GPU, their fp32 state making a round trip over the link)",
            flag=True),
