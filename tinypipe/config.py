@@ -86,7 +86,8 @@ class Config:
       pack is not recomputed: one forward of its FLOPs less per step, its activations (every
       micro-batch of the step; matmul and attention outputs only, models/compact.py, unless the
       blocks draw dropout masks) held on the device meanwhile. A list gives it per pack. Needs
-      the backward micro-batch to be a multiple of the forward one. ``False``: every pack is recomputed (the stash only).
+      the backward micro-batch to be a multiple of the forward one. ``False``: every pack is
+      recomputed (the stash only).
     * ``assist_updates`` -- True lets the planner move the AdamW updates of some host-stepped layers
       to the GPU (``Plan.assisted``, :mod:`tinypipe.runtime.optim.assist`) when the host's pass
       is what the step waits for: their fp32 master and moments go up, are stepped there and
