@@ -122,12 +122,9 @@ class Plan:
         """``keep_activations`` as a tuple of bools, () when no pack keeps (so plans written before
         the field equal today's); ConfigError for a wrong length, a kept pack whose forward and
         backward run on two devices, or backward micro-batches that split forward ones."""
-        keep = tuple(self.keep_activations)
-        if not any(keep):
+        keep = self._per_pack_flags("keep_activations", self.keep_activations)
+        if not keep:
             return ()
-        if len(keep) != len(self.packs) or not all(isinstance(k, bool) for k in keep):
-            raise ConfigError(f"plan: keep_activations needs one true/false per pack ({len(self.packs)}), "
-                              f"got {list(keep)}")
         for q in (q for q, k in enumerate(keep) if k):
             if self.fwd_device and self.fwd_device[q] != self.bwd_device[q]:
                 raise ConfigError(f"plan: pack {q} keeps its activations but runs its forward on device "
@@ -137,6 +134,16 @@ class Plan:
                               f"({self.backward_micro_batch_size}) to be a multiple of the forward one "
                               f"({self.micro_batch_size}): each forward graph is differentiated once, whole")
         return keep
+
+    def _per_pack_flags(self, name: str, values: tuple[bool, ...]) -> tuple[bool, ...]:
+        """``values`` as a tuple of one bool per pack, () when none is set; ConfigError otherwise."""
+        flags = tuple(values)
+        if not any(flags):
+            return ()
+        if len(flags) != len(self.packs) or not all(isinstance(k, bool) for k in flags):
+            raise ConfigError(f"plan: {name} needs one true/false per pack ({len(self.packs)}), "
+                              f"got {list(flags)}")
+        return flags
 
     def kept(self, q: int) -> bool:
         """Whether pack ``q`` keeps its forward's autograd graph for its backward."""
@@ -149,12 +156,7 @@ class Plan:
     def _checked_on_host(self) -> tuple[bool, ...]:
         """``kept_on_host`` as a tuple of bools, () when none; ConfigError for a wrong length or a
         pack that does not keep its activations."""
-        host = tuple(self.kept_on_host)
-        if not any(host):
-            return ()
-        if len(host) != len(self.packs) or not all(isinstance(k, bool) for k in host):
-            raise ConfigError(f"plan: kept_on_host needs one true/false per pack ({len(self.packs)}), "
-                              f"got {list(host)}")
+        host = self._per_pack_flags("kept_on_host", self.kept_on_host)
         for q in (q for q, h in enumerate(host) if h):
             if not self.kept(q):
                 raise ConfigError(f"plan: pack {q}'s activations go to host memory but the pack does not "
