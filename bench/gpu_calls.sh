@@ -18,8 +18,8 @@
 #   bash bench/gpu_calls.sh final9b [tag]       # CUDA assist tests; W3 unclipped traced / assisted; W1 unclipped
 #   bash bench/gpu_calls.sh final9c [tag]       # blocking CUDA events: W3 clipped, W1 unclipped and clipped
 #   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
-#   bash bench/gpu_calls.sh host10 [tag]        # CUDA host-kept tests; W1, W3 auto (kept graphs in host memory)
-#   bash bench/gpu_calls.sh host10b|host10c [tag]  # host-kept: CUDA tests + W1 auto; W1 two host-kept packs traced
+#   bash bench/gpu_calls.sh host10 [tag] [W3|traced]  # CUDA host-kept tests; W1 auto, then W3 auto or W1 traced
+#   bash bench/gpu_calls.sh host10c [tag]       # W1 with two packs' graphs in host memory, traced, 32 GiB cap
 #   bash bench/gpu_calls.sh keep10 [tag] W1|W3  # CUDA kept-graph tests (W1); the planner's plan (kept packs) vs
 #                                               # --keep-activations off, same call (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
@@ -189,29 +189,23 @@ case "${1:-}" in
       --plan bench/results/s10_w1_host12.plan.json --trace "$OUT/w1_host12_$T.trace.json" \
       --json "$OUT/w1_host12_$T.json" > "$OUT/host10c_$T.log" 2>&1
     grep -E "^plan|^step [0-9]|^\| [a-z]|peak_res|Error|error" "$OUT/host10c_$T.log" | head -50 ;;
-  host10b)
-    # host-kept copies on their own streams, at most two graphs on their way down: the CUDA tests,
-    # then W1 auto untraced and traced (the step decomposition). 6 files back: 2 JSON, 1 trace, 3 logs
-    T=${2:-s10b}; L=/tmp/host10b; mkdir -p $L
+  host10)
+    # kept graphs in host memory (session 10): their CUDA equivalence, then W1 with the planner's
+    # plan (kept packs on the GPU and in host memory) and, by $3, W3 (default) or W1 again traced
+    # (the step decomposition). 5-6 files back: 2 JSON (+1 trace), 3 logs
+    T=${2:-s10}; SECOND=${3:-W3}; L=/tmp/host10; mkdir -p $L
     timeout 150 python3 -m pytest -q -p no:cacheprovider tests/test_keep_on_host.py -k cuda \
       > "$OUT/gpu_host_kept_tests_$T.log" 2>&1; tail -3 "$OUT/gpu_host_kept_tests_$T.log"
     R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
     timeout 130 $R W1 --steps 4 --json "$OUT/w1_host_$T.json" > $L/w1.log 2>&1
-    timeout 130 $R W1 --steps 2 --trace "$OUT/w1_host_$T.trace.json" --json "$OUT/w1_host_traced_$T.json" \
-      > $L/w1t.log 2>&1
-    for f in w1 w1t; do echo "===== $f"; cat $L/$f.log; done > "$OUT/host10b_$T.log"
-    for f in w1 w1t; do echo "== $f"; grep -E "^plan|^step [0-9]|^\| [a-z]|peak_res|Error|error" $L/$f.log | head -40; done ;;
-  host10)
-    # kept graphs in host memory (session 10): their CUDA equivalence, then W1 and W3 with the
-    # planner's plans (kept packs on the GPU and in host memory). 5 files back: 2 JSON, 3 logs
-    T=${2:-s10}; L=/tmp/host10; mkdir -p $L
-    timeout 210 python3 -m pytest -q -p no:cacheprovider tests/test_keep_on_host.py -k cuda \
-      > "$OUT/gpu_host_kept_tests_$T.log" 2>&1; tail -3 "$OUT/gpu_host_kept_tests_$T.log"
-    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
-    timeout 130 $R W1 --steps 4 --json "$OUT/w1_host_$T.json" > $L/w1.log 2>&1
-    timeout 200 $R W3 --steps 2 --json "$OUT/w3_host_$T.json" > $L/w3.log 2>&1
-    for f in w1 w3; do echo "===== $f"; cat $L/$f.log; done > "$OUT/host10_$T.log"
-    for f in w1 w3; do echo "== $f"; grep -E "^plan|^step [0-9]|tokens/s|peak|Error|error" $L/$f.log | head -14; done ;;
+    if [ "$SECOND" = traced ]; then
+      timeout 130 $R W1 --steps 2 --trace "$OUT/w1_host_$T.trace.json" --json "$OUT/w1_host_traced_$T.json" \
+        > $L/second.log 2>&1
+    else
+      timeout 200 $R W3 --steps 2 --json "$OUT/w3_host_$T.json" > $L/second.log 2>&1
+    fi
+    for f in w1 second; do echo "===== $f"; cat $L/$f.log; done > "$OUT/host10_$T.log"
+    for f in w1 second; do echo "== $f"; grep -E "^plan|^step [0-9]|^\| [a-z]|peak|Error|error" $L/$f.log | head -40; done ;;
   keep10)
     # compact kept graphs of streamed packs (session 10): the CUDA equivalence of the new path,
     # then $3 (W1 or W3) with the planner's plan (it keeps packs now) and with --keep-activations
