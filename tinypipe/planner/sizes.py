@@ -321,11 +321,10 @@ def _layer_sizes(model: nn.Module, dec: Decomposition) -> tuple[list[int], list[
 # --------------------------------------------------------------------------- activation probe
 
 
-def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype,
-                           compact: bool = False) -> float:
+def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype) -> tuple[float, float]:
     """Bytes autograd saves per token for block 0 of a (probe-sized) model, excluding its input
-    and its parameters: what the backward pass holds for one recomputed block (``compact``: what
-    a kept block saves in the compact form, models/compact.py)."""
+    and its parameters: what the backward pass holds for one recomputed block, and what a kept
+    block saves in the compact form (models/compact.py) -- both from one forward."""
     model = _build(cfg, "cpu", dtype)
     with torch.no_grad():
         for p in model.parameters():
@@ -343,12 +342,12 @@ def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtyp
         hidden, calls = shell.embed_forward(ids, None)
     x = hidden.detach().to(dtype).requires_grad_(True)
     skip = param_ptrs | {x.untyped_storage().data_ptr()}
+    compact: list[int] = []
     with torch.enable_grad():
-        if compact:
-            nbytes = saved_output_bytes(lambda: shell.block_forward(0, x, calls[0]))
-        else:
-            nbytes = saved_tensor_bytes(lambda: shell.block_forward(0, x, calls[0]), skip)
-    return nbytes / (PROBE_BATCH * PROBE_SEQ)
+        full = saved_tensor_bytes(
+            lambda: compact.append(saved_output_bytes(lambda: shell.block_forward(0, x, calls[0]))), skip)
+    tokens = PROBE_BATCH * PROBE_SEQ
+    return full / tokens, compact[0] / tokens
 
 
 def saved_tensor_bytes(run: Callable[[], object], skip: set[int]) -> int:
@@ -383,9 +382,8 @@ def _act_formula(shape: dict[str, int], precision: str) -> float:
     return float(24 * h + 8 * i) * (2.0 if precision == "fp32" else 1.0)
 
 
-def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: str,
-                   compact: bool = False) -> float:
-    """Saved bytes per token of one real-size block (``compact``: kept in the compact form).
+def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: str) -> tuple[float, float]:
+    """Saved bytes per token of one real-size block: recomputed, and kept in the compact form.
 
     Small models are probed at their real widths. Larger ones are probed at widths /scale and
     /(scale/2): b(s) = A/s + C separates the width-proportional part A from the per-token constant
@@ -393,12 +391,13 @@ def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: st
     """
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
     if shape_of(cfg)["hidden"] <= 1024:
-        return _saved_bytes_per_token(probe_config(cfg, 1, layers=1), dtype, compact)
+        return _saved_bytes_per_token(probe_config(cfg, 1, layers=1), dtype)
     if scale < 4:
         raise UnsupportedModelError("widths do not scale down")
-    b1 = _saved_bytes_per_token(probe_config(cfg, scale, layers=1), dtype, compact)
-    b2 = _saved_bytes_per_token(probe_config(cfg, scale // 2, layers=1), dtype, compact)
-    return max((b2 - b1) * scale + max(2 * b1 - b2, 0.0), b1)
+    one = _saved_bytes_per_token(probe_config(cfg, scale, layers=1), dtype)
+    two = _saved_bytes_per_token(probe_config(cfg, scale // 2, layers=1), dtype)
+    full, compact = (max((b2 - b1) * scale + max(2 * b1 - b2, 0.0), b1) for b1, b2 in zip(one, two))
+    return full, compact
 
 
 # --------------------------------------------------------------------------- entry point
@@ -448,8 +447,7 @@ def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
     source = "probe"
     for precision in ("bf16", "fp32"):
         try:
-            acts[precision] = _act_per_token(cfg, scale, precision)
-            kept[precision] = _act_per_token(cfg, scale, precision, compact=True)
+            acts[precision], kept[precision] = _act_per_token(cfg, scale, precision)
         except Exception:  # noqa: BLE001 - the probe is an estimate; any failure falls back to the formula
             acts[precision] = _act_formula(shape, precision)
             kept.pop(precision, None)  # kept blocks then count as full graphs

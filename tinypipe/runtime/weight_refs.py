@@ -11,9 +11,10 @@ backward unpacks it, it is read from that layer's buffer *then* -- the same valu
 not updated between its forward and its backward: the validator proves it), no copy, no device
 memory held. Activations are saved as they are.
 
-Measured on CPU (a Llama block, fp32, eager and Inductor): gradients through a graph whose forward
+Checked on CPU (a Llama block, fp32, eager and Inductor): gradients through a graph whose forward
 slot was overwritten with NaN and whose weights were re-read from a second buffer equal plain
-autograd's exactly (tests/test_keep_streamed.py).
+autograd's exactly; in the engine, streamed packs whose backward runs in other slots match
+PyTorch, and without the references they do not (tests/test_keep_activations.py).
 """
 
 from __future__ import annotations
