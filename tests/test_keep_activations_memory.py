@@ -92,10 +92,11 @@ def test_a_real_width_block_saves_what_the_estimate_counts(dtype: torch.dtype) -
 
 def _new_tensor_bytes(before: set[int], skip: set[int]) -> dict[int, int]:
     """Storages (ptr -> bytes) of the tensors alive now that were not in ``before`` (ids), except
-    ``skip``: what a compact graph holds -- the checkpoint's inputs and cache are Python objects."""
+    ``skip``: what a compact graph holds -- the checkpoint's inputs and cache are Python objects.
+    (``type(o)``, not ``isinstance``: that would look through a dead ``weakref.proxy`` and raise.)"""
     out = {}
     for o in gc.get_objects():
-        if isinstance(o, torch.Tensor) and id(o) not in before and o.device.type != "meta":
+        if issubclass(type(o), torch.Tensor) and id(o) not in before and o.device.type != "meta":
             st = o.untyped_storage()
             if st.data_ptr() not in skip and st.nbytes():
                 out[st.data_ptr()] = st.nbytes()
@@ -103,7 +104,7 @@ def _new_tensor_bytes(before: set[int], skip: set[int]) -> dict[int, int]:
 
 
 def _tensor_ids() -> set[int]:
-    return {id(o) for o in gc.get_objects() if isinstance(o, torch.Tensor)}
+    return {id(o) for o in gc.get_objects() if issubclass(type(o), torch.Tensor)}
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
