@@ -2,7 +2,9 @@
 
 Layer indices: 0 is the embedding, 1..L the blocks, L+1 the head. The builder walks the step in
 a global order (embedding forward; each pack's forward over all micro-batches; the head; each
-pack's backward in reverse; the embedding backward) and assigns every task to its lane. A pack
+pack's backward in reverse; the embedding backward) and assigns every task to its lane. With a
+micro-batch-wise turn (``Plan.turn_packs``) the last packs' forwards, the head and those packs'
+backwards run per forward micro-batch instead, between the other packs' forwards and backwards. A pack
 that keeps its activations (``Plan.keep_activations``) has the same tasks; its backward waits
 for the forward graphs of its rows instead of the stash. Slots are
 assigned statically: an upload takes the slot whose previous occupant was released earliest and
@@ -90,17 +92,23 @@ class _Builder:
         self.frows, self.brows = self.sched.fwd_rows(), self.sched.bwd_rows()
         self.param_rings = {d: _SlotRing(plan.param_slots()) for d in range(plan.num_devices)}
         self.grad_rings = {d: _SlotRing(plan.grad_slot_count()) for d in range(plan.num_devices)}
-        # Which forward executions keep their slots for the backward of the same pack: the last
-        # forward pack and the first backward pack when both run on one device back to back.
-        self.carry = plan.fwd_device[self.P - 1] == plan.bwd_device[self.P - 1]
+        # The first pack of the micro-batch-wise turn (Plan.turn_packs; P: none). Its packs keep
+        # their slots from forward to backward; without a turn the last forward pack and the first
+        # backward pack do, when both run on one device back to back.
+        self.T = self.P - plan.turn_packs
+        self.carry = plan.fwd_device[self.P - 1] == plan.bwd_device[self.P - 1] and self.T == self.P
         self.fwd_slots: dict[int, tuple[int | None, ...]] = {}
+        self.fwd_uploads: dict[int, list[str]] = {}
         self.last_head = head_id(len(self.frows) - 1)
 
     def build(self) -> Schedule:
         self._resident_uploads()
         self._forward()
-        self._head()
-        for q in reversed(range(self.P)):
+        if self.T < self.P:
+            self._turn()
+        else:
+            self._head()
+        for q in reversed(range(self.T)):
             self._backward(q)
         self._embedding_backward()
         return self.sched
@@ -138,36 +146,75 @@ class _Builder:
         return tuple(slots), ids
 
     def _forward(self) -> None:
-        frows = self.frows
+        """Each pack's forward over all micro-batches, up to the turn (the turn's packs: their uploads)."""
         for q in range(self.P):
             dev = self.plan.fwd_device[q]
             slots, up_ids = self._uploads(q, dev, "f")
             self.fwd_slots[q] = slots
+            self.fwd_uploads[q] = up_ids
             if q == 0:
                 # the head's upload: behind the first pack's (which the forward waits for first) and
                 # ahead of the rest, a whole forward before the head needs it
                 self._add(Task(resident_upload_id(HEAD), Kind.RESIDENT_UPLOAD, self.plan.head_device,
                                layers=(self.H,)))
-            for m, (lo, hi) in enumerate(frows):
-                deps = [EMBED_FWD_ID] + (up_ids if m == 0 else [])
-                deps.append(EMBED_FWD_ID if q == 0 else fwd_id(q - 1, m))
-                self._add(Task(fwd_id(q, m), Kind.FWD, dev, layers=self._layers(q), pack=q, mb=m,
-                               rows=(lo, hi), slots=slots, first=m == 0, last=m == len(frows) - 1,
-                               deps=tuple(dict.fromkeys(deps))))
+            if q >= self.T:  # the turn's packs run their micro-batches in the turn
+                continue
+            for m in range(len(self.frows)):
+                self._add_fwd(q, m)
             if not (self.carry and q == self.P - 1):
                 for s in slots:
-                    self.param_rings[dev].release(s, fwd_id(q, len(frows) - 1))
+                    self.param_rings[dev].release(s, fwd_id(q, len(self.frows) - 1))
+
+    def _add_fwd(self, q: int, m: int) -> None:
+        lo, hi = self.frows[m]
+        deps = [EMBED_FWD_ID] + (self.fwd_uploads[q] if m == 0 else [])
+        deps.append(EMBED_FWD_ID if q == 0 else fwd_id(q - 1, m))
+        self._add(Task(fwd_id(q, m), Kind.FWD, self.plan.fwd_device[q], layers=self._layers(q), pack=q, mb=m,
+                       rows=(lo, hi), slots=self.fwd_slots[q], first=m == 0, last=m == len(self.frows) - 1,
+                       deps=tuple(dict.fromkeys(deps))))
+
+    def _turn(self) -> None:
+        """The micro-batch-wise turn (``Plan.turn_packs``): per forward micro-batch, the turn's
+        packs forward, the head, the turn's packs backward in reverse, differentiating that
+        micro-batch's graphs at once -- so each pack holds one micro-batch's graph, not the step's.
+        Their weights stay in the forward's slots throughout; their gradient slots are taken up
+        front and their layers download once the last micro-batch is through."""
+        turn = range(self.T, self.P)
+        dev = self.plan.head_device
+        gslots = {q: self._grad_slots(q, dev) for q in reversed(turn)}
+        for m in range(len(self.frows)):
+            for q in turn:
+                self._add_fwd(q, m)
+            self._add_head(m)
+            for q in reversed(turn):
+                lo, hi = self.frows[m]
+                deps = [EMBED_FWD_ID] + (gslots[q][1] if m == 0 else [])
+                deps.append(head_id(m) if q == self.P - 1 else bwd_id(q + 1, m))
+                deps.append(fwd_id(q, m))  # its graph
+                self._add(Task(bwd_id(q, m), Kind.BWD, dev, layers=self._layers(q), pack=q, mb=m, rows=(lo, hi),
+                               slots=self.fwd_slots[q], grad_slots=tuple(gslots[q][0]), first=m == 0,
+                               last=m == len(self.frows) - 1, deps=tuple(dict.fromkeys(deps))))
+        self._download_and_update(self.H, dev, None, self.last_head)
+        for q in reversed(turn):
+            last_bwd = bwd_id(q, len(self.frows) - 1)
+            for s in self.fwd_slots[q]:
+                self.param_rings[dev].release(s, last_bwd)
+            for layer, g in zip(self._layers(q), gslots[q][0]):
+                self._download_and_update(layer, dev, g, last_bwd)
 
     def _head(self) -> None:
         """Final norm + LM head + loss, forward and backward fused, per forward micro-batch."""
-        h_dev, H = self.plan.head_device, self.H
-        for m, (lo, hi) in enumerate(self.frows):
-            deps = [fwd_id(self.P - 1, m), resident_upload_id(HEAD)]
-            if self.tied:  # the head borrows the embedding's weight
-                deps.append(resident_upload_id(0))
-            self._add(Task(head_id(m), Kind.HEAD, h_dev, layers=(H,), mb=m, rows=(lo, hi), first=m == 0,
-                           last=m == len(self.frows) - 1, deps=tuple(deps)))
-        self._download_and_update(H, h_dev, None, self.last_head)
+        for m in range(len(self.frows)):
+            self._add_head(m)
+        self._download_and_update(self.H, self.plan.head_device, None, self.last_head)
+
+    def _add_head(self, m: int) -> None:
+        lo, hi = self.frows[m]
+        deps = [fwd_id(self.P - 1, m), resident_upload_id(HEAD)]
+        if self.tied:  # the head borrows the embedding's weight
+            deps.append(resident_upload_id(0))
+        self._add(Task(head_id(m), Kind.HEAD, self.plan.head_device, layers=(self.H,), mb=m, rows=(lo, hi),
+                       first=m == 0, last=m == len(self.frows) - 1, deps=tuple(deps)))
 
     def _download_and_update(self, layer: int, device: int, grad_slot: int | None, after: str) -> None:
         dl = download_id(layer)
@@ -199,6 +246,8 @@ class _Builder:
         deps = [EMBED_FWD_ID] + (first_deps if n == 0 else [])
         if q == self.P - 1:
             deps += [head_id(m) for m in _overlapping(self.frows, lo, hi)]
+        elif q + 1 == self.T and self.T < self.P:  # after the turn, whose backward ran the forward's rows
+            deps += [bwd_id(q + 1, m) for m in _overlapping(self.frows, lo, hi)]
         else:
             deps.append(bwd_id(q + 1, n))
         if self.plan.kept(q):  # no stash read: the graphs this pack's forward kept for these rows
@@ -231,7 +280,8 @@ class _Builder:
 
     def _embedding_backward(self) -> None:
         e_dev = self.plan.embed_device
-        deps = [bwd_id(0, n) for n in range(len(self.brows))] + ([self.last_head] if self.tied else [])
+        rows = self.frows if self.T == 0 else self.brows  # a turn through every pack: the forward's rows
+        deps = [bwd_id(0, n) for n in range(len(rows))] + ([self.last_head] if self.tied else [])
         self._add(Task(EMBED_BWD_ID, Kind.EMBED_BWD, e_dev, layers=(0,), rows=(0, self.batch),
                        deps=tuple(deps)))
         self._download_and_update(0, e_dev, None, EMBED_BWD_ID)

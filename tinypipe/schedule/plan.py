@@ -72,6 +72,10 @@ class Plan:
     # right after their backward, or -- when the update waits for the global norm (clipping) -- at
     # their first upload of the next step (runtime/optim/assist.py)
     assisted: tuple[int, ...] = ()
+    # the last ``turn_packs`` packs run micro-batch-wise (schedule/builder.py): each forward
+    # micro-batch goes through them, the head and back through their backward while their weights
+    # stay in their slots, so each holds one micro-batch's graph at a time (all keep activations)
+    turn_packs: int = 0
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -95,6 +99,32 @@ class Plan:
         object.__setattr__(self, "keep_activations", self._checked_keep())
         object.__setattr__(self, "kept_on_host", self._checked_on_host())
         object.__setattr__(self, "assisted", self._checked_assisted())
+        self._check_turn()
+
+    def _check_turn(self) -> None:
+        """ConfigError unless the turn's packs (the last ``turn_packs``) are streamed packs that keep
+        their activations on the device, on the head's device: the head runs between their forward
+        and their backward, one micro-batch at a time, and their graphs live on that device."""
+        k = self.turn_packs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(self.packs) - self.resident_packs:
+            raise ConfigError(f"plan: turn_packs must be in 0..{len(self.packs) - self.resident_packs} "
+                              f"(the packs after the resident ones), got {k!r}")
+        for q in self.turn():
+            if not self.kept(q) or self.on_host(q):
+                raise ConfigError(f"plan: turn pack {q} must keep its activations on the device "
+                                  "(keep_activations, not kept_on_host)")
+            devices = {self._device(self.fwd_device, q), self._device(self.bwd_device, q), self.head_device}
+            if len(devices) != 1:
+                raise ConfigError(f"plan: turn pack {q} runs on devices {sorted(devices)} (forward, backward, "
+                                  "head); the turn runs on one")
+
+    def turn(self) -> range:
+        """The packs of the micro-batch-wise turn (``turn_packs``), in forward order."""
+        return range(len(self.packs) - self.turn_packs, len(self.packs))
+
+    def turn_layers(self) -> int:
+        """Blocks in the turn: their weights and gradient accumulators are all on the device at once."""
+        return sum(len(self.packs[q]) for q in self.turn())
 
     def _checked_assisted(self) -> tuple[int, ...]:
         """``assisted`` sorted, without duplicates; ConfigError for a layer out of range, one
@@ -177,10 +207,14 @@ class Plan:
     def fixed_slot_packs(self) -> tuple[int, ...]:
         """Packs whose weights stay in their device buffers, unchanged, from their forward to their
         backward: the resident packs, and the last pack when its forward and backward share a
-        device (the schedule keeps its slots across the turn)."""
+        device (the schedule keeps its slots across the turn), or every pack of a micro-batch-wise
+        turn (``turn_packs``)."""
         P, R = len(self.packs), self.resident_packs
         out = list(range(R))
-        if P > R and self._device(self.fwd_device, P - 1) == self._device(self.bwd_device, P - 1):
+        turn = list(self.turn())
+        if turn:  # the turn's packs keep their slots from their forward to their backward
+            out += turn
+        elif P > R and self._device(self.fwd_device, P - 1) == self._device(self.bwd_device, P - 1):
             out.append(P - 1)
         return tuple(out)
 
@@ -280,8 +314,10 @@ class Plan:
             return ""
         host = [q for q in kept if self.on_host(q)]
         which = ",".join(map(str, kept))
+        k = self.turn_packs
         return (f", activations kept (no recompute) for pack{'s' * (len(kept) > 1)} {which}"
-                + ("" if not host else f" (in host memory: {','.join(map(str, host))})"))
+                + ("" if not host else f" (in host memory: {','.join(map(str, host))})")
+                + ("" if not k else f", micro-batch-wise turn through the last {k} pack{'s' * (k > 1)}"))
 
     def _describe_offload(self, ssd_bytes: int | None) -> str:
         if not self.offload:
@@ -312,8 +348,9 @@ class Plan:
                 if device is None or (self.fwd_device[q] if self.fwd_device else 0) == device]
 
     def param_slots(self) -> int:
-        """Layer slots per device: the largest pack plus the prefetch window."""
-        return max(len(p) for p in self.packs) + self.prefetch_window
+        """Layer slots per device: the largest pack (or the turn's blocks, which stay together)
+        plus the prefetch window."""
+        return max([len(p) for p in self.packs] + [self.turn_layers()]) + self.prefetch_window
 
     def grad_slot_count(self) -> int:
         """Gradient accumulators per device: enough for a pack to accumulate while the pack before
@@ -326,10 +363,13 @@ class Plan:
         if self.grad_slots:
             return self.grad_slots
         need = max(len(p) for p in self.packs) + 1
+        turn = set(self.turn())
         for dev in set(self.bwd_device):
             sizes = [len(self.packs[q]) for q in reversed(range(self.resident_packs, self.num_packs))
-                     if self.bwd_device[q] == dev]
-            need = max([need] + [a + b for a, b in zip(sizes, sizes[1:])])
+                     if self.bwd_device[q] == dev and q not in turn]
+            if turn and self.bwd_device[self.num_packs - 1] == dev:  # the turn's blocks accumulate together
+                sizes.insert(0, self.turn_layers())
+            need = max([need] + sizes[:1] + [a + b for a, b in zip(sizes, sizes[1:])])
         return need
 
     def as_dict(self) -> dict:
