@@ -25,8 +25,11 @@ LR, EPS, WD = 1e-3, 1e-6, 0.1
     # streamed packs 1 and 2 keep compact compiled graphs, their backward in other slots (window 2)
     dict(devices=["cuda:0"], pack_size=1, micro_batch_size=2, prefetch_window=2, stash="host",
          keep_activations=[False, True, True, False], max_grad_norm=0.5),
+    # the micro-batch-wise turn through the last 2 packs (compiled), pack 0 streamed and kept
+    dict(devices=["cuda:0"], pack_size=1, micro_batch_size=2, prefetch_window=1, stash="host",
+         keep_activations=[True, False, True, True], turn_packs=2, max_grad_norm=0.5),
 ], ids=["1dev_host_stash_embed_and_2_packs_on_gpu", "2x_same_gpu_clip_both_on_gpu", "pageable_clip_eager",
-        "streamed_kept_compiled"])
+        "streamed_kept_compiled", "turn_compiled"])
 def test_cuda_fp32_matches_pytorch(family: str, cfg: dict) -> None:
     torch.backends.cuda.matmul.allow_tf32 = False
     torch.backends.cudnn.allow_tf32 = False

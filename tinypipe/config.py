@@ -35,7 +35,7 @@ OPTIMIZER_SHARDING_CHOICES: tuple[OptimizerShardingChoice, ...] = get_args(Optim
 PLAN_KNOBS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash")
 #: What unset knobs mean when at least one is set (tinypipe's defaults before automatic planning).
 MANUAL_DEFAULTS = {"pack_size": 1, "micro_batch_size": 1, "prefetch_window": 1, "stash": "device",
-                   "device_optimizer": "off", "resident_packs": 0, "keep_activations": False}
+                   "device_optimizer": "off", "resident_packs": 0, "keep_activations": False, "turn_packs": 0}
 
 
 def _is_number(value: object) -> bool:
@@ -88,6 +88,11 @@ class Config:
       blocks draw dropout masks) held on the device meanwhile. A list gives it per pack. Needs
       the backward micro-batch to be a multiple of the forward one. ``False``: every pack is
       recomputed (the stash only).
+    * ``turn_packs`` -- the last N packs run a micro-batch-wise turn: each forward micro-batch goes
+      through them, the head and back through their backward while their weights stay on the
+      device, so each keeps (and holds) one micro-batch's activations instead of the step's, at the
+      price of all their weights and gradient accumulators on the device at once. Needs them and
+      the head on one device. Unset: the planner's choice (auto plan), 0 for hand-set knobs.
     * ``assist_updates`` -- True lets the planner move the AdamW updates of some host-stepped layers
       to the GPU (``Plan.assisted``, :mod:`tinypipe.runtime.optim.assist`) when the host's pass
       is what the step waits for: their fp32 master and moments go up, are stepped there and
@@ -181,6 +186,7 @@ class Config:
     device_optimizer: DeviceOptimizer | None = None
     resident_packs: int | None = None
     keep_activations: bool | Sequence[bool] | None = None
+    turn_packs: int | None = None
     assist_updates: bool = True
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
@@ -313,6 +319,9 @@ class Config:
         _check_choice("pin_memory", self.pin_memory, PIN_MODES)
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+        if self.turn_packs is not None and (isinstance(self.turn_packs, bool) or not isinstance(self.turn_packs, int)
+                                            or self.turn_packs < 0):
+            raise ConfigError(f"turn_packs must be a whole number >= 0, got {self.turn_packs!r}")
         if self.grad_slots is not None and self.grad_slots < 1:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")
         if not self.compile_blocks or self.compile_blocks != self.compile_blocks.strip():
@@ -348,6 +357,8 @@ class Config:
             out["backward_micro_batch_size"] = out["micro_batch_size"]
         if out["keep_activations"] is False:  # make_plan's default: the plans of before the knob
             del out["keep_activations"]
+        if not out["turn_packs"]:
+            del out["turn_packs"]
         return out
 
     def replace(self, **changes: object) -> "Config":

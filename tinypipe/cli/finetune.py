@@ -123,6 +123,7 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         device_optimizer=s["device_optimizer"],
         resident_packs=s["resident_packs"],
         keep_activations=s["keep_activations"],
+        turn_packs=s["turn_packs"],
         assist_updates=not s["no_assist"],
         dropout=not s["no_dropout"],
         dropout_seed=s["seed"],

@@ -172,6 +172,10 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "(over a QLoRA base: the resident packs and the last pack), so none is recomputed: their whole "
            "step's activations in GPU memory; off: recompute every pack (default: the planner's choice "
            "on CUDA, off on cpu)", "on|off"),
+    Option("turn-packs", _int, None, "run the last N packs micro-batch-wise at the forward->backward turn: "
+           "each micro-batch goes forward through them, through the head and back while their weights stay "
+           "on the GPU, so they recompute nothing and hold one micro-batch's activations each (default: the "
+           "planner's choice on CUDA, 0 on cpu)", "N"),
     Option("no-assist", _bool, False, "never let the GPU take host AdamW updates (default: the planner may "
            "step some layers' updates on the GPU, their fp32 state making a round trip over the link)",
            flag=True),

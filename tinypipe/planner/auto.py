@@ -248,7 +248,7 @@ def _search(model: nn.Module, config: Config) -> PlanResult:
                     host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
                     device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
                     ssd=_ssd_of(config, hw), keep_activations=config.keep_activations,
-                    assist_updates=config.assist_updates)
+                    assist_updates=config.assist_updates, turn_packs=config.turn_packs)
 
 
 def quantized_base(model: nn.Module) -> bool:

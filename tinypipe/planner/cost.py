@@ -18,7 +18,10 @@ at the start and an exposed tail at the end::
   keeps its activations, ``Plan.keep_activations``, has no recompute; its backward runs one forward
   micro-batch's graph at a time, at the forward micro-batch's rate),
   backward uploads / h2d, gradient downloads (4 B/param) / d2h, (uploads + downloads) / bidir),
-  and the CPU optimizer's work that can overlap it (every layer but pack 0 and the embedding).
+  and the CPU optimizer's work that can overlap it (every layer but pack 0 and the embedding),
+  which, after a micro-batch-wise turn (``Plan.turn_packs``), starts only once the turn's
+  backward is through (its layers download at its end); the turn's packs, like a kept last pack,
+  upload nothing for their backward.
 * **tail** -- what cannot overlap: pack 0's and the embedding's AdamW steps after the last
   backward (plus one gradient chunk's download). With ``device_optimizer`` the embedding / head
   are stepped on their device instead (no upload, download or host AdamW for them).
@@ -281,6 +284,9 @@ class _Lanes:
     b_up: list[float]
     down: list[float]
     f_down: list[float]  # host-stashed pack inputs written down in the forward
+    # backward compute seconds of the micro-batch-wise turn (Plan.turn_packs): no host AdamW of
+    # the step starts before it ends, since the turn's layers download only once it is through
+    turn_b: float = 0.0
 
 
 def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
@@ -291,7 +297,9 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
     plan = packs.plan
     n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
     bwd_mult = 1.0 if lora else 2.0  # the backward skips the frozen weights' gradient GEMMs
-    carry = plan.fwd_device[P - 1] == plan.bwd_device[P - 1]  # the last pack stays for the backward
+    # packs whose weights stay in their slots for the backward: the turn's, else the last pack
+    turn = set(plan.turn())
+    carried = turn or ({P - 1} if plan.fwd_device[P - 1] == plan.bwd_device[P - 1] else set())
     lanes = _Lanes(*([0.0] * n for _ in range(6)))
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
@@ -302,12 +310,15 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
             pass_s = bwd_mult * fwd_flops[q] / rates.kept_backward
         else:
             pass_s = fwd_flops[q] / rates.recompute + bwd_mult * fwd_flops[q] / rates.backward
-        lanes.b_comp[db] += pass_s + PACK_OVERHEAD_S + dequant[q][1] + (
-                packs.exposed(q, rates.h2d) if (q < P - 1 or not carry) and not res else 0.0)
+        b_s = pass_s + PACK_OVERHEAD_S + dequant[q][1] + (
+            packs.exposed(q, rates.h2d) if q not in carried and not res else 0.0)
+        lanes.b_comp[db] += b_s
+        if q in turn:
+            lanes.turn_b += b_s
         if res:
             continue
         lanes.f_up[df] += packs.up[q]
-        if not (carry and q == P - 1):
+        if q not in carried:
             lanes.b_up[db] += packs.up[q]
         lanes.down[db] += packs.train[q] * DOWNLOAD_BYTES
     return lanes
@@ -542,7 +553,7 @@ def _assist_bytes(packs: _Packs, lanes: _Lanes, assisted: tuple[int, ...]) -> tu
             fill += t * extra_up
         else:
             f_up[d] += t * extra_up
-    out = _Lanes(lanes.f_comp, lanes.b_comp, f_up, lanes.b_up, lanes.down, f_down)
+    out = _Lanes(lanes.f_comp, lanes.b_comp, f_up, lanes.b_up, lanes.down, f_down, lanes.turn_b)
     return out, fill
 
 
@@ -560,7 +571,7 @@ def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates, overlappable:
         "upload": max(lanes.b_up) / rates.h2d,
         "download": max(lanes.down) / rates.d2h,
         "link (both directions)": max(u + d for u, d in zip(lanes.b_up, lanes.down)) / rates.bidir,
-        "cpu optimizer": overlappable / rates.adamw,
+        "cpu optimizer": lanes.turn_b + overlappable / rates.adamw,
     }
 
 
@@ -613,7 +624,7 @@ class _BackwardAssist:
             over -= t
             b_up[d] += t * BACKWARD_ASSIST_UP_BYTES
             down[d] += t * (BACKWARD_ASSIST_DOWN_BYTES - DOWNLOAD_BYTES)
-        out = _Lanes(lanes.f_comp, lanes.b_comp, lanes.f_up, b_up, down, lanes.f_down)
+        out = _Lanes(lanes.f_comp, lanes.b_comp, lanes.f_up, b_up, down, lanes.f_down, lanes.turn_b)
         chunks = sum(-(-self.train[layer] // ASSIST_CHUNK_NUMEL) for layer in layers)
         terms = {k: v + chunks * ASSIST_CHUNK_HOST_S for k, v in b_terms_of(out, over).items()}
         return terms, max(tail_host_left / rates.adamw, tail_link), out

@@ -32,7 +32,9 @@ each pack's backward, the embedding backward, the embedding's gradient download 
   its backward's working set is one forward micro-batch's gradient transient);
 * a kept pack's graphs (:func:`kept_bytes`: the same saved bytes per token and block, for every
   token of the step, plus the pack's outputs), alive on its device from its forward to its
-  backward; the head keeps one token chunk of logits (its gradient written over them) and an
+  backward -- in a micro-batch-wise turn (``Plan.turn_packs``) one forward micro-batch's, and
+  whatever is alive in one of the turn's phases (its packs' forwards, the head, their backwards,
+  which interleave) counted in all of them; the head keeps one token chunk of logits (its gradient written over them) and an
   fp32 row block of it; the embedding backward a dense weight gradient and the CUDA kernel's
   fp32 partial sums;
 * the transient of a gradient download: the runtime computes each layer's gradient norm with
@@ -188,7 +190,13 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     delta = [[0] * (nphase + 1) for _ in range(n)]  # boundary bytes as a difference array
     work = [[0] * nphase for _ in range(n)]
 
+    # the micro-batch-wise turn (Plan.turn_packs) interleaves its packs' forward, head and backward
+    # phases, once per forward micro-batch: whatever is alive in one of them is alive in all
+    turn_lo, turn_hi = (F(P - plan.turn_packs), Bk(P - plan.turn_packs)) if plan.turn_packs else (nphase, -1)
+
     def alive(dev: int, lo: int, hi: int, nbytes: int) -> None:
+        if lo <= turn_hi and hi >= turn_lo:
+            lo, hi = min(lo, turn_lo), max(hi, turn_hi)
         delta[dev][lo] += nbytes
         delta[dev][hi + 1] -= nbytes
 
@@ -244,9 +252,12 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     # on their way down (until the forward ends: the link may lag), the backward's and the next
     # one's copied back (runtime/host_kept.py)
     nf = -(-B // min(plan.micro_batch_size, B))
+    turn = set(plan.turn())
     for q in range(P):
         if plan.kept(q):
-            held = kept_bytes(sizes, plan, q, batch=B, seq=S, precision=precision, hidden=H,
+            # a turn pack holds one forward micro-batch's graph at a time
+            rows = min(plan.micro_batch_size, B) if q in turn else B
+            held = kept_bytes(sizes, plan, q, batch=rows, seq=S, precision=precision, hidden=H,
                               act_per_token=kept_tok)
             if plan.on_host(q):
                 one = -(-held // nf)

@@ -247,10 +247,58 @@ def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
     return out, fits
 
 
+#: Pareto plans (fastest first, after keeping) tried with a micro-batch-wise turn.
+TURN_SEEDS = 4
+
+
+def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate, settle: Callable[[Candidate], Candidate | None],
+               gpu_mem: int, saved_per_byte: Callable[[Plan], list[float]],
+               streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
+    """Each seed plan with a micro-batch-wise turn (``Plan.turn_packs``) through its last 1, 2, ...
+    packs for as long as that fits, then (the longest turn that fits) its other packs kept greedily
+    as :func:`_with_kept_activations` keeps them: (every plan evaluated, those that fit).
+
+    A pack in the turn is not recomputed and holds one forward micro-batch's graph instead of the
+    step's, but the turn's weights and gradient accumulators are all on the device at once (its
+    slots), and no host AdamW starts before the turn is through (the time model's terms)."""
+    out, fits = [], []
+
+    def fitting(plan: Plan) -> Candidate | None:
+        c = evaluate_plan(plan, None)
+        out.append(c)
+        settled = settle(c) if c.gpu_need <= gpu_mem else None
+        if settled is not None:
+            fits.append(settled)
+        return settled
+
+    for seed in seeds:
+        base = dataclasses.replace(seed.plan, assisted=(), turn_packs=0)
+        kept = {q for q in range(base.num_packs) if base.kept(q)}
+        longest: Candidate | None = None
+        for k in range(1, base.num_packs - base.resident_packs + 1):
+            try:
+                trial = dataclasses.replace(_keeping(base, kept | set(range(base.num_packs - k, base.num_packs))),
+                                            turn_packs=k)
+            except ConfigError:  # the turn's packs would run on other devices than the head
+                break
+            if (settled := fitting(trial)) is None:
+                break
+            longest = settled
+        if longest is not None:
+            more, more_fits = _with_kept_activations([longest], evaluate_plan, settle,
+                                                     gpu_mem, saved_per_byte, grow_resident=False,
+                                                     streamed=streamed)
+            out += more
+            fits += more_fits
+    return out, fits
+
+
 def _keeping(plan: Plan, kept: set[int]) -> Plan:
-    """``plan`` with the activations of packs ``kept`` kept, their inputs stashed on the device:
-    a kept pack's backward reads no stash, so a host stash would only move its input down and up
-    again in the forward -- on the device it costs about what the graphs would hold of it anyway."""
+    """``plan`` with the activations of packs ``kept`` (and the turn's, ``Plan.turn_packs``) kept,
+    their inputs stashed on the device: a kept pack's backward reads no stash, so a host stash
+    would only move its input down and up again in the forward -- on the device it costs about
+    what the graphs would hold of it anyway."""
+    kept = kept | set(plan.turn())
     stash = tuple(h and q not in kept for q, h in enumerate(plan.stash_on_host))
     return dataclasses.replace(plan, keep_activations=tuple(q in kept for q in range(plan.num_packs)),
                                stash_on_host=stash)
@@ -306,14 +354,15 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              device_optimizer: DeviceOptimizer | None = None,
              resident_packs: int | None = None, ssd: SsdSpec | None = None,
              hiding_search: bool = True, keep_activations: bool | None = None,
-             host_shards: int = 1, assist_updates: bool = True) -> PlanResult:
+             host_shards: int = 1, assist_updates: bool = True, turn_packs: int | None = None) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
     ``device_optimizer`` fixes that choice (default: searched, see :func:`device_optimizer_options`);
     ``resident_packs`` likewise (default: searched, see :func:`_with_resident_packs`), and
     ``keep_activations`` (default: searched, :func:`_with_kept_activations`; True: every plan keeps
-    them for all its keepable packs; False: none). ``ssd``
+    them for all its keepable packs; False: none), and with it searched a micro-batch-wise turn
+    (``turn_packs``: default searched, :func:`_with_turn`; 0: none). ``ssd``
     (an offload directory and its rates): host memory becomes a real limit with the SSD as the
     overflow (:class:`~tinypipe.planner.spill.Spill`); without it, nothing changes. With state on
     the SSD the result says from which global batch its I/O is hidden (``hiding_search=False``
@@ -341,6 +390,9 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                           f"(a per-pack list needs a hand-set packing), got {keep_activations!r}")
     if max_grad_norm is not None and not max_grad_norm > 0:
         raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
+    if turn_packs not in (None, 0):
+        raise ConfigError("the planner chooses the packing: turn_packs must be 0 (no turn) or unset "
+                          f"(searched), got {turn_packs!r}")
     hw = load_hardware(hardware)
     if ssd is not None:
         hw = ssd.apply(hw)
@@ -451,6 +503,11 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                                  streamed=not sizes.quantize)
         cands += more
         fits += more_fits
+        if turn_packs is None:
+            turned, turned_fits = _with_turn(_pareto(fits, clipping)[:TURN_SEEDS], ev, settle, gpu_mem,
+                                             saved_per_byte, streamed=not sizes.quantize)
+            cands += turned
+            fits += turned_fits
     elif keep_activations:
         more, fits = _keep_all(fits, ev, settle, gpu_mem, streamed=not sizes.quantize)
         cands += more

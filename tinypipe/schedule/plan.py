@@ -28,7 +28,7 @@ OPTIMIZER_SHARDINGS: tuple[OptimizerSharding, ...] = get_args(OptimizerSharding)
 #: The settings :func:`make_plan` takes besides the model's shape and the device count: the same
 #: names as the :class:`tinypipe.Config` fields that set them (:meth:`Plan.settings` gives them back).
 PLAN_SETTINGS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash",
-                 "grad_slots", "device_optimizer", "resident_packs", "keep_activations")
+                 "grad_slots", "device_optimizer", "resident_packs", "keep_activations", "turn_packs")
 #: Plan JSON keys written by older versions -> today's field names (:meth:`Plan.from_json`).
 _RENAMED_KEYS = {"fwd_micro_batch": "micro_batch_size", "bwd_micro_batch": "backward_micro_batch_size"}
 
@@ -277,12 +277,15 @@ class Plan:
     def settings(self) -> dict:
         """The :data:`PLAN_SETTINGS` that rebuild this plan with :func:`make_plan` (with the
         round-robin placement) -- also the :class:`tinypipe.Config` fields that select it;
-        ``grad_slots`` only when set, ``keep_activations`` only when a pack keeps them."""
+        ``grad_slots`` only when set, ``keep_activations`` only when a pack keeps them,
+        ``turn_packs`` only when there is a turn."""
         out = {name: getattr(self, name) for name in PLAN_SETTINGS}
         if out["grad_slots"] is None:
             del out["grad_slots"]
         if not out["keep_activations"]:
             del out["keep_activations"]
+        if not out["turn_packs"]:
+            del out["turn_packs"]
         return out
 
     def describe(self, ssd_bytes: int | None = None) -> str:
@@ -450,10 +453,12 @@ def make_plan(
     offload: Sequence[tuple[int, str]] = (),
     keep_activations: bool | Sequence[bool] = False,
     keep_streamed: bool = True,
+    turn_packs: int = 0,
 ) -> Plan:
     """The default plan for hand-set knobs (what :class:`tinypipe.Config` describes).
     ``keep_activations``: True keeps them for every pack that can (:meth:`Plan.keepable_packs`,
-    with ``keep_streamed``), a list says it per pack."""
+    with ``keep_streamed``), a list says it per pack. ``turn_packs``: the last packs run a
+    micro-batch-wise turn (:attr:`Plan.turn_packs`), which keeps their activations too."""
     packs = split_packs(num_blocks, pack_size)
     for s in (stash,) if isinstance(stash, str) else stash:
         if s not in STASH_PLACES:
@@ -486,14 +491,23 @@ def make_plan(
         resident_packs=resident_packs,
         offload=tuple(tuple(p) for p in offload),  # type: ignore[misc]
     )
-    if keep_activations is False:
+    if isinstance(turn_packs, bool) or not isinstance(turn_packs, int) or not 0 <= turn_packs <= len(packs):
+        raise ConfigError(f"turn_packs must be in 0..{len(packs)}, got {turn_packs!r}")
+    turn = range(len(packs) - turn_packs, len(packs))
+    if keep_activations is False and not turn_packs:
         return plan
     if keep_activations is True:
         kept = set(plan.keepable_packs(keep_streamed))
         keep = tuple(q in kept for q in range(len(packs)))
+    elif keep_activations is False:
+        keep = (False,) * len(packs)
     elif isinstance(keep_activations, (list, tuple)):
         keep = tuple(keep_activations)
+        if turn_packs and len(keep) == len(packs) and not all(keep[q] for q in turn):
+            raise ConfigError(f"keep_activations {list(keep)} leaves out packs of the turn "
+                              f"(turn_packs={turn_packs}: packs {turn.start}..{turn.stop - 1} keep theirs)")
     else:
         raise ConfigError(f"keep_activations must be true, false or one true/false per pack, "
                           f"got {keep_activations!r}")
-    return replace(plan, keep_activations=keep)
+    keep = tuple(k or q in turn for q, k in enumerate(keep))
+    return replace(plan, keep_activations=keep, turn_packs=turn_packs)
