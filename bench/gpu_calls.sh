@@ -22,6 +22,8 @@
 #   bash bench/gpu_calls.sh host10c [tag]       # W1 with two packs' graphs in host memory, traced, 32 GiB cap
 #   bash bench/gpu_calls.sh keep10 [tag] W1|W3  # CUDA kept-graph tests (W1); the planner's plan (kept packs) vs
 #                                               # --keep-activations off, same call (#16)
+#   bash bench/gpu_calls.sh turn11 [tag] W1|W3 [traced]  # CUDA turn test (W1); the planner's plan (a
+#                                               # micro-batch-wise turn) vs --turn-packs 0, same call (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -224,6 +226,28 @@ case "${1:-}" in
     timeout $B $R $W --steps $S --keep-activations off --json "$OUT/${W,,}_nokeep_$T.json" > $L/off.log 2>&1
     for f in keep off; do echo "===== $f"; cat $L/$f.log; done > "$OUT/keep10_${W}_$T.log"
     for f in keep off; do echo "== $f"; grep -E "^plan|^step [0-9]|tokens/s|peak" $L/$f.log | head -12; done ;;
+  turn11)
+    # the micro-batch-wise turn (session 11): the CUDA equivalence of the turn (llama, compiled), then
+    # $3 (W1 or W3) with the planner's plan (a turn now) and with --turn-packs 0 (session 10's plan),
+    # same call; $4 = traced: the turn plan traced instead of the A/B. Files: 2 JSON (+trace), logs
+    T=${2:-s11}; W=${3:-W1}; L=/tmp/turn11; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
+    if [ "$W" = W1 ]; then S=4; B=140; else S=2; B=180; fi
+    if [ "${4:-}" = traced ]; then
+      timeout $B $R $W --steps $S --trace "$OUT/${W,,}_turn_traced_$T.trace.json" \
+        --json "$OUT/${W,,}_turn_traced_$T.json" > $L/traced.log 2>&1
+      cp $L/traced.log "$OUT/turn11_${W}_traced_$T.log"; grep -E "^plan|^step [0-9]|tokens/s|peak" $L/traced.log | head -12
+      tail -25 $L/traced.log
+    else
+      if [ "$W" = W1 ]; then
+        timeout 170 python3 -m pytest -q -p no:cacheprovider tests/test_gpu.py -k "turn_compiled and llama" \
+          > "$OUT/gpu_turn_tests_$T.log" 2>&1; tail -3 "$OUT/gpu_turn_tests_$T.log"
+      fi
+      timeout $B $R $W --steps $S --json "$OUT/${W,,}_turn_$T.json" > $L/turn.log 2>&1
+      timeout $B $R $W --steps $S --turn-packs 0 --json "$OUT/${W,,}_noturn_$T.json" > $L/off.log 2>&1
+      for f in turn off; do echo "===== $f"; cat $L/$f.log; done > "$OUT/turn11_${W}_$T.log"
+      for f in turn off; do echo "== $f"; grep -E "^plan|^step [0-9]|tokens/s|peak|Error" $L/$f.log | head -12; done
+    fi ;;
   final9)
     # the round trip beside the host pass at two thread counts; then the planner's own plans with the
     # refitted chunk overhead: W1 clipped, W3 clipped (traced: the race's forward out of sample) and

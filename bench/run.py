@@ -85,6 +85,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="every host-stepped layer stepped on the host (Config.assist_updates=False)")
     ap.add_argument("--keep-activations", default="auto", choices=("auto", "on", "off"),
                     help="kept packs (no recompute): the planner's choice, every pack that can, none")
+    ap.add_argument("--turn-packs", type=int, default=None, metavar="N",
+                    help="micro-batch-wise turn through the last N packs (0: none; default: the planner's choice)")
     ap.add_argument("--plan", default=None, metavar="FILE",
                     help="run this plan exactly: a Plan JSON (tinypipe plan --save) or a bench/run.py --json "
                          "result (its \"plan\"), e.g. to rerun a measured plan after a runtime change")
@@ -269,6 +271,8 @@ def run(a: argparse.Namespace) -> dict:
         keep = {"auto": None, "on": True, "off": False}[a.keep_activations]
         if keep is not None:
             knobs["keep_activations"] = keep
+        if a.turn_packs is not None:
+            knobs["turn_packs"] = a.turn_packs
         cfg = tinypipe.Config(
             devices=devices, precision=a.precision,
             lr=a.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, pin_memory=a.pin,
