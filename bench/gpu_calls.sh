@@ -24,6 +24,7 @@
 #                                               # --keep-activations off, same call (#16)
 #   bash bench/gpu_calls.sh turn11 [tag] W1|W3 [traced]  # CUDA turn test (W1); the planner's plan (a
 #                                               # micro-batch-wise turn) vs --turn-packs 0, same call (#16)
+#   bash bench/gpu_calls.sh turn11b [tag]  # W1: planner's turn plan, turn + 9 assisted, no turn (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -248,6 +249,17 @@ case "${1:-}" in
       for f in turn off; do echo "===== $f"; cat $L/$f.log; done > "$OUT/turn11_${W}_$T.log"
       for f in turn off; do echo "== $f"; grep -E "^plan|^step [0-9]|tokens/s|peak|Error" $L/$f.log | head -12; done
     fi ;;
+  turn11b)
+    # W1 three ways in one call: the planner's plan (turn + the assisted layers it chooses), the same
+    # with all 9 turn layers assisted (bench/plans/s11_w1_turn_assist9.json), --turn-packs 0. 3 JSON, 1 log
+    T=${2:-s11b}; L=/tmp/turn11b; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 4"
+    timeout 150 $R W1 --auto --json "$OUT/w1_turn_$T.json" > $L/auto.log 2>&1
+    timeout 110 $R W1 --plan bench/plans/s11_w1_turn_assist9.json --json "$OUT/w1_turn_assist9_$T.json" \
+      > $L/assist9.log 2>&1
+    timeout 110 $R W1 --auto --turn-packs 0 --json "$OUT/w1_noturn_$T.json" > $L/off.log 2>&1
+    for f in auto assist9 off; do echo "===== $f"; cat $L/$f.log; done > "$OUT/turn11b_W1_$T.log"
+    for f in auto assist9 off; do echo "== $f"; grep -E "^plan|^step [0-9]|Error" $L/$f.log | head -9; done ;;
   final9)
     # the round trip beside the host pass at two thread counts; then the planner's own plans with the
     # refitted chunk overhead: W1 clipped, W3 clipped (traced: the race's forward out of sample) and

@@ -1,0 +1,61 @@
+"""The host AdamW's rate inside a step: the median block update's G params/s while the backward
+runs, and after it, from traced runs (``bench/run.py --trace``) -- what
+``planner/cost.py: BACKWARD_ADAMW_EFFICIENCY`` is fitted on (``cpu_adamw_gparams_s`` is the rate
+measured alone).
+
+    python bench/adamw_in_pipeline.py bench/results/s7_w1_final.trace.json [more traces]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import transformers
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
+from tinypipe.planner.sizes import model_sizes  # noqa: E402
+
+
+def rates(trace: Path, block_params: int) -> dict:
+    """Median block-update rates (G params/s) during and after the traced step's backward."""
+    events = json.loads(trace.read_text())["traceEvents"]
+    lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
+    spans = [e for e in events if e["ph"] == "X"]
+    bwd = [e for e in spans if lanes[e["tid"]].endswith("compute") and e["name"].startswith("bwd/")
+           and e["name"].count("/") == 2]
+    end = max(e["ts"] + e["dur"] for e in bwd)
+    upd = [e for e in spans if lanes[e["tid"]] == "host:optimizer" and e["name"].startswith("upd/L")]
+    last = max(int(e["name"][5:]) for e in upd)
+    blocks = [e for e in upd if 0 < int(e["name"][5:]) < last]  # not the embedding, not the head
+    during = [e["dur"] for e in blocks if e["ts"] + e["dur"] <= end]
+    after = [e["dur"] for e in blocks if e["ts"] >= end]
+
+    def rate(durs: list[float]) -> float | None:
+        return block_params / (statistics.median(durs) * 1e-6) / 1e9 if durs else None
+
+    return {"trace": trace.name, "blocks_during": len(during), "gparams_s_during": rate(during),
+            "blocks_after": len(after), "gparams_s_after": rate(after)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("traces", nargs="+", type=Path)
+    ap.add_argument("--workload", default=None, help="W1 or W3 (default: from the file name)")
+    a = ap.parse_args()
+    for t in a.traces:
+        name = a.workload or ("W3" if "w3" in t.name.lower() else "W1")
+        sizes = model_sizes(transformers.LlamaConfig(**WORKLOADS[name].config))
+        r = rates(t, sizes.layer_train_numels[1])
+        print(f"{r['trace']}: {name}, {r['blocks_during']} block updates during the backward at "
+              f"{r['gparams_s_during']:.2f} G params/s (median), {r['blocks_after']} after"
+              + ("" if r["gparams_s_after"] is None else f" at {r['gparams_s_after']:.2f}"))
+
+
+if __name__ == "__main__":
+    main()
