@@ -230,7 +230,6 @@ class _Rates:
     d2h: float
     bidir: float
     adamw: float
-    host_dram: float = 0.0  # bytes/s the host AdamW and the DMA engines share (0: not stated)
 
 
 def _rates(hw: HardwareSpec, precision: str, seq: int, tf: int, tb: int) -> _Rates:
@@ -249,7 +248,7 @@ def _rates(hw: HardwareSpec, precision: str, seq: int, tf: int, tb: int) -> _Rat
         rhead = prof.rate("head", seq, tf) / PROFILE_IN_PIPELINE or rhead
     return _Rates(forward=rf, recompute=rrc, backward=rbw, kept_backward=rkb, head=rhead,
                   h2d=hw.h2d_gbs * 1e9, d2h=hw.d2h_gbs * 1e9, bidir=hw.bidir_gbs * 1e9,
-                  adamw=hw.cpu_adamw_gparams_s * 1e9, host_dram=(hw.host_dram_gbs or 0.0) * 1e9)
+                  adamw=hw.cpu_adamw_gparams_s * 1e9)
 
 
 class _Packs:
@@ -595,14 +594,6 @@ UNCLIPPED_ASSIST_MIN_GAIN = 0.01
 ASSIST_CHUNK_HOST_S = 3e-5
 BACKWARD_ASSIST_UP_BYTES = 12
 BACKWARD_ASSIST_DOWN_BYTES = 12
-#: Host-memory bytes per parameter of an assisted layer's round trip after its backward (its
-#: master and moments read for the upload, written back by the download: 12 + 12), which the host
-#: AdamW beside the backward shares where the hardware states ``host_dram_gbs`` (session 9: the
-#: two together stayed near 155 GB/s). Measured on the H200 box, unclipped steps gained nothing
-#: from assisting: W3 with its 4 or 10 last layers assisted 3.354 and 3.360 s against 3.231
-#: without (bench/results/w3_turn_assist{4,10}_s11d.json, w3_turn_traced_s11c.json), W1 with 9
-#: 1.675 against 1.672 with 3 (w1_turn_assist9_s11b.json, w1_turn_s11b.json).
-ASSIST_DRAM_BYTES = BACKWARD_ASSIST_UP_BYTES + BACKWARD_ASSIST_DOWN_BYTES
 
 
 @dataclass(frozen=True)
@@ -636,11 +627,7 @@ class _BackwardAssist:
                 trip = max(BACKWARD_ASSIST_UP_BYTES / rates.h2d, BACKWARD_ASSIST_DOWN_BYTES / rates.d2h)
                 tail_link += t * trip
                 continue
-            # its round trip still crosses host memory, which the host AdamW beside it shares:
-            # counted as the host AdamW elements that would take as long
             over -= t
-            if rates.host_dram:
-                over += t * ASSIST_DRAM_BYTES / rates.host_dram * rates.adamw * BACKWARD_ADAMW_EFFICIENCY
             b_up[d] += t * BACKWARD_ASSIST_UP_BYTES
             down[d] += t * (BACKWARD_ASSIST_DOWN_BYTES - DOWNLOAD_BYTES)
         out = _Lanes(lanes.f_comp, lanes.b_comp, lanes.f_up, b_up, down, lanes.f_down, lanes.turn_b)
