@@ -1,7 +1,6 @@
 """The host AdamW's rate inside a step: the median block update's G params/s while the backward
-runs, and after it, from traced runs (``bench/run.py --trace``) -- what
-``planner/cost.py: BACKWARD_ADAMW_EFFICIENCY`` is fitted on (``cpu_adamw_gparams_s`` is the rate
-measured alone).
+runs, and after it, from traced runs (``bench/run.py --trace``), against ``cpu_adamw_gparams_s``
+(the rate measured alone; planner/cost.py's backward term says why the planner still uses that).
 
     python bench/adamw_in_pipeline.py bench/results/s7_w1_final.trace.json [more traces]
 """
