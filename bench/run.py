@@ -86,7 +86,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--keep-activations", default="auto", choices=("auto", "on", "off"),
                     help="kept packs (no recompute): the planner's choice, every pack that can, none")
     ap.add_argument("--turn-packs", type=int, default=None, metavar="N",
-                    help="micro-batch-wise turn through the last N packs (0: none; default: the planner's choice)")
+                    help="micro-batch-wise turn through the last N packs (0: none; default: the "
+                         "planner's choice)")
     ap.add_argument("--plan", default=None, metavar="FILE",
                     help="run this plan exactly: a Plan JSON (tinypipe plan --save) or a bench/run.py --json "
                          "result (its \"plan\"), e.g. to rerun a measured plan after a runtime change")

@@ -228,7 +228,8 @@ def test_compiled_runs_are_predicted_by_the_preset() -> None:
                                    num_key_value_heads=8, num_hidden_layers=80, vocab_size=128256,
                                    max_position_embeddings=4096, tie_word_embeddings=False)
     lora = LoraSettings(rank=16, alpha=32.0, quantize="nf4", compute_dtype="bf16")
-    kw = dict(gpus=1, gpu_memory_bytes=24 * GIB, cpu_memory_bytes=64 * GIB, seq=2048, global_batch=16, lora=lora)
+    kw = dict(gpus=1, gpu_memory_bytes=24 * GIB, cpu_memory_bytes=64 * GIB, seq=2048, global_batch=16,
+              lora=lora)
     # the search without the micro-batch-wise turn (session 11) finds the plan the run executed
     best = plan_for(cfg, "h200-pcie5", turn_packs=0, **kw).best
     assert best.describe() == run["plan"]

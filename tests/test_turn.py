@@ -89,7 +89,8 @@ def test_turn_matches_pytorch(family: str, name: str) -> None:
     randomize_biases(model)
     init = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [make_batch(BATCH, SEQ, seed=i, pad=i == 1) for i in range(STEPS)]
-    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=cfg.get("max_grad_norm"))
+    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD,
+                          max_grad_norm=cfg.get("max_grad_norm"))
     results, _, engine = _train(model, plan, cfg, batches)
     assert_steps_match(results, ref, cfg.get("max_grad_norm"))
     worst, update_err = compare(engine.state_dict(), ref.model, init)
@@ -211,8 +212,8 @@ def test_the_estimate_counts_one_micro_batchs_graph_in_the_turn() -> None:
 
 @pytest.mark.parametrize("change,why", [
     (dict(keep_activations=(False, True, False, False), turn_packs=2), "must keep its activations"),
-    (dict(keep_activations=(False, False, True, True), kept_on_host=(False, False, True, False), turn_packs=2),
-     "must keep its activations on the device"),
+    (dict(keep_activations=(False, False, True, True), kept_on_host=(False, False, True, False),
+          turn_packs=2), "must keep its activations on the device"),
     (dict(keep_activations=(True,) * 4, turn_packs=5), "turn_packs must be in 0..4"),
     (dict(keep_activations=(True,) * 4, resident_packs=2, turn_packs=3), "turn_packs must be in 0..2"),
     (dict(keep_activations=(True,) * 4, head_device=1, num_devices=2, turn_packs=1), "the turn runs on one"),

@@ -319,8 +319,8 @@ class Config:
         _check_choice("pin_memory", self.pin_memory, PIN_MODES)
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
-        if self.turn_packs is not None and (isinstance(self.turn_packs, bool) or not isinstance(self.turn_packs, int)
-                                            or self.turn_packs < 0):
+        turn = self.turn_packs
+        if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 0):
             raise ConfigError(f"turn_packs must be a whole number >= 0, got {self.turn_packs!r}")
         if self.grad_slots is not None and self.grad_slots < 1:
             raise ConfigError(f"grad_slots must be >= 1, got {self.grad_slots}")

@@ -573,9 +573,9 @@ def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates, overlappable:
         "link (both directions)": max(u + d for u, d in zip(lanes.b_up, lanes.down)) / rates.bidir,
         # (at the rate measured alone: beside the backward the median block update ran at 3.32 G
         # params/s of 4.1 for W1, 2.99 with a turn, 2.62 for W3 -- ``bench/adamw_in_pipeline.py`` on
-        # s7_w1_final, w1_turn_traced_s11, s9_w3_traced_s9 -- but that rate made the unclipped
-        # assist chooser pick layers that measured no gain: w1_turn_assist9_s11b.json,
-        # w3_turn_assist{4,10}_s11d.json)
+        # s7_w1_final, s11_w1_turn_traced_s11, s9_w3_traced_s9 -- but that rate made the unclipped
+        # assist chooser pick layers that measured no gain: s11_w1_turn_assist9_s11b.json,
+        # s11_w3_turn_assist{4,10}_s11d.json)
         "cpu optimizer": lanes.turn_b + overlappable / rates.adamw,
     }
 

@@ -251,9 +251,9 @@ def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
 TURN_SEEDS = 4
 
 
-def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate, settle: Callable[[Candidate], Candidate | None],
-               gpu_mem: int, saved_per_byte: Callable[[Plan], list[float]],
-               streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
+def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate,
+               settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
+               saved_per_byte: Callable[[Plan], list[float]], streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
     """Each seed plan with a micro-batch-wise turn (``Plan.turn_packs``) through its last 1, 2, ...
     packs for as long as that fits, then (the longest turn that fits) its other packs kept greedily
     as :func:`_with_kept_activations` keeps them: (every plan evaluated, those that fit).
@@ -277,8 +277,8 @@ def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate, settle: Callable
         longest: Candidate | None = None
         for k in range(1, base.num_packs - base.resident_packs + 1):
             try:
-                trial = dataclasses.replace(_keeping(base, kept | set(range(base.num_packs - k, base.num_packs))),
-                                            turn_packs=k)
+                turn = set(range(base.num_packs - k, base.num_packs))
+                trial = dataclasses.replace(_keeping(base, kept | turn), turn_packs=k)
             except ConfigError:  # the turn's packs would run on other devices than the head
                 break
             if (settled := fitting(trial)) is None:

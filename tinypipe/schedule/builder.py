@@ -191,9 +191,9 @@ class _Builder:
                 deps = [EMBED_FWD_ID] + (gslots[q][1] if m == 0 else [])
                 deps.append(head_id(m) if q == self.P - 1 else bwd_id(q + 1, m))
                 deps.append(fwd_id(q, m))  # its graph
-                self._add(Task(bwd_id(q, m), Kind.BWD, dev, layers=self._layers(q), pack=q, mb=m, rows=(lo, hi),
-                               slots=self.fwd_slots[q], grad_slots=tuple(gslots[q][0]), first=m == 0,
-                               last=m == len(self.frows) - 1, deps=tuple(dict.fromkeys(deps))))
+                self._add(Task(bwd_id(q, m), Kind.BWD, dev, layers=self._layers(q), pack=q, mb=m,
+                               rows=(lo, hi), slots=self.fwd_slots[q], grad_slots=tuple(gslots[q][0]),
+                               first=m == 0, last=m == len(self.frows) - 1, deps=tuple(dict.fromkeys(deps))))
         self._download_and_update(self.H, dev, None, self.last_head)
         for q in reversed(turn):
             last_bwd = bwd_id(q, len(self.frows) - 1)

@@ -105,18 +105,18 @@ class Plan:
         """ConfigError unless the turn's packs (the last ``turn_packs``) are streamed packs that keep
         their activations on the device, on the head's device: the head runs between their forward
         and their backward, one micro-batch at a time, and their graphs live on that device."""
-        k = self.turn_packs
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= len(self.packs) - self.resident_packs:
-            raise ConfigError(f"plan: turn_packs must be in 0..{len(self.packs) - self.resident_packs} "
-                              f"(the packs after the resident ones), got {k!r}")
+        k, streamed = self.turn_packs, len(self.packs) - self.resident_packs
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= streamed:
+            raise ConfigError(f"plan: turn_packs must be in 0..{streamed} (the packs after the resident "
+                              f"ones), got {k!r}")
         for q in self.turn():
             if not self.kept(q) or self.on_host(q):
                 raise ConfigError(f"plan: turn pack {q} must keep its activations on the device "
                                   "(keep_activations, not kept_on_host)")
             devices = {self._device(self.fwd_device, q), self._device(self.bwd_device, q), self.head_device}
             if len(devices) != 1:
-                raise ConfigError(f"plan: turn pack {q} runs on devices {sorted(devices)} (forward, backward, "
-                                  "head); the turn runs on one")
+                raise ConfigError(f"plan: turn pack {q} runs on devices {sorted(devices)} (forward, "
+                                  "backward, head); the turn runs on one")
 
     def turn(self) -> range:
         """The packs of the micro-batch-wise turn (``turn_packs``), in forward order."""
