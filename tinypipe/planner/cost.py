@@ -45,6 +45,10 @@ at the start and an exposed tail at the end::
   ``predict_step_time(assist=True, clipping=False)`` chooses them (:func:`_choose_backward_assist`)
   where they save at least :data:`UNCLIPPED_ASSIST_MIN_GAIN` of the step.
 
+* **deferred, unclipped** (``Plan.deferred``): those layers' host AdamW leaves the backward (and
+  the tail) and runs before their uploads in the next forward, which the clipped race with only
+  their updates times (:func:`_deferred_forward_end`); the forward is no shorter than that.
+
 * **SSD** (``plan.offload``, :mod:`tinypipe.planner.offload`): reads and writes are two more lanes
   at ``HardwareSpec.ssd_read_gbps`` / ``ssd_write_gbps``, beside the phase the runtime moves them
   in (:class:`_SsdLanes`); ``StepTime.ssd_*`` holds the bytes and their seconds per step.
@@ -485,6 +489,16 @@ def _clipped_race(w: _Work, dev: _OnDevice) -> ClippedRace:
     return ClippedRace(uploads, alternatives, pack_fwd, kwargs)
 
 
+def _deferred_forward_end(w: _Work, dev: _OnDevice, deferred: tuple[int, ...]) -> float:
+    """When an unclipped step's forward ends with ``deferred`` layers' host AdamW left over from
+    the step before (``Plan.deferred``): the clipped race with only their updates to run ahead of
+    their uploads (the others were stepped in the backward)."""
+    race = _clipped_race(w, dev)
+    keep = set(deferred)
+    uploads = tuple(u if u.layer in keep else dataclasses.replace(u, host_numel=0) for u in race.uploads)
+    return race_forward_end(uploads, race.pack_forward_s, **race.kwargs).forward_end_s
+
+
 def clipped_race(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
                  precision: str = "bf16") -> ClippedRace:
     """The inputs of ``plan``'s clipped race (what :func:`predict_step_time` runs for
@@ -710,6 +724,12 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     host_embed = 0 if dev.embed else trains[0]
     overlappable = (sizes.train_total - pack0 - trains[0] - (trains[-1] if dev.head else 0)
                     - dev.resident_train)
+    # deferred layers (Plan.deferred) are stepped in the next forward instead: out of the backward's
+    # host AdamW (and of the tail, for pack 0's and the embedding's), racing that forward below
+    tail_layers = {0} | ({b + 1 for b in plan.packs[R]} if R < P else set())
+    overlappable -= sum(trains[layer] for layer in plan.deferred if layer not in tail_layers)
+    pack0 -= sum(trains[layer] for layer in plan.deferred if layer in tail_layers and layer > 0)
+    host_embed -= trains[0] if 0 in plan.deferred else 0
     b_terms = _backward_terms(lanes, slowdown, rates, overlappable)
     backward = max(b_terms.values())
     last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / rates.d2h
@@ -749,6 +769,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         backward = max(b_terms.values())
         tail = (max((pack0 + host_embed) / rates.adamw, ssd.t.tail_write / ssd.write) + last_chunk
                 + dev.train * DEVICE_ADAMW_S_PER_PARAM)
+    if plan.deferred:  # the deferred updates run ahead of the next forward's uploads of their layers
+        forward = max(forward, _deferred_forward_end(w, dev, plan.deferred) - fill)
     step = fill + forward + head + backward + tail
     # clipping triggers: the host AdamW of every host-stepped layer waits for the global norm and
     # runs in the background ahead of the next forward, which follows it layer by layer

@@ -8,8 +8,9 @@ host
     ``master_weights`` 4 B and ``optimizer_state`` 8 B per flat element; ``pinned_grad_pool`` one
     pool per device entry of ``buffer_count(...)`` fp32 chunks of ``chunk_numel(slot)`` elements;
     ``gradient_buffers`` 4 B per flat element when gradients are retained (``max_grad_norm`` set
-    or the non-finite policy ``"skip"``); ``stashed_activations`` one ``[B, S, H]`` buffer in the
-    compute dtype per host-stashed pack input. With ``plan.offload`` each offloaded region's bytes
+    or the non-finite policy ``"skip"``), else 4 B per element of the deferred layers
+    (``Plan.deferred``); ``stashed_activations`` one ``[B, S, H]`` buffer in the compute dtype per
+    host-stashed pack input. With ``plan.offload`` each offloaded region's bytes
     leave its category and ``ssd_staging`` holds the staging pool (:mod:`tinypipe.planner.offload`).
 device
     ``resident_layers`` embedding / head in the compute dtype where they live; ``layer_slots``
@@ -103,7 +104,9 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
         "pinned_grad_pool": 0 if retain_grads else (
             num_devices * buffer_count(grad, host_grad_buffers) * chunk * 4),
         # gradients retained for exact clipping: every layer stepped on the host
-        "gradient_buffers": 4 * (train - device_stepped_numel(sizes, plan)) if retain_grads else 0,
+        # (without: the deferred layers', Plan.deferred, kept for their update in the next forward)
+        "gradient_buffers": 4 * (train - device_stepped_numel(sizes, plan)) if retain_grads else (
+            4 * sum(sizes.layer_train_numels[layer] for layer in plan.deferred)),
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
     }
     on_host = [q for q in range(plan.num_packs) if plan.on_host(q)]

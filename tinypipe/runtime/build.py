@@ -217,7 +217,7 @@ class EngineBuilder:
                                         pin=self.pinner.pin, threads=threads)
         return OptimizerPath(store, adamw, max_grad_norm=cfg.max_grad_norm, nonfinite=cfg.nonfinite,
                              device_states=device_states, pin=self.pinner.pin, threads=threads, tier=tier,
-                             assisted=self.plan.assisted)
+                             assisted=self.plan.assisted, deferred=self.plan.deferred)
 
     def decay_groups(self) -> DecayGroups:
         """What AdamW decays: HF Trainer's rule (no biases, no norm weights) unless ``decay_all``."""

@@ -76,6 +76,11 @@ class Plan:
     # micro-batch goes through them, the head and back through their backward while their weights
     # stay in their slots, so each holds one micro-batch's graph at a time (all keep activations)
     turn_packs: int = 0
+    # host-stepped layers (ids as in ``offload``) whose AdamW update always waits for the step's end
+    # and runs during the next step's forward, before their upload there (their gradient kept in
+    # host memory meanwhile): the host is idle in the forward, and the last packs' layers -- a
+    # turn's -- are uploaded last
+    deferred: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -99,7 +104,30 @@ class Plan:
         object.__setattr__(self, "keep_activations", self._checked_keep())
         object.__setattr__(self, "kept_on_host", self._checked_on_host())
         object.__setattr__(self, "assisted", self._checked_assisted())
+        object.__setattr__(self, "deferred", self._checked_deferred())
         self._check_turn()
+
+    def _checked_deferred(self) -> tuple[int, ...]:
+        """``deferred`` sorted, without duplicates; ConfigError for a layer out of range, stepped on
+        its device, assisted, with state on the SSD, or replicas (their shards' leftover work is the
+        sharded path's)."""
+        layers = set()
+        for layer in self.deferred:
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.num_blocks + 1:
+                raise ConfigError(f"plan: deferred layers must be in 0..{self.num_blocks + 1}, got {layer!r}")
+            layers.add(layer)
+        if not layers:
+            return ()
+        if self.replicas > 1:
+            raise ConfigError("plan: deferred updates are for one pipeline; replicas step their shards")
+        stepped = set().union(*(self.device_optimized(d) for d in range(self.num_devices)))
+        offloaded = {layer for layer, _ in self.offload}
+        for bad, why in ((layers & stepped, "is stepped on its device"),
+                         (layers & set(self.assisted), "is assisted"),
+                         (layers & offloaded, "has state on the SSD")):
+            if bad:
+                raise ConfigError(f"plan: layer {min(bad)} {why}: its update cannot be deferred")
+        return tuple(sorted(layers))
 
     def _check_turn(self) -> None:
         """ConfigError unless the turn's packs (the last ``turn_packs``) are streamed packs that keep
@@ -306,6 +334,8 @@ class Plan:
                 + ("" if not resident else f", first {resident} {packs} resident on the GPU")
                 + self._describe_keep()
                 + ("" if not self.assisted else f", {len(self.assisted)} layers' AdamW assisted on the GPU")
+                + ("" if not self.deferred else f", {len(self.deferred)} layers' AdamW deferred to the next "
+                   "forward")
                 + self._describe_offload(ssd_bytes)
                 + ("" if self.replicas == 1 else
                    f", {self.replicas} replicas (optimizer state "
@@ -397,7 +427,7 @@ class Plan:
         for key in ("packs",):
             d[key] = tuple(tuple(p) for p in d[key])
         for key in ("stash_on_host", "fwd_device", "bwd_device", "keep_activations", "kept_on_host",
-                    "assisted"):
+                    "assisted", "deferred"):
             d[key] = tuple(d.get(key, ()))
         d["offload"] = tuple(tuple(p) for p in d.get("offload", ()))  # older files: nothing offloaded
         return Plan(**d)

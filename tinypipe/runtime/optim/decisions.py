@@ -15,7 +15,9 @@ the backward instead of two); after an unclipped step it speculates again. Under
 skipped step must leave the state bit-identical.
 
 Leftover work (deferred layers, redone ones) is left by :meth:`StepDecisions.finalize` in
-``work`` and runs while the next step starts (:mod:`tinypipe.runtime.optim.background`).
+``work`` and runs while the next step starts (:mod:`tinypipe.runtime.optim.background`). The
+plan's deferred layers (``Plan.deferred``) are deferred in every step, clipped or not: their
+update runs there, in the host's idle forward, before their upload.
 """
 
 from __future__ import annotations
@@ -77,6 +79,10 @@ class StepDecisions:
     # deferred layer -> (clip coefficient, step number) of its plain leftover update, set by finalize()
     # (what an assisted update runs on the device instead, runtime/optim/assist.py)
     deferred_steps: dict[int, tuple[float, int]] = field(default_factory=dict)
+    # Plan.deferred: stepped only after the step, in the background (their gradients: deferred_grads
+    # when no gradient is retained for clipping)
+    deferred_layers: frozenset[int] = frozenset()
+    deferred_grads: dict[int, torch.Tensor] = field(default_factory=dict)
     _on_device: list[int] = field(default_factory=list)
     #: layer -> (state, gradient) staged from the SSD around its leftover work (see SsdTier.background)
     staged: dict[int, tuple[LayerState, torch.Tensor | None]] = field(default_factory=dict)
@@ -95,7 +101,7 @@ class StepDecisions:
             return "device"
         over = (self.max_grad_norm is not None
                 and math.sqrt(sum(self.norms_sq.values())) + 1e-6 > self.max_grad_norm)
-        if not self.speculate or over:
+        if not self.speculate or over or layer in self.deferred_layers:
             self.deferred.append(layer)
             return "defer"
         self.stepped.append(layer)
@@ -157,7 +163,8 @@ class StepDecisions:
         frozen layer retains none: its chunk list is empty)."""
         state, grad = self.staged.get(layer, (self.store.layers[layer], None))
         if grad is None:
-            grad = self.retained.get(layer, _NO_GRAD)  # type: ignore[union-attr]
+            grads = self.retained if self.retained is not None else self.deferred_grads
+            grad = grads.get(layer, _NO_GRAD)
         return state, grad
 
     def _undo(self, layer: int, step: int) -> None:

@@ -43,7 +43,8 @@ class OptimizerPath:
 
     def __init__(self, store: HostStore, adamw: ChunkedAdamW, *, max_grad_norm: float | None, nonfinite: str,
                  device_states: dict[int, DeviceOptimizerState], pin: Callable[[torch.Tensor], None] | None,
-                 threads: int | None, tier: SsdTier | None = None, assisted: tuple[int, ...] = ()) -> None:
+                 threads: int | None, tier: SsdTier | None = None, assisted: tuple[int, ...] = (),
+                 deferred: tuple[int, ...] = ()) -> None:
         self.store = store
         self.adamw = adamw
         self.max_grad_norm = max_grad_norm
@@ -67,6 +68,10 @@ class OptimizerPath:
         if assisted:
             self.assist = AssistedUpdates(store, adamw, assisted, self._retained_of, pin)
         self._assist_after_backward = self.assist is not None and not retain
+        # Plan.deferred: always stepped in the background during the next step's forward; without
+        # retained gradients each keeps its own page-locked gradient buffer for that
+        self.deferred = frozenset(deferred)
+        self._deferred_grads: dict[int, torch.Tensor] = {}
 
     # ------------------------------------------------------------------ one step
 
@@ -78,7 +83,8 @@ class OptimizerPath:
         speculate = not self.last_clipped and self.nonfinite != "skip"
         self._step = StepDecisions(self.store, self.adamw, lr, self.max_grad_norm, self._retained,
                                    speculate=speculate, device_layers=self.device_layers,
-                                   upload_order=upload_order)
+                                   upload_order=upload_order, deferred_layers=self.deferred,
+                                   deferred_grads=self._deferred_grads)
 
     def start_staging(self, schedule: Schedule, abort: Abort, workers: LaneWorkers) -> None:
         """Start the step's reads of SSD-resident state (with a tier; after :meth:`begin_step`)."""
@@ -94,16 +100,18 @@ class OptimizerPath:
         """The page-locked fp32 host copy of ``layer``'s gradient (None: not retaining, or frozen):
         a staging slot when the gradient lives on the SSD (waits for the slot)."""
         n = self.store.layers[layer].spec.train_numel
-        if self._retained is None or n == 0:  # nothing to retain for a frozen layer (LoRA)
+        bufs = self._retained if self._retained is not None else (
+            self._deferred_grads if layer in self.deferred else None)
+        if bufs is None or n == 0:  # nothing to retain for a frozen layer (LoRA)
             return None
         if self.tier is not None and self.store.offloaded(layer, "grad"):
             return self.tier.grad_buffer(layer)
-        if layer not in self._retained:
+        if layer not in bufs:
             buf = aligned_empty(n, torch.float32)
             if self._pin is not None:
                 self._pin(registrable(buf))  # gradients are downloaded straight into it
-            self._retained[layer] = buf
-        return self._retained[layer]
+            bufs[layer] = buf
+        return bufs[layer]
 
     def consume(self, layer: int, stream: GradStream, abort: Abort,
                 loss_finite: Callable[[], bool] | None = None) -> None:
@@ -263,7 +271,9 @@ class OptimizerPath:
 
     @property
     def retained_bytes(self) -> int:
-        return sum(t.numel() * 4 for t in (self._retained or {}).values())
+        """Host gradient copies: every layer's when retaining, else the deferred layers'."""
+        kept = list((self._retained or {}).values()) + list(self._deferred_grads.values())
+        return sum(t.numel() * 4 for t in kept)
 
     def device_state_bytes(self, device: int) -> int | None:
         """Bytes of AdamW state on ``device`` (None: it steps no layer)."""
