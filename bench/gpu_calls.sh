@@ -25,6 +25,7 @@
 #   bash bench/gpu_calls.sh turn11 [tag] W1|W3 [traced]  # CUDA turn test (W1); the planner's plan (a
 #                                               # micro-batch-wise turn) vs --turn-packs 0, same call (#16)
 #   bash bench/gpu_calls.sh turn11b [tag]  # W1: planner's turn plan, turn + 9 assisted, no turn (#16)
+#   bash bench/gpu_calls.sh defer12 [tag]  # W1/W3 turn plans with and without deferred updates (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -260,6 +261,24 @@ case "${1:-}" in
     timeout 110 $R W1 --auto --turn-packs 0 --json "$OUT/w1_noturn_$T.json" > $L/off.log 2>&1
     for f in auto assist9 off; do echo "===== $f"; cat $L/$f.log; done > "$OUT/turn11b_W1_$T.log"
     for f in auto assist9 off; do echo "== $f"; grep -E "^plan|^step [0-9]|Error" $L/$f.log | head -9; done ;;
+  defer12)
+    # deferred updates (session 11, not measured yet): the turn plans of session 11 with the turn's
+    # layers' host AdamW deferred to the next forward (W3 also the last 10 layers), against the same
+    # plans without, same call. 7 JSON, 1 log
+    T=${2:-s12}; L=/tmp/defer12; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 4"
+    timeout 110 $R W1 --plan bench/results/s11_w1_turn_traced_s11.json --json "$OUT/w1_turn_$T.json" > $L/w1.log 2>&1
+    timeout 80 $R W1 --plan bench/plans/s11_w1_turn_defer9.json --json "$OUT/w1_turn_defer9_$T.json" \
+      > $L/w1d.log 2>&1
+    timeout 80 $R W1 --auto --turn-packs 0 --json "$OUT/w1_noturn_$T.json" > $L/w1n.log 2>&1
+    timeout 120 $R W3 --plan bench/results/s11_w3_turn_traced_s11c.json --json "$OUT/w3_turn_$T.json" \
+      > $L/w3.log 2>&1
+    for d in 4 10; do
+      timeout 90 $R W3 --plan bench/plans/s11_w3_turn_defer$d.json --json "$OUT/w3_turn_defer${d}_$T.json" \
+        > $L/w3d$d.log 2>&1
+    done
+    for f in w1 w1d w1n w3 w3d4 w3d10; do echo "===== $f"; cat $L/$f.log; done > "$OUT/defer12_$T.log"
+    for f in w1 w1d w1n w3 w3d4 w3d10; do echo "== $f"; grep -E "^plan|^step [0-9]|Error" $L/$f.log | head -8; done ;;
   final9)
     # the round trip beside the host pass at two thread counts; then the planner's own plans with the
     # refitted chunk overhead: W1 clipped, W3 clipped (traced: the race's forward out of sample) and
