@@ -253,7 +253,8 @@ TURN_SEEDS = 4
 
 def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate,
                settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
-               saved_per_byte: Callable[[Plan], list[float]], streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
+               saved_per_byte: Callable[[Plan], list[float]],
+               streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
     """Each seed plan with a micro-batch-wise turn (``Plan.turn_packs``) through its last 1, 2, ...
     packs for as long as that fits, then (the longest turn that fits) its other packs kept greedily
     as :func:`_with_kept_activations` keeps them: (every plan evaluated, those that fit).
