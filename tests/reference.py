@@ -112,6 +112,28 @@ def train_both(engine_model: torch.nn.Module, ref_model: torch.nn.Module, batche
     return engine, ref
 
 
+def train_plan_against_reference(model: torch.nn.Module, plan, batches: list[dict], config) -> tuple:
+    """Train ``model`` (its biases randomized, seed 0) through an engine running ``plan`` with
+    ``config`` and through plain PyTorch on the same ``batches``: every step's loss and norm must
+    match, and the final weights within 1e-5 relative per tensor and the update vector within 1e-4
+    (tests/test_equivalence.py's tolerances). Returns (engine, its step results)."""
+    import tinypipe
+
+    torch.manual_seed(0)
+    randomize_biases(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    clip = config.max_grad_norm
+    ref = train_reference(model, batches, lr=config.lr, eps=config.eps, weight_decay=config.weight_decay,
+                          max_grad_norm=clip)
+    engine = tinypipe.Engine(model, config, plan=plan)
+    results = [engine.step(b) for b in batches]
+    assert_steps_match(results, ref, clip)
+    worst, update_err = compare(engine.state_dict(), ref.model, init)
+    assert worst <= 1e-5, f"max per-tensor relative weight error {worst:.2e}"
+    assert update_err <= 1e-4, f"relative error of the update {update_err:.2e}"
+    return engine, results
+
+
 def _move_int8_statistics(model: torch.nn.Module, device: str) -> None:
     """``Module.to`` moves an ``Int8Params``' data but leaves its row scales (``SCB``, on the
     parameter or, after a forward, on the module's ``MatmulLtState``) where they were: on an H200

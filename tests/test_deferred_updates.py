@@ -21,7 +21,7 @@ import torch
 
 import tinypipe
 from model_zoo import make_batch, make_model
-from reference import assert_steps_match, compare, randomize_biases, train_reference
+from reference import train_plan_against_reference
 from tinypipe.errors import ConfigError
 from tinypipe.planner.estimate import host_bytes
 from tinypipe.planner.sizes import model_sizes
@@ -43,10 +43,13 @@ def _plan(layers: int, deferred: tuple[int, ...], tied: bool, devices: int = 1, 
     return dataclasses.replace(plan, deferred=deferred)
 
 
+def _config(devices: int = 1, **cfg) -> tinypipe.Config:
+    return tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, devices=["cpu"] * devices,
+                           **cfg)
+
+
 def _engine(model: torch.nn.Module, plan: Plan, devices: int = 1, **cfg) -> tinypipe.Engine:
-    config = tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7,
-                             devices=["cpu"] * devices, **cfg)
-    return tinypipe.Engine(model, config, plan=plan)
+    return tinypipe.Engine(model, _config(devices, **cfg), plan=plan)
 
 
 CASES = {
@@ -69,18 +72,9 @@ def test_deferred_updates_match_pytorch(family: str, name: str) -> None:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     devices = case.get("devices", 1)
     plan = _plan(case["layers"], case["deferred"], tied, devices, **case["knobs"])
-    clip = case.get("clip")
-    torch.manual_seed(0)
-    randomize_biases(model)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [make_batch(BATCH, SEQ, seed=i, pad=i == 1) for i in range(STEPS)]
-    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=clip)
-    engine = _engine(model, plan, devices, max_grad_norm=clip)
-    results = [engine.step(b) for b in batches]
-    assert_steps_match(results, ref, clip)
-    worst, update_err = compare(engine.state_dict(), ref.model, init)
-    assert worst <= 1e-5, f"max per-tensor relative weight error {worst:.2e}"
-    assert update_err <= 1e-4, f"relative error of the update {update_err:.2e}"
+    engine, _ = train_plan_against_reference(model, plan, batches,
+                                             _config(devices, max_grad_norm=case.get("clip")))
     engine.close()
 
 

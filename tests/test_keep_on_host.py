@@ -18,7 +18,7 @@ import torch
 
 import tinypipe
 from model_zoo import make_batch, make_model
-from reference import assert_steps_match, compare, randomize_biases, train_reference
+from reference import train_plan_against_reference
 from tinypipe.runtime.host_kept import HostKeptGraph
 from tinypipe.schedule.plan import make_plan
 
@@ -56,19 +56,10 @@ def _run(family: str, name: str, on_host: bool = True, device: str = "cpu") -> t
     model = make_model(family, layers=layers)
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     plan = _plan(layers, keep, host if on_host else [False] * len(host), devices, tied, **knobs)
-    torch.manual_seed(0)
-    randomize_biases(model)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
     batches = [make_batch(BATCH, SEQ, seed=i, pad=i == 1) for i in range(STEPS)]
-    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD,
-                          max_grad_norm=cfg.get("max_grad_norm"))
     config = tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, devices=[device] * devices,
                              **cfg)
-    engine = tinypipe.Engine(model, config, plan=plan)
-    results = [engine.step(b) for b in batches]
-    assert_steps_match(results, ref, cfg.get("max_grad_norm"))
-    worst, update_err = compare(engine.state_dict(), ref.model, init)
-    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine, results = train_plan_against_reference(model, plan, batches, config)
     state = {k: v.clone() for k, v in engine.state_dict().items()}
     return engine, [(r.loss, r.grad_norm) for r in results], state
 

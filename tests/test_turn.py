@@ -20,7 +20,7 @@ import torch
 
 import tinypipe
 from model_zoo import make_batch, make_model
-from reference import assert_steps_match, compare, randomize_biases, train_reference
+from reference import train_plan_against_reference
 from test_dropout import gpt2_with_dropout
 from tinypipe.errors import ConfigError
 from tinypipe.planner.estimate import activation_peaks
@@ -67,11 +67,18 @@ def _plan_and_config(case: dict, tied: bool, devices: int = 1) -> tuple[Plan, di
     return plan, cfg
 
 
+def _config(cfg: dict, devices: int = 1) -> tinypipe.Config:
+    return tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, devices=["cpu"] * devices,
+                           **cfg)
+
+
+def _batches() -> list[dict]:
+    return [make_batch(BATCH, SEQ, seed=i, pad=i == 1) for i in range(STEPS)]
+
+
 def _train(model: torch.nn.Module, plan: Plan, cfg: dict, batches: list[dict],
            devices: int = 1) -> tuple[list, dict, tinypipe.Engine]:
-    config = tinypipe.Config(lr=LR, eps=EPS, weight_decay=WD, head_chunk_tokens=7, devices=["cpu"] * devices,
-                             **cfg)
-    engine = tinypipe.Engine(model, config, plan=plan)
+    engine = tinypipe.Engine(model, _config(cfg, devices), plan=plan)
     results = [engine.step(b) for b in batches]
     state = {k: v.clone() for k, v in engine.state_dict().items()}
     return results, state, engine
@@ -85,17 +92,7 @@ def test_turn_matches_pytorch(family: str, name: str) -> None:
     tied = bool(getattr(model.config, "tie_word_embeddings", False))
     plan, cfg = _plan_and_config(case, tied)
     assert plan.turn_packs == case["turn_packs"] and all(plan.kept(q) for q in plan.turn())
-    torch.manual_seed(0)
-    randomize_biases(model)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    batches = [make_batch(BATCH, SEQ, seed=i, pad=i == 1) for i in range(STEPS)]
-    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD,
-                          max_grad_norm=cfg.get("max_grad_norm"))
-    results, _, engine = _train(model, plan, cfg, batches)
-    assert_steps_match(results, ref, cfg.get("max_grad_norm"))
-    worst, update_err = compare(engine.state_dict(), ref.model, init)
-    assert worst <= 1e-5, f"max per-tensor relative weight error {worst:.2e}"
-    assert update_err <= 1e-4, f"relative error of the update {update_err:.2e}"
+    engine, _ = train_plan_against_reference(model, plan, _batches(), _config(cfg))
     engine.close()
 
 
@@ -109,15 +106,7 @@ def test_two_devices_turn_through_the_last_pack_matches_pytorch() -> None:
                                       max_grad_norm=0.5), tied=True, devices=2)
     assert plan.fwd_device[-1] == plan.bwd_device[-1] == plan.head_device == 0
     assert len(set(plan.fwd_device)) == 2
-    torch.manual_seed(0)
-    randomize_biases(model)
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    batches = [make_batch(BATCH, SEQ, seed=i, pad=i == 1) for i in range(STEPS)]
-    ref = train_reference(model, batches, lr=LR, eps=EPS, weight_decay=WD, max_grad_norm=0.5)
-    results, _, engine = _train(model, plan, cfg, batches, devices=2)
-    assert_steps_match(results, ref, 0.5)
-    worst, update_err = compare(engine.state_dict(), ref.model, init)
-    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine, _ = train_plan_against_reference(model, plan, _batches(), _config(cfg, devices=2))
     engine.close()
 
 

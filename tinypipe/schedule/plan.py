@@ -111,22 +111,30 @@ class Plan:
         """``deferred`` sorted, without duplicates; ConfigError for a layer out of range, stepped on
         its device, assisted, with state on the SSD, or replicas (their shards' leftover work is the
         sharded path's)."""
+        return self._host_stepped_layers("deferred", self.deferred, "deferred updates", "deferred",
+                                         assisted=set(self.assisted))
+
+    def _host_stepped_layers(self, field_name: str, values: tuple[int, ...], feature: str, verb: str,
+                             assisted: set[int] | frozenset[int] = frozenset()) -> tuple[int, ...]:
+        """``values`` (layer ids, as ``offload``'s) sorted and without duplicates, all stepped on the
+        host by one pipeline: ConfigError naming ``field_name`` / ``feature`` otherwise."""
         layers = set()
-        for layer in self.deferred:
+        for layer in values:
             if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.num_blocks + 1:
-                raise ConfigError(f"plan: deferred layers must be in 0..{self.num_blocks + 1}, got {layer!r}")
+                raise ConfigError(f"plan: {field_name} layers must be in 0..{self.num_blocks + 1}, "
+                                  f"got {layer!r}")
             layers.add(layer)
         if not layers:
             return ()
         if self.replicas > 1:
-            raise ConfigError("plan: deferred updates are for one pipeline; replicas step their shards")
+            raise ConfigError(f"plan: {feature} are for one pipeline; replicas step their shards "
+                              "on the host")
         stepped = set().union(*(self.device_optimized(d) for d in range(self.num_devices)))
         offloaded = {layer for layer, _ in self.offload}
-        for bad, why in ((layers & stepped, "is stepped on its device"),
-                         (layers & set(self.assisted), "is assisted"),
+        for bad, why in ((layers & stepped, "is stepped on its device"), (layers & assisted, "is assisted"),
                          (layers & offloaded, "has state on the SSD")):
             if bad:
-                raise ConfigError(f"plan: layer {min(bad)} {why}: its update cannot be deferred")
+                raise ConfigError(f"plan: layer {min(bad)} {why}: its update cannot be {verb}")
         return tuple(sorted(layers))
 
     def _check_turn(self) -> None:
@@ -158,23 +166,7 @@ class Plan:
         """``assisted`` sorted, without duplicates; ConfigError for a layer out of range, one
         stepped on its device or with state on the SSD, or replicas (each steps its shard of
         every layer, and its leftover work is the sharded path's: reduce, step, gather)."""
-        layers = set()
-        for layer in self.assisted:
-            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer <= self.num_blocks + 1:
-                raise ConfigError(f"plan: assisted layers must be in 0..{self.num_blocks + 1}, got {layer!r}")
-            layers.add(layer)
-        if not layers:
-            return ()
-        if self.replicas > 1:
-            raise ConfigError("plan: assisted updates are for one pipeline; replicas step their "
-                              "shards on the host")
-        stepped = set().union(*(self.device_optimized(d) for d in range(self.num_devices)))
-        offloaded = {layer for layer, _ in self.offload}
-        for bad, why in ((layers & stepped, "is stepped on its device"),
-                         (layers & offloaded, "has state on the SSD")):
-            if bad:
-                raise ConfigError(f"plan: layer {min(bad)} {why}: its update cannot be assisted")
-        return tuple(sorted(layers))
+        return self._host_stepped_layers("assisted", self.assisted, "assisted updates", "assisted")
 
     def _checked_keep(self) -> tuple[bool, ...]:
         """``keep_activations`` as a tuple of bools, () when no pack keeps (so plans written before
