@@ -36,8 +36,8 @@ each pack's backward, the embedding backward, the embedding's gradient download 
   backward -- in a micro-batch-wise turn (``Plan.turn_packs``) one forward micro-batch's, and
   whatever is alive in one of the turn's phases (its packs' forwards, the head, their backwards,
   which interleave) counted in all of them; the head keeps one token chunk of logits (its
-  gradient written over them) and an fp32 row block of it; the embedding backward a dense weight gradient and the CUDA kernel's
-  fp32 partial sums;
+  gradient written over them) and an fp32 row block of it; the embedding backward a dense
+  weight gradient and the CUDA kernel's fp32 partial sums;
 * the transient of a gradient download: the runtime computes each layer's gradient norm with
   ``vector_norm(..., dtype=float64)``, which materialises an fp64 copy of the layer's fp32
   gradient (:data:`NORM_COPY_BYTES_PER_ELEMENT`). It is counted where it was measured to add to
