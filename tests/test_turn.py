@@ -235,3 +235,22 @@ def test_a_turn_round_trips_through_json_settings_and_config() -> None:
     config = tinypipe.Config(devices=["cpu"], **plan.settings())
     assert make_plan(4, num_devices=1, tied=False, **config.plan_settings()) == plan
     assert "turn_packs" not in dataclasses.replace(plan, turn_packs=0).settings()
+
+
+def test_the_finetune_flag_reaches_the_config_and_the_plan() -> None:
+    """``tinypipe finetune --turn-packs N`` sets ``Config.turn_packs``; with hand-set knobs the
+    engine's plan turns through the last N packs (unset: 0)."""
+    from tinypipe import cli
+    from tinypipe.cli.finetune import _engine_config
+    from tinypipe.cli.options import _resolve_settings
+    from tinypipe.planner.auto import manual_plan
+
+    parser = cli.build_parser()
+    base = ["finetune", "--model", "m", "--data", "d", "--output", "o", "--pack-size", "1"]
+    for flag, want in ((["--turn-packs", "2"], 2), ([], None)):
+        config, _ = _engine_config(_resolve_settings(parser.parse_args(base + flag)))
+        assert config.turn_packs == want
+        plan = manual_plan(config, num_blocks=4, tied=False)
+        k = want or 0
+        assert plan.turn_packs == k
+        assert [plan.kept(q) for q in range(4)] == [False] * (4 - k) + [True] * k
