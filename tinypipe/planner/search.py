@@ -539,7 +539,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                 host_grad_buffers=host_grad_buffers, lora=lora,
                                 device_optimizer=device_optimizer, resident_packs=resident_packs,
                                 ssd=ssd, hiding_search=False, keep_activations=keep_activations,
-                                assist_updates=assist_updates).best
+                                assist_updates=assist_updates, turn_packs=turn_packs).best
 
             hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
