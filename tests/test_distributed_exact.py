@@ -24,6 +24,10 @@ CASES = {
     "r2_shard_full_tied_clip": (2, dict(family="qwen2", batch=6, steps=3,
                                         cfg=dict(pack_size=2, micro_batch_size=2, backward_micro_batch_size=3,
                                                  max_grad_norm=1.2, optimizer_sharding="shard"))),
+    # a micro-batch-wise turn through the last 2 packs: its layers' reductions come after the turn
+    "r2_shard_full_turn_clip": (2, dict(family="llama", batch=6, steps=3,
+                                        cfg=dict(pack_size=1, micro_batch_size=1, turn_packs=2, max_grad_norm=0.5,
+                                                 optimizer_sharding="shard"))),
     "r3_shard_lora_clip": (3, dict(family="llama", lora=True, batch=6, steps=3,
                                    cfg=dict(pack_size=1, micro_batch_size=1, max_grad_norm=0.05,
                                             optimizer_sharding="shard"))),
