@@ -81,7 +81,12 @@ def test_preset_loads_and_plans_fast(name: str) -> None:
     result = plan_for(cfg, "h200-pcie5", gpus=2, gpu_memory_bytes=80 * GIB, cpu_memory_bytes=4096 * GIB,
                       seq=seq, global_batch=8)
     elapsed = time.perf_counter() - t0
-    assert elapsed < 5.0, f"{name}: {elapsed:.1f} s"
+    # how long the search takes is bounded by how many plans it prices, deterministically (6,726 at
+    # most over the presets in session 11); the wall clock only guards against a hang -- on the
+    # 2-core CI machine the same search took 3.5-5.7 s from run to run (CI runs 26 and 29 failed a
+    # 5 s limit)
+    assert result.considered <= 8000, f"{name}: {result.considered} plans priced"
+    assert elapsed < 30.0, f"{name}: {elapsed:.1f} s"
     assert s.param_count / 1e9 == pytest.approx(PUBLIC_PARAMS[name], rel=2e-3)
     assert result.best.gpu_need <= 80 * GIB and result.best.host_need <= 4096 * GIB
     text = format_plan(result)
