@@ -215,15 +215,9 @@ def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
     streamed pack's graph re-reads its weights from the backward's slots (runtime/weight_refs.py),
     so any pack can keep; a QLoRA base's cannot, and there keeping more than the last pack means
     making packs resident (18 bytes per parameter in bf16 on top of their activations)."""
-    out, fits = [], []
-
-    def fitting(plan: Plan) -> bool:
-        c = evaluate_plan(plan, None)
-        out.append(c)
-        settled = settle(c) if c.gpu_need <= gpu_mem else None
-        if settled is not None:
-            fits.append(settled)
-        return settled is not None
+    out: list[Candidate] = []
+    fits: list[Candidate] = []
+    fitting = _fitter(evaluate_plan, settle, gpu_mem, out, fits)
 
     for seed in seeds:
         plan = dataclasses.replace(seed.plan, assisted=())  # settle chooses them again for each variant
@@ -232,7 +226,7 @@ def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
         ratio = saved_per_byte(plan)
         keep: set[int] = set()
         for q in sorted(plan.keepable_packs(streamed), key=lambda q: -ratio[q]):
-            if fitting(trial := _keeping(plan, keep | {q})):
+            if fitting(trial := _keeping(plan, keep | {q})) is not None:
                 keep.add(q)
                 plan = trial
         for r in range(plan.resident_packs + 1, plan.num_packs + 1) if grow_resident else ():
@@ -240,11 +234,27 @@ def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
                 trial = _keeping(dataclasses.replace(plan, resident_packs=r, offload=()), keep | {r - 1})
             except ConfigError:  # this pack's forward and backward run on different devices
                 break
-            if not fitting(trial):
+            if fitting(trial) is None:
                 break
             keep.add(r - 1)
             plan = trial
     return out, fits
+
+
+def _fitter(evaluate_plan: Evaluate, settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
+            out: list[Candidate], fits: list[Candidate]) -> Callable[[Plan], Candidate | None]:
+    """Evaluate a plan into ``out`` and, settled on the host when it fits the GPU, into ``fits``:
+    returns the settled candidate (None: it does not fit)."""
+
+    def fitting(plan: Plan) -> Candidate | None:
+        c = evaluate_plan(plan, None)
+        out.append(c)
+        settled = settle(c) if c.gpu_need <= gpu_mem else None
+        if settled is not None:
+            fits.append(settled)
+        return settled
+
+    return fitting
 
 
 #: Pareto plans (fastest first, after keeping) tried with a micro-batch-wise turn.
@@ -262,15 +272,9 @@ def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate,
     A pack in the turn is not recomputed and holds one forward micro-batch's graph instead of the
     step's, but the turn's weights and gradient accumulators are all on the device at once (its
     slots), and no host AdamW starts before the turn is through (the time model's terms)."""
-    out, fits = [], []
-
-    def fitting(plan: Plan) -> Candidate | None:
-        c = evaluate_plan(plan, None)
-        out.append(c)
-        settled = settle(c) if c.gpu_need <= gpu_mem else None
-        if settled is not None:
-            fits.append(settled)
-        return settled
+    out: list[Candidate] = []
+    fits: list[Candidate] = []
+    fitting = _fitter(evaluate_plan, settle, gpu_mem, out, fits)
 
     for seed in seeds:
         base = dataclasses.replace(seed.plan, assisted=(), turn_packs=0)

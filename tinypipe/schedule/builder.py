@@ -182,12 +182,11 @@ class _Builder:
         turn = range(self.T, self.P)
         dev = self.plan.head_device
         gslots = {q: self._grad_slots(q, dev) for q in reversed(turn)}
-        for m in range(len(self.frows)):
+        for m, (lo, hi) in enumerate(self.frows):
             for q in turn:
                 self._add_fwd(q, m)
             self._add_head(m)
             for q in reversed(turn):
-                lo, hi = self.frows[m]
                 deps = [EMBED_FWD_ID] + (gslots[q][1] if m == 0 else [])
                 deps.append(head_id(m) if q == self.P - 1 else bwd_id(q + 1, m))
                 deps.append(fwd_id(q, m))  # its graph
