@@ -26,6 +26,8 @@
 #                                               # micro-batch-wise turn) vs --turn-packs 0, same call (#16)
 #   bash bench/gpu_calls.sh turn11b [tag]  # W1: planner's turn plan, turn + 9 assisted, no turn (#16)
 #   bash bench/gpu_calls.sh defer12 [tag]  # W1/W3 turn plans with and without deferred updates (#16)
+#   bash bench/gpu_calls.sh front12 [tag]  # single-block front packs vs session 11's turn plans (#16)
+#   bash bench/gpu_calls.sh defer12b [tag] # the same, traced: W1 6 / 9 / 0 turn layers deferred, W3 4 (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -279,6 +281,35 @@ case "${1:-}" in
     done
     for f in w1 w1d w1n w3 w3d4 w3d10; do echo "===== $f"; cat $L/$f.log; done > "$OUT/defer12_$T.log"
     for f in w1 w1d w1n w3 w3d4 w3d10; do echo "== $f"; grep -E "^plan|^step [0-9]|Error" $L/$f.log | head -8; done ;;
+  defer12b)
+    # traced: where the deferred updates go in the next forward (W1 the turn's last 6 or all 9
+    # layers deferred, against none; W3 its turn's 4), same call. 8 files: 4 JSON, 4 traces
+    T=${2:-s12b}; L=/tmp/defer12b; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 4"
+    for p in s11_w1_turn_defer9 s12_w1_turn_defer6; do
+      timeout 90 $R W1 --plan bench/plans/$p.json --trace "$OUT/${p#s1?_}_$T.trace.json" \
+        --json "$OUT/${p#s1?_}_$T.json" > $L/$p.log 2>&1
+    done
+    timeout 90 $R W1 --plan bench/results/s11_w1_turn_traced_s11.json --trace "$OUT/w1_turn_$T.trace.json" \
+      --json "$OUT/w1_turn_$T.json" > $L/w1.log 2>&1
+    timeout 120 $R W3 --plan bench/plans/s11_w3_turn_defer4.json --trace "$OUT/w3_turn_defer4_$T.trace.json" \
+      --json "$OUT/w3_turn_defer4_$T.json" > $L/w3d4.log 2>&1
+    for f in s11_w1_turn_defer9 s12_w1_turn_defer6 w1 w3d4; do echo "== $f"; grep -E "^plan|^step [0-9]|Error" \
+      $L/$f.log | head -8; done ;;
+  front12)
+    # single-block front packs ([1,1,1,1,3,...]: the tail chain, planner/cost.py _tail_chain_excess)
+    # against session 11's turn plans ([1,3,...]), same call: W1 and W3 the planner's own plan, the
+    # old plan, and W3 the old plan with only its front split. 5 JSON, 1 log
+    T=${2:-s12c}; L=/tmp/front12; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 6"
+    timeout 80 $R W1 --auto --json "$OUT/w1_auto_$T.json" > $L/w1a.log 2>&1
+    timeout 80 $R W1 --plan bench/results/s11_w1_turn_traced_s11.json --json "$OUT/w1_old_$T.json" > $L/w1o.log 2>&1
+    timeout 100 $R W3 --auto --json "$OUT/w3_auto_$T.json" > $L/w3a.log 2>&1
+    timeout 100 $R W3 --plan bench/results/s11_w3_turn_traced_s11c.json --json "$OUT/w3_old_$T.json" \
+      > $L/w3o.log 2>&1
+    timeout 100 $R W3 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3f.log 2>&1
+    for f in w1a w1o w3a w3o w3f; do echo "===== $f"; cat $L/$f.log; done > "$OUT/front12_$T.log"
+    for f in w1a w1o w3a w3o w3f; do echo "== $f"; grep -E "^plan|^step [0-9]|Error" $L/$f.log | head -10; done ;;
   final9)
     # the round trip beside the host pass at two thread counts; then the planner's own plans with the
     # refitted chunk overhead: W1 clipped, W3 clipped (traced: the race's forward out of sample) and
