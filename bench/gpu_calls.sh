@@ -27,6 +27,7 @@
 #   bash bench/gpu_calls.sh turn11b [tag]  # W1: planner's turn plan, turn + 9 assisted, no turn (#16)
 #   bash bench/gpu_calls.sh defer12 [tag]  # W1/W3 turn plans with and without deferred updates (#16)
 #   bash bench/gpu_calls.sh front12 [tag]  # single-block front packs vs session 11's turn plans (#16)
+#   bash bench/gpu_calls.sh front12b [tag] # the same, W1 traced (#16)
 #   bash bench/gpu_calls.sh defer12b [tag] # the same, traced: W1 6 / 9 / 0 turn layers deferred, W3 4 (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
@@ -310,6 +311,16 @@ case "${1:-}" in
     timeout 100 $R W3 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3f.log 2>&1
     for f in w1a w1o w3a w3o w3f; do echo "===== $f"; cat $L/$f.log; done > "$OUT/front12_$T.log"
     for f in w1a w1o w3a w3o w3f; do echo "== $f"; grep -E "^plan|^step [0-9]|Error" $L/$f.log | head -10; done ;;
+  front12b)
+    # traced: W1 with the single-block front (the planner's plan of front12) against session 11's
+    # turn plan, same call. 4 files: 2 JSON, 2 traces
+    T=${2:-s12d}; L=/tmp/front12b; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 4"
+    timeout 80 $R W1 --plan bench/results/s12_w1_auto_s12c.json --trace "$OUT/w1_front_$T.trace.json" \
+      --json "$OUT/w1_front_$T.json" > $L/w1f.log 2>&1
+    timeout 80 $R W1 --plan bench/results/s11_w1_turn_traced_s11.json --trace "$OUT/w1_old_$T.trace.json" \
+      --json "$OUT/w1_old_$T.json" > $L/w1o.log 2>&1
+    for f in w1f w1o; do echo "== $f"; grep -E "^plan|^step [0-9]|Error" $L/$f.log | head -8; done ;;
   final9)
     # the round trip beside the host pass at two thread counts; then the planner's own plans with the
     # refitted chunk overhead: W1 clipped, W3 clipped (traced: the race's forward out of sample) and
