@@ -215,8 +215,8 @@ def test_sharded_budget_counts_device_stepped_state_whole() -> None:
         moments = 8 * sum(n if i in on_device else -(-n // 2) for i, n in enumerate(trains))
         assert c.memory.host == {**whole, "optimizer_state": moments}
         assert c.host_need == sum(c.memory.host.values()) + HOST_BASELINE_BYTES <= budget // 2
-    plan = sh.plan  # device-stepped layers are in play (resident packs, or the embedding and head)
-    assert plan is not None and set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
+    plan = sh.plan
+    assert plan is not None and plan.resident_packs >= 1  # device-stepped layers are in play
     assert sh.host_per_node == 2 * (sum(sh.host.values()) + HOST_BASELINE_BYTES) <= budget
 
 

@@ -291,8 +291,6 @@ class _Lanes:
     # backward compute seconds of the micro-batch-wise turn (Plan.turn_packs): no host AdamW of
     # the step starts before it ends, since the turn's layers download only once it is through
     turn_b: float = 0.0
-    # per pack: its backward's compute seconds (when its gradients are complete: the tail chain)
-    b_pack: list[float] = dataclasses.field(default_factory=list)
 
 
 def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
@@ -319,7 +317,6 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
         b_s = pass_s + PACK_OVERHEAD_S + dequant[q][1] + (
             packs.exposed(q, rates.h2d) if q not in carried and not res else 0.0)
         lanes.b_comp[db] += b_s
-        lanes.b_pack.append(b_s)
         if q in turn:
             lanes.turn_b += b_s
         if res:
@@ -570,7 +567,7 @@ def _assist_bytes(packs: _Packs, lanes: _Lanes, assisted: tuple[int, ...]) -> tu
             fill += t * extra_up
         else:
             f_up[d] += t * extra_up
-    out = _Lanes(lanes.f_comp, lanes.b_comp, f_up, lanes.b_up, lanes.down, f_down, lanes.turn_b, lanes.b_pack)
+    out = _Lanes(lanes.f_comp, lanes.b_comp, f_up, lanes.b_up, lanes.down, f_down, lanes.turn_b)
     return out, fill
 
 
@@ -619,29 +616,6 @@ def _tail_layers(plan: Plan) -> frozenset[int]:
     return frozenset({0} | ({b + 1 for b in plan.packs[R]} if R < plan.num_packs else set()))
 
 
-def _tail_chain_excess(lanes: _Lanes, backward: float, host_train: Sequence[int], resident: int,
-                       embed: int, adamw: float) -> float:
-    """Seconds the tail is longer than the lowest host-stepped pack's (and the embedding's) AdamW
-    because the packs above it trail too: pack q's updates start once its gradients are complete
-    (its backward done, at the backward's pace, ``lanes.b_pack`` stretched to ``backward``) and
-    the host steps one layer after another, so a pack whose AdamW outlasts the backward below it
-    pushes its whole chain past the last backward. Measured on the H200 (session 12 traces,
-    ``[1, 3 x 9]``): W1's AdamW ended 116 ms after the last backward, W3's 205 ms -- pack 1's
-    three blocks (~108 / ~180 ms) against pack 0's one-block backward (~37 / ~50 ms).
-    ``host_train``: per pack, its elements stepped on the host in the backward."""
-    total_b = sum(lanes.b_pack)
-    if resident >= len(host_train) or total_b <= 0:
-        return 0.0
-    scale = backward / total_b
-    base = (host_train[resident] + embed) / adamw
-    work, below, tail = embed / adamw, 0.0, base
-    for q in range(resident, len(host_train)):
-        work += host_train[q] / adamw
-        tail = max(tail, work - below)
-        below += lanes.b_pack[q] * scale
-    return tail - base
-
-
 @dataclass(frozen=True)
 class _BackwardAssist:
     """Where an unclipped step's assisted layers land: per layer its backward device, trainable
@@ -674,7 +648,7 @@ class _BackwardAssist:
             over -= t
             b_up[d] += t * BACKWARD_ASSIST_UP_BYTES
             down[d] += t * (BACKWARD_ASSIST_DOWN_BYTES - DOWNLOAD_BYTES)
-        out = _Lanes(lanes.f_comp, lanes.b_comp, lanes.f_up, b_up, down, lanes.f_down, lanes.turn_b, lanes.b_pack)
+        out = _Lanes(lanes.f_comp, lanes.b_comp, lanes.f_up, b_up, down, lanes.f_down, lanes.turn_b)
         chunks = sum(-(-self.train[layer] // ASSIST_CHUNK_NUMEL) for layer in layers)
         terms = {k: v + chunks * ASSIST_CHUNK_HOST_S for k, v in b_terms_of(out, over).items()}
         return terms, max(tail_host_left / rates.adamw, tail_link), out
@@ -764,16 +738,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     b_terms = _backward_terms(lanes, slowdown, rates, overlappable)
     backward = max(b_terms.values())
     last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / rates.d2h
-    deferred = set(plan.deferred)
-
-    def chain(skip: set[int], backward_s: float) -> float:
-        """The tail's chain excess (:func:`_tail_chain_excess`) with ``skip`` stepped elsewhere."""
-        host = [0 if q < R else sum(trains[b + 1] for b in p if b + 1 not in skip)
-                for q, p in enumerate(plan.packs)]
-        return _tail_chain_excess(lanes, backward_s, host, R, host_embed, rates.adamw)
-
-    excess = chain(deferred, backward)
-    tail = (pack0 + host_embed) / rates.adamw + excess + last_chunk + dev.train * DEVICE_ADAMW_S_PER_PARAM
+    tail = (pack0 + host_embed) / rates.adamw + last_chunk + dev.train * DEVICE_ADAMW_S_PER_PARAM
     unclipped_assist: tuple[int, ...] = ()
     if not clipping and (plan.assisted or assist) and R < P:  # assisted right after their backward
         bwd = _BackwardAssist.of(packs, dev)
@@ -784,12 +749,11 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
 
             terms, tail_s, a_lanes = bwd.apply(lanes, terms_of, layers, overlappable, pack0 + host_embed,
                                                rates)
-            tail_s += chain(deferred | set(layers), max(terms.values()))
             return max(terms.values()) + tail_s, terms, tail_s, a_lanes
 
         layers = plan.assisted
         if assist:
-            base = backward + (pack0 + host_embed) / rates.adamw + excess
+            base = backward + (pack0 + host_embed) / rates.adamw
             layers = _choose_backward_assist(bwd, assistable(plan), base, lambda x: with_assisted(x)[0])
             if base - with_assisted(layers)[0] < UNCLIPPED_ASSIST_MIN_GAIN * (fill + forward + head + base):
                 layers = ()  # not worth the scratch, the traffic and the chunk latency the model leaves out
@@ -808,7 +772,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         forward = max(f_terms.values())
         b_terms["ssd"] = ssd.t.backward_read / ssd.read + ssd.t.backward_write / ssd.write
         backward = max(b_terms.values())
-        tail = (max((pack0 + host_embed) / rates.adamw + excess, ssd.t.tail_write / ssd.write) + last_chunk
+        tail = (max((pack0 + host_embed) / rates.adamw, ssd.t.tail_write / ssd.write) + last_chunk
                 + dev.train * DEVICE_ADAMW_S_PER_PARAM)
     if plan.deferred:  # the deferred updates run ahead of the next forward's uploads of their layers
         forward = max(forward, _deferred_forward_end(w, dev, plan.deferred) - fill)

@@ -16,10 +16,8 @@ WINDOWS = (1, 2, 3)
 
 def pack_options(num_blocks: int, max_uniform: int = MAX_UNIFORM_PACK) -> list[int | tuple[int, ...]]:
     """Uniform pack sizes 1..max (remainder last, as ``split_packs``) and a few uneven packings:
-    the remainder first, a first pack of one block, and k + 1 packs of one block before packs of
-    k (the host AdamW of the last packs to get their gradients trails the backward: pack 0's, and
-    of any pack above whose AdamW outlasts the backward below it, :func:`tinypipe.planner.cost.
-    _tail_chain_excess`; single blocks there keep that chain in step with the backward)."""
+    the remainder first, and a first pack of one block (pack 0's optimizer steps are the exposed
+    tail of the step, so a small first pack shortens it)."""
     L = num_blocks
     out: list[int | tuple[int, ...]] = []
     seen: set[tuple[int, ...]] = set()
@@ -40,8 +38,6 @@ def pack_options(num_blocks: int, max_uniform: int = MAX_UNIFORM_PACK) -> list[i
             add(tuple([L % k] + [k] * (L // k)))
         if L > k:
             add((1,) + uniform(k, L - 1))
-        if L > 2 * k + 1:
-            add((1,) * (k + 1) + uniform(k, L - k - 1))
     return out
 
 

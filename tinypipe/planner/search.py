@@ -276,8 +276,9 @@ def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate,
     fits: list[Candidate] = []
     fitting = _fitter(evaluate_plan, settle, gpu_mem, out, fits)
 
-    for seed, kept in _turn_starts(seeds):
+    for seed in seeds:
         base = dataclasses.replace(seed.plan, assisted=(), turn_packs=0)
+        kept = {q for q in range(base.num_packs) if base.kept(q)}
         longest: Candidate | None = None
         for k in range(1, base.num_packs - base.resident_packs + 1):
             try:
@@ -295,21 +296,6 @@ def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate,
             out += more
             fits += more_fits
     return out, fits
-
-
-def _turn_starts(seeds: list[Candidate]) -> list[tuple[Candidate, set[int]]]:
-    """Where :func:`_with_turn` grows a turn from: each seed with the packs it keeps, and with only
-    its resident packs kept (the graphs a seed keeps elsewhere can hold the room a longer turn
-    needs; the greedy keeping after the turn gets them back where they still fit)."""
-    out = []
-    for seed in seeds:
-        plan = seed.plan
-        kept = {q for q in range(plan.num_packs) if plan.kept(q)}
-        out.append((seed, kept))
-        bare = {q for q in kept if q < plan.resident_packs}
-        if bare != kept:
-            out.append((seed, bare))
-    return out
 
 
 def _keeping(plan: Plan, kept: set[int]) -> Plan:
