@@ -244,12 +244,15 @@ class _Core:
         now = time.perf_counter()
         key = handle.key
         nbytes = self.layout[key].nbytes
+        where = self.where(handle) if error is not None else ""
         if error is not None:
             verb = "read of" if handle.op == "read" else "write to"
-            handle.error = StorageError(f"SSD {verb} {key!r} ({nbytes} bytes at {self.where(handle)}) "
-                                        f"failed: {error}")
+            handle.error = StorageError(f"SSD {verb} {key!r} ({nbytes} bytes at {where}) failed: {error}")
         if handle.op == "write" and key not in self.external:
-            self.state[key] = _VALID if error is None else f"invalid: its last write failed ({error})"
+            # a later read of the region names where the write failed (a striped region's read
+            # alone would name every directory)
+            self.state[key] = (_VALID if error is None
+                               else f"invalid: its last write failed ({error}) at {where}")
         started = handle._started if handle._started is not None else now
         record = IoRecord(handle.op, key, nbytes, handle.submitted, started, now, error)
         handle.record = record
