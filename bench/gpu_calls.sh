@@ -29,6 +29,7 @@
 #   bash bench/gpu_calls.sh front12 [tag]  # single-block front packs vs session 11's turn plans (#16)
 #   bash bench/gpu_calls.sh front12b [tag] # the same, W1 traced (#16)
 #   bash bench/gpu_calls.sh defer12b [tag] # the same, traced: W1 6 / 9 / 0 turn layers deferred, W3 4 (#16)
+#   bash bench/gpu_calls.sh threads13 [tag] # W1/W3 host AdamW threads 14/12/10, W1 resident first pack (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -362,6 +363,22 @@ case "${1:-}" in
     nvidia-smi -L
     timeout 560 python3 bench/dp_bench.py --workloads W1,W3 --auto --sharding shard --steps 3 --warmup 2 \
       --cap-gib 24 --hardware h200-pcie5 --out "$OUT/dp2" --json "$OUT/dp_2gpu.json" 2>&1 | tail -12 ;;
+  threads13)
+    # the host AdamW's OpenMP threads (default: cores - 1 - GPUs = 14 here; the CUDA lanes spin on
+    # their events beside it) and a resident first pack (its AdamW on the GPU), W1 and W3, one call.
+    # 6 JSON, 1 log
+    T=${2:-s13}; L=/tmp/threads13; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2"
+    W1P=bench/results/s11_w1_turn_traced_s11.json; W3P=bench/plans/s12_w3_front_turn.json
+    timeout 90 $R W1 --steps 6 --plan $W1P --json "$OUT/w1_t14_$T.json" > $L/w1_t14.log 2>&1
+    timeout 90 $R W1 --steps 6 --plan $W1P --optimizer-threads 12 --json "$OUT/w1_t12_$T.json" > $L/w1_t12.log 2>&1
+    timeout 90 $R W1 --steps 6 --plan $W1P --optimizer-threads 10 --json "$OUT/w1_t10_$T.json" > $L/w1_t10.log 2>&1
+    timeout 90 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_res1.json --optimizer-threads 12 \
+      --json "$OUT/w1_res1_t12_$T.json" > $L/w1_res1.log 2>&1
+    timeout 95 $R W3 --steps 4 --plan $W3P --json "$OUT/w3_t14_$T.json" > $L/w3_t14.log 2>&1
+    timeout 95 $R W3 --steps 4 --plan $W3P --optimizer-threads 12 --json "$OUT/w3_t12_$T.json" > $L/w3_t12.log 2>&1
+    for f in w1_t14 w1_t12 w1_t10 w1_res1 w3_t14 w3_t12; do echo "===== $f"; cat $L/$f.log; done > "$OUT/threads13_$T.log"
+    for f in w1_t14 w1_t12 w1_t10 w1_res1 w3_t14 w3_t12; do echo "== $f"; grep -E "^machine|^step [0-9]|Error|tail" $L/$f.log | head -12; done ;;
   two-gpu-speed)
     R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
     timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4
