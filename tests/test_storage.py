@@ -19,7 +19,7 @@ import torch
 from tinypipe.devices.backend import HostPinner
 from tinypipe.errors import StorageError
 from tinypipe.devices.host_buffers import aligned_empty
-from tinypipe.storage import SsdStateStore, StagingPool, measure_rates
+from tinypipe.storage import SsdStateStore, StagingPool, direct, measure_rates
 from tinypipe.storage.direct import ALIGN
 from tinypipe.storage.scratch import PREFIX
 
@@ -196,20 +196,32 @@ def test_cancel_drops_queued_requests_and_invalidates_their_regions(tmp_path):
     assert _scratch_dirs(tmp_path) == []
 
 
-def test_wait_check_abandons_the_wait_not_the_transfer(tmp_path):
+def test_wait_check_abandons_the_wait_not_the_transfer(tmp_path, monkeypatch):
+    # the writes are held at a gate until the wait was abandoned: on a disk (or a page cache) fast
+    # enough to land 128 MiB before the first poll, a timer alone raced the transfer and lost
+    gate = threading.Event()
+    pwritev = direct.os.pwritev
+
+    def gated(fd, buffers, offset):
+        gate.wait(30)
+        return pwritev(fd, buffers, offset)
+
     with SsdStateStore(tmp_path, {i: 16 << 20 for i in range(8)}, threads=1, chunk_bytes=1 << 20) as store:
         src = _state(4 << 20, 2)
+        monkeypatch.setattr(direct.os, "pwritev", gated)
         handles = [store.write_async(i, src) for i in range(8)]
-        stop = threading.Event()
-        threading.Timer(0.01, stop.set).start()
+        calls = []
 
         def check():
-            if stop.is_set():
-                raise KeyboardInterrupt
+            calls.append(1)
+            raise KeyboardInterrupt
 
         with pytest.raises(KeyboardInterrupt):
             handles[-1].wait(check)
+        assert calls == [1] and not handles[-1].done()
+        gate.set()
         store.wait(handles)  # the transfers were not disturbed
+        monkeypatch.setattr(direct.os, "pwritev", pwritev)
         out = aligned_empty(4 << 20)
         store.read(7, out)
         assert torch.equal(out, src)
