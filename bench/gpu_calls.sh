@@ -31,6 +31,7 @@
 #   bash bench/gpu_calls.sh defer12b [tag] # the same, traced: W1 6 / 9 / 0 turn layers deferred, W3 4 (#16)
 #   bash bench/gpu_calls.sh threads13 [tag] # W1/W3 host AdamW threads 14/12/10, W1 resident first pack (#16)
 #   bash bench/gpu_calls.sh pages13 [tag]   # huge-page host buffers on/off: AdamW alone, W1, W3 (#16)
+#   bash bench/gpu_calls.sh resident13 [tag] # W1/W3 with a resident first pack vs the engine's plans (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -381,9 +382,10 @@ case "${1:-}" in
     for f in w1_t14 w1_t12 w1_t10 w1_res1 w3_t14 w3_t12; do echo "===== $f"; cat $L/$f.log; done > "$OUT/threads13_$T.log"
     for f in w1_t14 w1_t12 w1_t10 w1_res1 w3_t14 w3_t12; do echo "== $f"; grep -E "^machine|^step [0-9]|Error|tail" $L/$f.log | head -12; done ;;
   pages13)
-    # host buffers advised onto huge pages (devices/host_buffers.py) against torch's allocator
-    # (TINYPIPE_HUGE_PAGES=off): the AdamW rate alone (bench/host_pages.py), then W1 and W3 with the
-    # engine's own plans, on / off / on in one call; W1 also with 16 AdamW threads. 7 JSON, 1 log
+    # host buffers advised onto huge pages against torch's allocator (TINYPIPE_HUGE_PAGES=off): the
+    # AdamW rate alone (bench/host_pages.py), then W1 and W3 with the engine's own plans, on / off /
+    # on in one call; W1 also with 16 AdamW threads. 7 JSON, 1 log. Ran at commit 6e5c3c0; the
+    # advice measured slower on the H200 box and was reverted, so the variable is gone now
     T=${2:-s13b}; L=/tmp/pages13; mkdir -p $L
     timeout 60 python3 bench/host_pages.py --threads 14,16 --json "$OUT/host_pages_$T.json" > $L/pages.log 2>&1
     R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --auto"
@@ -397,6 +399,21 @@ case "${1:-}" in
       > "$OUT/pages13_$T.log"
     tail -6 $L/pages.log
     for f in w1_huge w1_small w1_t16 w3_huge w3_small w1_huge2; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|RSS \(peak|peak_res|measured/pred" $L/$f.log | head -14; done ;;
+  resident13)
+    # a resident first pack (its AdamW on the GPU, off the host lane that W1's tail waits for)
+    # against the engine's plans, interleaved A B A B for W1; W3's front split with and without
+    # its first block resident. 6 JSON, 1 log
+    T=${2:-s13c}; L=/tmp/resident13; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2"
+    timeout 85 $R W1 --steps 6 --auto --json "$OUT/w1_auto_$T.json" > $L/w1_auto.log 2>&1
+    timeout 60 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" > $L/w1_res1.log 2>&1
+    timeout 60 $R W1 --steps 6 --auto --json "$OUT/w1_auto2_$T.json" > $L/w1_auto2.log 2>&1
+    timeout 60 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1b_$T.json" > $L/w1_res1b.log 2>&1
+    timeout 115 $R W3 --steps 4 --plan bench/plans/s13_w3_front_res1.json --json "$OUT/w3_front_res1_$T.json" \
+      > $L/w3_res1.log 2>&1
+    timeout 85 $R W3 --steps 4 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3_front.log 2>&1
+    for f in w1_auto w1_res1 w1_auto2 w1_res1b w3_res1 w3_front; do echo "===== $f"; cat $L/$f.log; done > "$OUT/resident13_$T.log"
+    for f in w1_auto w1_res1 w1_auto2 w1_res1b w3_res1 w3_front; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
   two-gpu-speed)
     R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
     timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4
