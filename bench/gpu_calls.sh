@@ -31,7 +31,7 @@
 #   bash bench/gpu_calls.sh defer12b [tag] # the same, traced: W1 6 / 9 / 0 turn layers deferred, W3 4 (#16)
 #   bash bench/gpu_calls.sh threads13 [tag] # W1/W3 host AdamW threads 14/12/10, W1 resident first pack (#16)
 #   bash bench/gpu_calls.sh pages13 [tag]   # huge-page host buffers on/off: AdamW alone, W1, W3 (#16)
-#   bash bench/gpu_calls.sh resident13 [tag] # W1/W3 with a resident first pack vs the engine's plans (#16)
+#   bash bench/gpu_calls.sh resident13 [tag] # W1 lowest blocks assisted / first pack resident, W3 front assisted (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -400,20 +400,21 @@ case "${1:-}" in
     tail -6 $L/pages.log
     for f in w1_huge w1_small w1_t16 w3_huge w3_small w1_huge2; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|RSS \(peak|peak_res|measured/pred" $L/$f.log | head -14; done ;;
   resident13)
-    # a resident first pack (its AdamW on the GPU, off the host lane that W1's tail waits for)
-    # against the engine's plans, interleaved A B A B for W1; W3's front split with and without
-    # its first block resident. 6 JSON, 1 log
+    # the host AdamW lane that W1's tail waits for, relieved at its end: the lowest four blocks
+    # (the lane's last work) assisted right after their backward, or the first pack resident (its
+    # AdamW on the GPU), against the engine's plan; W3's front split with its four single blocks
+    # assisted against the split alone. 5 JSON, 1 log (sized for ~400 s)
     T=${2:-s13c}; L=/tmp/resident13; mkdir -p $L
     R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2"
-    timeout 85 $R W1 --steps 6 --auto --json "$OUT/w1_auto_$T.json" > $L/w1_auto.log 2>&1
-    timeout 60 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" > $L/w1_res1.log 2>&1
-    timeout 60 $R W1 --steps 6 --auto --json "$OUT/w1_auto2_$T.json" > $L/w1_auto2.log 2>&1
-    timeout 60 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1b_$T.json" > $L/w1_res1b.log 2>&1
-    timeout 115 $R W3 --steps 4 --plan bench/plans/s13_w3_front_res1.json --json "$OUT/w3_front_res1_$T.json" \
-      > $L/w3_res1.log 2>&1
-    timeout 85 $R W3 --steps 4 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3_front.log 2>&1
-    for f in w1_auto w1_res1 w1_auto2 w1_res1b w3_res1 w3_front; do echo "===== $f"; cat $L/$f.log; done > "$OUT/resident13_$T.log"
-    for f in w1_auto w1_res1 w1_auto2 w1_res1b w3_res1 w3_front; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
+    timeout 80 $R W1 --steps 6 --auto --json "$OUT/w1_auto_$T.json" > $L/w1_auto.log 2>&1
+    timeout 55 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_assist4low.json --json "$OUT/w1_assist4low_$T.json" \
+      > $L/w1_assist.log 2>&1
+    timeout 55 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" > $L/w1_res1.log 2>&1
+    timeout 110 $R W3 --steps 4 --plan bench/plans/s13_w3_front_assist4low.json \
+      --json "$OUT/w3_front_assist4low_$T.json" > $L/w3_assist.log 2>&1
+    timeout 80 $R W3 --steps 4 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3_front.log 2>&1
+    for f in w1_auto w1_assist w1_res1 w3_assist w3_front; do echo "===== $f"; cat $L/$f.log; done > "$OUT/resident13_$T.log"
+    for f in w1_auto w1_assist w1_res1 w3_assist w3_front; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
   two-gpu-speed)
     R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
     timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4
