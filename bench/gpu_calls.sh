@@ -32,6 +32,7 @@
 #   bash bench/gpu_calls.sh threads13 [tag] # W1/W3 host AdamW threads 14/12/10, W1 resident first pack (#16)
 #   bash bench/gpu_calls.sh pages13 [tag]   # huge-page host buffers on/off: AdamW alone, W1, W3 (#16)
 #   bash bench/gpu_calls.sh resident13 [tag] # W1 lowest blocks assisted / first pack resident, W3 front assisted (#16)
+#   bash bench/gpu_calls.sh resident13w3 [tag] # W3 front split with its single blocks assisted (#16)
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -402,19 +403,26 @@ case "${1:-}" in
   resident13)
     # the host AdamW lane that W1's tail waits for, relieved at its end: the lowest four blocks
     # (the lane's last work) assisted right after their backward, or the first pack resident (its
-    # AdamW on the GPU), against the engine's plan; W3's front split with its four single blocks
-    # assisted against the split alone. 5 JSON, 1 log (sized for ~400 s)
+    # AdamW on the GPU), between two runs of the engine's plan. 4 JSON, 1 log (~220 s)
     T=${2:-s13c}; L=/tmp/resident13; mkdir -p $L
-    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2"
-    timeout 80 $R W1 --steps 6 --auto --json "$OUT/w1_auto_$T.json" > $L/w1_auto.log 2>&1
-    timeout 55 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_assist4low.json --json "$OUT/w1_assist4low_$T.json" \
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 6"
+    timeout 80 $R W1 --auto --json "$OUT/w1_auto_$T.json" > $L/w1_auto.log 2>&1
+    timeout 55 $R W1 --plan bench/plans/s13_w1_turn_assist4low.json --json "$OUT/w1_assist4low_$T.json" \
       > $L/w1_assist.log 2>&1
-    timeout 55 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" > $L/w1_res1.log 2>&1
-    timeout 110 $R W3 --steps 4 --plan bench/plans/s13_w3_front_assist4low.json \
-      --json "$OUT/w3_front_assist4low_$T.json" > $L/w3_assist.log 2>&1
-    timeout 80 $R W3 --steps 4 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3_front.log 2>&1
-    for f in w1_auto w1_assist w1_res1 w3_assist w3_front; do echo "===== $f"; cat $L/$f.log; done > "$OUT/resident13_$T.log"
-    for f in w1_auto w1_assist w1_res1 w3_assist w3_front; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
+    timeout 55 $R W1 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" > $L/w1_res1.log 2>&1
+    timeout 55 $R W1 --auto --json "$OUT/w1_auto2_$T.json" > $L/w1_auto2.log 2>&1
+    for f in w1_auto w1_assist w1_res1 w1_auto2; do echo "===== $f"; cat $L/$f.log; done > "$OUT/resident13_$T.log"
+    for f in w1_auto w1_assist w1_res1 w1_auto2; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
+  resident13w3)
+    # W3's front split with its four single blocks assisted after their backward, against the
+    # split alone. 2 JSON, 1 log
+    T=${2:-s13d}; L=/tmp/resident13w3; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 4"
+    timeout 110 $R W3 --plan bench/plans/s13_w3_front_assist4low.json --json "$OUT/w3_front_assist4low_$T.json" \
+      > $L/w3_assist.log 2>&1
+    timeout 80 $R W3 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3_front.log 2>&1
+    for f in w3_assist w3_front; do echo "===== $f"; cat $L/$f.log; done > "$OUT/resident13w3_$T.log"
+    for f in w3_assist w3_front; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
   two-gpu-speed)
     R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
     timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4
