@@ -403,16 +403,18 @@ case "${1:-}" in
   resident13)
     # the host AdamW lane that W1's tail waits for, relieved at its end: the lowest four blocks
     # (the lane's last work) assisted right after their backward, or the first pack resident (its
-    # AdamW on the GPU), between two runs of the engine's plan. 4 JSON, 1 log (~220 s)
+    # AdamW on the GPU), between two runs of the engine's plan (the resident run only with RES1=1). 3-4 JSON, 1 log
+    # (~170 s, ~220 with RES1)
     T=${2:-s13c}; L=/tmp/resident13; mkdir -p $L
     R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 6"
     timeout 80 $R W1 --auto --json "$OUT/w1_auto_$T.json" > $L/w1_auto.log 2>&1
     timeout 55 $R W1 --plan bench/plans/s13_w1_turn_assist4low.json --json "$OUT/w1_assist4low_$T.json" \
       > $L/w1_assist.log 2>&1
-    timeout 55 $R W1 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" > $L/w1_res1.log 2>&1
+    [ -n "${RES1:-}" ] && timeout 55 $R W1 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" \
+      > $L/w1_res1.log 2>&1
     timeout 55 $R W1 --auto --json "$OUT/w1_auto2_$T.json" > $L/w1_auto2.log 2>&1
-    for f in w1_auto w1_assist w1_res1 w1_auto2; do echo "===== $f"; cat $L/$f.log; done > "$OUT/resident13_$T.log"
-    for f in w1_auto w1_assist w1_res1 w1_auto2; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
+    for f in w1_auto w1_assist w1_res1 w1_auto2; do echo "===== $f"; cat $L/$f.log 2>/dev/null; done > "$OUT/resident13_$T.log"
+    for f in w1_auto w1_assist w1_res1 w1_auto2; do [ -f $L/$f.log ] || continue; echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
   resident13w3)
     # W3's front split with its four single blocks assisted after their backward, against the
     # split alone. 2 JSON, 1 log
