@@ -403,8 +403,8 @@ case "${1:-}" in
   resident13)
     # the host AdamW lane that W1's tail waits for, relieved at its end: the lowest four blocks
     # (the lane's last work) assisted right after their backward, or the first pack resident (its
-    # AdamW on the GPU), between two runs of the engine's plan (the resident run only with RES1=1). 3-4 JSON, 1 log
-    # (~170 s, ~220 with RES1)
+    # AdamW on the GPU, only with RES1=1), between two runs of the engine's plan. 3-4 JSON, 1 log
+    # (~170 s; ~220 with RES1)
     T=${2:-s13c}; L=/tmp/resident13; mkdir -p $L
     R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 6"
     timeout 80 $R W1 --auto --json "$OUT/w1_auto_$T.json" > $L/w1_auto.log 2>&1
