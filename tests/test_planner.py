@@ -29,6 +29,7 @@ from tinypipe.planner import (
     predict_step_time,
 )
 from tinypipe.cli import plan as cli_plan
+from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.estimate import activation_peaks
 from tinypipe.planner.options import pack_options, stash_options
 from tinypipe.schedule.builder import build_schedule
@@ -454,6 +455,45 @@ def test_cli_exit_codes(capsys, tmp_path) -> None:
 
     assert cli_plan.main(["--model", "list"]) == 0
     assert "qwen3-32b" in capsys.readouterr().out
+
+
+def test_cli_evaluates_a_saved_plan_against_the_planner_s_choice(capsys, tmp_path) -> None:
+    """``--evaluate FILE`` prices the file's plan with the search's own estimator and time model, on
+    the same budgets, and notes the search's choice beside it; a plan for another model or GPU
+    count, one that does not fit, and a file that is no plan each fail in one line."""
+    budget = dict(model="llama-3.2-1b", gpus=1, gpu_memory="24GiB", cpu_memory="64GiB", seq_len=1024,
+                  global_batch=8, hardware="rtx4090-pcie4")
+    saved = tmp_path / "plan.json"
+    assert cli_plan.run(_args(**budget, save_plan=saved, json=True)) == 0
+    searched = json.loads(capsys.readouterr().out)["best"]
+
+    assert cli_plan.run(_args(**budget, evaluate=saved)) == 0  # the search's own plan: the same price
+    out = capsys.readouterr().out
+    assert f"plan: {Plan.load(saved).describe()}" in out and "this plan" in out and "(+0.0 %)" in out
+
+    other = Plan.load(saved)  # another plan: priced by evaluate() itself, and slower than the choice
+    other = dataclasses.replace(other, prefetch_window=1, micro_batch_size=1, backward_micro_batch_size=1)
+    (tmp_path / "bench.json").write_text(json.dumps({"tokens_per_s": 1.0, "plan": other.as_dict()}))
+    assert cli_plan.run(_args(**budget, evaluate=tmp_path / "bench.json", json=True)) == 0
+    got = json.loads(capsys.readouterr().out)["best"]
+    sizes = model_sizes(load_model_config("llama-3.2-1b"))
+    want = evaluate(sizes, load_hardware("rtx4090-pcie4"), other, seq=1024, global_batch=8)
+    assert got["plan"] == json.loads(other.to_json())
+    assert got["tokens_per_s"] == pytest.approx(want.tokens_per_s, rel=1e-12)
+    assert got["gpu_need_bytes"] == want.gpu_need and got["host_need_bytes"] == want.host_need
+    assert got["tokens_per_s"] < searched["tokens_per_s"]
+
+    garbage = tmp_path / "garbage.json"
+    garbage.write_text('{"not": "a plan"}')
+    for kw, code, text in ((dict(budget, gpu_memory="1GiB"), 1, "needs"),
+                           (dict(budget, model="llama-2-7b", cpu_memory="256GiB"), 2, "another model"),
+                           (dict(budget, gpus=2), 2, "--gpus is 2"),
+                           (dict(budget, evaluate=garbage), 2, "not a tinypipe plan"),
+                           (dict(budget, nodes=2), 2, "drop --nodes")):
+        kw.setdefault("evaluate", saved)
+        assert cli_plan.run(_args(**kw)) == code, kw
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and text in err[0], err
 
 
 LORA_CASES = {

@@ -17,6 +17,7 @@ from tinypipe.cli.options import (
     _default_device,
     _positive,
     _resolve_settings,
+    read_plan_file,
 )
 from tinypipe.cli.output import (
     PROG,
@@ -37,7 +38,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     _check_settings(s)
     config, auto = _engine_config(s)
     lora = _lora_settings(s, config.precision)
-    plan = _plan_file(s["plan"], len(config.devices)) if s["plan"] else None
+    plan = read_plan_file(s["plan"], len(config.devices)) if s["plan"] else None
     data_path, out = _check_inputs(s)
 
     import torch
@@ -143,19 +144,6 @@ def _offload_dirs(value: str | None) -> str | tuple[str, ...] | None:
     from tinypipe.storage.stripe import parse_directories
 
     return parse_directories(value)
-
-
-def _plan_file(path: str, num_devices: int) -> Any:
-    """The plan saved by ``tinypipe plan --save-plan`` (it overrides the packing flags)."""
-    from tinypipe.schedule.plan import Plan
-
-    try:
-        plan = Plan.load(Path(path).expanduser())
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise ConfigError(f"{path}: not a tinypipe plan ({exc})") from None
-    if plan.num_devices != num_devices:
-        raise ConfigError(f"{path}: plan is for {plan.num_devices} device(s), --devices lists {num_devices}")
-    return plan
 
 
 def _check_inputs(s: dict[str, Any]) -> tuple[Path, Path]:

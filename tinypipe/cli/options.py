@@ -315,3 +315,23 @@ def _check_devices(devices: Sequence[str]) -> None:
 
     for d in devices:
         make_backend(d)
+
+
+def read_plan_file(path: str, num_devices: int, devices_flag: str = "--devices lists") -> Any:
+    """The plan in ``path``: what ``tinypipe plan --save-plan`` writes, or a benchmark result
+    holding one under ``"plan"`` (``bench/run.py --json``); one-line errors for anything else or
+    for a plan made for another number of devices (``devices_flag`` names where that number came from)."""
+    import json
+
+    from tinypipe.schedule.plan import Plan
+
+    try:
+        data = json.loads(Path(path).expanduser().read_text())
+        if isinstance(data, dict) and "packs" not in data and isinstance(data.get("plan"), dict):
+            data = data["plan"]
+        plan = Plan.from_json(json.dumps(data))
+    except (OSError, ValueError, TypeError, KeyError) as exc:
+        raise ConfigError(f"{path}: not a tinypipe plan ({exc})") from None
+    if plan.num_devices != num_devices:
+        raise ConfigError(f"{path}: plan is for {plan.num_devices} device(s), {devices_flag} {num_devices}")
+    return plan

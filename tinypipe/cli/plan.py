@@ -6,6 +6,10 @@ and a machine, offline (no GPU, no weights), in seconds.
                   [--offload-dir DIR[,DIR]] [--ssd-read-gbps X --ssd-write-gbps Y] \\
                   [--max-grad-norm X [--no-assist]]
     tinypipe plan --model llama-2-7b --nodes 2 --gpus 4 --interconnect pcie5,eth100 ...
+    tinypipe plan --model llama-3.1-8b --gpu-memory 24GiB --evaluate my_plan.json
+
+``--evaluate FILE`` prices and sizes a plan you already have (``--save-plan``'s file, or a
+``bench/run.py --json`` result) on the same budgets, beside what the planner would choose.
 
 With ``--nodes`` (or ``--gpus-per-replica``) ``--gpus`` counts the GPUs of one node and the plan
 compares data-parallel layouts: R replicas of G GPUs each (:mod:`tinypipe.planner.replica_search`).
@@ -102,6 +106,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "planner lets the GPU step some layers' clipped updates on their way up, where "
                         "that is faster)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--evaluate", default=None, metavar="FILE",
+                   help="predict this saved plan (--save-plan's JSON, or a bench/run.py --json result) "
+                        "instead of searching; the planner's own choice is noted beside it")
     p.add_argument("--save-plan", default=None, metavar="FILE",
                    help="write the chosen plan as JSON (tinypipe.schedule.Plan.load reads it)")
 
@@ -206,6 +213,10 @@ def run(args: argparse.Namespace) -> int:
 
                 raise ConfigError("the replica layouts (--nodes / --gpus-per-replica) do not model the SSD "
                                   "tier yet; plan one replica with --offload-dir instead")
+            if getattr(args, "evaluate", None):
+                from tinypipe.errors import ConfigError
+
+                raise ConfigError("--evaluate prices one replica's plan: drop --nodes / --gpus-per-replica")
             return _run_layouts(args, hardware, gpus=gpus, seq=seq, batch=batch, gpu_mem=gpu_mem,
                                 cpu_mem=cpu_mem, clip=clip, lora=lora)
         result = plan_for(args.model, hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
@@ -214,6 +225,11 @@ def run(args: argparse.Namespace) -> int:
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
                               "--resident-packs", args.resident_packs), ssd=ssd,
                           assist_updates=not getattr(args, "no_assist", False))
+        if getattr(args, "evaluate", None):  # a plan the user has, priced like the search's
+            from tinypipe.cli.options import read_plan_file
+            from tinypipe.planner.given import with_given_plan
+
+            result = with_given_plan(result, read_plan_file(args.evaluate, gpus, "--gpus is"))
         if ssd is not None and ssd.directory is not None and ssd.free_bytes is None:
             result.notes.append(f"offload directory {ssd.directory} does not exist (yet): its free space was "
                                 "not checked")

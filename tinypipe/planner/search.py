@@ -325,6 +325,12 @@ def _keep_all(fits: list[Candidate], evaluate_plan: Evaluate, settle: Callable[[
     return out, kept
 
 
+#: Said when a chosen plan has parts the ``tinypipe.Config`` fields cannot express.
+PLAN_ONLY_NOTE = ("the {what} are part of the plan, not of the Config fields: pass the plan "
+                  "(--save-plan FILE; Engine(model, config, plan=Plan.load(FILE))) or let the engine plan "
+                  "(no packing knob set)")
+
+
 def ranking_seconds(c: Candidate, clipping: bool) -> float:
     """The step time the search ranks by: under clipping (``max_grad_norm`` set) the step where it
     triggers -- at HF Trainer's default of 1.0 fine-tuning clips on nearly every step, and the
@@ -525,9 +531,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     best = min((c for c in front if ranking_seconds(c, clipping) <= fastest * (1 + NEAR_FASTEST)),
                key=lambda c: c.gpu_need)
     if best.plan.assisted:
-        notes.append("the assisted layers are part of the plan, not of the Config fields: pass the plan "
-                     "(--save-plan FILE; Engine(model, config, plan=Plan.load(FILE))) or let the engine plan "
-                     "(no packing knob set)")
+        notes.append(PLAN_ONLY_NOTE.format(what="assisted layers"))
     hiding = None
     if ssd is not None and best.plan.offload and hiding_search:
         fresh = Spill(sizes, ssd, cpu_memory_bytes, precision=precision,
