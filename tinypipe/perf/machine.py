@@ -22,8 +22,10 @@ class MachineRates:
         return asdict(self)
 
 
-def _cpu_adamw_rate(n: int = 50_000_000) -> float:
-    """torch's fused CPU AdamW on ``n`` parameters, G params/s (best of 3 steps)."""
+def cpu_adamw_rate(n: int = 50_000_000) -> float:
+    """torch's fused CPU AdamW on ``n`` parameters, G params/s (best of 3 steps): also taken after a
+    benchmark's timed steps, because on a shared host it moves within minutes (bench/RESULTS.md,
+    session 13)."""
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
     steps = [torch.tensor(0.0)]
@@ -55,7 +57,7 @@ def measure(device: str = "cuda:0", transfer_bytes: int = 1 << 30, adamw_params:
     """Pinned H2D / D2H / bidirectional bandwidth (``transfer_bytes``, default 1 GiB), bf16
     ``matmul_n``^3 matmul, CPU fused AdamW (``adamw_params``). On a CPU device the link and matmul
     rates are 0."""
-    adamw = _cpu_adamw_rate(adamw_params)
+    adamw = cpu_adamw_rate(adamw_params)
     if not device.startswith("cuda") or not torch.cuda.is_available():
         return MachineRates(0.0, 0.0, 0.0, 0.0, adamw, "cpu")
     dev = torch.device(device)
