@@ -46,6 +46,15 @@ if ls .whl/*.whl >/dev/null 2>&1; then
 fi
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+# report DIR OUT PATTERN NAME...: every DIR/NAME.log into OUT, one after another, then the lines
+# of each that match PATTERN (the summary the call's output shows); absent logs are skipped
+report() {
+  local dir=$1 out=$2 pat=$3; shift 3
+  for f in "$@"; do [ -f "$dir/$f.log" ] && { echo "===== $f"; cat "$dir/$f.log"; }; done > "$out"
+  for f in "$@"; do [ -f "$dir/$f.log" ] && { echo "== $f"; grep -E "$pat" "$dir/$f.log" | head -14; }; done
+  return 0
+}
+SUMMARY="^step [0-9]|Error|\\| tail|peak_res|measured/pred"
 case "${1:-}" in
   w1-qlora8b)
     timeout 120 python3 bench/run.py W1 --auto --json "$OUT/w1_auto_after.json" 2>&1 | tail -8
@@ -380,8 +389,7 @@ case "${1:-}" in
       --json "$OUT/w1_res1_t12_$T.json" > $L/w1_res1.log 2>&1
     timeout 95 $R W3 --steps 4 --plan $W3P --json "$OUT/w3_t14_$T.json" > $L/w3_t14.log 2>&1
     timeout 95 $R W3 --steps 4 --plan $W3P --optimizer-threads 12 --json "$OUT/w3_t12_$T.json" > $L/w3_t12.log 2>&1
-    for f in w1_t14 w1_t12 w1_t10 w1_res1 w3_t14 w3_t12; do echo "===== $f"; cat $L/$f.log; done > "$OUT/threads13_$T.log"
-    for f in w1_t14 w1_t12 w1_t10 w1_res1 w3_t14 w3_t12; do echo "== $f"; grep -E "^machine|^step [0-9]|Error|tail" $L/$f.log | head -12; done ;;
+    report $L "$OUT/threads13_$T.log" "^machine|$SUMMARY" w1_t14 w1_t12 w1_t10 w1_res1 w3_t14 w3_t12 ;;
   pages13)
     # host buffers advised onto huge pages against torch's allocator (TINYPIPE_HUGE_PAGES=off): the
     # AdamW rate alone (bench/host_pages.py), then W1 and W3 with the engine's own plans, on / off /
@@ -396,10 +404,8 @@ case "${1:-}" in
     timeout 130 $R W3 --steps 4 --json "$OUT/w3_huge_$T.json" > $L/w3_huge.log 2>&1
     TINYPIPE_HUGE_PAGES=off timeout 100 $R W3 --steps 4 --json "$OUT/w3_small_$T.json" > $L/w3_small.log 2>&1
     timeout 80 $R W1 --steps 6 --json "$OUT/w1_huge2_$T.json" > $L/w1_huge2.log 2>&1
-    for f in pages w1_huge w1_small w1_t16 w3_huge w3_small w1_huge2; do echo "===== $f"; cat $L/$f.log; done \
-      > "$OUT/pages13_$T.log"
     tail -6 $L/pages.log
-    for f in w1_huge w1_small w1_t16 w3_huge w3_small w1_huge2; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|RSS \(peak|peak_res|measured/pred" $L/$f.log | head -14; done ;;
+    report $L "$OUT/pages13_$T.log" "RSS \\(peak|$SUMMARY" pages w1_huge w1_small w1_t16 w3_huge w3_small w1_huge2 ;;
   resident13)
     # the host AdamW lane that W1's tail waits for, relieved at its end: the lowest four blocks
     # (the lane's last work) assisted right after their backward, or the first pack resident (its
@@ -413,8 +419,7 @@ case "${1:-}" in
     [ -n "${RES1:-}" ] && timeout 55 $R W1 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" \
       > $L/w1_res1.log 2>&1
     timeout 55 $R W1 --auto --json "$OUT/w1_auto2_$T.json" > $L/w1_auto2.log 2>&1
-    for f in w1_auto w1_assist w1_res1 w1_auto2; do echo "===== $f"; cat $L/$f.log 2>/dev/null; done > "$OUT/resident13_$T.log"
-    for f in w1_auto w1_assist w1_res1 w1_auto2; do [ -f $L/$f.log ] || continue; echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
+    report $L "$OUT/resident13_$T.log" "$SUMMARY" w1_auto w1_assist w1_res1 w1_auto2 ;;
   resident13w3)
     # W3's front split with its four single blocks assisted after their backward, against the
     # split alone. 2 JSON, 1 log
@@ -423,8 +428,7 @@ case "${1:-}" in
     timeout 110 $R W3 --plan bench/plans/s13_w3_front_assist4low.json --json "$OUT/w3_front_assist4low_$T.json" \
       > $L/w3_assist.log 2>&1
     timeout 80 $R W3 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3_front.log 2>&1
-    for f in w3_assist w3_front; do echo "===== $f"; cat $L/$f.log; done > "$OUT/resident13w3_$T.log"
-    for f in w3_assist w3_front; do echo "== $f"; grep -E "^step [0-9]|Error|\| tail|peak_res|measured/pred" $L/$f.log | head -13; done ;;
+    report $L "$OUT/resident13w3_$T.log" "$SUMMARY" w3_assist w3_front ;;
   two-gpu-speed)
     R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
     timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4

@@ -43,7 +43,7 @@ def with_given_plan(result: PlanResult, plan: Plan) -> PlanResult:
             f"({(mine / best - 1) * 100:+.1f} %): {result.best.describe()}")
     parts = (("assisted layers", plan.assisted), ("deferred layers", plan.deferred))
     only = [what for what, on in parts if on]
-    # the search's plan's note on its plan-only parts is not this plan's
-    notes = [n for n in result.notes if not n.startswith(PLAN_ONLY_NOTE.split("{")[0])]
+    searched = PLAN_ONLY_NOTE.format(what="assisted layers")  # said of the search's plan, not this one
+    notes = [n for n in result.notes if n != searched]
     notes += [PLAN_ONLY_NOTE.format(what=" and ".join(only))] if only else []
     return dataclasses.replace(result, best=cand, pareto=[cand], notes=[*notes, note])
