@@ -33,6 +33,8 @@
 #   bash bench/gpu_calls.sh pages13 [tag]   # huge-page host buffers on/off: AdamW alone, W1, W3 (#16)
 #   bash bench/gpu_calls.sh resident13 [tag] # W1 lowest blocks assisted / first pack resident, W3 front assisted (#16)
 #   bash bench/gpu_calls.sh resident13w3 [tag] # W3 front split with its single blocks assisted (#16)
+#   bash bench/gpu_calls.sh resident14 [tag]   # resident13's W1 plans in a balanced order A B C A C B A (#16)
+#   bash bench/gpu_calls.sh resident14w3 [tag] # W3 front split: assisted / plain / resident / plain / assisted
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -429,6 +431,32 @@ case "${1:-}" in
       > $L/w3_assist.log 2>&1
     timeout 80 $R W3 --plan bench/plans/s12_w3_front_turn.json --json "$OUT/w3_front_$T.json" > $L/w3_front.log 2>&1
     report $L "$OUT/resident13w3_$T.log" "$SUMMARY" w3_assist w3_front ;;
+  resident14)
+    # resident13's three W1 plans in the order A B C A C B A (A: the engine's own, B: the lowest
+    # four blocks assisted after their backward, C: the first pack resident), so a drift of the
+    # host's CPU share within the call falls on each plan alike. 7 JSON, 1 log (~380 s)
+    T=${2:-s14}; L=/tmp/resident14; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 6"
+    A="--auto"; B="--plan bench/plans/s13_w1_turn_assist4low.json"; C="--plan bench/plans/s13_w1_turn_res1.json"
+    n=0
+    for k in A B C A C B A; do
+      n=$((n+1)); name=w1_${n}${k}
+      timeout 80 $R W1 ${!k} --json "$OUT/${name}_$T.json" > $L/$name.log 2>&1
+    done
+    report $L "$OUT/resident14_$T.log" "$SUMMARY" w1_1A w1_2B w1_3C w1_4A w1_5C w1_6B w1_7A ;;
+  resident14w3)
+    # W3's front split (P) against it with its four single blocks assisted (S) and with its first
+    # pack resident (C), in the order S P C P S. 5 JSON, 1 log (~420 s)
+    T=${2:-s14}; L=/tmp/resident14w3; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --steps 4"
+    P="--plan bench/plans/s12_w3_front_turn.json"; S="--plan bench/plans/s13_w3_front_assist4low.json"
+    C="--plan bench/plans/s13_w3_front_res1.json"
+    n=0
+    for k in S P C P S; do
+      n=$((n+1)); name=w3_${n}${k}; lim=85; [ $n = 1 ] && lim=125
+      timeout $lim $R W3 ${!k} --json "$OUT/${name}_$T.json" > $L/$name.log 2>&1
+    done
+    report $L "$OUT/resident14w3_$T.log" "$SUMMARY" w3_1S w3_2P w3_3C w3_4P w3_5S ;;
   two-gpu-speed)
     R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
     timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4
