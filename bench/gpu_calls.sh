@@ -35,6 +35,7 @@
 #   bash bench/gpu_calls.sh resident13w3 [tag] # W3 front split with its single blocks assisted (#16)
 #   bash bench/gpu_calls.sh resident14 [tag]   # resident13's W1 plans in a balanced order A B C A C B A (#16)
 #   bash bench/gpu_calls.sh resident14w3 [tag] # W3 front split: assisted / plain / resident / plain / assisted
+#   bash bench/gpu_calls.sh lane14 [tag]       # the host-lane planner's W1/W3 plans vs the resident-first-pack ones
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -457,6 +458,31 @@ case "${1:-}" in
       timeout $lim $R W3 ${!k} --json "$OUT/${name}_$T.json" > $L/$name.log 2>&1
     done
     report $L "$OUT/resident14w3_$T.log" "$SUMMARY" w3_1S w3_2P w3_3C w3_4P w3_5S ;;
+  resident14b)
+    # the resident first pack (C) against the engine's plan (A) again, W1 C A C A C, then W3's
+    # resident first pack (C) against the front split (P), C P C. 8 JSON, 1 log (~480 s)
+    T=${2:-s14b}; L=/tmp/resident14b; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2"
+    A="--auto"; C="--plan bench/plans/s13_w1_turn_res1.json"
+    n=0
+    for k in C A C A C; do
+      n=$((n+1)); timeout 80 $R W1 --steps 6 ${!k} --json "$OUT/w1_${n}${k}_$T.json" > $L/w1_${n}${k}.log 2>&1
+    done
+    P="--plan bench/plans/s12_w3_front_turn.json"; C="--plan bench/plans/s13_w3_front_res1.json"
+    for k in C P C; do
+      n=$((n+1)); timeout 110 $R W3 --steps 4 ${!k} --json "$OUT/w3_${n}${k}_$T.json" > $L/w3_${n}${k}.log 2>&1
+    done
+    report $L "$OUT/resident14b_$T.log" "$SUMMARY" w1_1C w1_2A w1_3C w1_4A w1_5C w3_6C w3_7P w3_8C ;;
+  lane14)
+    # the planner with the host-lane queue (planner/host_lane.py): its own W1 and W3 plans against
+    # the resident-first-pack plans measured in resident14 / resident14b. 4 JSON, 1 log (~300 s)
+    T=${2:-s14c}; L=/tmp/lane14; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2"
+    timeout 85 $R W1 --steps 6 --auto --json "$OUT/w1_auto_$T.json" > $L/w1_auto.log 2>&1
+    timeout 60 $R W1 --steps 6 --plan bench/plans/s13_w1_turn_res1.json --json "$OUT/w1_res1_$T.json" > $L/w1_res1.log 2>&1
+    timeout 120 $R W3 --steps 4 --auto --json "$OUT/w3_auto_$T.json" > $L/w3_auto.log 2>&1
+    timeout 80 $R W3 --steps 4 --plan bench/plans/s13_w3_front_res1.json --json "$OUT/w3_res1_$T.json" > $L/w3_res1.log 2>&1
+    report $L "$OUT/lane14_$T.log" "^plan|$SUMMARY" w1_auto w1_res1 w3_auto w3_res1 ;;
   two-gpu-speed)
     R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
     timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4
