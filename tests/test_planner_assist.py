@@ -21,7 +21,7 @@ from tinypipe.perf.workloads import WORKLOADS
 from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES, assistable, choose_assisted
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.clipped import RaceUpload, race_choosing, race_forward_end
-from tinypipe.planner.cost import clipped_race, predict_step_time
+from tinypipe.planner.cost import BACKWARD_ADAMW_EFFICIENCY, DOWNLOAD_BYTES, clipped_race, predict_step_time
 from tinypipe.planner.estimate import device_static_bytes
 from tinypipe.planner.hardware import load_hardware
 from tinypipe.planner.search import plan_for
@@ -327,10 +327,9 @@ def test_search_assists_clipped_updates(searched: dict, name: str) -> None:
 
 @pytest.mark.parametrize("name", ["W1", "W3"])
 def test_search_assists_nothing_unclipped_where_the_host_keeps_up(searched: dict, name: str) -> None:
-    """Unclipped on the H200 preset (16 cores, 4.1 G params/s) the chosen plan's backward is
-    compute-bound and the host AdamW keeps up: assisting would save under 1 % (W1: its tail block,
-    3 ms), so nothing is. A leaner alternative the search lists may be host-bound: if it assists,
-    it is faster for it by at least that 1 %."""
+    """Unclipped on the H200 preset (16 cores, 4.1 G params/s) assisting would save under the 5 %
+    that measured gains ask for (UNCLIPPED_ASSIST_MIN_GAIN), so nothing is. A leaner alternative
+    the search lists may be host-bound: if it assists, it is faster for it by at least that 5 %."""
     w, sizes = _w(name)
     res = searched[name]["unclipped"]
     assert res.best.plan.assisted == ()
@@ -338,7 +337,7 @@ def test_search_assists_nothing_unclipped_where_the_host_keeps_up(searched: dict
     for c in (c for c in res.pareto if c.plan.assisted):
         bare = evaluate(sizes, res.hardware, dataclasses.replace(c.plan, assisted=()), seq=w.seq,
                         global_batch=w.batch)
-        assert c.time.step_s <= 0.99 * bare.time.step_s
+        assert c.time.step_s <= 0.95 * bare.time.step_s
 
 
 def test_plan_command_no_assist(capsys: pytest.CaptureFixture[str], tmp_path) -> None:
@@ -368,6 +367,7 @@ def test_unclipped_assisted_layers_move_their_bytes_by_hand() -> None:
     """Without clipping an assisted block makes its state's round trip beside the backward: the
     upload lane gains 12 B and the download lane 8 B (12 instead of the 4 B gradient) per trainable
     element, the host optimizer loses its elements; a tail block (pack 0) trades its host AdamW
+    (its last gradient chunk's download, then its update on the host lane, which keeps up here)
     for a round trip after the last backward."""
     w, sizes, plan, hw = _streamed_w1()
     kw = dict(batch=w.batch, seq=w.seq, clipping=False)
@@ -378,11 +378,14 @@ def test_unclipped_assisted_layers_move_their_bytes_by_hand() -> None:
     assert mid.upload_s == pytest.approx(base.upload_s + 12 * t / (hw.h2d_gbs * 1e9), rel=1e-12)
     assert mid.download_s == pytest.approx(base.download_s + 8 * t / (hw.d2h_gbs * 1e9), rel=1e-12)
     assert mid.optimizer_s == pytest.approx(base.optimizer_s - t / (hw.cpu_adamw_gparams_s * 1e9), rel=1e-12)
-    assert mid.tail_s == base.tail_s
+    assert mid.tail_s == pytest.approx(base.tail_s, rel=1e-12)
     t1 = sizes.layer_train_numels[1]  # pack 0: its update trails the backward
     tail = predict_step_time(sizes, dataclasses.replace(plan, assisted=(1,)), hw, **kw)
     trip = t1 * 12 / (min(hw.h2d_gbs, hw.d2h_gbs) * 1e9)
-    assert tail.tail_s == pytest.approx(base.tail_s - t1 / (hw.cpu_adamw_gparams_s * 1e9) + trip, rel=1e-9)
+    last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / (hw.d2h_gbs * 1e9)
+    lane_rate = hw.cpu_adamw_gparams_s * 1e9 * BACKWARD_ADAMW_EFFICIENCY
+    assert base.backward_limit == "compute"  # the lane keeps up: only pack 0's update trails
+    assert tail.tail_s == pytest.approx(base.tail_s - last_chunk - t1 / lane_rate + trip, rel=1e-9)
     assert tail.upload_s == base.upload_s
 
 

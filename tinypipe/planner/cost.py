@@ -17,13 +17,15 @@ at the start and an exposed tail at the end::
 * **backward** = max over devices of max(recompute + backward compute + overhead (a pack that
   keeps its activations, ``Plan.keep_activations``, has no recompute; its backward runs one forward
   micro-batch's graph at a time, at the forward micro-batch's rate),
-  backward uploads / h2d, gradient downloads (4 B/param) / d2h, (uploads + downloads) / bidir),
-  and the CPU optimizer's work that can overlap it (every layer but pack 0 and the embedding),
-  which, after a micro-batch-wise turn (``Plan.turn_packs``), starts only once the turn's
-  backward is through (its layers download at its end); the turn's packs, like a kept last pack,
-  upload nothing for their backward.
-* **tail** -- what cannot overlap: pack 0's and the embedding's AdamW steps after the last
-  backward (plus one gradient chunk's download). With ``device_optimizer`` the embedding / head
+  backward uploads / h2d, gradient downloads (4 B/param) / d2h, (uploads + downloads) / bidir);
+  the turn's packs, like a kept last pack, upload nothing for their backward.
+* **tail** -- what the host AdamW lane has left when the backward ends
+  (:mod:`tinypipe.planner.host_lane`): a queue that steps each host-held layer once its pack's
+  backward is done and its last gradient chunk is down (after a micro-batch-wise turn,
+  ``Plan.turn_packs``, once the whole turn is through), at :data:`BACKWARD_ADAMW_EFFICIENCY` of
+  the AdamW rate measured alone. A lane that keeps up leaves the lowest host-stepped pack's and
+  the embedding's updates; one that lags leaves its backlog too. Resident packs' backward runs
+  after the last host pack's, and hides its update. With ``device_optimizer`` the embedding / head
   are stepped on their device instead (no upload, download or host AdamW for them).
 
 * **clipped step** (``StepTime.clipped_step_s``): when global-norm clipping triggers, every
@@ -74,7 +76,7 @@ run (two H200s, pack 2 / mb 4: 1.94 s); beyond two devices it is an extrapolatio
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from functools import lru_cache
 from typing import Callable, Sequence
 
@@ -90,6 +92,7 @@ from tinypipe.planner.assist import (
 from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_forward_end
 from tinypipe.planner.dram import clipped_forward_dram
 from tinypipe.planner.hardware import HardwareSpec
+from tinypipe.planner.host_lane import Arrival, lane_end_s, pack_arrivals
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 
@@ -134,6 +137,14 @@ DEVICE_ADAMW_S_PER_PARAM = 1.5e-11
 #: plan is predicted at 4.428 s against 4.094 measured (+8 %, s7_w3_clip_after.json; the old
 #: 0.552, fitted on chunked calls in session 3, predicted 5.313).
 CLIPPED_ADAMW_EFFICIENCY = 0.838
+#: Host AdamW rate beside an unclipped backward relative to the rate measured alone
+#: (``HardwareSpec.cpu_adamw_gparams_s``): the lane shares the cores with the threads that launch
+#: and wait for the devices' work, and it runs slower with fewer threads (bench/RESULTS.md,
+#: session 13). It sets how far the lane lags behind the backward (:mod:`tinypipe.planner.host_lane`).
+#: Fitted in session 14 on W1's engine plan (5 runs, median last-step tail 0.101 s; 0.097 s
+#: predicted). Out of sample, W3's front split: 0.151 s predicted against 0.144 measured (3 runs),
+#: and its resident-first-pack variant 0.066 against 0.050 (2 runs). bench/RESULTS.md, session 14.
+BACKWARD_ADAMW_EFFICIENCY = 0.8
 #: Bytes per parameter moved each way (fp32 master weights up, fp32 gradients down).
 UPLOAD_BYTES = 4
 DOWNLOAD_BYTES = 4
@@ -228,6 +239,7 @@ class _Rates:
     d2h: float
     bidir: float
     adamw: float
+    backward_adamw: float  # the host lane beside an unclipped backward (BACKWARD_ADAMW_EFFICIENCY)
 
 
 def _rates(hw: HardwareSpec, precision: str, seq: int, tf: int, tb: int) -> _Rates:
@@ -246,7 +258,8 @@ def _rates(hw: HardwareSpec, precision: str, seq: int, tf: int, tb: int) -> _Rat
         rhead = prof.rate("head", seq, tf) / PROFILE_IN_PIPELINE or rhead
     return _Rates(forward=rf, recompute=rrc, backward=rbw, kept_backward=rkb, head=rhead,
                   h2d=hw.h2d_gbs * 1e9, d2h=hw.d2h_gbs * 1e9, bidir=hw.bidir_gbs * 1e9,
-                  adamw=hw.cpu_adamw_gparams_s * 1e9)
+                  adamw=hw.cpu_adamw_gparams_s * 1e9,
+                  backward_adamw=hw.cpu_adamw_gparams_s * 1e9 * BACKWARD_ADAMW_EFFICIENCY)
 
 
 class _Packs:
@@ -291,6 +304,8 @@ class _Lanes:
     # backward compute seconds of the micro-batch-wise turn (Plan.turn_packs): no host AdamW of
     # the step starts before it ends, since the turn's layers download only once it is through
     turn_b: float = 0.0
+    # each pack's backward seconds on its device, by pack: when its gradients reach the host lane
+    b_pack: list[float] = field(default_factory=list)
 
 
 def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
@@ -317,6 +332,7 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
         b_s = pass_s + PACK_OVERHEAD_S + dequant[q][1] + (
             packs.exposed(q, rates.h2d) if q not in carried and not res else 0.0)
         lanes.b_comp[db] += b_s
+        lanes.b_pack.append(b_s)
         if q in turn:
             lanes.turn_b += b_s
         if res:
@@ -567,8 +583,7 @@ def _assist_bytes(packs: _Packs, lanes: _Lanes, assisted: tuple[int, ...]) -> tu
             fill += t * extra_up
         else:
             f_up[d] += t * extra_up
-    out = _Lanes(lanes.f_comp, lanes.b_comp, f_up, lanes.b_up, lanes.down, f_down, lanes.turn_b)
-    return out, fill
+    return dataclasses.replace(lanes, f_up=f_up, f_down=f_down), fill
 
 
 def _forward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, float]:
@@ -578,28 +593,42 @@ def _forward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, f
             "link (both directions)": max(u + d for u, d in zip(lanes.f_up, lanes.f_down)) / rates.bidir}
 
 
-def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates, overlappable: int) -> dict[str, float]:
-    """The backward pass's limits, the host AdamW that overlaps it (``overlappable`` elements) included."""
+def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, float]:
+    """The backward pass's limits on the devices and links (the host AdamW lane beside it is
+    :func:`_host_lane_end`)."""
     return {
         "compute": max(lanes.b_comp) * slowdown,
         "upload": max(lanes.b_up) / rates.h2d,
         "download": max(lanes.down) / rates.d2h,
         "link (both directions)": max(u + d for u, d in zip(lanes.b_up, lanes.down)) / rates.bidir,
-        # (at the rate measured alone: beside the backward the median block update ran at 3.32 G
-        # params/s of 4.1 for W1, 2.99 with a turn, 2.62 for W3 -- ``bench/adamw_in_pipeline.py`` on
-        # s7_w1_final, s11_w1_turn_traced_s11, s9_w3_traced_s9 -- but that rate made the unclipped
-        # assist chooser pick layers that measured no gain: s11_w1_turn_assist9_s11b.json,
-        # s11_w3_turn_assist{4,10}_s11d.json)
-        "cpu optimizer": lanes.turn_b + overlappable / rates.adamw,
     }
+
+
+def _host_lane(packs: _Packs, lanes: _Lanes, dev: _OnDevice, backward_s: float,
+               off_host: frozenset[int], last_chunk_s: float) -> list[Arrival]:
+    """The host AdamW lane's work in the backward, as it arrives (:mod:`tinypipe.planner.host_lane`).
+    Not on the lane: the resident packs, the device-stepped embedding / head, and ``off_host``
+    (deferred and assisted layers). The head's gradient is down before the backward starts, the
+    embedding's after it."""
+    plan, trains = packs.plan, packs.sizes.layer_train_numels
+    R = plan.resident_packs
+    host = [0 if q < R else sum(trains[1 + b] for b in p if 1 + b not in off_host)
+            for q, p in enumerate(plan.packs)]
+    arrivals = pack_arrivals(lanes.b_pack, host, plan.turn(), backward_s, last_chunk_s)
+    if not dev.head and plan.num_blocks + 1 not in off_host:
+        arrivals.append(Arrival(0.0, trains[-1]))
+    if not dev.embed and 0 not in off_host:
+        arrivals.append(Arrival(backward_s + last_chunk_s, trains[0]))
+    return arrivals
 
 
 #: Bytes per parameter an assisted layer moves right after its backward (no clipping: the download
 #: task steps it, runtime/optim/assist.py): master and moments up, and down instead of the fp32 gradient.
 #: Least share of the step an unclipped step's assisted layers must save for the planner to choose
-#: them: W1 on h200-pcie5 would assist its one tail block for 3 ms of 1.75 s (0.2 %), which the
-#: round trip's chunk latency (not modelled) can eat.
-UNCLIPPED_ASSIST_MIN_GAIN = 0.01
+#: them. 5 %: on the H200 box the model priced W1's four lowest blocks assisted 4 % faster and W3's
+#: 3 % faster; they measured no gain (+0.011 s) and 0.6 % (bench/results/s14_w1_*B, s14_w3_*S).
+#: Session 11's turn-layer assists measured slower (H2D shared with the next packs' uploads).
+UNCLIPPED_ASSIST_MIN_GAIN = 0.05
 #: Host seconds per assisted chunk (``ASSIST_CHUNK_NUMEL`` elements) an unclipped step adds to its
 #: backward: about eight launches on the d2h lane's thread, which holds the GIL the compute lanes'
 #: launches need. Not measured (no GPU in the session that wrote it): an estimate at ~4 us a
@@ -631,27 +660,22 @@ class _BackwardAssist:
         where = _layer_devices(plan, plan.bwd_device)
         return _BackwardAssist(where, {layer: trains[layer] for layer in where}, _tail_layers(plan))
 
-    def apply(self, lanes: _Lanes, b_terms_of: Callable[[_Lanes, int], dict[str, float]],
-              layers: tuple[int, ...], overlappable: int, tail_host: int,
-              rates: _Rates) -> tuple[dict[str, float], float, _Lanes]:
-        """The backward's terms and the tail's seconds (host AdamW and the tail layers' round trips
-        side by side) with ``layers`` assisted, and the lanes with their bytes."""
+    def apply(self, lanes: _Lanes, layers: tuple[int, ...], rates: _Rates) -> tuple[_Lanes, float, float]:
+        """The lanes with ``layers``' round trips on the links, the tail layers' round trips
+        (they trail the last backward, as their host steps would) in seconds, and the host
+        seconds their chunks' launches add to the backward."""
         b_up, down = list(lanes.b_up), list(lanes.down)
-        over, tail_host_left, tail_link = overlappable, tail_host, 0.0
+        tail_link = 0.0
         for layer in layers:
             d, t = self.device[layer], self.train[layer]
-            if layer in self.tail:  # its round trip trails the last backward, as its host step would
-                tail_host_left -= t
+            if layer in self.tail:
                 trip = max(BACKWARD_ASSIST_UP_BYTES / rates.h2d, BACKWARD_ASSIST_DOWN_BYTES / rates.d2h)
                 tail_link += t * trip
                 continue
-            over -= t
             b_up[d] += t * BACKWARD_ASSIST_UP_BYTES
             down[d] += t * (BACKWARD_ASSIST_DOWN_BYTES - DOWNLOAD_BYTES)
-        out = _Lanes(lanes.f_comp, lanes.b_comp, lanes.f_up, b_up, down, lanes.f_down, lanes.turn_b)
         chunks = sum(-(-self.train[layer] // ASSIST_CHUNK_NUMEL) for layer in layers)
-        terms = {k: v + chunks * ASSIST_CHUNK_HOST_S for k, v in b_terms_of(out, over).items()}
-        return terms, max(tail_host_left / rates.adamw, tail_link), out
+        return dataclasses.replace(lanes, b_up=b_up, down=down), tail_link, chunks * ASSIST_CHUNK_HOST_S
 
 
 def _choose_backward_assist(bwd: _BackwardAssist, allowed: frozenset[int], base: float,
@@ -724,56 +748,57 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     forward = max(f_terms.values())
     head = (4.0 if lora else 6.0) * sizes.head_matmul_params * tokens / rates.head
 
-    # the host AdamW steps of the lowest host-stepped pack (and a host embedding) trail the backward
-    pack0 = packs.train[R] if R < P else 0
-    host_embed = 0 if dev.embed else trains[0]
-    overlappable = (sizes.train_total - pack0 - trains[0] - (trains[-1] if dev.head else 0)
-                    - dev.resident_train)
-    # deferred layers (Plan.deferred) are stepped in the next forward instead: out of the backward's
-    # host AdamW (and of the tail, for pack 0's and the embedding's), racing that forward below
-    tail_layers = _tail_layers(plan)
-    overlappable -= sum(trains[layer] for layer in plan.deferred if layer not in tail_layers)
-    pack0 -= sum(trains[layer] for layer in plan.deferred if layer in tail_layers and layer > 0)
-    host_embed -= trains[0] if 0 in plan.deferred else 0
-    b_terms = _backward_terms(lanes, slowdown, rates, overlappable)
-    backward = max(b_terms.values())
     last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / rates.d2h
-    tail = (pack0 + host_embed) / rates.adamw + last_chunk + dev.train * DEVICE_ADAMW_S_PER_PARAM
-    unclipped_assist: tuple[int, ...] = ()
-    if not clipping and (plan.assisted or assist) and R < P:  # assisted right after their backward
-        bwd = _BackwardAssist.of(packs, dev)
-
-        def with_assisted(layers: tuple[int, ...]) -> tuple[float, dict[str, float], float, _Lanes]:
-            def terms_of(ln: _Lanes, over: int) -> dict[str, float]:
-                return _backward_terms(ln, slowdown, rates, over)
-
-            terms, tail_s, a_lanes = bwd.apply(lanes, terms_of, layers, overlappable, pack0 + host_embed,
-                                               rates)
-            return max(terms.values()) + tail_s, terms, tail_s, a_lanes
-
-        layers = plan.assisted
-        if assist:
-            base = backward + (pack0 + host_embed) / rates.adamw
-            layers = _choose_backward_assist(bwd, assistable(plan), base, lambda x: with_assisted(x)[0])
-            if base - with_assisted(layers)[0] < UNCLIPPED_ASSIST_MIN_GAIN * (fill + forward + head + base):
-                layers = ()  # not worth the scratch, the traffic and the chunk latency the model leaves out
-        if layers:
-            _, b_terms, tail_s, lanes = with_assisted(layers)  # the step's traffic includes their trips
-            backward = max(b_terms.values())
-            tail = tail_s + last_chunk + dev.train * DEVICE_ADAMW_S_PER_PARAM
-            unclipped_assist = tuple(sorted(layers))
-
-    no_opt = max(v for k, v in b_terms.items() if k != "cpu optimizer")
+    b_terms = _backward_terms(lanes, slowdown, rates)
+    no_opt = max(b_terms.values())
     ssd = _SsdLanes(ssd_traffic(sizes, plan, precision), hw)
     if ssd.on:  # state on the SSD: read/write lanes beside every phase (see _SsdLanes)
         fill += ssd.t.fill_read / ssd.read
         # one disk: its reads and the previous step's tail writes, still landing, share it
         f_terms["ssd"] = ssd.t.forward_read / ssd.read + ssd.t.carry_write / ssd.write
         forward = max(f_terms.values())
-        b_terms["ssd"] = ssd.t.backward_read / ssd.read + ssd.t.backward_write / ssd.write
-        backward = max(b_terms.values())
-        tail = (max((pack0 + host_embed) / rates.adamw, ssd.t.tail_write / ssd.write) + last_chunk
-                + dev.train * DEVICE_ADAMW_S_PER_PARAM)
+    # deferred layers (Plan.deferred) are stepped in the next forward instead: off the backward's
+    # host lane, racing that forward below
+    deferred = frozenset(plan.deferred)
+    bwd: _BackwardAssist | None = None
+
+    def backward_and_tail(layers: tuple[int, ...]) -> tuple[dict[str, float], float, float, _Lanes]:
+        """With ``layers`` assisted right after their backward: the backward's terms, its seconds,
+        the tail after it (the host lane's leftover, the tail layers' round trips, the SSD's tail
+        writes) and the lanes with the round trips' bytes."""
+        a_lanes, tail_link, launch_s = (lanes, 0.0, 0.0)
+        if bwd is not None and layers:
+            a_lanes, tail_link, launch_s = bwd.apply(lanes, layers, rates)
+        terms = _backward_terms(a_lanes, slowdown, rates)
+        if ssd.on:
+            terms["ssd"] = ssd.t.backward_read / ssd.read + ssd.t.backward_write / ssd.write
+        b = max(terms.values()) + launch_s
+        work = _host_lane(packs, a_lanes, dev, b, deferred | frozenset(layers), last_chunk)
+        # the lane as the backward's limit: when it is done with what arrived during the backward
+        terms["cpu optimizer"] = lane_end_s([a for a in work if a.at_s < b], rates.backward_adamw)
+        tail = max(lane_end_s(work, rates.backward_adamw) - b, tail_link,
+                   ssd.t.tail_write / ssd.write + last_chunk if ssd.on else 0.0)
+        return terms, b, tail, a_lanes
+
+    b_terms, backward, tail, _ = backward_and_tail(())
+    unclipped_assist: tuple[int, ...] = ()
+    if not clipping and (plan.assisted or assist) and R < P:  # assisted right after their backward
+        bwd = _BackwardAssist.of(packs, dev)
+
+        def cost(layers: tuple[int, ...]) -> float:
+            _, b, t, _ = backward_and_tail(layers)
+            return b + t
+
+        layers = plan.assisted
+        if assist:
+            base = backward + tail
+            layers = _choose_backward_assist(bwd, assistable(plan), base, cost)
+            if base - cost(layers) < UNCLIPPED_ASSIST_MIN_GAIN * (fill + forward + head + base):
+                layers = ()  # not worth the scratch, the traffic and the chunk latency the model leaves out
+        if layers:  # the step's traffic includes their trips
+            b_terms, backward, tail, lanes = backward_and_tail(layers)
+            unclipped_assist = tuple(sorted(layers))
+    tail += dev.train * DEVICE_ADAMW_S_PER_PARAM
     if plan.deferred:  # the deferred updates run ahead of the next forward's uploads of their layers
         forward = max(forward, _deferred_forward_end(w, dev, plan.deferred) - fill)
     step = fill + forward + head + backward + tail

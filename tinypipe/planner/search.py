@@ -519,6 +519,11 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                              saved_per_byte, streamed=not sizes.quantize)
             cands += turned
             fits += turned_fits
+            if resident_packs is None:  # a turn plan's first packs resident: the host lane's last work
+                turn_seeds = _pareto(turned_fits, clipping)[:TURN_SEEDS]
+                more, more_fits = _with_resident_packs(turn_seeds, ev, settle, gpu_mem)
+                cands += more
+                fits += more_fits
     elif keep_activations:
         more, fits = _keep_all(fits, ev, settle, gpu_mem, streamed=not sizes.quantize)
         cands += more

@@ -1,0 +1,60 @@
+"""When the host AdamW lane is through a step's backward: a queue of layer updates.
+
+An unclipped step steps each host-held layer as soon as its gradient is down. The lane is one
+queue: a layer's update starts once its pack's backward is done on the device and its last
+gradient chunk has landed, and once the lane has finished the layers before it. After a
+micro-batch-wise turn (``Plan.turn_packs``) the turn's layers download only once the whole turn
+is through, so they all arrive then.
+
+What the lane has left when the device's backward ends is the step's exposed tail. Measured on the
+H200 box (session 14), it was the lane's backlog and not pack 0's update alone. W1's plan with every
+block streamed had a 0.08-0.21 s tail. With its first pack resident on the GPU, the lane's last
+work arrives one pack earlier and the tail was 0.05 s. That plan ran 3 % faster.
+
+The arrival times follow the device's backward. Each pack's backward seconds are laid end to end
+in backward order and scaled to the phase's length, so a link-bound backward stretches them alike.
+On N devices the packs' seconds are summed over the devices, which is the order the host sees.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+
+@dataclass(frozen=True)
+class Arrival:
+    """One piece of the lane's work: ``numel`` elements whose gradients are all down ``at_s``
+    seconds after the backward's start."""
+
+    at_s: float
+    numel: int
+
+
+def lane_end_s(arrivals: Sequence[Arrival], rate: float) -> float:
+    """Seconds after the backward's start at which the lane, at ``rate`` elements/s, has stepped
+    every arrival in arrival order (0 with nothing to step)."""
+    end = 0.0
+    for a in sorted(arrivals, key=lambda a: a.at_s):
+        if a.numel > 0:
+            end = max(end, a.at_s) + a.numel / rate
+    return end
+
+
+def pack_arrivals(pack_backward_s: Sequence[float], host_numel: Sequence[int], turn: range,
+                  backward_s: float, last_chunk_s: float) -> list[Arrival]:
+    """Per pack, when its host-stepped elements (``host_numel[q]``; 0 for a resident pack or one
+    stepped elsewhere) can start. Packs finish in backward order (the last pack first) at the
+    cumulative share of ``pack_backward_s`` scaled to ``backward_s``. The turn's packs all arrive
+    when the turn is through. Each waits ``last_chunk_s`` more for its last gradient chunk's
+    download."""
+    total = sum(pack_backward_s)
+    scale = backward_s / total if total > 0 else 0.0
+    turn_end = sum(pack_backward_s[q] for q in turn) * scale
+    out: list[Arrival] = []
+    done = 0.0
+    for q in reversed(range(len(pack_backward_s))):
+        done += pack_backward_s[q]
+        at = turn_end if q in turn else done * scale
+        out.append(Arrival(at + last_chunk_s, host_numel[q]))
+    return out
