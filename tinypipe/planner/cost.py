@@ -301,10 +301,8 @@ class _Lanes:
     b_up: list[float]
     down: list[float]
     f_down: list[float]  # host-stashed pack inputs written down in the forward
-    # backward compute seconds of the micro-batch-wise turn (Plan.turn_packs): no host AdamW of
-    # the step starts before it ends, since the turn's layers download only once it is through
-    turn_b: float = 0.0
     # each pack's backward seconds on its device, by pack: when its gradients reach the host lane
+    # (after a micro-batch-wise turn, Plan.turn_packs, all the turn's at its end: host_lane.py)
     b_pack: list[float] = field(default_factory=list)
 
 
@@ -333,8 +331,6 @@ def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
             packs.exposed(q, rates.h2d) if q not in carried and not res else 0.0)
         lanes.b_comp[db] += b_s
         lanes.b_pack.append(b_s)
-        if q in turn:
-            lanes.turn_b += b_s
         if res:
             continue
         lanes.f_up[df] += packs.up[q]
@@ -595,7 +591,7 @@ def _forward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, f
 
 def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, float]:
     """The backward pass's limits on the devices and links (the host AdamW lane beside it is
-    :func:`_host_lane_end`)."""
+    :func:`_host_lane`)."""
     return {
         "compute": max(lanes.b_comp) * slowdown,
         "upload": max(lanes.b_up) / rates.h2d,
