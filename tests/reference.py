@@ -33,37 +33,67 @@ def hf_param_groups(model: torch.nn.Module, weight_decay: float, decay_all: bool
             {"params": [p for n, p in params if n not in decay], "weight_decay": 0.0}]
 
 
-def train_reference(model: torch.nn.Module, batches: list[dict], *, lr: float, eps: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None,
-                    decay_all: bool = False, device: str = "cpu") -> RefRun:
-    """Whole model on one ``device`` (the returned model on the CPU), torch.optim.AdamW over the
-    trainable parameters (all of them for full fine-tuning, the adapters under LoRA) in HF Trainer's
-    two groups (biases and norm weights not decayed; ``decay_all``: one group), loss from the HF
-    model."""
-    model = copy.deepcopy(model).to(device)
-    _move_int8_statistics(model, device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(hf_param_groups(model, weight_decay, decay_all), lr=lr, eps=eps, betas=betas)
-    losses, norms = [], []
-    for b in batches:
-        b = {k: v.to(device) for k, v in b.items()}
+class ReferenceTrainer:
+    """Plain PyTorch training one step at a time: a deep copy of the model on one ``device``,
+    torch.optim.AdamW over the trainable parameters (all of them for full fine-tuning, the adapters
+    under LoRA) in HF Trainer's two groups (biases and norm weights not decayed; ``decay_all``: one
+    group), loss from the HF model. ``micro_batch_size``: accumulate each step's gradient over
+    micro-batches of that many sequences (each loss summed over its tokens / the global batch's
+    count, as HF Trainer does), so every layer sees the shapes the engine's micro-batches have."""
+
+    def __init__(self, model: torch.nn.Module, *, lr: float, eps: float, weight_decay: float,
+                 betas: tuple[float, float] = (0.9, 0.999), max_grad_norm: float | None = None,
+                 decay_all: bool = False, device: str = "cpu", micro_batch_size: int | None = None) -> None:
+        self.model = copy.deepcopy(model).to(device)
+        _move_int8_statistics(self.model, device)
+        self.device, self.max_grad_norm, self.micro_batch_size = device, max_grad_norm, micro_batch_size
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.opt = torch.optim.AdamW(hf_param_groups(self.model, weight_decay, decay_all), lr=lr, eps=eps,
+                                     betas=betas)
+
+    def step(self, batch: dict) -> tuple[float, float]:
+        """One optimizer step on ``batch``: (loss, gradient norm before clipping)."""
+        b = {k: v.to(self.device) for k, v in batch.items()}
         labels = b.get("labels")
         if labels is None:
             labels = b["input_ids"].clone()
             if "attention_mask" in b:
                 labels[b["attention_mask"] == 0] = -100
+        loss = _forward_backward(self.model, b, labels, self.micro_batch_size)
+        if self.max_grad_norm is not None:
+            norm = float(torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm))
+        else:
+            norm = float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in self.params])))
+        self.opt.step()
+        self.opt.zero_grad()
+        return loss, norm
+
+
+def train_reference(model: torch.nn.Module, batches: list[dict], **kwargs) -> RefRun:
+    """``batches`` through a ``ReferenceTrainer(model, **kwargs)``; the trained model on the CPU."""
+    trainer = ReferenceTrainer(model, **kwargs)
+    steps = [trainer.step(b) for b in batches]
+    return RefRun(trainer.model.cpu(), [loss for loss, _ in steps], [norm for _, norm in steps])
+
+
+def _forward_backward(model: torch.nn.Module, b: dict, labels: torch.Tensor, micro_batch_size: int | None) -> float:
+    """The step's loss, its gradient accumulated on the parameters (whole batch, or in micro-batches)."""
+    if micro_batch_size is None:
         # packed documents: transformers builds per-document masks only without a KV cache
         extra = {"position_ids": b["position_ids"], "use_cache": False} if "position_ids" in b else {}
         out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=labels, **extra)
         out.loss.backward()
-        if max_grad_norm is not None:
-            norms.append(float(torch.nn.utils.clip_grad_norm_(params, max_grad_norm)))
-        else:
-            norms.append(float(torch.linalg.vector_norm(torch.stack([p.grad.norm() for p in params]))))
-        opt.step()
-        opt.zero_grad()
-        losses.append(float(out.loss.detach()))
-    return RefRun(model.cpu(), losses, norms)
+        return float(out.loss.detach())
+    tokens = int((labels[:, 1:] != -100).sum())
+    total = 0.0
+    for lo in range(0, labels.shape[0], micro_batch_size):
+        part = {k: v[lo:lo + micro_batch_size] for k, v in b.items()}
+        extra = {"position_ids": part["position_ids"], "use_cache": False} if "position_ids" in part else {}
+        out = model(input_ids=part["input_ids"], attention_mask=part.get("attention_mask"),
+                    labels=labels[lo:lo + micro_batch_size], num_items_in_batch=tokens, **extra)
+        out.loss.backward()
+        total += float(out.loss.detach())
+    return total
 
 
 def randomize_biases(model: torch.nn.Module, seed: int = 1) -> None:
