@@ -240,14 +240,14 @@ def test_h200_profile_predicts_the_recorded_runs() -> None:
         assert c.gpu_need >= m["peak_reserved"], (r["label"], c.gpu_need, m["peak_reserved"])
 
 
-@pytest.mark.parametrize("run,tolerance", [
-    ("s7_w1_clip_after.json", 0.01),  # CLIPPED_ADAMW_EFFICIENCY was fitted on it (bench/refit_clipped.py)
-    ("s7_w3_clip_after.json", 0.10),  # out of sample: another model, another plan
-])
-def test_h200_preset_predicts_clipped_steps(run: str, tolerance: float) -> None:
-    """Steps where clipping triggers (random-init W1/W3 clip every step), measured on the H200 with
-    the planner's own clipped plans (bench/results/s7_*.json): the clipped-step prediction of the
-    preset those plans were chosen with, within 1 % where fitted and 10 % out of sample."""
+CLIPPED_FIT = ["s7_w1_clip_after.json", "s7_w1_clip_final.json", "s8_w1_clip_host_s8.json",
+               "s9_w1_clip_s9.json", "s9_w1_clip_s9c.json"]
+CLIPPED_CHECK = ["s7_w3_clip_after.json", "s7_w3_clip_final.json", "s8_w3_clip_host_s8.json",
+                 "s9_w3_clip_s9.json", "s9_w3_clip_s9c.json"]
+
+
+def _clipped_error(run: str) -> float:
+    """Predicted / measured - 1 of a clipped H200 run's step, on the preset its plan was chosen with."""
     import json
     from pathlib import Path
 
@@ -259,13 +259,25 @@ def test_h200_preset_predicts_clipped_steps(run: str, tolerance: float) -> None:
     from tinypipe.planner.sizes import model_sizes
     from tinypipe.schedule.plan import Plan
 
-    root = Path(__file__).resolve().parent.parent / "bench" / "results"
-    m = json.loads((root / run).read_text())
+    m = json.loads((Path(__file__).resolve().parent.parent / "bench" / "results" / run).read_text())
     assert m["config"]["max_grad_norm"] == "1.0" and m["clipped_steps"] == m["timed_steps"]
     w = WORKLOADS[m["workload"]]
     sizes = model_sizes(transformers.LlamaConfig(**w.config))
     plan = Plan.from_json(json.dumps(m["plan"]))
     c = evaluate(sizes, load_hardware("h200-pcie5"), plan, seq=w.seq, global_batch=w.batch, max_grad_norm=1.0)
-    err = c.time.clipped_step_s / m["seconds_per_step"] - 1
-    assert abs(err) <= tolerance, (run, c.time.clipped_step_s, m["seconds_per_step"])
     assert c.time.clipped_step_s > 1.05 * c.time.step_s  # clipping is the slower path
+    return c.time.clipped_step_s / m["seconds_per_step"] - 1
+
+
+def test_h200_preset_predicts_clipped_steps() -> None:
+    """Steps where clipping triggers (random-init W1/W3 clip every step), measured on the H200 with
+    the planner's own clipped plans (sessions 7-9): CLIPPED_ADAMW_EFFICIENCY was fitted on the
+    W1 runs' median (bench/refit_clipped.py), so that median is exact to 0.5 % and each W1 run
+    within 5 % (two runs of one plan differ by 4.3 %); the W3 runs, another model and other plans,
+    were not fitted on: each within 5 %."""
+    import statistics
+
+    fit = {run: _clipped_error(run) for run in CLIPPED_FIT}
+    assert abs(statistics.median(fit.values())) <= 0.005, fit
+    check = {run: _clipped_error(run) for run in CLIPPED_CHECK}
+    assert all(abs(e) <= 0.05 for e in [*fit.values(), *check.values()]), (fit, check)

@@ -7,7 +7,8 @@ at the start and an exposed tail at the end::
 
 * **fill** -- before the first pack can compute: the resident embedding/head uploads and the
   first pack's layer uploads (fp32 master weights, 4 B/param, cast on the GPU).
-* **forward** = max over devices of max(forward compute + per-pack overhead, forward uploads / h2d,
+* **forward** = max over devices of max(forward compute (at :data:`FORWARD_RATE_FACTOR` x the
+  backward's rate per FLOP) + per-pack overhead, forward uploads / h2d,
   stash writes / d2h, both / bidir). A host-stashed pack input is written down and read back
   up in the forward and read up again in the backward.
   On N devices the compute term is scaled by N / (1 + (N-1) * :data:`MULTI_DEVICE_SCALING`):
@@ -111,6 +112,14 @@ EFFICIENCY_T0 = 684.0
 REFERENCE_TOKENS = 8192.0
 #: Head throughput relative to the blocks (measured 347 vs 400 TFLOP/s on W1).
 HEAD_EFFICIENCY = 0.87
+#: A block's forward (and its recompute) per FLOP relative to its backward, on the efficiency curve
+#: (a measured profile times each pass itself): the backward adds memory-bound work per FLOP
+#: (attention's backward, the elementwise gradients). Fitted on the forward and recompute compute
+#: of four traced W1 H200 runs (sessions 11-12, measured / predicted at one rate 0.877-0.953, median
+#: 0.889); their backward at the hardware's rate was within 1.3 %. Checked on the two traced W3
+#: runs: forward and recompute 0.834-0.857 at one rate, i.e. 4-6 % slow with the factor
+#: (``python bench/refit_compute.py``, bench/RESULTS.md session 15).
+FORWARD_RATE_FACTOR = 1.125
 #: Fixed cost per pack execution (forward or backward), seconds.
 PACK_OVERHEAD_S = 2.1e-3
 #: Speed-up of the block work per extra device: fitted on one run (Llama-3.2-3B shape, two H200s:
@@ -130,13 +139,13 @@ DEVICE_ADAMW_S_PER_PARAM = 1.5e-11
 #: Host AdamW rate of a clipped step's leftover pass (every host-stepped layer waits for the global
 #: norm, then runs in the background ahead of the next forward, :mod:`tinypipe.planner.clipped`)
 #: relative to the profiled rate: the pass moves the retained gradient too and shares DRAM with the
-#: uploads and the cores with the lanes. Refitted in session 7, after the pass went to one fused
-#: call per layer (runtime/optim/decisions.py), on one H200 run (W1, the planner's clipped plan:
-#: pack 1, 7 resident packs, embedding on the GPU; 2.012 s/step,
-#: bench/results/s7_w1_clip_after.json) by ``bench/refit_clipped.py``; out of sample, W3's clipped
-#: plan is predicted at 4.428 s against 4.094 measured (+8 %, s7_w3_clip_after.json; the old
-#: 0.552, fitted on chunked calls in session 3, predicted 5.313).
-CLIPPED_ADAMW_EFFICIENCY = 0.838
+#: uploads and the cores with the lanes. Refitted in session 15, with FORWARD_RATE_FACTOR, on the
+#: median of five clipped W1 H200 runs of sessions 7-9 (the planner's clipped plans: 1.818-2.012
+#: s/step, s7_w1_clip_after/final, s8_w1_clip_host_s8, s9_w1_clip_s9/s9c; each within 4.3 %) by
+#: ``bench/refit_clipped.py``; out of sample, W3's five clipped runs are predicted within 2.9 %
+#: (s7_w3_clip_after/final, s8_w3_clip_host_s8, s9_w3_clip_s9/s9c). Session 7's 0.838 was fitted on
+#: s7_w1_clip_after alone.
+CLIPPED_ADAMW_EFFICIENCY = 0.900
 #: Host AdamW rate beside an unclipped backward relative to the rate measured alone
 #: (``HardwareSpec.cpu_adamw_gparams_s``): the lane shares the cores with the threads that launch
 #: and wait for the devices' work, and it runs slower with fewer threads (bench/RESULTS.md,
@@ -245,9 +254,10 @@ class _Rates:
 def _rates(hw: HardwareSpec, precision: str, seq: int, tf: int, tb: int) -> _Rates:
     """The efficiency curve at the forward (``tf``) and backward (``tb``) micro-batch tokens, or the
     measured per-layer times where the hardware has a profile at this precision."""
-    rf, rb = _rate(hw, precision, tf), _rate(hw, precision, tb)
-    rrc = rbw = rb
-    rkb = rf
+    rf = _rate(hw, precision, tf) * FORWARD_RATE_FACTOR
+    rkb = _rate(hw, precision, tf)  # a kept pack's backward: the backward's rate at forward micro-batches
+    rbw = _rate(hw, precision, tb)
+    rrc = rbw * FORWARD_RATE_FACTOR
     rhead = hw.tflops(precision) * 1e12 * HEAD_EFFICIENCY
     prof = hw.layer_profile
     if prof is not None and prof.precision == precision:  # measured per-layer times (tinypipe profile)
