@@ -36,6 +36,12 @@
 #   bash bench/gpu_calls.sh resident14 [tag]   # resident13's W1 plans in a balanced order A B C A C B A (#16)
 #   bash bench/gpu_calls.sh resident14w3 [tag] # W3 front split: assisted / plain / resident / plain / assisted
 #   bash bench/gpu_calls.sh lane14 [tag]       # the host-lane planner's W1/W3 plans vs the resident-first-pack ones
+#   bash bench/gpu_calls.sh front15 [tag]  # W1: --auto vs the resident-first-pack plan C vs the search with
+#                                        # front packings (s15_w1_front_auto), C A F F A C (#16)
+#   bash bench/gpu_calls.sh front15w3 [tag] # the same for W3: C3 A F F A C3 (#16)
+#   bash bench/gpu_calls.sh clip15 [tag]   # clipping every step vs not, --auto both: W1 U K K U, W3 U K (#16)
+#   bash bench/gpu_calls.sh int8cuda15     # int8 QLoRA on CUDA step by step (can the refusal go?) +
+#                                        # the streamed kept-pack CUDA tests
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
@@ -483,6 +489,44 @@ case "${1:-}" in
     timeout 120 $R W3 --steps 4 --auto --json "$OUT/w3_auto_$T.json" > $L/w3_auto.log 2>&1
     timeout 80 $R W3 --steps 4 --plan bench/plans/s13_w3_front_res1.json --json "$OUT/w3_res1_$T.json" > $L/w3_res1.log 2>&1
     report $L "$OUT/lane14_$T.log" "^plan|$SUMMARY" w1_auto w1_res1 w3_auto w3_res1 ;;
+  front15|front15w3)
+    # the planner's plan (A, --auto, FORWARD_RATE_FACTOR refit) against the best measured saved plan
+    # (C) and the search's choice with single-block front packings (F), balanced: C A F F A C.
+    # 6 JSON, 1 log (W1 ~360 s, W3 ~480 s)
+    T=${2:-s15}; L=/tmp/$1; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2"
+    if [ "$1" = front15 ]; then
+      W=W1; S="--steps 6"; LIM=85; C="--plan bench/plans/s13_w1_turn_res1.json"
+      F="--plan bench/plans/s15_w1_front_auto.json"
+    else
+      W=W3; S="--steps 4"; LIM=115; C="--plan bench/plans/s13_w3_front_res1.json"
+      F="--plan bench/plans/s15_w3_front_auto.json"
+    fi
+    A="--auto"; w=${W,,}; n=0; names=()
+    for k in C A F F A C; do
+      n=$((n+1)); names+=("${w}_${n}${k}")
+      timeout $LIM $R $W $S ${!k} --json "$OUT/${w}_${n}${k}_$T.json" > $L/${w}_${n}${k}.log 2>&1
+    done
+    report $L "$OUT/$1_$T.log" "^plan|$SUMMARY" "${names[@]}" ;;
+  clip15)
+    # clipping on every step (max_grad_norm 1.0 on random-init models) against none, the planner's
+    # own plan for each. 6 JSON, 1 log (~520 s)
+    T=${2:-s15}; L=/tmp/clip15; mkdir -p $L
+    R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --auto"
+    U=""; K="--max-grad-norm 1.0"; n=0; names=()
+    for k in U K K U; do
+      n=$((n+1)); names+=("w1_${n}${k}")
+      timeout 85 $R W1 --steps 6 ${!k} --json "$OUT/w1_${n}${k}_$T.json" > $L/w1_${n}${k}.log 2>&1
+    done
+    for k in U K; do
+      n=$((n+1)); names+=("w3_${n}${k}")
+      timeout 120 $R W3 --steps 4 ${!k} --json "$OUT/w3_${n}${k}_$T.json" > $L/w3_${n}${k}.log 2>&1
+    done
+    report $L "$OUT/clip15_$T.log" "^plan|clipped|$SUMMARY" "${names[@]}" ;;
+  int8cuda15)
+    timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gpu.py -s \
+      -k "int8 or streamed_kept" > "$OUT/int8cuda15.log" 2>&1
+    tail -15 "$OUT/int8cuda15.log" ;;
   two-gpu-speed)
     R="python3 bench/run.py --auto --cap-gib 24 --warmup 2 --steps 4"
     timeout 150 $R W1 --devices cuda:0,cuda:1 --json "$OUT/w1_2gpu.json" 2>&1 | tail -4

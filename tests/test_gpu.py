@@ -166,3 +166,23 @@ def test_cuda_int8_qlora_is_refused_in_one_line() -> None:
                                             micro_batch_size=2))
 
 
+@pytest.mark.parametrize("cfg", [
+    dict(devices=["cuda:0"], pack_size=2, micro_batch_size=2, prefetch_window=2, max_grad_norm=0.05),
+    dict(devices=["cuda:0", "cuda:0"], pack_size=2, micro_batch_size=2, stash="host"),
+], ids=["1dev_clip", "2dev_host_stash"])
+def test_cuda_int8_qlora_matches_step_by_step(cfg: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whether the refusal above can go: the 4.2e-5 was measured over a whole run against a
+    whole-batch reference, where one flipped int8 activation code moves the norm by up to 3.1e-4
+    (tests/test_qlora.py). Compared step by step from the engine's adapters in its micro-batches
+    (run_int8_step_by_step, fp32 compute), with the refusal switched off for this test only."""
+    from test_qlora import run_int8_step_by_step
+
+    import tinypipe.quant.shell as shell
+    from tinypipe.quant.spec import check_device
+
+    monkeypatch.setattr(shell, "check_device",
+                        lambda scheme, device: None if getattr(scheme, "scheme", scheme) == "int8"
+                        else check_device(scheme, device))
+    run_int8_step_by_step(cfg, ref_device="cuda")
+
+
