@@ -1,8 +1,8 @@
 #!/usr/bin/env python3
 """Refit the forward's rate per FLOP relative to the backward's (planner/cost.py
 ``FORWARD_RATE_FACTOR``) on traced runs' measured forward and recompute compute, check it on traced
-runs it was not fitted on, and print every run's step-time error with the factor in the code and
-the refitted one.
+runs it was not fitted on, and print every run's step-time error at ``--baseline`` (default 1: one
+rate for every pass, the model before session 15) and at the refitted factor.
 
     python bench/refit_compute.py --fit s11_w1_turn_traced_s11.json s12_w1_turn_s12b.json ... \
         --check-parts s11_w3_turn_traced_s11c.json ... --check-steps s14_w1_*.json ...
@@ -94,6 +94,9 @@ def main() -> None:
     ap.add_argument("--check-parts", nargs="*", default=[], help="traced runs to check the parts on")
     ap.add_argument("--check-steps", nargs="*", default=[], help="runs whose step times to compare")
     ap.add_argument("--hardware", default="h200-pcie5")
+    ap.add_argument("--baseline", type=float, default=1.0,
+                    help="the factor to compare the step times against (default 1: one rate, the model "
+                         "before session 15)")
     a = ap.parse_args()
     load = {p: json.loads((RESULTS / p).read_text()) for p in {*a.fit, *a.check_parts, *a.check_steps}}
     bad = [p for p in [*a.fit, *a.check_parts] if not traced(load[p])]
@@ -113,13 +116,14 @@ def main() -> None:
     steps = [p for p in a.check_steps if unclipped_default(load[p])]
     print(f"\nstep times ({len(steps)} unclipped one-GPU runs at the default threads; "
           f"{len(a.check_steps) - len(steps)} others skipped)")
-    print(f"{'run':<34} {'measured':>9} {'pred ' + format(old, '.3f'):>11} {'pred ' + format(factor, '.3f'):>11}"
+    base = a.baseline
+    print(f"{'run':<34} {'measured':>9} {'pred ' + format(base, '.3f'):>11} {'pred ' + format(factor, '.3f'):>11}"
           f" {'err':>7} {'err':>7}")
-    errs: dict[float, list[float]] = {old: [], factor: []}
+    errs: dict[float, list[float]] = {base: [], factor: []}
     for p in steps:
         m = load[p]["seconds_per_step"]
-        po, pn = step_predicted(load[p], a.hardware, old), step_predicted(load[p], a.hardware, factor)
-        errs[old].append(po / m - 1)
+        po, pn = step_predicted(load[p], a.hardware, base), step_predicted(load[p], a.hardware, factor)
+        errs[base].append(po / m - 1)
         errs[factor].append(pn / m - 1)
         print(f"{p:<34} {m:>9.3f} {po:>11.3f} {pn:>11.3f} {100 * (po / m - 1):>+6.1f}% {100 * (pn / m - 1):>+6.1f}%")
     for f, e in errs.items():

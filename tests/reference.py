@@ -76,7 +76,8 @@ def train_reference(model: torch.nn.Module, batches: list[dict], **kwargs) -> Re
     return RefRun(trainer.model.cpu(), [loss for loss, _ in steps], [norm for _, norm in steps])
 
 
-def _forward_backward(model: torch.nn.Module, b: dict, labels: torch.Tensor, micro_batch_size: int | None) -> float:
+def _forward_backward(model: torch.nn.Module, b: dict, labels: torch.Tensor,
+                      micro_batch_size: int | None) -> float:
     """The step's loss, its gradient accumulated on the parameters (whole batch, or in micro-batches)."""
     if micro_batch_size is None:
         # packed documents: transformers builds per-document masks only without a KV cache

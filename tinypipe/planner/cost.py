@@ -117,7 +117,7 @@ HEAD_EFFICIENCY = 0.87
 #: (attention's backward, the elementwise gradients). Fitted on the forward and recompute compute
 #: of four traced W1 H200 runs (sessions 11-12, measured / predicted at one rate 0.877-0.953, median
 #: 0.889); their backward at the hardware's rate was within 1.3 %. Checked on the two traced W3
-#: runs: forward and recompute 0.834-0.857 at one rate, i.e. 4-6 % slow with the factor
+#: runs: forward and recompute 0.834-0.857 at one rate, i.e. 5-7 % slow with the factor
 #: (``python bench/refit_compute.py``, bench/RESULTS.md session 15).
 FORWARD_RATE_FACTOR = 1.125
 #: Fixed cost per pack execution (forward or backward), seconds.
