@@ -155,7 +155,10 @@ def test_a_write_failing_on_one_directory_stops_the_run_naming_it(monkeypatch: p
         return real(f, address, nbytes, offset)
 
     monkeypatch.setattr(store_module, "write_from", write_from)
-    with pytest.raises(WorkerError) as info:
+    # step 0's write-backs may still be in flight when the patch lands: then the failure is already
+    # recorded when step 1 starts staging and surfaces as the StorageError itself (seen on CI);
+    # otherwise a lane hits it mid-step and the step raises WorkerError -- one line either way
+    with pytest.raises((WorkerError, StorageError)) as info:
         engine.step(make_batch(4, 12, seed=1))
     text = str(info.value)
     assert "\n" not in text and "Input/output error (EIO)" in text, text
