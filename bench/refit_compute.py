@@ -20,6 +20,8 @@ import argparse
 import json
 import statistics
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -36,6 +38,17 @@ from tinypipe.schedule.plan import Plan  # noqa: E402
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+@contextmanager
+def forward_rate_factor(value: float) -> Iterator[None]:
+    """``cost.FORWARD_RATE_FACTOR`` set to ``value`` inside the block, restored after it."""
+    saved = cost.FORWARD_RATE_FACTOR
+    cost.FORWARD_RATE_FACTOR = value
+    try:
+        yield
+    finally:
+        cost.FORWARD_RATE_FACTOR = saved
+
+
 def _sizes_plan(run: dict):
     w = WORKLOADS[run["workload"]]
     return w, model_sizes(transformers.LlamaConfig(**w.config)), Plan.from_json(json.dumps(run["plan"]))
@@ -45,13 +58,9 @@ def pass_seconds(run: dict, hardware: str) -> dict[str, float]:
     """The model's compute seconds of ``run``'s plan at one rate (factor 1): forward, recompute
     and backward, summed over packs -- the terms ``cost._pack_work`` puts on the compute lane."""
     w, sizes, plan = _sizes_plan(run)
-    saved = cost.FORWARD_RATE_FACTOR
-    cost.FORWARD_RATE_FACTOR = 1.0
-    try:
+    with forward_rate_factor(1.0):
         work = cost._Work.of(sizes, plan, load_hardware(hardware), batch=w.batch, seq=w.seq,
                              precision=run["config"]["precision"])
-    finally:
-        cost.FORWARD_RATE_FACTOR = saved
     f, r = work.fwd_flops, work.rates
     kept = [plan.kept(q) for q in range(plan.num_packs)]
     return {"forward": sum(f) / r.forward,
@@ -67,13 +76,9 @@ def ratios(run: dict, hardware: str) -> dict[str, float]:
 
 def step_predicted(run: dict, hardware: str, factor: float) -> float:
     w, sizes, plan = _sizes_plan(run)
-    saved = cost.FORWARD_RATE_FACTOR
-    cost.FORWARD_RATE_FACTOR = factor
-    try:
+    with forward_rate_factor(factor):
         cand = evaluate(sizes, load_hardware(hardware), plan, seq=w.seq, global_batch=w.batch,
                         precision=run["config"]["precision"])
-    finally:
-        cost.FORWARD_RATE_FACTOR = saved
     return cand.time.step_s
 
 

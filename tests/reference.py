@@ -78,20 +78,17 @@ def train_reference(model: torch.nn.Module, batches: list[dict], **kwargs) -> Re
 
 def _forward_backward(model: torch.nn.Module, b: dict, labels: torch.Tensor,
                       micro_batch_size: int | None) -> float:
-    """The step's loss, its gradient accumulated on the parameters (whole batch, or in micro-batches)."""
-    if micro_batch_size is None:
-        # packed documents: transformers builds per-document masks only without a KV cache
-        extra = {"position_ids": b["position_ids"], "use_cache": False} if "position_ids" in b else {}
-        out = model(input_ids=b["input_ids"], attention_mask=b.get("attention_mask"), labels=labels, **extra)
-        out.loss.backward()
-        return float(out.loss.detach())
-    tokens = int((labels[:, 1:] != -100).sum())
+    """The step's loss, its gradient accumulated on the parameters: the whole batch at once (HF's
+    mean loss), or in micro-batches, each loss summed over its tokens / the global batch's count."""
+    size = micro_batch_size or labels.shape[0]
+    count = {} if micro_batch_size is None else {"num_items_in_batch": int((labels[:, 1:] != -100).sum())}
     total = 0.0
-    for lo in range(0, labels.shape[0], micro_batch_size):
-        part = {k: v[lo:lo + micro_batch_size] for k, v in b.items()}
+    for lo in range(0, labels.shape[0], size):
+        part = {k: v[lo:lo + size] for k, v in b.items()}
+        # packed documents: transformers builds per-document masks only without a KV cache
         extra = {"position_ids": part["position_ids"], "use_cache": False} if "position_ids" in part else {}
         out = model(input_ids=part["input_ids"], attention_mask=part.get("attention_mask"),
-                    labels=labels[lo:lo + micro_batch_size], num_items_in_batch=tokens, **extra)
+                    labels=labels[lo:lo + size], **count, **extra)
         out.loss.backward()
         total += float(out.loss.detach())
     return total
