@@ -122,15 +122,16 @@ def main() -> None:
     print(f"\nstep times ({len(steps)} unclipped one-GPU runs at the default threads; "
           f"{len(a.check_steps) - len(steps)} others skipped)")
     base = a.baseline
-    print(f"{'run':<34} {'measured':>9} {'pred ' + format(base, '.3f'):>11} {'pred ' + format(factor, '.3f'):>11}"
-          f" {'err':>7} {'err':>7}")
+    heads = [f"pred {x:.3f}" for x in (base, factor)]
+    print(f"{'run':<34} {'measured':>9} {heads[0]:>11} {heads[1]:>11} {'err':>7} {'err':>7}")
     errs: dict[float, list[float]] = {base: [], factor: []}
     for p in steps:
         m = load[p]["seconds_per_step"]
         po, pn = step_predicted(load[p], a.hardware, base), step_predicted(load[p], a.hardware, factor)
         errs[base].append(po / m - 1)
         errs[factor].append(pn / m - 1)
-        print(f"{p:<34} {m:>9.3f} {po:>11.3f} {pn:>11.3f} {100 * (po / m - 1):>+6.1f}% {100 * (pn / m - 1):>+6.1f}%")
+        print(f"{p:<34} {m:>9.3f} {po:>11.3f} {pn:>11.3f} "
+              f"{100 * (po / m - 1):>+6.1f}% {100 * (pn / m - 1):>+6.1f}%")
     for f, e in errs.items():
         if e:
             print(f"factor {f:.3f}: median step error {100 * statistics.median(e):+.1f}%, "
