@@ -45,7 +45,9 @@
 #   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
 #   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
-# bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it).
+# bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it; .whl/ is git-ignored, so a
+# fresh checkout has none): `pip download bitsandbytes==0.50.2 --no-deps -d .whl` here (43 MB), then
+# `run` with carry [".whl"]. Phases that test int8/nf4 on CUDA stop when it is missing.
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -524,7 +526,8 @@ case "${1:-}" in
     done
     report $L "$OUT/clip15_$T.log" "^plan|clipped|$SUMMARY" "${names[@]}" ;;
   int8cuda15)
-    timeout 300 python3 -m pytest -q -rfE -p no:cacheprovider -m gpu tests/test_gpu.py -s \
+    python3 -c "import bitsandbytes" 2>/dev/null || { echo "bitsandbytes missing: carry .whl (see the top)"; exit 3; }
+    timeout 300 python3 -m pytest -q -rfEs -p no:cacheprovider -m gpu tests/test_gpu.py -s \
       -k "int8 or streamed_kept" > "$OUT/int8cuda15.log" 2>&1
     tail -15 "$OUT/int8cuda15.log" ;;
   two-gpu-speed)

@@ -140,8 +140,11 @@ def test_a_real_width_compact_block_holds_what_the_estimate_counts(dtype: torch.
     per_token = sum(held.values()) / (batch * seq)
     assert per_token <= estimate, (per_token, estimate)
     assert estimate <= 1.15 * per_token, (per_token, estimate)
-    y.sum().backward()  # the graph differentiates (its recompute runs)
-    assert x.grad is not None and bool(torch.isfinite(x.grad).all())
+    assert y.grad_fn is not None
+    if dtype == torch.float32:  # the graph differentiates (its recompute runs); the same code in
+        # bf16, whose backward at these widths takes 83 s on a CPU without bf16 GEMM kernels (AVX2)
+        y.sum().backward()
+        assert x.grad is not None and bool(torch.isfinite(x.grad).all())
 
 
 def _pool_storages(engine: tinypipe.Engine) -> set[int]:

@@ -305,6 +305,7 @@ def test_best_plan_runs_in_the_engine() -> None:
 def test_enumeration_covers_uneven_packs_and_stash_prefixes() -> None:
     opts = pack_options(10)
     assert 1 in opts and 8 in opts and (1, 3, 3, 3) in opts and (2, 4, 4) in opts
+    assert (1, 1, 1, 2, 2, 2, 1) in opts and (1, 1, 1, 1, 3, 3) in opts  # k+1 single blocks, then k
     assert all(sum(o) == 10 for o in opts if isinstance(o, tuple))
     st = stash_options(8)
     assert "device" in st and "host" in st and ("device", "host", "host", "device", "device", "device",

@@ -278,7 +278,7 @@ class _Packs:
     precision (``frozen_bytes`` per element) and only adapter gradients come down. Computed once:
     the search evaluates thousands of plans."""
 
-    __slots__ = ("sizes", "plan", "stats", "frozen_bytes", "numel", "train", "up")
+    __slots__ = ("sizes", "plan", "stats", "frozen_bytes", "numel", "train", "up", "pack_of")
 
     def __init__(self, sizes: ModelSizes, plan: Plan, stats: tuple[tuple[int, int, int], ...],
                  frozen_bytes: int) -> None:
@@ -287,6 +287,7 @@ class _Packs:
         self.numel = [st[0] for st in stats]
         self.train = [sum(trains[1 + b] for b in p) for p in plan.packs]
         self.up = [t * UPLOAD_BYTES + (n - t) * frozen_bytes for n, t in zip(self.numel, self.train)]
+        self.pack_of = {1 + b: q for q, p in enumerate(plan.packs) for b in p}  # layer -> its pack
 
     def layer_up(self, n: int, t: int) -> int:
         """Upload bytes of one layer of ``n`` elements of which ``t`` train."""
@@ -618,8 +619,11 @@ def _host_lane(packs: _Packs, lanes: _Lanes, dev: _OnDevice, backward_s: float,
     embedding's after it."""
     plan, trains = packs.plan, packs.sizes.layer_train_numels
     R = plan.resident_packs
-    host = [0 if q < R else sum(trains[1 + b] for b in p if 1 + b not in off_host)
-            for q, p in enumerate(plan.packs)]
+    host = [0] * R + packs.train[R:]
+    for layer in off_host:
+        q = packs.pack_of.get(layer)
+        if q is not None and q >= R:
+            host[q] -= trains[layer]
     arrivals = pack_arrivals(lanes.b_pack, host, plan.turn(), backward_s, last_chunk_s)
     if not dev.head and plan.num_blocks + 1 not in off_host:
         arrivals.append(Arrival(0.0, trains[-1]))
@@ -798,9 +802,16 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         layers = plan.assisted
         if assist:
             base = backward + tail
-            layers = _choose_backward_assist(bwd, assistable(plan), base, cost)
-            if base - cost(layers) < UNCLIPPED_ASSIST_MIN_GAIN * (fill + forward + head + base):
-                layers = ()  # not worth the scratch, the traffic and the chunk latency the model leaves out
+            least_gain = UNCLIPPED_ASSIST_MIN_GAIN * (fill + forward + head + base)
+            # assisting only adds link bytes and launches: no choice ends the backward before its
+            # terms without the host lane, so when even that saves too little, skip the search
+            # (the same answer; most of the search's plans stop here)
+            lane_free = max(v for k, v in b_terms.items() if k != "cpu optimizer")
+            layers = ()
+            if base - lane_free >= least_gain:
+                layers = _choose_backward_assist(bwd, assistable(plan), base, cost)
+                if base - cost(layers) < least_gain:
+                    layers = ()  # not worth the scratch, the traffic and the chunk latency the model leaves out
         if layers:  # the step's traffic includes their trips
             b_terms, backward, tail, lanes = backward_and_tail(layers)
             unclipped_assist = tuple(sorted(layers))
