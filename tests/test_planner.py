@@ -329,7 +329,7 @@ def test_spare_gpu_memory_goes_to_resident_packs() -> None:
     recomputed, most of the model stays: as many packs as it takes for the resident packs'
     backward to hide the streamed packs' host updates (planner/host_lane.py), and keeping the rest
     resident too is no faster; with kept activations searched the GPU goes to resident packs that
-    keep their activations too (fewer of them, no recompute: faster still)."""
+    keep their activations too, all or all but one (no recompute: faster still)."""
     # without assisted updates: with them the search's front differs (it picks 2 resident packs and
     # 4 assisted layers, 0.51 s predicted, over 16 resident packs at 0.53 s) -- this is about resident
     # packs
@@ -340,12 +340,16 @@ def test_spare_gpu_memory_goes_to_resident_packs() -> None:
     whole = dataclasses.replace(best, resident_packs=best.num_packs)
     everything = evaluate(roomy.sizes, roomy.hardware, whole, seq=512, global_batch=4)
     assert everything.time.step_s >= roomy.best.time.step_s
-    assert roomy.best.time.tail_s < 0.05 * roomy.best.time.step_s  # the host lane is hidden
+    # the host lane is hidden: nothing after the backward beyond what a plan with no host lane has
+    assert roomy.best.time.tail_s <= everything.time.tail_s
     assert roomy.best.memory.host["gradient_buffers"] == 0
     kept = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=24 * GIB, **kw)
     plan = kept.best.plan
     assert plan.resident_packs >= plan.num_packs // 2 and kept.best.gpu_need <= 24 * GIB
-    assert all(plan.kept(q) for q in range(plan.resident_packs))  # the grown resident packs keep theirs
+    # most of the resident packs keep theirs too (the front plan's last pack, streamed, may keep
+    # its own instead of the resident pack before it: its activations live the shortest)
+    assert sum(plan.kept(q) for q in range(plan.resident_packs)) >= plan.resident_packs - 1
+    assert sum(plan.kept(q) for q in range(plan.num_packs)) > plan.num_packs // 2
     assert kept.best.time.step_s < roomy.best.time.step_s
     tight = plan_for("llama-3.2-1b", "rtx4090-pcie4", gpu_memory_bytes=6 * GIB, **kw)
     assert tight.best.plan.resident_packs < tight.best.plan.num_packs
