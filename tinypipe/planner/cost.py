@@ -79,7 +79,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import asdict, dataclass, field
 from functools import lru_cache
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 from tinypipe.errors import ConfigError
 from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL
@@ -93,7 +93,7 @@ from tinypipe.planner.assist import (
 from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_forward_end
 from tinypipe.planner.dram import clipped_forward_dram
 from tinypipe.planner.hardware import HardwareSpec
-from tinypipe.planner.host_lane import Arrival, lane_end_s, pack_arrivals
+from tinypipe.planner.host_lane import ARRIVAL_TIME, Arrival, BackwardOrder, lane_end_s
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 
@@ -315,6 +315,11 @@ class _Lanes:
     # each pack's backward seconds on its device, by pack: when its gradients reach the host lane
     # (after a micro-batch-wise turn, Plan.turn_packs, all the turn's at its end: host_lane.py)
     b_pack: list[float] = field(default_factory=list)
+
+    def with_backward_links(self, b_up: list[float], down: list[float]) -> _Lanes:
+        """These lanes with the backward's link bytes replaced (dataclasses.replace, without its
+        cost: the assist search calls it per layer tried)."""
+        return _Lanes(self.f_comp, self.b_comp, self.f_up, b_up, down, self.f_down, self.b_pack)
 
 
 def _pack_work(packs: _Packs, fwd_flops: list[float], rates: _Rates, lora: bool,
@@ -611,12 +616,12 @@ def _backward_terms(lanes: _Lanes, slowdown: float, rates: _Rates) -> dict[str, 
     }
 
 
-def _host_lane(packs: _Packs, lanes: _Lanes, dev: _OnDevice, backward_s: float,
+def _host_lane(packs: _Packs, order: BackwardOrder, dev: _OnDevice, backward_s: float,
                off_host: frozenset[int], last_chunk_s: float) -> list[Arrival]:
-    """The host AdamW lane's work in the backward, as it arrives (:mod:`tinypipe.planner.host_lane`).
-    Not on the lane: the resident packs, the device-stepped embedding / head, and ``off_host``
-    (deferred and assisted layers). The head's gradient is down before the backward starts, the
-    embedding's after it."""
+    """The host AdamW lane's work in the backward, as it arrives (:mod:`tinypipe.planner.host_lane`;
+    ``order``: the lanes' ``b_pack``). Not on the lane: the resident packs, the device-stepped
+    embedding / head, and ``off_host`` (deferred and assisted layers). The head's gradient is down
+    before the backward starts, the embedding's after it."""
     plan, trains = packs.plan, packs.sizes.layer_train_numels
     R = plan.resident_packs
     host = [0] * R + packs.train[R:]
@@ -624,7 +629,7 @@ def _host_lane(packs: _Packs, lanes: _Lanes, dev: _OnDevice, backward_s: float,
         q = packs.pack_of.get(layer)
         if q is not None and q >= R:
             host[q] -= trains[layer]
-    arrivals = pack_arrivals(lanes.b_pack, host, plan.turn(), backward_s, last_chunk_s)
+    arrivals = order.arrivals(host, backward_s, last_chunk_s)
     if not dev.head and plan.num_blocks + 1 not in off_host:
         arrivals.append(Arrival(0.0, trains[-1]))
     if not dev.embed and 0 not in off_host:
@@ -670,22 +675,39 @@ class _BackwardAssist:
         where = _layer_devices(plan, plan.bwd_device)
         return _BackwardAssist(where, {layer: trains[layer] for layer in where}, _tail_layers(plan))
 
-    def apply(self, lanes: _Lanes, layers: tuple[int, ...], rates: _Rates) -> tuple[_Lanes, float, float]:
+    def apply(self, lanes: _Lanes, layers: tuple[int, ...], rates: _Rates,
+              prefixes: dict[tuple[int, ...], _AssistSums] | None = None) -> tuple[_Lanes, float, float]:
         """The lanes with ``layers``' round trips on the links, the tail layers' round trips
         (they trail the last backward, as their host steps would) in seconds, and the host
-        seconds their chunks' launches add to the backward."""
-        b_up, down = list(lanes.b_up), list(lanes.down)
-        tail_link = 0.0
-        for layer in layers:
+        seconds their chunks' launches add to the backward. ``prefixes``: the sums of earlier
+        calls on the same ``lanes``, by layers; the search adds one layer at a time, so a call
+        extends its prefix's sums (the same additions in the same order: the same floats)."""
+        start = prefixes.get(layers[:-1]) if prefixes is not None else None
+        todo = layers[-1:] if start is not None else layers
+        b_up, down, tail_link, chunks = start or _AssistSums(lanes.b_up, lanes.down, 0.0, 0)
+        b_up, down = list(b_up), list(down)
+        for layer in todo:
             d, t = self.device[layer], self.train[layer]
+            chunks += -(-t // ASSIST_CHUNK_NUMEL)
             if layer in self.tail:
                 trip = max(BACKWARD_ASSIST_UP_BYTES / rates.h2d, BACKWARD_ASSIST_DOWN_BYTES / rates.d2h)
                 tail_link += t * trip
                 continue
             b_up[d] += t * BACKWARD_ASSIST_UP_BYTES
             down[d] += t * (BACKWARD_ASSIST_DOWN_BYTES - DOWNLOAD_BYTES)
-        chunks = sum(-(-self.train[layer] // ASSIST_CHUNK_NUMEL) for layer in layers)
-        return dataclasses.replace(lanes, b_up=b_up, down=down), tail_link, chunks * ASSIST_CHUNK_HOST_S
+        if prefixes is not None:
+            prefixes[layers] = _AssistSums(b_up, down, tail_link, chunks)
+        return lanes.with_backward_links(b_up, down), tail_link, chunks * ASSIST_CHUNK_HOST_S
+
+
+class _AssistSums(NamedTuple):
+    """:meth:`_BackwardAssist.apply`'s running sums: per device the backward's upload and download
+    bytes, the tail layers' round-trip seconds, the chunks launched."""
+
+    b_up: list[float]
+    down: list[float]
+    tail_link: float
+    chunks: int
 
 
 def _choose_backward_assist(bwd: _BackwardAssist, allowed: frozenset[int], base: float,
@@ -771,6 +793,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     # host lane, racing that forward below
     deferred = frozenset(plan.deferred)
     bwd: _BackwardAssist | None = None
+    order = BackwardOrder.of(lanes.b_pack, plan.turn())  # the assist search re-prices the backward
+    prefixes: dict[tuple[int, ...], _AssistSums] = {}  # its sums so far (_BackwardAssist.apply)
 
     def backward_and_tail(layers: tuple[int, ...]) -> tuple[dict[str, float], float, float, _Lanes]:
         """With ``layers`` assisted right after their backward: the backward's terms, its seconds,
@@ -778,12 +802,13 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         writes) and the lanes with the round trips' bytes."""
         a_lanes, tail_link, launch_s = (lanes, 0.0, 0.0)
         if bwd is not None and layers:
-            a_lanes, tail_link, launch_s = bwd.apply(lanes, layers, rates)
+            a_lanes, tail_link, launch_s = bwd.apply(lanes, layers, rates, prefixes)
         terms = _backward_terms(a_lanes, slowdown, rates)
         if ssd.on:
             terms["ssd"] = ssd.t.backward_read / ssd.read + ssd.t.backward_write / ssd.write
         b = max(terms.values()) + launch_s
-        work = _host_lane(packs, a_lanes, dev, b, deferred | frozenset(layers), last_chunk)
+        work = _host_lane(packs, order, dev, b, deferred | frozenset(layers), last_chunk)
+        work.sort(key=ARRIVAL_TIME)  # stable, as lane_end_s's own: both calls below then sort in one pass
         # the lane as the backward's limit: when it is done with what arrived during the backward
         terms["cpu optimizer"] = lane_end_s([a for a in work if a.at_s < b], rates.backward_adamw)
         tail = max(lane_end_s(work, rates.backward_adamw) - b, tail_link,

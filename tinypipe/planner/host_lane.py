@@ -31,17 +31,41 @@ class Arrival(NamedTuple):
     numel: int
 
 
-_AT = itemgetter(0)
+ARRIVAL_TIME = itemgetter(0)  # an Arrival's sort key
 
 
 def lane_end_s(arrivals: Sequence[Arrival], rate: float) -> float:
     """Seconds after the backward's start at which the lane, at ``rate`` elements/s, has stepped
     every arrival in arrival order (0 with nothing to step)."""
     end = 0.0
-    for at, numel in sorted(arrivals, key=_AT):
+    for at, numel in sorted(arrivals, key=ARRIVAL_TIME):
         if numel > 0:
-            end = max(end, at) + numel / rate
+            end = (at if at > end else end) + numel / rate  # max() without its call: the search's hot loop
     return end
+
+
+class BackwardOrder(NamedTuple):
+    """The packs' end times within the backward, unscaled: what :func:`pack_arrivals` needs of a
+    plan that does not change while the search re-prices its backward's length."""
+
+    total_s: float  # the packs' backward seconds, summed
+    done_s: list[float]  # position i: the seconds until pack n-1-i (backward order) is done
+    turn_s: float  # the turn's packs' seconds
+    turn: range
+
+    @staticmethod
+    def of(pack_backward_s: Sequence[float], turn: range) -> BackwardOrder:
+        return BackwardOrder(sum(pack_backward_s), list(accumulate(reversed(pack_backward_s))),
+                             sum(pack_backward_s[q] for q in turn), turn)
+
+    def arrivals(self, host_numel: Sequence[int], backward_s: float, last_chunk_s: float) -> list[Arrival]:
+        """See :func:`pack_arrivals`."""
+        scale = backward_s / self.total_s if self.total_s > 0 else 0.0
+        ats = [done * scale + last_chunk_s for done in self.done_s]
+        n = len(ats)
+        for q in self.turn:
+            ats[n - 1 - q] = self.turn_s * scale + last_chunk_s
+        return list(map(Arrival, ats, reversed(host_numel)))
 
 
 def pack_arrivals(pack_backward_s: Sequence[float], host_numel: Sequence[int], turn: range,
@@ -51,12 +75,4 @@ def pack_arrivals(pack_backward_s: Sequence[float], host_numel: Sequence[int], t
     cumulative share of ``pack_backward_s`` scaled to ``backward_s``. The turn's packs all arrive
     when the turn is through. Each waits ``last_chunk_s`` more for its last gradient chunk's
     download."""
-    total = sum(pack_backward_s)
-    scale = backward_s / total if total > 0 else 0.0
-    turn_end = sum(pack_backward_s[q] for q in turn) * scale
-    n = len(pack_backward_s)
-    # position i holds pack n-1-i: the backward's order
-    ats = [done * scale + last_chunk_s for done in accumulate(reversed(pack_backward_s))]
-    for q in turn:
-        ats[n - 1 - q] = turn_end + last_chunk_s
-    return list(map(Arrival, ats, reversed(host_numel)))
+    return BackwardOrder.of(pack_backward_s, turn).arrivals(host_numel, backward_s, last_chunk_s)

@@ -24,6 +24,7 @@ import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, Callable
 
 import torch
@@ -109,7 +110,8 @@ class ModelSizes:
         """The memory report's row for the frozen weights (``frozen_weights (nf4+dq)`` quantized)."""
         return f"frozen_weights ({self.quantize})" if self.quantize else "frozen_weights"
 
-    @property
+    # cached (the planner reads these millions of times per search): never mutate the lists
+    @cached_property
     def layer_numels(self) -> list[int]:
         """Flat sizes in runtime layer order: embedding, blocks, head."""
         return [self.embed_numel, *self.block_numels, self.head_numel]
@@ -122,7 +124,7 @@ class ModelSizes:
     def param_count(self) -> int:
         return self.embed_params + sum(self.block_params) + self.head_params
 
-    @property
+    @cached_property
     def layer_train_numels(self) -> list[int]:
         """Trainable elements per layer (runtime order): what has gradients and AdamW state."""
         return list(self.train_numels) if self.train_numels else self.layer_numels

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 from typing import Literal, Sequence, get_args
 
@@ -354,7 +355,7 @@ class Plan:
         size = "" if ssd_bytes is None else f" ({ssd_bytes / 2**30:.1f} GiB on SSD)"
         return ", offload: " + ", ".join(parts) + size
 
-    @property
+    @cached_property  # the planner's cost model asks millions of times per search; packs never change
     def num_blocks(self) -> int:
         return sum(len(p) for p in self.packs)
 
