@@ -209,7 +209,7 @@ def test_plan_for_fits_the_host_with_the_ssd() -> None:
     with pytest.raises(PlanDoesNotFitError, match="host memory"):
         plan_for(cfg, "h200-pcie5", cpu_memory_bytes=48 * GIB, **kw)
     on_ssd = []
-    for gib in (64, 48, 40, 32):
+    for gib in (64, 48, 32):
         r = plan_for(cfg, "h200-pcie5", cpu_memory_bytes=gib * GIB, ssd=GPU_BOX, hiding_search=False, **kw)
         assert r.best.plan.offload and r.best.host_need <= gib * GIB
         assert r.best.memory.host["ssd_staging"] > 0
@@ -379,9 +379,16 @@ def test_cli_says_what_goes_where(capsys: pytest.CaptureFixture[str]) -> None:
 def test_cli_profile_rates_and_errors(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
     prof = tmp_path / "profile.json"
     assert cli_main(["profile", "--device", "cpu", "--model", "none", "--offload-dir", str(tmp_path),
-                     "--output", str(prof)]) == 0
+                     "--ssd-bytes", "130MiB", "--output", str(prof)]) == 0
     d = json.loads(prof.read_text())
     assert d["ssd_read_gbps"] > 0 and d["ssd_write_gbps"] > 0 and d["ssd"]["directory"] == str(tmp_path)
+    assert d["ssd"]["nbytes"] == 3 * (64 << 20)  # whole 64 MiB requests
+    capsys.readouterr()
+    for size in ("64MiB", "lots"):
+        assert cli_main(["profile", "--device", "cpu", "--model", "none", "--offload-dir", str(tmp_path),
+                         "--ssd-bytes", size, "--output", str(prof)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "--ssd-bytes must be" in err[0], err
     hw = load_hardware(str(prof))
     assert hw.ssd_read_gbps == d["ssd_read_gbps"]
     capsys.readouterr()

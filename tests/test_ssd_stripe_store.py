@@ -299,12 +299,12 @@ def test_profile_then_plan_with_two_directories(tmp_path, capsys):
     a, b = _dirs(tmp_path, 2)
     prof = tmp_path / "profile.json"
     assert cli_main(["profile", "--device", "cpu", "--model", "none", "--offload-dir", f"{a},{b}",
-                     "--output", str(prof)]) == 0
+                     "--ssd-bytes", "128MiB", "--output", str(prof)]) == 0
     out = capsys.readouterr().out
     assert f"{a}: SSD read" in out and f"{b}: SSD read" in out and f"{a}, {b} striped: SSD read" in out
     d = json.loads(prof.read_text())
     ssd = d["ssd"]
-    assert ssd["directory"] == [str(a), str(b)] and ssd["nbytes"] == 2 << 30
+    assert ssd["directory"] == [str(a), str(b)] and ssd["nbytes"] == 2 * (128 << 20)
     assert [x["directory"] for x in ssd["directories"]] == [str(a), str(b)]
     assert d["ssd_read_gbps"] == ssd["read_gbps"] > 0 and d["ssd_write_gbps"] == ssd["write_gbps"] > 0
     assert all(k in ssd for k in ("mixed_read_gbps", "mixed_write_gbps", "mixed_gbps"))

@@ -219,17 +219,21 @@ def run(args: argparse.Namespace) -> int:
                 raise ConfigError("--evaluate prices one replica's plan: drop --nodes / --gpus-per-replica")
             return _run_layouts(args, hardware, gpus=gpus, seq=seq, batch=batch, gpu_mem=gpu_mem,
                                 cpu_mem=cpu_mem, clip=clip, lora=lora)
+        given = None
+        if getattr(args, "evaluate", None):  # read first: a file that is no plan fails before the search
+            from tinypipe.cli.options import read_plan_file
+
+            given = read_plan_file(args.evaluate, gpus, "--gpus is")
         result = plan_for(args.model, hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
                           cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
                               "--resident-packs", args.resident_packs), ssd=ssd,
                           assist_updates=not getattr(args, "no_assist", False))
-        if getattr(args, "evaluate", None):  # a plan the user has, priced like the search's
-            from tinypipe.cli.options import read_plan_file
+        if given is not None:  # a plan the user has, priced like the search's
             from tinypipe.planner.given import with_given_plan
 
-            result = with_given_plan(result, read_plan_file(args.evaluate, gpus, "--gpus is"))
+            result = with_given_plan(result, given)
         if ssd is not None and ssd.directory is not None and ssd.free_bytes is None:
             result.notes.append(f"offload directory {ssd.directory} does not exist (yet): its free space was "
                                 "not checked")

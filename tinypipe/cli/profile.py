@@ -55,8 +55,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", default=3, type=int, metavar="N",
                    help="timed repetitions per point (median; default 3)")
     p.add_argument("--offload-dir", default=None, metavar="DIR[,DIR]",
-                   help="also measure this directory's SSD read/write rates (1 GiB written and read back); "
+                   help="also measure this directory's SSD read/write rates (--ssd-bytes written and read back); "
                         "several, comma-separated (one per drive): each alone and all of them striped")
+    p.add_argument("--ssd-bytes", default="1GiB", metavar="SIZE",
+                   help="bytes written and read back per --offload-dir (default 1GiB; less is quicker, "
+                        "and nearer the drive's cache than its sustained rate)")
     p.add_argument("--output", required=True, metavar="FILE", help="where to write the profile JSON")
 
 
@@ -70,6 +73,24 @@ def _ints(name: str, text: str) -> list[int]:
     if not vals or min(vals) < 1:
         raise ConfigError(f"{name} must list whole numbers >= 1, got {text!r}")
     return sorted(set(vals))
+
+
+def _ssd_bytes(text: str | None) -> int:
+    """``--ssd-bytes``: at least two of the measurement's 64 MiB requests (its mixed run reads one
+    while it writes the other); rounded up to whole requests."""
+    from tinypipe.errors import ConfigError
+    from tinypipe.storage.rates import REGION_BYTES
+    from tinypipe.units import parse_bytes
+
+    if text is None:
+        return SSD_BYTES
+    try:
+        nbytes = parse_bytes(text)
+    except (ConfigError, ValueError):
+        raise ConfigError(f"--ssd-bytes must be a size such as 1GiB or 256MiB, got {text!r}") from None
+    if nbytes < 2 * REGION_BYTES:
+        raise ConfigError(f"--ssd-bytes must be at least {2 * REGION_BYTES >> 20}MiB, got {text!r}")
+    return nbytes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -92,6 +113,7 @@ def run(args: argparse.Namespace) -> int:
         dirs = parse_directories(args.offload_dir)
         for d in as_directories(dirs):
             check_directory(d)
+        ssd_bytes = _ssd_bytes(getattr(args, "ssd_bytes", None))
     seqs = _ints("--seq-lens", args.seq_lens)
     mbs = _ints("--micro-batches", args.micro_batches)
     model = None if str(args.model).strip().lower() in ("none", "") else args.model
@@ -110,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
                     precision=args.precision, reps=args.reps)
     if dirs is not None:
         t0 = time.perf_counter()
-        d.update(ssd_rates(dirs))
+        d.update(ssd_rates(dirs, ssd_bytes))
         d["seconds"] += time.perf_counter() - t0
     if cfg is not None:
         d["model"]["name"] = str(model)
