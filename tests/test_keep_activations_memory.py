@@ -158,8 +158,10 @@ def _pool_storages(engine: tinypipe.Engine) -> set[int]:
 @pytest.mark.parametrize("compact", [True, False], ids=["compact", "full"])
 @pytest.mark.parametrize("cfg", [
     dict(pack_size=2, micro_batch_size=2, resident_packs=1, keep_activations=True),
+    # 3 sequences: 3 forward micro-batches, backward ones of 2 and 1 (each kept forward's count
+    # scans the collector's objects: 5 sequences took 28 s on 2 cores)
     dict(pack_size=1, micro_batch_size=1, backward_micro_batch_size=2, resident_packs=2, stash="host",
-         keep_activations=True),
+         keep_activations=True, batch=3),
 ], ids=["packs2_mb2", "layerwise_mb1_bwd2_host_stash"])
 def test_the_engines_kept_graphs_hold_what_the_estimate_counts(cfg: dict, compact: bool,
                                                                monkeypatch: pytest.MonkeyPatch) -> None:
@@ -203,7 +205,8 @@ def test_the_engines_kept_graphs_hold_what_the_estimate_counts(cfg: dict, compac
         monkeypatch.setattr(TaskHandlers, "_compact", lambda self, dev: False)
     monkeypatch.setattr(WeightRefs, "_pack", counting_pack)
     monkeypatch.setattr(TaskHandlers, "_fwd_kept", spy)
-    batch, seq = 5, 16
+    cfg = dict(cfg)
+    batch, seq = cfg.pop("batch", 5), 16
     model = make_model("llama", layers=4)
     sizes = model_sizes(model.config)
     per_block = sizes.kept_block_bytes("fp32") if compact else sizes.block_act_bytes("fp32")
