@@ -55,8 +55,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reps", default=3, type=int, metavar="N",
                    help="timed repetitions per point (median; default 3)")
     p.add_argument("--offload-dir", default=None, metavar="DIR[,DIR]",
-                   help="also measure this directory's SSD read/write rates (--ssd-bytes written and read back); "
-                        "several, comma-separated (one per drive): each alone and all of them striped")
+                   help="also measure this directory's SSD read/write rates (--ssd-bytes written and read "
+                        "back); several, comma-separated (one per drive): each alone and all of them striped")
     p.add_argument("--ssd-bytes", default="1GiB", metavar="SIZE",
                    help="bytes written and read back per --offload-dir (default 1GiB; less is quicker, "
                         "and nearer the drive's cache than its sustained rate)")
