@@ -323,20 +323,29 @@ def _layer_sizes(model: nn.Module, dec: Decomposition) -> tuple[list[int], list[
 # --------------------------------------------------------------------------- activation probe
 
 
-def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype) -> tuple[float, float]:
+def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype,
+                           lora: LoraSettings | None = None) -> tuple[float, float]:
     """Bytes autograd saves per token for block 0 of a (probe-sized) model, excluding its input
     and its parameters: what the backward pass holds for one recomputed block, and what a kept
-    block saves in the compact form (models/compact.py) -- both from one forward."""
+    block saves in the compact form (models/compact.py) -- both from one forward. ``lora``: with
+    PEFT's adapters on a dense base (frozen base weights save no inputs for their gradients, the
+    adapters add their own intermediates; a quantized base saves as a frozen dense one)."""
     model = _build(cfg, "cpu", dtype)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.02)
+    if lora is not None:
+        from tinypipe.lora.hooks import split_peft
+        from tinypipe.lora.settings import apply_lora
+
+        _, model = split_peft(apply_lora(model, dataclasses.replace(lora, quantize=None)))
+        model.to(dtype)
     dec = Decomposition(model)
     shell = Shell(model, dec, torch.device("cpu"))
     named = dict(model.named_parameters())
     param_ptrs = set()
     for name in dec.aliases:
-        t = named[name].detach().requires_grad_(True)
+        t = named[name].detach().requires_grad_(named[name].requires_grad or lora is None)
         param_ptrs.add(t.untyped_storage().data_ptr())
         shell.bind(name, t)
     ids = torch.randint(0, PROBE_VOCAB, (PROBE_BATCH, PROBE_SEQ), generator=torch.Generator().manual_seed(0))
@@ -384,22 +393,41 @@ def _act_formula(shape: dict[str, int], precision: str) -> float:
     return float(24 * h + 8 * i) * (2.0 if precision == "fp32" else 1.0)
 
 
-def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: str) -> tuple[float, float]:
+def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: str,
+                   lora: LoraSettings | None = None) -> tuple[float, float]:
     """Saved bytes per token of one real-size block: recomputed, and kept in the compact form.
 
     Small models are probed at their real widths. Larger ones are probed at widths /scale and
     /(scale/2): b(s) = A/s + C separates the width-proportional part A from the per-token constant
-    C (norm statistics, attention log-sum-exp), so A + C is the real block's figure.
+    C (norm statistics, attention log-sum-exp, LoRA's rank-wide intermediates), so A + C is the
+    real block's figure. ``lora``: the block with adapters (the scale then keeps every projection
+    that is a low-rank expansion at the real widths one at the probe's, models/compact.py).
     """
     dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if shape_of(cfg)["hidden"] <= 1024:
-        return _saved_bytes_per_token(probe_config(cfg, 1, layers=1), dtype)
+    if lora is not None:
+        scale = _lora_probe_scale(cfg, scale, lora.rank)
+    if shape_of(cfg)["hidden"] <= 1024 or (lora is not None and scale < 4):
+        return _saved_bytes_per_token(probe_config(cfg, 1, layers=1), dtype, lora)
     if scale < 4:
         raise UnsupportedModelError("widths do not scale down")
-    one = _saved_bytes_per_token(probe_config(cfg, scale, layers=1), dtype)
-    two = _saved_bytes_per_token(probe_config(cfg, scale // 2, layers=1), dtype)
+    one = _saved_bytes_per_token(probe_config(cfg, scale, layers=1), dtype, lora)
+    two = _saved_bytes_per_token(probe_config(cfg, scale // 2, layers=1), dtype, lora)
     full, compact = (max((b2 - b1) * scale + max(2 * b1 - b2, 0.0), b1) for b1, b2 in zip(one, two))
     return full, compact
+
+
+def _lora_probe_scale(cfg: transformers.PretrainedConfig, scale: int, rank: int) -> int:
+    """The largest power of two <= ``scale`` at which every projection width that is a low-rank
+    expansion of ``rank`` at the real widths still is one (below 4: probe the real widths)."""
+    from tinypipe.models.compact import LOW_RANK_RATIO
+
+    shape = shape_of(cfg)
+    widths = [shape["hidden"], shape["intermediate"], shape["heads"] * shape["head_dim"],
+              shape["kv_heads"] * shape["head_dim"]]
+    need = LOW_RANK_RATIO * rank
+    while scale >= 4 and any(w >= need > w // scale for w in widths):
+        scale //= 2
+    return scale
 
 
 # --------------------------------------------------------------------------- entry point
@@ -505,6 +533,7 @@ def lora_sizes(cfg: transformers.PretrainedConfig, settings: LoraSettings) -> Mo
         from tinypipe.quant.sizing import quantized_sizes
 
         numels, quantized = quantized_sizes(dec, inner, quant)
+    acts, kept, source = _lora_activations(cfg, settings, base)
     return dataclasses.replace(
         base, embed_numel=numels[0], head_numel=numels[-1], block_numels=tuple(numels[1:-1]),
         train_numels=tuple(trains),
@@ -512,4 +541,32 @@ def lora_sizes(cfg: transformers.PretrainedConfig, settings: LoraSettings) -> Mo
         + (f" over a {quant.label} base" if quant is not None else ""),
         quantize=quant.label if quant is not None else "", quant_block_params=tuple(quantized[1:-1]),
         draws=base.draws or settings.dropout > 0,
+        act_bytes_per_token=acts, kept_bytes_per_token=kept, act_source=source,
     )
+
+
+_LORA_ACTS: dict[str, tuple[dict, dict, str]] = {}
+
+
+def _lora_activations(cfg: transformers.PretrainedConfig, settings: LoraSettings,
+                      base: ModelSizes) -> tuple[dict, dict, str]:
+    """Saved bytes per token of a block with ``settings``' adapters (full graph, compact set), per
+    precision: probed like the base's (cached per config and settings); where the probe cannot
+    run, the base's figures (full fine-tuning's: frozen weights save less, adapters a little more)."""
+    key = _key(cfg) + repr((settings.rank, settings.dropout, tuple(settings.targets or ())))
+    hit = _LORA_ACTS.get(key)
+    if hit is not None:
+        return hit
+    if base.act_source != "probe":
+        return dict(base.act_bytes_per_token), dict(base.kept_bytes_per_token), base.act_source
+    acts: dict[str, float] = {}
+    kept: dict[str, float] = {}
+    try:
+        for precision in ("bf16", "fp32"):
+            acts[precision], kept[precision] = _act_per_token(cfg, _probe_scale(cfg), precision, settings)
+    except Exception:  # noqa: BLE001 - an estimate: a probe that fails falls back to the base's figures
+        return dict(base.act_bytes_per_token), dict(base.kept_bytes_per_token), "probe (full fine-tuning)"
+    if len(_LORA_ACTS) > 64:
+        _LORA_ACTS.clear()
+    _LORA_ACTS[key] = out = (acts, kept, "probe")
+    return out

@@ -11,6 +11,12 @@ backward unpacks it, it is read from that layer's buffer *then* -- the same valu
 not updated between its forward and its backward: the validator proves it), no copy, no device
 memory held. Activations are saved as they are.
 
+A saved tensor may *reinterpret* the buffer's bytes: a QLoRA layer's buffer holds bitsandbytes'
+payload (packed 4-bit codes as uint8, fp32 scales, tinypipe.quant.layout) viewed as the compute
+dtype, and a compiled block's graph saves those parts for its backward. The payload is frozen and
+uploaded byte for byte, so such a view is referenced like any other -- by its *byte* offset and
+its dtype -- and the backward reads the same bytes from its own buffer.
+
 Checked on CPU (a Llama block, fp32, eager and Inductor): gradients through a graph whose forward
 slot was overwritten with NaN and whose weights were re-read from a second buffer equal plain
 autograd's exactly; in the engine, streamed packs whose backward runs in other slots match
@@ -31,9 +37,18 @@ class _Ref:
     """Where a saved tensor sits in a layer's flat weight buffer."""
 
     layer: int
-    offset: int  # elements from the buffer's first element
+    offset: int  # bytes from the buffer's first byte
+    dtype: torch.dtype  # the saved view's (a quantized payload's parts differ from the buffer's)
     size: tuple[int, ...]
     stride: tuple[int, ...]
+
+    @property
+    def span(self) -> int:
+        """Bytes from the view's first element to the end of its last."""
+        if any(n == 0 for n in self.size):
+            return 0
+        last = sum((n - 1) * st for n, st in zip(self.size, self.stride))
+        return (last + 1) * torch.empty((), dtype=self.dtype).element_size()
 
 
 class WeightRefs:
@@ -72,10 +87,7 @@ class WeightRefs:
             start = buf.data_ptr()
             if t.device != buf.device or not start <= ptr < start + buf.numel() * buf.element_size():
                 continue
-            if t.dtype != buf.dtype:  # a reinterpreting view: its values could not be re-read
-                raise RuntimeError(f"kept graph saves a {t.dtype} view of layer {layer}'s "
-                                   f"{buf.dtype} weights")
-            return _Ref(layer, (ptr - start) // t.element_size(), tuple(t.shape), tuple(t.stride()))
+            return _Ref(layer, ptr - start, t.dtype, tuple(t.shape), tuple(t.stride()))
         return t if self._sink is None else self._sink(t)
 
     def _unpack(self, saved: object) -> torch.Tensor:
@@ -85,4 +97,6 @@ class WeightRefs:
             assert self._restore is not None, "a saved tensor sunk without a way back"
             return self._restore(saved)
         buf = self._current[saved.layer]
-        return torch.as_strided(buf, saved.size, saved.stride, buf.storage_offset() + saved.offset)
+        raw = buf.reshape(-1).view(torch.uint8)[saved.offset : saved.offset + saved.span]
+        view = raw.view(saved.dtype)  # the same bytes as the forward's view, from this buffer
+        return torch.as_strided(view, saved.size, saved.stride, view.storage_offset())

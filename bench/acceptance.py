@@ -1,0 +1,301 @@
+#!/usr/bin/env python3
+"""The GPU acceptance matrix: every engine, planner, LoRA/QLoRA, quantization or storage change
+must pass it on the GPU machine at its commit (README, "Contributing").
+
+    python3 bench/acceptance.py --tier quick --commit SHA --out $OUT/acc        # one device call
+    python3 bench/acceptance.py --tier full --part 1 --commit SHA --out $OUT/acc  # two calls
+    python3 bench/acceptance.py --tier full --part 2 --commit SHA --out $OUT/acc
+    python3 bench/acceptance.py --check bench/results/acceptance/SHA            # re-check saved rows
+    python3 bench/acceptance.py --accept bench/results/acceptance/SHA           # make them the baseline
+
+Rows (real shapes, the GPU capped at 24 GiB, the planner's default plans: how users run it) are
+listed in :data:`ROWS` (bench/acceptance_rows.py says what each kind runs). Each runs in a child
+process of its own and writes one raw JSON ``<out>/<row>.json``; then every row is checked:
+
+* it ran; its losses are finite and fall (last < first);
+* GPU: the allocator's reserved peak <= the cap and <= the planner's ``gpu_need`` for the plan it
+  chose (which already holds its fragmentation and CUDA-context headroom: no more is added);
+* host: the process's RSS peak (children included) <= the planner's ``host_need`` + 10 % + 2 GiB
+  (the random model is built on the host before the engine adopts it, and the interpreter,
+  libraries and compiler are not in the estimate's categories);
+* tokens/s >= 0.9 x the row's baseline (``bench/acceptance_baseline.json``: the last accepted run;
+  a row without a baseline passes this check and says so);
+* the planner's tokens/s within +-15 % of the measured;
+* CLI: SIGKILL + ``--resume`` ends bit-identical to an uninterrupted run, the LoRA output loads
+  in PEFT with trained adapters; tests: no failure.
+
+A table is printed last; the exit code is 1 when any check failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+from acceptance_rows import CliRow, EngineRow, Row, TestsRow, finite, run_row  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+BASELINE = ROOT / "bench" / "acceptance_baseline.json"
+GiB = 1024**3
+SPEED_FLOOR = 0.9
+PREDICTION_TOLERANCE = 0.15
+HOST_HEADROOM = (0.10, 2 * GiB)
+
+#: name -> row. Order: the rows that guard the regressions of issue #31 first.
+ROWS: dict[str, Row] = {
+    "lora-8b": EngineRow("8b", lora="bf16", lr=2e-4, warmup=1, steps=3, seconds=80),
+    "qlora-8b-nf4": EngineRow("8b", lora="nf4", lr=2e-4, warmup=1, steps=3, seconds=90),
+    "w1": EngineRow("W1", seconds=40),
+    "w1-clip": EngineRow("W1", max_grad_norm=1.0, seconds=45),
+    "w1-2stage": EngineRow("W1", devices=("cuda:0", "cuda:0"), seconds=40),
+    "w3": EngineRow("W3", seconds=50),
+    "w3-clip": EngineRow("W3", max_grad_norm=1.0, seconds=55),
+    "cli": CliRow(seconds=90),
+    "qlora-8b-fp4": EngineRow("8b", lora="fp4", lr=2e-4, warmup=1, steps=3, seconds=90),
+    "qlora-70b-nf4": EngineRow("70b", lora="nf4", lr=2e-4, warmup=1, steps=2, seconds=300),
+    "ssd-w3": EngineRow("W3", cpu_memory_gib=48, offload=True, warmup=1, steps=2, seconds=160),
+    "gpu-tests": TestsRow(seconds=200),
+    # the machinery itself on a CPU (tests/test_acceptance.py): in no tier
+    "tiny-cpu": EngineRow("tiny", devices=("cpu",), lr=1e-3, warmup=1, steps=2, seconds=30),
+}
+#: one device call (<= 10 minutes on the H200)
+QUICK = ("lora-8b", "qlora-8b-nf4", "w1", "w1-clip", "w1-2stage", "w3", "w3-clip", "cli")
+#: the full tier in two device calls
+FULL_PARTS = {
+    1: QUICK + ("qlora-8b-fp4",),
+    2: ("qlora-70b-nf4", "ssd-w3", "gpu-tests"),
+}
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tier", choices=("quick", "full"), default="quick")
+    ap.add_argument("--part", type=int, choices=(1, 2), default=None, help="full tier: run one of its two halves")
+    ap.add_argument("--rows", default=None, help="comma-separated row names instead of a tier")
+    ap.add_argument("--commit", default=None, help="the commit under test (recorded; default: git rev-parse)")
+    ap.add_argument("--out", default=None, help="directory for the raw JSON of each row")
+    ap.add_argument("--cap-gib", type=float, default=24.0, help="GPU memory cap and planning budget")
+    ap.add_argument("--deadline", type=float, default=None, metavar="S",
+                    help="skip (and fail) the rows that would end more than S seconds after the start: the "
+                         "table is printed before the device call's limit")
+    ap.add_argument("--check", default=None, metavar="DIR", help="check the rows saved in DIR; run nothing")
+    ap.add_argument("--accept", default=None, metavar="DIR", help="write DIR's passing rows as the baseline")
+    ap.add_argument("--note", default="", help="with --accept: why (e.g. a slower row explained)")
+    ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # child: run one row
+    return ap.parse_args(argv)
+
+
+def selected(a: argparse.Namespace) -> list[str]:
+    if a.rows:
+        names = [n.strip() for n in a.rows.split(",") if n.strip()]
+    elif a.tier == "quick":
+        names = list(QUICK)
+    elif a.part is not None:
+        names = list(FULL_PARTS[a.part])
+    else:
+        names = list(FULL_PARTS[1] + FULL_PARTS[2])
+    unknown = [n for n in names if n not in ROWS]
+    if unknown:
+        raise SystemExit(f"acceptance: unknown rows {', '.join(unknown)}; choose from {', '.join(ROWS)}")
+    return names
+
+
+def _commit(given: str | None) -> str:
+    if given:
+        return given
+    try:
+        return subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=ROOT, capture_output=True,
+                              text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def check(name: str, rec: dict[str, Any], baseline: dict[str, Any]) -> list[tuple[str, bool, str]]:
+    """(check, passed, detail) for one row's record."""
+    out: list[tuple[str, bool, str]] = []
+    if rec.get("error"):
+        return [("runs", False, rec["error"])]
+    kind = rec["kind"]
+    if kind == "tests":
+        ok = rec["rc"] == 0 and rec["failed"] == 0 and rec["errors"] == 0 and rec["passed"] > 0
+        return [("runs", ok, rec["summary"] or f"rc {rec['rc']}")]
+    if kind == "cli":
+        rc = rec["rc"]
+        out.append(("runs", rc[0] == 0 and rc[2] == 0 and rc[3] == 0, f"rc whole/killed/resumed/lora {rc}"))
+        out.append(("killed", rc[1] == -9, f"the second run ended with {rc[1]} (SIGKILL: -9)"))
+        out.append(("resume bit-identical", rec["identical"] is True,
+                    "every tensor equal" if rec["identical"] else f"differs: {rec['differing']}"))
+        losses = rec["losses"]
+        out.append(("loss falls", finite(losses) and losses[-1] < losses[0],
+                    f"{losses[0]:.3f} -> {losses[-1]:.3f}" if losses else "no losses"))
+        out.append(("LoRA loads in PEFT", rec["peft_loads"] is True, rec.get("peft_error") or "trained adapters"))
+        return out
+    losses = rec["losses"]
+    out.append(("runs", True, rec["plan"]))
+    out.append(("loss finite, falls", finite(losses) and losses[-1] < losses[0],
+                f"{losses[0]:.4f} -> {losses[-1]:.4f}"))
+    peak, cap, need = rec["gpu_peak_reserved"], rec["gpu_cap"], rec["gpu_need"]
+    out.append(("GPU peak <= cap", peak <= cap, f"{peak / GiB:.2f} <= {cap / GiB:.2f} GiB"))
+    if need is not None:
+        out.append(("GPU peak <= estimate", peak <= need, f"{peak / GiB:.2f} <= {need / GiB:.2f} GiB"))
+    host, hneed = rec["host_peak"], rec["host_need"]
+    if hneed is not None:
+        allowed = hneed * (1 + HOST_HEADROOM[0]) + HOST_HEADROOM[1]
+        out.append(("host peak <= estimate+", host <= allowed,
+                    f"{host / GiB:.1f} <= {allowed / GiB:.1f} GiB (estimate {hneed / GiB:.1f})"))
+    tps = rec["tokens_per_s"]
+    base = baseline.get(name)
+    if base is None:
+        out.append(("speed >= 0.9 x baseline", True, f"{tps:,.0f} tok/s (no baseline yet)"))
+    else:
+        out.append(("speed >= 0.9 x baseline", tps >= SPEED_FLOOR * base["tokens_per_s"],
+                    f"{tps:,.0f} vs {base['tokens_per_s']:,.0f} ({base['commit']})"))
+    pred = rec.get("predicted_tokens_per_s")
+    if pred is None:
+        out.append(("prediction +-15 %", False, "no planner prediction"))
+    else:
+        err = pred / tps - 1
+        out.append(("prediction +-15 %", abs(err) <= PREDICTION_TOLERANCE, f"{pred:,.0f} predicted ({err:+.1%})"))
+    return out
+
+
+def table(results: dict[str, dict[str, Any]], checks: dict[str, list[tuple[str, bool, str]]], commit: str) -> str:
+    lines = [f"acceptance at {commit}",
+             f"{'row':<14} {'ok':<4} {'tok/s':>8} {'pred':>8} {'GPU GiB':>8} {'est':>6} {'host GiB':>9} {'est':>6}  "
+             "failed checks / plan"]
+    for name, rec in results.items():
+        ok = all(p for _, p, _ in checks[name])
+        failed = "; ".join(f"{c}: {d}" for c, p, d in checks[name] if not p)
+        if rec.get("kind") == "engine" and not rec.get("error"):
+            g = lambda v: f"{v / GiB:.1f}" if v else "-"  # noqa: E731
+            pred = rec.get("predicted_tokens_per_s")
+            lines.append(f"{name:<14} {'PASS' if ok else 'FAIL':<4} {rec['tokens_per_s']:>8,.0f} "
+                         f"{pred or 0:>8,.0f} {g(rec['gpu_peak_reserved']):>8} {g(rec['gpu_need']):>6} "
+                         f"{g(rec['host_peak']):>9} {g(rec['host_need']):>6}  {failed or rec['plan']}")
+        else:
+            detail = failed or "; ".join(d for _, _, d in checks[name])
+            lines.append(f"{name:<14} {'PASS' if ok else 'FAIL':<4} {'':>8} {'':>8} {'':>8} {'':>6} {'':>9} {'':>6}  "
+                         f"{detail}")
+    passed = sum(all(p for _, p, _ in c) for c in checks.values())
+    lines.append(f"{passed}/{len(checks)} rows pass")
+    return "\n".join(lines)
+
+
+def load_baseline() -> dict[str, Any]:
+    return json.loads(BASELINE.read_text()).get("rows", {}) if BASELINE.exists() else {}
+
+
+def check_dir(directory: Path) -> tuple[dict, dict, str]:
+    results = {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
+    order = [n for n in ROWS if n in results]
+    results = {n: results[n] for n in order}
+    baseline = load_baseline()
+    checks = {n: check(n, r, baseline) for n, r in results.items()}
+    commit = next((r.get("commit") for r in results.values() if r.get("commit")), directory.name)
+    return results, checks, commit
+
+
+def accept(directory: Path, note: str) -> int:
+    results, checks, commit = check_dir(directory)
+    data = json.loads(BASELINE.read_text()) if BASELINE.exists() else {"rows": {}}
+    taken = []
+    for name, rec in results.items():
+        if rec.get("kind") != "engine" or rec.get("error"):
+            continue
+        non_speed = [p for c, p, _ in checks[name] if not c.startswith("speed")]
+        if all(non_speed):
+            data["rows"][name] = {"tokens_per_s": round(rec["tokens_per_s"], 1), "commit": commit,
+                                  "raw": str(directory.relative_to(ROOT) / f"{name}.json"), "note": note}
+            taken.append(name)
+    BASELINE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    print(f"baseline: {', '.join(taken) or 'nothing'} from {commit}")
+    return 0
+
+
+# --------------------------------------------------------------------------- running
+
+
+def child(a: argparse.Namespace) -> int:
+    rec = run_row(ROWS[a.row], a.cap_gib)
+    rec["commit"] = a.commit
+    Path(a.out, f"{a.row}.json").write_text(json.dumps(rec, indent=1, default=str))
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse(argv)
+    if a.check:
+        results, checks, commit = check_dir(Path(a.check))
+        print(table(results, checks, commit))
+        return 0 if all(all(p for _, p, _ in c) for c in checks.values()) else 1
+    if a.accept:
+        return accept(Path(a.accept).resolve(), a.note)
+    a.commit = _commit(a.commit)
+    out = Path(a.out or ROOT / "bench" / "results" / "acceptance" / a.commit)
+    out.mkdir(parents=True, exist_ok=True)
+    a.out = str(out)
+    if a.row:
+        return child(a)
+    names = selected(a)
+    planned = sum(ROWS[n].seconds for n in names)
+    print(f"acceptance at {a.commit}: {len(names)} rows, ~{planned} s on an H200: {', '.join(names)}", flush=True)
+    baseline = load_baseline()
+    results, checks = {}, {}
+    start = time.perf_counter()
+    for name in names:
+        row = ROWS[name]
+        t0 = time.perf_counter()
+        left = None if a.deadline is None else a.deadline - (t0 - start)
+        if left is not None and left < row.seconds:
+            rec = {"kind": row.kind, "commit": a.commit, "error": f"skipped: {left:.0f} s left of the deadline, "
+                                                                  f"the row takes ~{row.seconds} s"}
+            results[name], checks[name] = rec, check(name, rec, baseline)
+            print(f"== {name}: {rec['error']}", flush=True)
+            continue
+        print(f"== {name} ({row.kind}, ~{row.seconds} s)", flush=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--row", name, "--commit", a.commit, "--out", a.out,
+               "--cap-gib", str(a.cap_gib)]
+        limit = row.seconds * 2 + 120 if left is None else max(30, int(left) + 30)
+        try:
+            proc = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
+            rc, text = proc.returncode, proc.stdout + proc.stderr
+        except subprocess.TimeoutExpired as exc:
+            rc, text = -1, f"timed out after {limit} s\n{exc.stdout or ''}{exc.stderr or ''}"
+        path = out / f"{name}.json"
+        if rc == 0 and path.exists():
+            rec = json.loads(path.read_text())
+        else:
+            tail = [line for line in str(text).splitlines() if line.strip()][-3:]
+            rec = {"kind": row.kind, "commit": a.commit, "error": f"exit {rc}: " + " | ".join(tail)[-600:],
+                   "log_tail": str(text)[-6000:]}
+            path.write_text(json.dumps(rec, indent=1))
+        rec["wall_s"] = time.perf_counter() - t0
+        path.write_text(json.dumps(rec, indent=1, default=str))
+        results[name], checks[name] = rec, check(name, rec, baseline)
+        for c, p, d in checks[name]:
+            print(f"   {'ok ' if p else 'FAIL'} {c}: {d}", flush=True)
+        print(f"   ({rec['wall_s']:.0f} s)", flush=True)
+    text = table(results, checks, a.commit)
+    (out / "table.txt").write_text(text + "\n")
+    print(text)
+    return 0 if all(all(p for _, p, _ in c) for c in checks.values()) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
