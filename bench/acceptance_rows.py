@@ -10,7 +10,7 @@ peaks are its own, and returns one JSON record; ``acceptance.py`` checks the rec
   prediction for the plan it chose (tokens/s, GPU and host need);
 * ``cli`` -- ``tinypipe finetune`` through the command line on CUDA: an uninterrupted run, a run
   SIGKILLed mid-way and resumed, the two final models compared bit for bit; a LoRA run whose
-  output ``PeftModel.from_pretrained`` loads and reproduces;
+  output ``PeftModel.from_pretrained`` loads, with trained (non-zero) ``lora_B``;
 * ``tests`` -- ``pytest -m gpu``.
 """
 
@@ -58,6 +58,7 @@ class CliRow:
 
     steps: int = 8
     every: int = 2
+    device: str = "cuda:0"
     seconds: int = 150
     kind: str = "cli"
 
@@ -198,7 +199,7 @@ def _cli(argv: list[str], log: Path, kill_after_lines: int | None = None, metric
     records. Returns its exit code (-9 when killed)."""
     env = dict(os.environ, PYTHONPATH=f"{ROOT}:{os.environ.get('PYTHONPATH', '')}", HF_HUB_OFFLINE="1")
     with log.open("a") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "tinypipe", *argv], env=env, stdout=fh,
+        proc = subprocess.Popen([sys.executable, "-m", "tinypipe.cli", *argv], env=env, stdout=fh,
                                 stderr=subprocess.STDOUT)
         if kill_after_lines is None:
             return proc.wait(timeout=600)
@@ -257,8 +258,8 @@ def run_cli_row(row: CliRow, scratch: Path, cap_gib: float) -> dict[str, Any]:
     model_dir, data = _small_model(scratch)
     log = scratch / "cli.log"
     common = ["finetune", "--model", str(model_dir), "--data", str(data), "--seq-len", "256", "--global-batch", "8",
-              "--steps", str(row.steps), "--lr", "3e-4", "--warmup-steps", "1", "--devices", "cuda:0",
-              "--gpu-memory", f"{cap_gib:g}GiB", "--max-grad-norm", "1.0", "--checkpoint-every", str(row.every),
+              "--steps", str(row.steps), "--lr", "3e-4", "--warmup-steps", "1", "--devices", row.device,
+              *(["--gpu-memory", f"{cap_gib:g}GiB"] if row.device.startswith("cuda") else []), "--max-grad-norm", "1.0", "--checkpoint-every", str(row.every),
               "--no-progress"]
     t0 = time.perf_counter()
     whole, killed = scratch / "whole", scratch / "killed"
@@ -275,8 +276,8 @@ def run_cli_row(row: CliRow, scratch: Path, cap_gib: float) -> dict[str, Any]:
         identical = not differing and set(a) == set(b)
     losses = [json.loads(line)["loss"] for line in (whole / "metrics.jsonl").read_text().splitlines()
               if '"loss"' in line] if (whole / "metrics.jsonl").exists() else []
-    # LoRA: the output is a PEFT adapter; PeftModel.from_pretrained over the base reproduces the
-    # engine's logits
+    # LoRA: the output is a PEFT adapter that PeftModel.from_pretrained loads over the base, with
+    # adapters that moved from their zero init (not an empty adapter)
     lora_out = scratch / "lora"
     rc_lora = _cli([*common[:-3], "--no-progress", "--lora", "--lora-rank", "8", "--output", str(lora_out)], log)
     peft_loads, peft_err = None, None

@@ -75,18 +75,38 @@ def _available_ram() -> tuple[int, int]:
     return int(psutil.virtual_memory().available), int(psutil.Process().memory_info().rss)
 
 
+def entries_per_gpu(devices: list[str]) -> int:
+    """The most device entries that name one CUDA device (``cuda:0,cuda:0``: two pipeline stages
+    on one GPU): they share its memory, its compute and its host link."""
+    counts: dict[str, int] = {}
+    for d in devices:
+        if d.startswith("cuda"):
+            key = d if ":" in d else "cuda:0"
+            counts[key] = counts.get(key, 0) + 1
+    return max(counts.values(), default=1)
+
+
 def budgets(cfg: Config) -> tuple[int, int]:
-    """(GPU bytes per device, host bytes) the plan must fit."""
+    """(GPU bytes per device entry, host bytes) the plan must fit. Entries that share one GPU
+    split its budget (the estimator sizes each entry on its own)."""
     avail, rss = _available_ram()
     gpu = cfg.gpu_memory_bytes
     if gpu is None:
         cuda = [d for d in cfg.devices if d.startswith("cuda")]
         gpu = min(_cuda_capacity(d) for d in sorted(set(cuda))) if cuda else avail
     host = cfg.cpu_memory_bytes if cfg.cpu_memory_bytes is not None else avail + rss
-    return int(gpu), int(host)
+    return int(gpu) // entries_per_gpu(list(cfg.devices)), int(host)
 
 
 def hardware_for(cfg: Config) -> HardwareSpec:
+    """The hardware the planner times ``cfg``'s devices on: a preset (or profile) per GPU, each
+    entry's share of it where several entries name one GPU (its compute rates and link split)."""
+    hw = _hardware(cfg)
+    shared = entries_per_gpu(list(cfg.devices))
+    return hw if shared == 1 else hw.shared_by(shared)
+
+
+def _hardware(cfg: Config) -> HardwareSpec:
     if cfg.hardware is not None:
         return load_hardware(cfg.hardware)
     cuda = [d for d in cfg.devices if d.startswith("cuda")]

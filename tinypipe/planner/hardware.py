@@ -65,6 +65,18 @@ class HardwareSpec:
             return self.fp32_tflops or self.bf16_tflops / 8
         return self.bf16_tflops
 
+    def shared_by(self, entries: int) -> "HardwareSpec":
+        """One of ``entries`` pipeline stages on this GPU: its share of the compute and the link
+        (the stages' kernels and copies run side by side on the one device)."""
+        prof = self.layer_profile
+        if prof is not None:  # measured times stretch with the sharing too
+            prof = prof.scaled(entries)
+        return replace(self, name=f"{self.name}/{entries}", h2d_gbs=self.h2d_gbs / entries,
+                       d2h_gbs=self.d2h_gbs / entries, bidir_gbs=self.bidir_gbs / entries,
+                       bf16_tflops=self.bf16_tflops / entries,
+                       fp32_tflops=None if self.fp32_tflops is None else self.fp32_tflops / entries,
+                       layer_profile=prof)
+
     def with_memory(self, gpu_memory_bytes: int | None) -> "HardwareSpec":
         return self if gpu_memory_bytes is None else replace(self, gpu_memory_bytes=int(gpu_memory_bytes))
 
