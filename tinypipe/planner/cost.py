@@ -844,6 +844,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     if plan.deferred:  # the deferred updates run ahead of the next forward's uploads of their layers
         forward = max(forward, _deferred_forward_end(w, dev, plan.deferred) - fill)
     step = fill + forward + head + backward + tail
+    shared = _shared_gpu_floor(lanes, head, plan, hw, rates)
+    step = max(step, shared)
     # clipping triggers: the host AdamW of every host-stepped layer waits for the global norm and
     # runs in the background ahead of the next forward, which follows it layer by layer
     clip_rate = rates.adamw * CLIPPED_ADAMW_EFFICIENCY
@@ -890,6 +892,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
             faster = raced(layers, walked)
             if layers and faster < clipped - 1e-6:  # a gain, not a rounding of the same bound
                 clipped, assisted = faster, layers
+    if clipped is not None:
+        clipped = max(clipped, shared)
     return StepTime(
         fill_s=fill, forward_s=forward, head_s=head, backward_s=backward, tail_s=tail, step_s=step,
         tokens_per_s=tokens / step, compute_s=sum(lanes.f_comp) + sum(lanes.b_comp) + head,
@@ -902,6 +906,20 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         ssd_write_s=ssd.t.write_bytes / ssd.write if ssd.on else 0.0,
         assisted=assisted if clipping else unclipped_assist,
     )
+
+
+def _shared_gpu_floor(lanes: _Lanes, head: float, plan: Plan, hw: HardwareSpec, rates: _Rates) -> float:
+    """Stages that share one GPU (``hw.stages_per_gpu`` > 1) overlap as separate devices would,
+    but their kernels and copies run on one GPU and one link: the step is no shorter than each
+    GPU's share of all stages' compute, or of their uploads (round-robin packs spread the work
+    evenly). 0 when every stage has a GPU of its own."""
+    k = hw.stages_per_gpu
+    if k <= 1:
+        return 0.0
+    gpus = max(1, plan.num_devices // k)
+    compute = (sum(lanes.f_comp) + sum(lanes.b_comp) + head) / gpus
+    uploads = (sum(lanes.f_up) + sum(lanes.b_up)) / gpus / rates.h2d
+    return max(compute, uploads)
 
 
 class _SsdLanes:

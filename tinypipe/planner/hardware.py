@@ -59,6 +59,8 @@ class HardwareSpec:
     #: the forward after a clipped step moves every host-held layer's AdamW state through it
     #: (:mod:`tinypipe.planner.dram`)
     host_dram_gbs: float | None = None
+    #: device entries (pipeline stages) per GPU: >1 when a device list names one GPU several times
+    stages_per_gpu: int = 1
 
     def tflops(self, precision: str) -> float:
         if precision == "fp32":
@@ -66,16 +68,10 @@ class HardwareSpec:
         return self.bf16_tflops
 
     def shared_by(self, entries: int) -> "HardwareSpec":
-        """One of ``entries`` pipeline stages on this GPU: its share of the compute and the link
-        (the stages' kernels and copies run side by side on the one device)."""
-        prof = self.layer_profile
-        if prof is not None:  # measured times stretch with the sharing too
-            prof = prof.scaled(entries)
-        return replace(self, name=f"{self.name}/{entries}", h2d_gbs=self.h2d_gbs / entries,
-                       d2h_gbs=self.d2h_gbs / entries, bidir_gbs=self.bidir_gbs / entries,
-                       bf16_tflops=self.bf16_tflops / entries,
-                       fp32_tflops=None if self.fp32_tflops is None else self.fp32_tflops / entries,
-                       layer_profile=prof)
+        """This GPU as one of ``entries`` pipeline stages that share it (``cuda:0,cuda:0``): each
+        stage alone runs at the GPU's rates, and the time model adds that together they run on
+        one GPU and one link (:attr:`stages_per_gpu`)."""
+        return replace(self, name=f"{self.name} x{entries} stages", stages_per_gpu=entries)
 
     def with_memory(self, gpu_memory_bytes: int | None) -> "HardwareSpec":
         return self if gpu_memory_bytes is None else replace(self, gpu_memory_bytes=int(gpu_memory_bytes))
@@ -115,7 +111,7 @@ HARDWARE: dict[str, HardwareSpec] = {
 }
 
 _OPTIONAL = ("fp32_tflops", "description", "layer_profile", "ssd_read_gbps", "ssd_write_gbps",
-             "host_dram_gbs")
+             "host_dram_gbs", "stages_per_gpu")
 
 
 def _from_dict(d: dict, default_name: str) -> HardwareSpec:
