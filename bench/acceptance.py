@@ -66,7 +66,7 @@ ROWS: dict[str, Row] = {
     "cli": CliRow(seconds=110),
     "qlora-8b-fp4": EngineRow("8b", lora="fp4", lr=2e-4, warmup=1, steps=3, seconds=90),
     "qlora-70b-nf4": EngineRow("70b", lora="nf4", lr=2e-4, warmup=1, steps=2, seconds=300),
-    "ssd-w3": EngineRow("W3", cpu_memory_gib=48, offload=True, warmup=1, steps=2, seconds=160),
+    "ssd-w3": EngineRow("W3", cpu_memory_gib=48, offload=True, warmup=1, steps=2, seconds=170),
     "gpu-tests": TestsRow(seconds=200),
     # the machinery itself on a CPU (tests/test_acceptance.py): in no tier
     "tiny-cpu": EngineRow("tiny", devices=("cpu",), lr=1e-3, warmup=1, steps=2, seconds=30),
@@ -95,6 +95,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--check", default=None, metavar="DIR", help="check the rows saved in DIR; run nothing")
     ap.add_argument("--accept", default=None, metavar="DIR", help="write DIR's passing rows as the baseline")
     ap.add_argument("--note", default="", help="with --accept: why (e.g. a slower row explained)")
+    ap.add_argument("--readme", action="store_true",
+                    help="rewrite README.md's acceptance table from the baseline (the latest accepted rows)")
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)  # child: run one row
     return ap.parse_args(argv)
 
@@ -234,6 +236,42 @@ def accept(directory: Path, note: str) -> int:
     return 0
 
 
+README = ROOT / "README.md"
+README_BEGIN, README_END = "<!-- acceptance table: bench/acceptance.py --readme -->", "<!-- end of acceptance table -->"
+#: what each row trains, for the README
+DESCRIBE = {
+    "w1": "Llama-3.2-3B shape, full FT", "w1-clip": "the same, clipping every step",
+    "w1-2stage": "the same, two pipeline stages on one GPU", "w3": "Llama-2-7B shape, full FT",
+    "w3-clip": "the same, clipping every step", "ssd-w3": "Llama-2-7B shape, 48 GiB host, the rest on the SSD",
+    "lora-8b": "Llama-3.1-8B shape, bf16 LoRA r16 (every projection)",
+    "qlora-8b-nf4": "Llama-3.1-8B shape, QLoRA NF4 r16", "qlora-8b-fp4": "Llama-3.1-8B shape, QLoRA FP4 r16",
+    "qlora-70b-nf4": "Llama-3.1-70B shape, QLoRA NF4 r16",
+}
+
+
+def readme_table() -> str:
+    """The accepted rows as a markdown table: every number from the raw file the baseline names."""
+    lines = ["| row | workload (16 x 2048 tokens/step, 24 GiB cap, the planner's own plan) | tokens/s | "
+             "planner | GPU peak | host peak | raw |", "|---|---|---|---|---|---|---|"]
+    for name, entry in load_baseline().items():
+        if name not in DESCRIBE:
+            continue
+        rec = json.loads((ROOT / entry["raw"]).read_text())
+        lines.append(f"| {name} | {DESCRIBE[name]} | **{rec['tokens_per_s']:,.0f}** | "
+                     f"{rec['predicted_tokens_per_s']:,.0f} | {rec['gpu_peak_reserved'] / GiB:.1f} GiB | "
+                     f"{rec['host_peak'] / GiB:.1f} GiB | `{entry['raw']}` |")
+    order = {n: i for i, n in enumerate(ROWS)}
+    head, rows = lines[:2], sorted(lines[2:], key=lambda line: order[line.split(" | ")[0][2:]])
+    return "\n".join(head + rows)
+
+
+def write_readme() -> int:
+    text = README.read_text()
+    start, end = text.index(README_BEGIN) + len(README_BEGIN), text.index(README_END)
+    README.write_text(text[:start] + "\n" + readme_table() + "\n" + text[end:])
+    return 0
+
+
 # --------------------------------------------------------------------------- running
 
 
@@ -252,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if all(all(p for _, p, _ in c) for c in checks.values()) else 1
     if a.accept:
         return accept(Path(a.accept).resolve(), a.note)
+    if a.readme:
+        return write_readme()
     a.commit = _commit(a.commit)
     out = Path(a.out or ROOT / "bench" / "results" / "acceptance" / a.commit)
     out.mkdir(parents=True, exist_ok=True)

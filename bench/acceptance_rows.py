@@ -120,6 +120,22 @@ def _build(row: EngineRow, device: str):  # -> (model, batch)
     return pm, {"input_ids": ids}
 
 
+def _measured_ssd_hardware(directory: Path, scratch: Path, device: str) -> tuple[str, dict[str, float]]:
+    """A hardware file: the GPU's preset with ``directory``'s direct-I/O rates measured now (4 GiB
+    written and read back), and those rates."""
+    from tinypipe.cli.profile import ssd_rates
+    from tinypipe.config import Config
+    from tinypipe.planner.auto import hardware_for
+
+    rates = ssd_rates([str(directory)], 4 << 30)
+    spec = hardware_for(Config(devices=[device])).as_dict()
+    spec.update(name=f"{spec['name']} (disk measured)", ssd_read_gbps=rates["ssd_read_gbps"],
+                ssd_write_gbps=rates["ssd_write_gbps"])
+    path = scratch / "hardware.json"
+    path.write_text(json.dumps(spec))
+    return str(path), {k: rates[k] for k in ("ssd_read_gbps", "ssd_write_gbps")}
+
+
 def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, Any]:
     import torch
 
@@ -140,10 +156,15 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
         kw: dict[str, Any] = {}
         if row.cpu_memory_gib is not None:
             kw["cpu_memory_bytes"] = int(row.cpu_memory_gib * GiB)
+        ssd = None
         if row.offload:
             off = scratch / "offload"
             off.mkdir(parents=True, exist_ok=True)
             kw["offload_dir"] = str(off)
+            # the disk's rates measured in this call, as `tinypipe profile --offload-dir` does: lent
+            # machines' drives differ (the same W3 plan took 39.9 s/step in session 5, 30.3 s at
+            # 698da54), so the preset's stated rates cannot check the planner's prediction
+            kw["hardware"], ssd = _measured_ssd_hardware(off, scratch, row.devices[0])
         config = tinypipe.Config(devices=list(row.devices), precision="bf16", lr=row.lr, weight_decay=0.0,
                                  seq_len=int(batch["input_ids"].shape[1]),
                                  global_batch=int(batch["input_ids"].shape[0]),
@@ -183,6 +204,7 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
         "gpu_need": best.gpu_need if best is not None else None,
         "host_need": best.host_need if best is not None else None,
         "kept_packs": [q for q in range(engine.plan.num_packs) if engine.plan.kept(q)],
+        "ssd_rates": ssd,
         "memory_report": report.as_dict(),
         "torch": torch.__version__,
         "gpu_name": torch.cuda.get_device_name(torch.device(row.devices[0])) if cuda else "cpu",

@@ -99,3 +99,10 @@ def test_a_row_runs_in_a_child_and_is_checked(tmp_path: Path) -> None:
     assert rec["host_peak"] > 0 and rec["host_need"] > 0 and rec["plan"]
     table = (tmp_path / "table.txt").read_text()
     assert "tiny-cpu" in table and "rows pass" in table
+
+
+def test_the_readme_table_is_the_accepted_rows() -> None:
+    """README's headline table is generated from the baseline's raw files (``--readme``)."""
+    text = acceptance.README.read_text()
+    start = text.index(acceptance.README_BEGIN) + len(acceptance.README_BEGIN)
+    assert text[start:text.index(acceptance.README_END)].strip() == acceptance.readme_table()

@@ -166,6 +166,11 @@ def test_cuda_int8_qlora_is_refused_in_one_line() -> None:
                                             micro_batch_size=2))
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "answered on the H200 at 698da54 (bench/results/acceptance/698da54): step by step, the first "
+    "step already misses -- 1dev_clip: adapter update 1.14e-4 relative (tolerance 1e-4), "
+    "2dev_host_stash: one adapter 3.2e-5 (1e-5) -- so int8 QLoRA stays refused on CUDA; a pass here "
+    "(strict) says the refusal could go"))
 @pytest.mark.parametrize("cfg", [
     dict(devices=["cuda:0"], pack_size=2, micro_batch_size=2, prefetch_window=2, max_grad_norm=0.05),
     dict(devices=["cuda:0", "cuda:0"], pack_size=2, micro_batch_size=2, stash="host"),
