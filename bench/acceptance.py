@@ -3,8 +3,9 @@
 must pass it on the GPU machine at its commit (README, "Contributing").
 
     python3 bench/acceptance.py --tier quick --commit SHA --out $OUT/acc        # one device call
-    python3 bench/acceptance.py --tier full --part 1 --commit SHA --out $OUT/acc  # two calls
+    python3 bench/acceptance.py --tier full --part 1 --commit SHA --out $OUT/acc  # three calls
     python3 bench/acceptance.py --tier full --part 2 --commit SHA --out $OUT/acc
+    python3 bench/acceptance.py --tier full --part 3 --commit SHA --out $OUT/acc
     python3 bench/acceptance.py --check bench/results/acceptance/SHA            # re-check saved rows
     python3 bench/acceptance.py --accept bench/results/acceptance/SHA           # make them the baseline
 
@@ -72,19 +73,22 @@ ROWS: dict[str, Row] = {
     "tiny-cpu": EngineRow("tiny", devices=("cpu",), lr=1e-3, warmup=1, steps=2, seconds=30),
     "cli-cpu": CliRow(device="cpu", steps=4, seconds=120),
 }
-#: one device call (<= 10 minutes on the H200)
-QUICK = ("lora-8b", "qlora-8b-nf4", "w1", "w1-clip", "w1-2stage", "w3", "w3-clip", "cli")
-#: the full tier in two device calls
+#: one device call (~8 minutes on the H200 at 698da54: the rows' wall times in its raw files)
+QUICK = ("lora-8b", "qlora-8b-nf4", "w1", "w1-clip", "w1-2stage", "w3", "cli")
+#: the full tier: three device calls of <= ~8 minutes each (measured: 614 s for quick + w3-clip +
+#: fp4 alone, over one call's 600 s)
 FULL_PARTS = {
-    1: QUICK + ("qlora-8b-fp4",),
-    2: ("qlora-70b-nf4", "ssd-w3", "gpu-tests"),
+    1: QUICK,
+    2: ("w3-clip", "qlora-8b-fp4", "qlora-70b-nf4", "ssd-w3"),
+    3: ("gpu-tests",),
 }
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tier", choices=("quick", "full"), default="quick")
-    ap.add_argument("--part", type=int, choices=(1, 2), default=None, help="full tier: run one of its two halves")
+    ap.add_argument("--part", type=int, choices=sorted(FULL_PARTS), default=None,
+                    help="full tier: run one of its parts (one device call each)")
     ap.add_argument("--rows", default=None, help="comma-separated row names instead of a tier")
     ap.add_argument("--commit", default=None, help="the commit under test (recorded; default: git rev-parse)")
     ap.add_argument("--out", default=None, help="directory for the raw JSON of each row")
@@ -109,7 +113,7 @@ def selected(a: argparse.Namespace) -> list[str]:
     elif a.part is not None:
         names = list(FULL_PARTS[a.part])
     else:
-        names = list(FULL_PARTS[1] + FULL_PARTS[2])
+        names = [n for part in FULL_PARTS.values() for n in part]
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         raise SystemExit(f"acceptance: unknown rows {', '.join(unknown)}; choose from {', '.join(ROWS)}")

@@ -101,14 +101,18 @@ def _train(model_fn, cfg: dict, batches: list) -> tuple[list, dict, tinypipe.Eng
     return [(r.loss, r.grad_norm) for r in steps], state, engine
 
 
-@pytest.mark.parametrize("compile_blocks", ["off", "aot_eager"], ids=["eager", "compiled"])
-def test_qlora_kept_equals_recomputed_bit_for_bit(compile_blocks: str) -> None:
+@pytest.mark.parametrize("device,compile_blocks", [
+    ("cpu", "off"), ("cpu", "aot_eager"),
+    pytest.param("cuda:0", "auto", marks=pytest.mark.gpu),  # Inductor, as users run it
+], ids=["eager", "compiled", "cuda_inductor"])
+def test_qlora_kept_equals_recomputed_bit_for_bit(device: str, compile_blocks: str) -> None:
     """QLoRA (NF4, double quantization) with its fixed-slot packs kept equals the same engine
     recomputing them, bit for bit (same losses, grad norms, adapters), and the quantized bytes
     never change. Compiled blocks save the packed codes in the graph (a uint8 view of the layer's
     buffer): kept, they are re-read by reference from the same bytes."""
     batches = [make_batch(5, 12, seed=i) for i in range(3)]
-    cfg = dict(devices=["cpu"], pack_size=1, micro_batch_size=2, resident_packs=1, compile_blocks=compile_blocks)
+    cfg = dict(devices=[device], precision="fp32", pack_size=1, micro_batch_size=2, resident_packs=1,
+               compile_blocks=compile_blocks)
     model = qlora_model("llama", NF4)
     before = payloads(model.base_model.model)
     plain_steps, plain_state, e1 = _train(lambda: qlora_model("llama", NF4), dict(cfg, keep_activations=False),

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# The acceptance matrix in one device call (run from the repository root on the GPU machine, with
+# bitsandbytes and peft carried as wheels in .whl/, see bench/gpu_calls.sh):
+#   bash bench/acceptance_device.sh SHA --tier quick
+#   bash bench/acceptance_device.sh SHA --tier full --part 2
+# Rows go to $OUT/acc/ and come back as one file, $OUT/acc.tgz (a call returns at most 8 files);
+# unpack it into bench/results/acceptance/SHA/ and check with --check.
+set -u
+commit=$1; shift
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+  export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-}
+else
+  export PYTHONPATH=$PWD:${PYTHONPATH:-}
+fi
+export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
+OUT=${OUT:-/tmp/out}
+python3 bench/acceptance.py --commit "$commit" --out "$OUT/acc" --deadline "${DEADLINE:-540}" "$@"
+rc=$?
+(cd "$OUT" && tar czf acc.tgz acc && rm -rf acc)
+exit $rc
