@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import bisect
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 KINDS = ("forward", "recompute", "backward", "head")
 #: Same constant as cost.EFFICIENCY_T0 (kept here to avoid an import cycle).
@@ -52,13 +52,6 @@ class LayerProfile:
     # bytes autograd keeps per token for one recomputed block, as measured (compiled blocks keep
     # less than the eager probe the planner otherwise uses); None: not measured
     act_bytes_per_token: float | None = None
-
-    def scaled(self, factor: float) -> "LayerProfile":
-        """The same profile with every time ``factor`` x longer (a GPU shared by that many
-        pipeline stages, planner/hardware.py)."""
-        pts = tuple(replace(p, forward_s=p.forward_s * factor, recompute_s=p.recompute_s * factor,
-                            backward_s=p.backward_s * factor, head_s=p.head_s * factor) for p in self.points)
-        return replace(self, points=pts)
 
     def activation_bytes_for(self, block_params: int, attn_width: int) -> float | None:
         """The measured saved bytes per token, if this profile is of the same block shape."""
