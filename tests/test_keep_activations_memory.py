@@ -97,9 +97,13 @@ def _new_tensor_bytes(before: set[int], skip: set[int]) -> dict[int, int]:
     out = {}
     for o in gc.get_objects():
         if issubclass(type(o), torch.Tensor) and id(o) not in before and o.device.type != "meta":
-            st = o.untyped_storage()
-            if st.data_ptr() not in skip and st.nbytes():
-                out[st.data_ptr()] = st.nbytes()
+            try:
+                st = o.untyped_storage()
+                ptr = st.data_ptr()
+            except RuntimeError:  # a fake tensor a compiled block's tracing left alive: no memory
+                continue
+            if ptr not in skip and st.nbytes():
+                out[ptr] = st.nbytes()
     return out
 
 

@@ -22,7 +22,7 @@ import transformers
 
 import tinypipe
 from model_zoo import make_batch
-from test_keep_activations_memory import _pool_storages, _tensor_ids
+from test_keep_activations_memory import _new_tensor_bytes, _pool_storages, _tensor_ids
 from test_qlora import NF4, payloads, qlora_model
 from tinypipe.lora import LoraSettings, apply_lora
 from tinypipe.models.compact import CompactBlock
@@ -35,24 +35,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 WIDTH_8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                 vocab_size=128256, max_position_embeddings=4096, tie_word_embeddings=False, rms_norm_eps=1e-5)
-
-
-def _new_tensor_bytes(before: set[int], skip: set[int]) -> dict[int, int]:
-    """Storages (ptr -> bytes) of the real tensors alive now that were not in ``before`` (ids),
-    except ``skip`` (a compiled block leaves fake tensors of its tracing alive: not memory)."""
-    import gc
-
-    out = {}
-    for o in gc.get_objects():
-        if issubclass(type(o), torch.Tensor) and id(o) not in before and o.device.type != "meta":
-            try:
-                st = o.untyped_storage()
-                ptr = st.data_ptr()
-            except RuntimeError:  # FakeTensor / FunctionalTensor
-                continue
-            if ptr not in skip and st.nbytes():
-                out[ptr] = st.nbytes()
-    return out
 
 
 def _config_8b(layers: int, vocab: int | None = None) -> transformers.LlamaConfig:
