@@ -1,0 +1,71 @@
+"""Sequence-chunked MLPs: a decoder block's feed-forward network over its tokens a chunk at a time.
+
+Why: at long sequences a block's working set, not its weights, overflows the GPU. For the
+Llama-3.1-8B shape one 64K-token sequence gives the MLP gate, up and activation outputs of 1.75 GiB
+each (bf16), held together in a forward and again, with their gradients, in the backward. Every op
+of the MLP acts on one token (row) alone, so it can run on a chunk of rows at a time:
+
+* without autograd (the engine's forward of a recomputed pack), chunk after chunk into one
+  preallocated output: the largest intermediate is a chunk's;
+* with autograd (the backward's recompute, a kept pack), each chunk under a non-reentrant
+  checkpoint: the graph keeps only the chunk's input -- a view of the MLP's input, which the block
+  holds anyway -- and the backward recomputes one chunk's intermediates at a time. Parameter
+  gradients accumulate over the chunks through autograd itself (no custom Function), so LoRA
+  adapters and the engine's explicit ``autograd.grad(output, params)`` see them as before.
+
+The result equals the unchunked MLP's to float rounding (a matrix product over fewer rows may be
+blocked differently); a micro-batch of at most ``chunk_tokens`` tokens runs the MLP unchunked, so
+short runs compute exactly what they did. Dropout inside an MLP (GPT-2's) draws its masks per
+chunk -- valid dropout, replayed exactly by the recompute (the checkpoint restores the generator),
+but not the unchunked run's masks.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class ChunkedMLP(nn.Module):
+    """Runs ``mlp`` over at most ``chunk_tokens`` tokens at a time (see the module doc)."""
+
+    def __init__(self, mlp: nn.Module, chunk_tokens: int) -> None:
+        super().__init__()
+        if chunk_tokens < 1:
+            raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+        self.mlp = mlp
+        self.chunk_tokens = int(chunk_tokens)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        tokens = hidden[..., 0].numel()
+        if tokens <= self.chunk_tokens:
+            return self.mlp(hidden)
+        flat = hidden.reshape(tokens, hidden.shape[-1])
+        grad = torch.is_grad_enabled()
+        out: torch.Tensor | None = None
+        for lo in range(0, tokens, self.chunk_tokens):
+            part = flat[lo : lo + self.chunk_tokens]
+            y = checkpoint(self.mlp, part, use_reentrant=False) if grad else self.mlp(part)
+            if out is None:
+                out = hidden.new_empty((tokens, y.shape[-1]), dtype=y.dtype)
+            out[lo : lo + part.shape[0]] = y  # autograd records the slice copies: gradients flow back
+        assert out is not None
+        return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
+def chunk_mlps(blocks: Iterable[nn.Module], chunk_tokens: int) -> int:
+    """Wrap the ``mlp`` of every block that has one in a :class:`ChunkedMLP` (again: re-chunk);
+    returns how many blocks were wrapped. A block without an ``mlp`` submodule (OPT's decoder layer
+    calls its ``fc1``/``fc2`` directly) is left as it is."""
+    count = 0
+    for block in blocks:
+        mlp = getattr(block, "mlp", None)
+        if not isinstance(mlp, nn.Module):
+            continue
+        inner = mlp.mlp if isinstance(mlp, ChunkedMLP) else mlp
+        block.mlp = ChunkedMLP(inner, chunk_tokens)
+        count += 1
+    return count
