@@ -6,6 +6,10 @@ from dataclasses import dataclass, field
 
 from tinypipe.units import GIB, fmt_bytes  # noqa: F401 - re-exported (planner, tests)
 
+#: The host category of CPU device entries' preallocated pools (slots, gradient accumulators,
+#: resident layers): host memory, so the host budget holds them; each device's row lists them too.
+CPU_DEVICE_POOLS = "cpu_device_pools"
+
 
 @dataclass
 class MemoryReport:

@@ -45,7 +45,7 @@ GiB = 1024**3
 #: Rates for CPU "devices" (only the ranking of plans matters there).
 CPU_HARDWARE = HardwareSpec("cpu", 0, 10.0, 10.0, 10.0, 0.2, 0.5, fp32_tflops=0.2,
                             description="CPU devices (tests): host memory is device memory",
-                            ssd_read_gbps=2.0, ssd_write_gbps=2.0)
+                            ssd_read_gbps=2.0, ssd_write_gbps=2.0, device_kind="cpu")
 #: GPU name fragment -> hardware preset, for the time model when Config.hardware is not given.
 _NAME_TO_PRESET = (("h200", "h200-pcie5"), ("h100", "h200-pcie5"), ("4090", "rtx4090-pcie4"),
                    ("3090", "rtx3090-pcie4"), ("a5000", "a5000"), ("l40s", "l40s"),
@@ -102,6 +102,8 @@ def hardware_for(cfg: Config) -> HardwareSpec:
     """The hardware the planner times ``cfg``'s devices on: a preset (or profile) per GPU, each
     entry's share of it where several entries name one GPU (its compute rates and link split)."""
     hw = _hardware(cfg)
+    if not any(d.startswith("cuda") for d in cfg.devices) and hw.device_kind != "cpu":
+        hw = dataclasses.replace(hw, device_kind="cpu")  # a GPU's rates, timed for CPU entries' memory
     shared = entries_per_gpu(list(cfg.devices))
     return hw if shared == 1 else hw.shared_by(shared)
 
@@ -310,7 +312,7 @@ def _offload_without_workload(model: nn.Module, config: Config, plan: Plan) -> P
     """A hand-set plan without a workload, with ``offload_dir``: the offload set that fits the host
     budget, counting no stashed activations (their size needs the workload)."""
     from tinypipe.planner.candidate import HOST_BASELINE_BYTES
-    from tinypipe.planner.estimate import host_bytes
+    from tinypipe.planner.estimate import cpu_pool_bytes, host_bytes
     from tinypipe.planner.offload import choose_offload, least_host_need
 
     _, host = budgets(config)
@@ -319,10 +321,12 @@ def _offload_without_workload(model: nn.Module, config: Config, plan: Plan) -> P
     cats = host_bytes(sizes, plan, batch=0, seq=0, precision=config.precision,
                       num_devices=len(config.devices),
                       host_grad_buffers=config.host_grad_buffers, retain_grads=retain)
+    # (no workload: no activations; CPU entries' pools stay beside what an offload moves)
+    beside = HOST_BASELINE_BYTES + cpu_pool_bytes(sizes, plan, config.devices, config.precision)
     kw = dict(precision=config.precision, retain_grads=retain)
-    offload = choose_offload(sizes, plan, cats, host - HOST_BASELINE_BYTES, **kw)
+    offload = choose_offload(sizes, plan, cats, host - beside, **kw)
     if offload is None:
-        need = least_host_need(sizes, plan, cats, **kw) + HOST_BASELINE_BYTES
+        need = least_host_need(sizes, plan, cats, **kw) + beside
         raise PlanDoesNotFitError(
             f"this plan ({plan.describe()}) needs {need / GiB:.1f} GiB host memory even with its training "
             f"state on the SSD, have {host / GiB:.1f} GiB; add RAM or use LoRA")

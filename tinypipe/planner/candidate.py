@@ -19,7 +19,7 @@ from tinypipe.config import Precision
 from tinypipe.memory.device_pool import assist_scratch_numel
 from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.cost import StepTime, predict_step_time
-from tinypipe.planner.estimate import estimate_memory
+from tinypipe.planner.estimate import cpu_activation_bytes, estimate_memory
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.schedule.plan import Plan
@@ -78,7 +78,7 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     assist = assist_within is not None
     if assist and plan.assisted:
         plan = dataclasses.replace(plan, assisted=())
-    devices = [f"cuda:{i}" for i in range(plan.num_devices)]
+    devices = [f"{hardware.device_kind}:{i}" for i in range(plan.num_devices)]
     prof = hardware.layer_profile
     act = None
     if prof is not None and prof.precision == precision:  # measured saved activations of this block shape
@@ -98,4 +98,6 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
         plan = dataclasses.replace(plan, assisted=t.assisted)
         mem = memory(plan, [cats["activations_peak"] for cats in mem.devices.values()])
         need = gpu_need(mem)
-    return Candidate(plan, mem, t, need, mem.host_total + HOST_BASELINE_BYTES)
+    # CPU device entries: their pools are a host category already, their activations are host memory too
+    host_need = mem.host_total + cpu_activation_bytes(mem) + HOST_BASELINE_BYTES
+    return Candidate(plan, mem, t, need, host_need)

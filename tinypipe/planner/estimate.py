@@ -60,7 +60,7 @@ from typing import Sequence
 from tinypipe.errors import ConfigError
 from tinypipe.memory.device_pool import assist_scratch_numel
 from tinypipe.memory.grad_pool import buffer_count, chunk_numel
-from tinypipe.memory.report import MemoryReport
+from tinypipe.memory.report import CPU_DEVICE_POOLS, MemoryReport
 from tinypipe.models.head_loss import logit_bytes
 from tinypipe.planner.cost import pack_stats
 from tinypipe.planner.offload import apply_offload
@@ -339,7 +339,31 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
         cats = device_static_bytes(sizes, plan, i, d, precision)
         cats["activations_peak"] = peaks[i]
         devs[f"{i}:{d}"] = cats
+    on_cpu = cpu_pool_bytes(sizes, plan, devices, precision)
+    if on_cpu:  # a CPU device's pools are host memory: the host budget must hold them
+        host[CPU_DEVICE_POOLS] = on_cpu
     return MemoryReport(host, devs)
+
+
+def cpu_pool_bytes(sizes: ModelSizes, plan: Plan, devices: Sequence[str], precision: str) -> int:
+    """The preallocated pools of the CPU entries among ``devices``: host memory."""
+    return sum(sum(device_static_bytes(sizes, plan, i, d, precision).values())
+               for i, d in enumerate(devices) if not _is_cuda(d))
+
+
+def store_and_beside(report: MemoryReport) -> tuple[dict[str, int], int]:
+    """(the host categories the offload choice works on, the host bytes beside them that no
+    offload moves: CPU entries' pools and activations) of an estimate."""
+    cats = dict(report.host)
+    pools = cats.pop(CPU_DEVICE_POOLS, 0)
+    return cats, pools + cpu_activation_bytes(report)
+
+
+def cpu_activation_bytes(report: MemoryReport) -> int:
+    """The activation peaks of a report's CPU device entries: host memory a step takes beyond the
+    host categories (the planner's host need adds them)."""
+    return sum(cats.get("activations_peak", 0) for name, cats in report.devices.items()
+               if not _is_cuda(name.split(":", 1)[1]))
 
 
 def device_need(report: MemoryReport, name: str) -> int:

@@ -61,6 +61,8 @@ class HardwareSpec:
     host_dram_gbs: float | None = None
     #: device entries (pipeline stages) per GPU: >1 when a device list names one GPU several times
     stages_per_gpu: int = 1
+    #: what the device entries are: "cuda", or "cpu" (tests: their pools and activations are host memory)
+    device_kind: str = "cuda"
 
     def tflops(self, precision: str) -> float:
         if precision == "fp32":
@@ -111,7 +113,7 @@ HARDWARE: dict[str, HardwareSpec] = {
 }
 
 _OPTIONAL = ("fp32_tflops", "description", "layer_profile", "ssd_read_gbps", "ssd_write_gbps",
-             "host_dram_gbs", "stages_per_gpu")
+             "host_dram_gbs", "stages_per_gpu", "device_kind")
 
 
 def _from_dict(d: dict, default_name: str) -> HardwareSpec:

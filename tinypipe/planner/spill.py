@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from tinypipe.errors import PlanDoesNotFitError
 from tinypipe.planner.candidate import HOST_BASELINE_BYTES, Candidate
 from tinypipe.planner.cost import predict_step_time
+from tinypipe.planner.estimate import store_and_beside
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import choose_offload, disk_bytes, least_host_need
 from tinypipe.planner.sizes import ModelSizes
@@ -57,11 +58,16 @@ class Spill:
             return c
         if self.ssd is None:
             return None
-        budget = self.cpu_mem - HOST_BASELINE_BYTES
+        if c.plan.offload:  # choose from the DRAM-only categories (an offloaded plan's have moved already)
+            peaks = [cats["activations_peak"] for cats in c.memory.devices.values()]
+            c = evaluate(dataclasses.replace(c.plan, offload=()), peaks)
+        cats, fixed = store_and_beside(c.memory)
+        beside = HOST_BASELINE_BYTES + fixed  # host need beyond the categories an offload moves
+        budget = self.cpu_mem - beside
         kw = dict(precision=self.precision, retain_grads=self.retain_grads)
-        offload = choose_offload(self.sizes, c.plan, c.memory.host, budget, **kw)
+        offload = choose_offload(self.sizes, c.plan, cats, budget, **kw)
         if offload is None:
-            need = least_host_need(self.sizes, c.plan, c.memory.host, **kw) + HOST_BASELINE_BYTES
+            need = least_host_need(self.sizes, c.plan, cats, **kw) + beside
             if self.least_host is None or need < self.least_host_need:
                 self.least_host, self.least_host_need = c, need
             return None

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import psutil
 
-from tinypipe.memory.report import MemoryReport
+from tinypipe.memory.report import CPU_DEVICE_POOLS, MemoryReport
 from tinypipe.runtime.context import TaskTiming
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.schedule.ids import Lane
@@ -51,17 +51,22 @@ def memory_report(res: EngineResources, rss: RssPeak) -> MemoryReport:
     if tier is not None:  # the SSD tier's DRAM: its staging pools (the state itself is on the SSD)
         host["ssd_staging_pool"] = tier.nbytes
     devices, peaks = {}, {}
+    on_cpu = 0
     for d in res.devices:
         name = f"{d.index}:{d.name}"
         devices[name] = d.pool.bytes_by_category()
         on_device = res.optimizer.device_state_bytes(d.index)
         if on_device is not None:
             devices[name]["optimizer_state"] = on_device
+        if not d.backend.is_cuda:
+            on_cpu += sum(devices[name].values())
         stats = d.backend.memory_stats()
         if stats:
             static = sum(devices[name].values())
             devices[name]["activations_peak"] = max(0, stats["peak_allocated"] - static)
             peaks[name] = {"peak_allocated": stats["peak_allocated"], "peak_reserved": stats["peak_reserved"]}
+    if on_cpu:  # a CPU device's pools are host memory (the planner counts them in the host budget)
+        host[CPU_DEVICE_POOLS] = on_cpu
     now = rss.sample()
     peak_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return MemoryReport(host, devices, peaks, host_rss=now, host_rss_peak=max(rss.peak, peak_kb * 1024),
