@@ -17,7 +17,7 @@ import transformers
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
 
 

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import transformers
 
+from benchkit.workloads import Workload
 from tinypipe.config import Config
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.perf.workloads import Workload
 from tinypipe.planner.auto import CPU_HARDWARE, hardware_for, manual_plan
 from tinypipe.planner.candidate import Candidate, evaluate
 from tinypipe.planner.hardware import HardwareSpec, interconnect_gbs, load_hardware, node_link_for

@@ -53,7 +53,7 @@ def _qlora_run(name: str, file: str, index: int, shape: dict, scheme: str | None
 
 
 def _w1_run(name: str, file: str) -> dict:
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
 
     rec = json.load(open(os.path.join(RESULTS, file)))
     w = WORKLOADS["W1"]

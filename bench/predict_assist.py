@@ -26,7 +26,7 @@ from pathlib import Path
 
 import transformers
 
-from tinypipe.perf.workloads import WORKLOADS
+from benchkit.workloads import WORKLOADS
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
 from tinypipe.planner.search import PlanResult, plan_for
 

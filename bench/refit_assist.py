@@ -30,8 +30,8 @@ import transformers  # noqa: E402
 
 import tinypipe.planner.assist as assist  # noqa: E402
 import tinypipe.planner.cost as cost  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.candidate import evaluate  # noqa: E402
 from tinypipe.planner.cost import clipped_race  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402

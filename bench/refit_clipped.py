@@ -24,10 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import transformers  # noqa: E402
 
 import tinypipe.planner.cost as cost  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.candidate import evaluate  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
 from tinypipe.schedule.plan import Plan  # noqa: E402
 
 

@@ -216,7 +216,7 @@ def test_h200_profile_predicts_the_recorded_runs() -> None:
 
     import transformers
 
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
     from tinypipe.planner.hardware import load_hardware
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.sizes import model_sizes
@@ -253,7 +253,7 @@ def _clipped_error(run: str) -> float:
 
     import transformers
 
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
     from tinypipe.planner.hardware import load_hardware
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.sizes import model_sizes
