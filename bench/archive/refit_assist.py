@@ -2,7 +2,7 @@
 """Fit the per-chunk overhead of an assisted round trip (planner/assist.py ``ASSIST_CHUNK_S``) on
 one traced clipped run, and check the clipped race with it against that run and others.
 
-    python bench/refit_assist.py --fit bench/results/s8_w1_clip_assist_s8.json \
+    python bench/archive/refit_assist.py --fit bench/results/s8_w1_clip_assist_s8.json \
         --trace bench/results/s8_w1_clip_assist_s8.trace.json [--check other.json ...]
 
 The trace's ``up/f<q>/L<layer>`` spans of the plan's assisted layers (device times, the last
@@ -24,7 +24,8 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benchkit
 
 import transformers  # noqa: E402
 
