@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The acceptance matrix in one device call (run from the repository root on the GPU machine, with
-# bitsandbytes and peft carried as wheels in .whl/, see bench/gpu_calls.sh):
+# bitsandbytes and peft carried as wheels in .whl/, git-ignored: `pip download bitsandbytes==0.50.2
+# peft==<the version installed here> --no-deps -d .whl`, then `run` with carry [".whl"]):
 #   bash bench/acceptance_device.sh SHA --tier quick
 #   bash bench/acceptance_device.sh SHA --tier full --part 2
 # Rows go to $OUT/acc/ and come back as one file, $OUT/acc.tgz (a call returns at most 8 files);

@@ -34,7 +34,7 @@ GiB = 1024**3
 
 @dataclasses.dataclass(frozen=True)
 class EngineRow:
-    """A real-shape engine run. ``shape``: a workload of tinypipe.perf.workloads (W1, W3) or a
+    """A real-shape engine run. ``shape``: a workload of benchkit.workloads (W1, W3) or a
     Llama-3.1 shape of bench/qlora_bench.py (8b, 70b); ``lora``: None (full fine-tuning),
     ``"bf16"`` (LoRA over a bf16 base) or a quantization scheme (QLoRA)."""
 
@@ -80,7 +80,7 @@ Row = EngineRow | CliRow | TestsRow
 def _shape_config(shape: str):  # -> transformers.LlamaConfig
     import transformers
 
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
 
     if shape in WORKLOADS:
         cfg = transformers.LlamaConfig(**WORKLOADS[shape].config)
@@ -98,7 +98,7 @@ def _build(row: EngineRow, device: str):  # -> (model, batch)
     """The model (random weights) and the one batch every step trains on (16 x 2048 tokens)."""
     import torch
 
-    from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch
+    from benchkit.workloads import WORKLOADS, build_model, make_batch
 
     if row.lora is None:
         w = WORKLOADS[row.shape]
@@ -140,7 +140,7 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
     import torch
 
     import tinypipe
-    from tinypipe.perf.rss import RssSampler
+    from benchkit.rss import RssSampler
 
     cuda = row.devices[0].startswith("cuda")
     budget = int(cap_gib * GiB)

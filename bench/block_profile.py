@@ -22,7 +22,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 
 
 def _sync(dev: torch.device) -> None:

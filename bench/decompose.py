@@ -1,6 +1,6 @@
 """An engine's step, decomposed: its timeline as compute / recompute / exposed transfer and optimizer
-/ idle seconds (:mod:`tinypipe.perf.step_parts`) and its phases next to the time model's, and the
-recompute the plan does and the least the GPU budget forces (:mod:`tinypipe.perf.keep_limit`).
+/ idle seconds (:mod:`benchkit.step_parts`) and its phases next to the time model's, and the
+recompute the plan does and the least the GPU budget forces (:mod:`benchkit.keep_limit`).
 bench/run.py prints and records them.
 
 Lanes and task kinds are the engine's (:mod:`tinypipe.schedule.ids`): ``devN:compute`` runs
@@ -18,11 +18,11 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
+from benchkit.analysis import lane_busy
+from benchkit.keep_limit import KeepLimit, keep_limit
+from benchkit.offload_limit import OffloadLimit, busy_within
+from benchkit.step_parts import Span, decompose
 from tinypipe.memory.report import MemoryReport
-from tinypipe.perf.keep_limit import KeepLimit, keep_limit
-from tinypipe.perf.analysis import lane_busy
-from tinypipe.perf.offload_limit import OffloadLimit, busy_within
-from tinypipe.perf.step_parts import Span, decompose
 from tinypipe.planner.candidate import FRAGMENTATION, GPU_CONTEXT_BYTES
 from tinypipe.planner.cost import StepTime
 from tinypipe.planner.hardware import HardwareSpec
@@ -146,7 +146,7 @@ def spans(events: Sequence[Mapping], *, recompute_share: float = 0.0,
 
 def step_decomposition(events: Sequence[Mapping], step_s: float, *, recompute_share: float = 0.0,
                        recomputes: Sequence[bool] | None = None) -> dict:
-    """:func:`tinypipe.perf.step_parts.decompose` of the timeline, with the modelled share it was
+    """:func:`benchkit.step_parts.decompose` of the timeline, with the modelled share it was
     given, whether the recompute was measured instead (``recompute_measured``: the timeline has
     recompute sub-spans) and how many sub-spans there were (``recompute_spans``)."""
     parts = decompose(spans(events, recompute_share=recompute_share, recomputes=recomputes), step_s)
@@ -213,7 +213,7 @@ def plan_keep_limit(plan: Plan, memory: MemoryReport, *, budget_bytes: int | Non
 
 def plan_offload_limit(events: Sequence[Mapping], step_s: float, *, recompute_s: float, recomputed: int,
                        limit: KeepLimit, d2h_gbs: float, h2d_gbs: float, devices: int) -> OffloadLimit | None:
-    """What offloading activations could save in this measured step (:mod:`tinypipe.perf.offload_limit`):
+    """What offloading activations could save in this measured step (:mod:`benchkit.offload_limit`):
     the D2H lanes' busy time inside the forward phase and the H2D lanes' inside the head and
     backward, from the timeline (None: the step has no such phases)."""
     ph = phases(events, step_s)

@@ -149,7 +149,7 @@ def plan_row(a: argparse.Namespace, workload: str,
     memory now (no prediction: the planner found nothing that fits)."""
     import dp_predict
     from tinypipe.errors import TinypipeError
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
 
     mem = dp_predict.node_memory(int(a.node_memory_gib * 2**30))
     reserve = int(a.host_reserve_gib * 2**30)
@@ -324,8 +324,8 @@ def work(a: argparse.Namespace) -> int:
 
     import tinypipe
     from tinypipe.distributed.launch import init_from_environment, shutdown
-    from tinypipe.perf.rss import RssSampler
-    from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch
+    from benchkit.rss import RssSampler
+    from benchkit.workloads import WORKLOADS, build_model, make_batch
     from tinypipe.schedule.plan import Plan
 
     workload, tag = a.worker.split(":")

@@ -35,9 +35,9 @@ from pathlib import Path
 
 import transformers
 
+from benchkit.workloads import Workload
 from tinypipe.config import Config
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.perf.workloads import Workload
 from tinypipe.planner.auto import CPU_HARDWARE, hardware_for, manual_plan
 from tinypipe.planner.candidate import Candidate, evaluate
 from tinypipe.planner.hardware import HardwareSpec, interconnect_gbs, load_hardware, node_link_for
@@ -48,7 +48,7 @@ from tinypipe.planner.sizes import ModelSizes, model_sizes
 from tinypipe.schedule.plan import Plan
 
 GiB = 1024**3
-#: gloo between processes on one machine (bench/gloo_bw.py, results/s6_gloo_bw_cpu.txt: 0.96-1.11
+#: gloo between processes on one machine (bench/archive/gloo_bw.py, results/s6_gloo_bw_cpu.txt: 0.96-1.11
 #: GB/s): the link of replicas that share a GPU or run on the CPU; times only, never the plan
 GLOO_GBS = 1.0
 

@@ -30,7 +30,7 @@ import psutil  # noqa: E402
 import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from benchkit.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
 from tinypipe.config import DEVICE_OPTIMIZER_CHOICES  # noqa: E402
 
 MiB = 2**20

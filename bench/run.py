@@ -37,12 +37,12 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
-from tinypipe.perf.analysis import overlap_table, step_bound  # noqa: E402
-from tinypipe.perf.keep_limit import KeepLimit  # noqa: E402
-from tinypipe.perf.step_parts import PARTS  # noqa: E402
-from tinypipe.perf.machine import cpu_adamw_rate, measure  # noqa: E402
-from tinypipe.perf.rss import RssSampler  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from benchkit.analysis import overlap_table, step_bound  # noqa: E402
+from benchkit.keep_limit import KeepLimit  # noqa: E402
+from benchkit.rss import RssSampler  # noqa: E402
+from benchkit.step_parts import PARTS  # noqa: E402
+from benchkit.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from tinypipe.devices.rates import cpu_adamw_rate, measure  # noqa: E402
 from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
 from tinypipe.planner.auto import hardware_for, resolve_plan  # noqa: E402
 from tinypipe.planner.candidate import Candidate, evaluate  # noqa: E402

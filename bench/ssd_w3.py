@@ -53,10 +53,10 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
-from tinypipe.perf.analysis import lane_busy, step_bound  # noqa: E402
-from tinypipe.perf.machine import measure  # noqa: E402
-from tinypipe.perf.rss import RssSampler  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS, Workload, build_model, make_batch  # noqa: E402
+from benchkit.analysis import lane_busy, step_bound  # noqa: E402
+from benchkit.rss import RssSampler  # noqa: E402
+from benchkit.workloads import WORKLOADS, Workload, build_model, make_batch  # noqa: E402
+from tinypipe.devices.rates import measure  # noqa: E402
 from tinypipe.planner.candidate import Candidate  # noqa: E402
 from tinypipe.planner.offload import disk_bytes  # noqa: E402
 from tinypipe.planner.ssd import SsdSpec, free_space  # noqa: E402

@@ -32,8 +32,8 @@ import torch  # noqa: E402
 import transformers  # noqa: E402
 
 import tinypipe  # noqa: E402
-from tinypipe.perf.rss import RssSampler  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
+from benchkit.rss import RssSampler  # noqa: E402
+from benchkit.workloads import WORKLOADS, build_model, make_batch  # noqa: E402
 from tinypipe.config import STASH_PLACES  # noqa: E402
 from tinypipe.errors import TinypipeError  # noqa: E402
 from tinypipe.planner.auto import CPU_HARDWARE  # noqa: E402

@@ -8,6 +8,9 @@ import sys
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 sys.path.insert(0, os.path.dirname(__file__))
+# bench/benchkit (the benchmark workloads W1/W3/tiny and measurement helpers) lives outside the
+# package; appended, so no bench script shadows an installed module
+sys.path.append(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench"))
 
 import pytest  # noqa: E402
 import torch  # noqa: E402

@@ -8,9 +8,9 @@ import pytest
 import torch
 import transformers
 
+from benchkit.workloads import WORKLOADS
 from model_zoo import make_batch, make_model
 from reference import compare, randomize_biases, train_both, train_reference
-from tinypipe.perf.workloads import WORKLOADS
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.clipped import RaceUpload, race_forward_end
 from tinypipe.planner.cost import (

@@ -15,15 +15,15 @@ from pathlib import Path
 
 import pytest
 
+from benchkit.workloads import WORKLOADS
 from tinypipe.errors import PlanDoesNotFitError
-from tinypipe.perf.workloads import WORKLOADS
 
 REPO = Path(__file__).resolve().parents[1]
 BENCH = REPO / "bench"
 GiB = 1024**3
 
 
-def _load_predict():  # bench/ is no package: load the module from its file (bench/ stays off sys.path)
+def _load_predict():  # from its file, under its own name (bench/ is on sys.path only for benchkit)
     spec = importlib.util.spec_from_file_location("dp_predict", BENCH / "dp_predict.py")
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     sys.modules["dp_predict"] = module  # its dataclasses look their module up

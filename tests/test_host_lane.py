@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from tinypipe.perf.workloads import WORKLOADS
+from benchkit.workloads import WORKLOADS
 from tinypipe.planner.cost import BACKWARD_ADAMW_EFFICIENCY, predict_step_time
 from tinypipe.planner.hardware import load_hardware
 from tinypipe.planner.host_lane import Arrival, lane_end_s, pack_arrivals

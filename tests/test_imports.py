@@ -12,8 +12,10 @@ The layers, lowest first (:data:`LAYERS`); a module may import its own layer and
 Each layer is placed by what it needs, never by what needs it:
 
 - ``errors``, ``units``: the words everyone uses (the error hierarchy, byte sizes).
-- ``devices``, ``perf``: the machine -- the :class:`~tinypipe.devices.backend.Backend` interface,
-  page-aligned host buffers it can pin -- and its measured rates (benchmark workloads, bounds).
+- ``devices``: the machine -- the :class:`~tinypipe.devices.backend.Backend` interface,
+  page-aligned host buffers it can pin, and its measured rates (``rates.py``: ``tinypipe profile``).
+  The benchmarks' own helpers (workloads, bounds, RSS sampling) live outside the package, in
+  ``bench/benchkit/``.
 - ``models``, ``quant``: a Hugging Face model as a sequence of layers (decomposition, streaming
   loaders into the host layout, skeletons, export); quantized frozen weights in that layout.
 - ``memory``, ``storage``: where training state lives -- the host copy (fp32 masters and moments
@@ -50,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 #: Lowest first. Names are the first component below ``tinypipe``; ``""`` is the facade itself.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units"),
-    ("devices", "perf"),
+    ("devices",),
     ("models", "quant"),
     ("memory", "storage"),
     ("schedule",),
@@ -278,6 +280,23 @@ def test_the_graph_sees_the_package() -> None:
     assert ("tinypipe.planner.search", "tinypipe.lora") in edges  # implied by tinypipe.lora.settings
 
 
+def test_the_package_never_imports_the_benchmarks() -> None:
+    """``bench/benchkit`` (workloads, bounds, RSS sampling) is outside the package: an installed
+    tinypipe has no ``bench/``, so no module may import it, not even inside a function."""
+    found = []
+    for name, path in module_names(ROOT, PACKAGE).items():
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            else:
+                continue
+            found += [f"{module_path(name, ROOT, PACKAGE)}:{node.lineno}: {n}" for n in names
+                      if n.split(".")[0] in ("benchkit", "bench")]
+    assert not found, "the package imports benchmark code:\n" + "\n".join(found)
+
+
 # ------------------------------------------------------------------------------- the checker itself
 
 
@@ -329,3 +348,4 @@ def test_checker_counts_package_inits_and_spares_own_package(tmp_path: Path) -> 
 @pytest.mark.parametrize("module", ["tinypipe", "tinypipe.errors", "tinypipe.cli.plan"])
 def test_layer_of_known_modules(module: str) -> None:
     assert 0 <= layer_of(module, LAYERS) < len(LAYERS)
+

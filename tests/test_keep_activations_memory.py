@@ -22,9 +22,9 @@ import torch
 import transformers
 
 import tinypipe
+from benchkit.workloads import WORKLOADS
 from model_zoo import make_batch, make_model
 from tinypipe.models.compact import CompactBlock
-from tinypipe.perf.workloads import WORKLOADS
 from tinypipe.planner.estimate import activation_peaks
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import model_sizes, probe_config

@@ -10,8 +10,8 @@ import pytest
 import transformers
 
 import tinypipe
+from benchkit.workloads import WORKLOADS
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.perf.workloads import WORKLOADS
 from tinypipe.planner.cost import predict_step_time, recompute_seconds
 from tinypipe.planner.hardware import load_hardware
 from tinypipe.planner.search import plan_for

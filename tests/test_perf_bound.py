@@ -1,6 +1,6 @@
-"""The physical bound (tinypipe.perf.analysis.step_bound) with the compute three ways -- no
+"""The physical bound (benchkit.analysis.step_bound) with the compute three ways -- no
 recompute, the plan's, the least memory forces -- and the memory limit on kept activations
-(tinypipe.perf.keep_limit, fed by bench/decompose.py) on the tiny workload's real sizes, plan and
+(benchkit.keep_limit, fed by bench/decompose.py) on the tiny workload's real sizes, plan and
 memory estimate."""
 
 from __future__ import annotations
@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import transformers
 
-from tinypipe.perf.analysis import step_bound, step_flops
-from tinypipe.perf.keep_limit import keep_limit as keep_limit_of_counts
-from tinypipe.perf.machine import MachineRates
-from tinypipe.perf.workloads import WORKLOADS
+from benchkit.analysis import step_bound, step_flops
+from benchkit.keep_limit import keep_limit as keep_limit_of_counts
+from benchkit.workloads import WORKLOADS
+from tinypipe.devices.rates import MachineRates
 from tinypipe.planner.candidate import FRAGMENTATION, GPU_CONTEXT_BYTES
 from tinypipe.planner.estimate import estimate_memory
 from tinypipe.planner.sizes import model_sizes

@@ -1,4 +1,4 @@
-"""What offloading activations instead of recomputing could save (tinypipe/perf/offload_limit.py and
+"""What offloading activations instead of recomputing could save (bench/benchkit/offload_limit.py and
 bench/decompose.py's ``plan_offload_limit``): by hand on a small timeline, and on the recorded H200
 step that the decision not to build the offload rests on."""
 
@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from tinypipe.perf.keep_limit import KeepLimit
-from tinypipe.perf.offload_limit import OffloadLimit, busy_within
+from benchkit.keep_limit import KeepLimit
+from benchkit.offload_limit import OffloadLimit, busy_within
 
 ROOT = Path(__file__).resolve().parents[1]
 

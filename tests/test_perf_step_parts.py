@@ -1,4 +1,4 @@
-"""The step decomposition (tinypipe.perf.step_parts, and bench/decompose.py that feeds it an engine's
+"""The step decomposition (benchkit.step_parts, and bench/decompose.py that feeds it an engine's
 timeline): every instant of the step counted once, exposed time only where no compute lane is
 busy, the recompute split by the time model's share -- on hand-built timelines, random ones, and
 a real engine step."""
@@ -14,9 +14,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tinypipe.perf.analysis import lane_busy
-from tinypipe.perf.step_parts import COMPUTE_PARTS, PARTS, Span
-from tinypipe.perf.step_parts import decompose as decompose_spans
+from benchkit.analysis import lane_busy
+from benchkit.step_parts import COMPUTE_PARTS, PARTS, Span
+from benchkit.step_parts import decompose as decompose_spans
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
 
@@ -219,7 +219,7 @@ def test_predicted_phases_of_a_real_prediction() -> None:
     from tinypipe.planner.cost import predict_step_time
     from tinypipe.planner.auto import CPU_HARDWARE
     from tinypipe.planner.sizes import model_sizes
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
     from tinypipe.schedule.plan import make_plan
 
     import transformers
@@ -255,7 +255,7 @@ def test_a_real_engine_step_decomposes() -> None:
     """The tiny workload's step on the CPU: the parts sum to the step's measured time and the
     compute parts to the compute lane's busy time."""
     import tinypipe
-    from tinypipe.perf.workloads import WORKLOADS, build_model, make_batch
+    from benchkit.workloads import WORKLOADS, build_model, make_batch
 
     w = WORKLOADS["tiny"]
     torch.manual_seed(0)

@@ -216,7 +216,7 @@ EAGER_H200 = dataclasses.replace(load_hardware("h200-pcie5"), bf16_tflops=400.0)
 
 def test_compiled_runs_are_predicted_by_the_preset() -> None:
     """Session-4 H200 runs with compiled blocks that the preset's rate was NOT fitted on
-    (bench/fit_h200_rate.py fits it on the 8B QLoRA run): W1 full fine-tuning with the engine's own
+    (bench/archive/fit_h200_rate.py fits it on the 8B QLoRA run): W1 full fine-tuning with the engine's own
     plan, and the 70B-shape QLoRA run."""
     from pathlib import Path
 

@@ -11,13 +11,13 @@ import pytest
 import torch
 import transformers
 
+from benchkit.workloads import WORKLOADS
 from model_zoo import make_model
 import tinypipe.planner.assist as assist_mod
 import tinypipe.planner.cost as cost_mod
 from tinypipe import cli
 from tinypipe.devices.backend import CpuBackend
 from tinypipe.memory.device_pool import ASSIST_BUFFERS, ASSIST_CHUNK_NUMEL, DevicePool, assist_scratch_numel
-from tinypipe.perf.workloads import WORKLOADS
 from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES, assistable, choose_assisted
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.clipped import RaceUpload, race_choosing, race_forward_end

@@ -216,7 +216,7 @@ def test_h200_profile_predicts_the_recorded_runs() -> None:
 
     import transformers
 
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
     from tinypipe.planner.hardware import load_hardware
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.sizes import model_sizes
@@ -253,7 +253,7 @@ def _clipped_error(run: str) -> float:
 
     import transformers
 
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
     from tinypipe.planner.hardware import load_hardware
     from tinypipe.planner.search import evaluate
     from tinypipe.planner.sizes import model_sizes
@@ -272,7 +272,7 @@ def _clipped_error(run: str) -> float:
 def test_h200_preset_predicts_clipped_steps() -> None:
     """Steps where clipping triggers (random-init W1/W3 clip every step), measured on the H200 with
     the planner's own clipped plans (sessions 7-9): CLIPPED_ADAMW_EFFICIENCY was fitted on the
-    W1 runs' median (bench/refit_clipped.py), so that median is exact to 0.5 % and each W1 run
+    W1 runs' median (bench/archive/refit_clipped.py), so that median is exact to 0.5 % and each W1 run
     within 5 % (two runs of one plan differ by 4.3 %); the W3 runs, another model and other plans,
     were not fitted on: each within 5 %."""
     import statistics

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import transformers
 
-from tinypipe.perf.workloads import WORKLOADS
+from benchkit.workloads import WORKLOADS
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.cost import UPLOAD_BYTES, clipped_race
 from tinypipe.planner.dram import ADAMW_DRAM_BYTES, clipped_forward_dram

@@ -142,7 +142,7 @@ def test_int8_matches_peft_bitsandbytes_step_by_step(name: str) -> None:
     """LLM.int8() rounds every activation row to 127 levels, so one float-rounding difference
     upstream can flip a code: +-1 ulp of noise on the hidden states moved this reference's gradient
     norm by 2.6e-5 to 3.1e-4 in 7 of 12 seeds and an adapter by up to 5.7e-4 (fp4, whose
-    activations stay fp32: <= 1.3e-7; bench/int8_sensitivity.py, bench/results/
+    activations stay fp32: <= 1.3e-7; bench/archive/int8_sensitivity.py, bench/results/
     s15_int8_sensitivity.txt), and which GEMM shapes round alike differs by CPU (CI's Xeon failed a whole-run
     comparison that passes on an EPYC). So each step starts the reference from the engine's
     adapters, in the engine's micro-batches (forward inputs then equal bit for bit -- measured),

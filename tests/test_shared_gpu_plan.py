@@ -15,7 +15,7 @@ import pytest
 import transformers
 
 import tinypipe
-from tinypipe.perf.workloads import WORKLOADS
+from benchkit.workloads import WORKLOADS
 from tinypipe.planner.auto import budgets, entries_per_gpu, hardware_for
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.hardware import HARDWARE

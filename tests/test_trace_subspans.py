@@ -16,9 +16,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import tinypipe
+from benchkit.analysis import lane_busy
+from benchkit.step_parts import COMPUTE_PARTS
 from model_zoo import make_batch, make_model
-from tinypipe.perf.analysis import lane_busy
-from tinypipe.perf.step_parts import COMPUTE_PARTS
 from tinypipe.schedule.ids import Kind
 
 BENCH = Path(__file__).resolve().parents[1] / "bench"

@@ -50,7 +50,7 @@ ASSIST_UP_BYTES = 16
 ASSIST_DOWN_BYTES = 12
 #: Seconds per chunk (:data:`~tinypipe.memory.device_pool.ASSIST_CHUNK_NUMEL` elements) an assisted
 #: round trip holds its upload stream beyond the link time of its bytes: the lane thread's launches
-#: between one chunk's upload and the next. Fitted by ``bench/refit_assist.py`` on the assisted
+#: between one chunk's upload and the next. Fitted by ``bench/archive/refit_assist.py`` on the assisted
 #: blocks' first uploads in one traced run (see bench/RESULTS.md, session 9).
 ASSIST_CHUNK_S = 6.1e-4
 

@@ -118,7 +118,7 @@ HEAD_EFFICIENCY = 0.87
 #: of four traced W1 H200 runs (sessions 11-12, measured / predicted at one rate 0.877-0.953, median
 #: 0.889); their backward at the hardware's rate was within 1.3 %. Checked on the two traced W3
 #: runs: forward and recompute 0.834-0.857 at one rate, i.e. 5-7 % slow with the factor
-#: (``python bench/refit_compute.py``, bench/RESULTS.md session 15).
+#: (``python bench/archive/refit_compute.py``, bench/RESULTS.md session 15).
 FORWARD_RATE_FACTOR = 1.125
 #: Fixed cost per pack execution (forward or backward), seconds.
 PACK_OVERHEAD_S = 2.1e-3
@@ -142,7 +142,7 @@ DEVICE_ADAMW_S_PER_PARAM = 1.5e-11
 #: uploads and the cores with the lanes. Refitted in session 15, with FORWARD_RATE_FACTOR, on the
 #: median of five clipped W1 H200 runs of sessions 7-9 (the planner's clipped plans: 1.818-2.012
 #: s/step, s7_w1_clip_after/final, s8_w1_clip_host_s8, s9_w1_clip_s9/s9c; each within 4.3 %) by
-#: ``bench/refit_clipped.py``; out of sample, W3's five clipped runs are predicted within 2.9 %
+#: ``bench/archive/refit_clipped.py``; out of sample, W3's five clipped runs are predicted within 2.9 %
 #: (s7_w3_clip_after/final, s8_w3_clip_host_s8, s9_w3_clip_s9/s9c). Session 7's 0.838 was fitted on
 #: s7_w1_clip_after alone.
 CLIPPED_ADAMW_EFFICIENCY = 0.900

@@ -17,7 +17,7 @@ So that forward lasts at least ``bytes / DRAM rate``: whether the host or the GP
 its state crosses host memory (28 B/param either way, plus the host-stepped layer's 4 B/param
 upload); only state that lives on the GPU (resident packs, ``device_optimizer``) stays out of it.
 :func:`clipped_forward_dram` counts the bytes of a plan; the cost model's clipped step is at least
-that long where the hardware states ``host_dram_gbs``; ``bench/dram_window.py`` checks the floor
+that long where the hardware states ``host_dram_gbs``; ``bench/archive/dram_window.py`` checks the floor
 against measured clipped steps.
 """
 

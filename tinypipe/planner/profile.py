@@ -6,7 +6,7 @@ the fused head (final norm + output embedding + loss, forward and backward), ove
 micro-batch sizes and sequence lengths; records the block's parameter bytes and its activation
 bytes (saved for backward; on CUDA also the measured allocator peak of recompute + backward);
 measures host<->device bandwidth (pinned H2D, D2H, both at once; on a CPU device, memcpy) and the
-CPU's fused AdamW rate (:mod:`tinypipe.perf.machine`); with an offload directory, that directory's
+CPU's fused AdamW rate (:mod:`tinypipe.devices.rates`); with an offload directory, that directory's
 direct-I/O read and write rates (:func:`tinypipe.storage.measure_rates`: ``ssd_read_gbps``,
 ``ssd_write_gbps``). The JSON it writes is a hardware file:
 ``tinypipe plan --hardware profile.json`` and ``plan_for(..., hardware="profile.json")`` use the
@@ -271,7 +271,7 @@ def run_profile(device: str = "cpu", model: str | transformers.PretrainedConfig 
                 offload_dir: str | None = None, ssd_bytes: int = 1 << 30) -> dict:
     """Measure and return the profile as a JSON-able dict (a valid hardware file); with
     ``offload_dir`` also its SSD rates (``ssd_bytes`` written and read back there)."""
-    from tinypipe.perf.machine import cpu_copy_gbs, measure
+    from tinypipe.devices.rates import cpu_copy_gbs, measure
     from tinypipe.planner.presets import load_model_config
 
     cuda = device.startswith("cuda")

@@ -25,7 +25,7 @@ Guarantees the optimizer path relies on:
   slot); a region's size need not be a multiple of a page.
 
 Why this path (measured 2026-12-01 on the CPU machine: ext4 on a virtio disk, 2 shared cores;
-``bench/ssd_rates.py /tmp --gib 2 --reps 4``, raw rows in ``bench/results/ssd_rates_cpu.json``;
+``bench/archive/ssd_rates.py /tmp --gib 2 --reps 4``, raw rows in ``bench/results/ssd_rates_cpu.json``;
 medians of 4, read / write GB/s, writes including the final flush; dd with direct I/O, one
 64 MiB request at a time, gave 1.1 / 1.7):
 

@@ -72,7 +72,7 @@ class ChunkedAdamW:
         # the step count as a tensor on the buffers' device (fused CUDA wants it there), one per
         # tensor; made by a fill kernel: ``torch.tensor(x, device=cuda)`` copies from pageable
         # memory, which blocks this thread until everything queued before on the stream is done
-        # -- an assisted round trip then stalls at every chunk (bench/assist_roundtrip.py)
+        # -- an assisted round trip then stalls at every chunk (bench/archive/assist_roundtrip.py)
         dev = state.master.device
         steps = [torch.full((), float(step - 1), dtype=torch.float32, device=dev) for _ in runs]
         _adamw.adamw(

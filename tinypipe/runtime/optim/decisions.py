@@ -181,11 +181,11 @@ class StepDecisions:
         it and writes the quotient back into the retained gradient, which the next step rewrites
         anyway): no separate ``g.mul_(coef)`` pass over the gradient. Dividing by the rounded
         reciprocal differs from multiplying by ``coef`` (torch's ``clip_grad_norm_``) by at most
-        about one float32 rounding of the gradient; bench/clip_bench.py times both.
+        about one float32 rounding of the gradient; bench/archive/clip_bench.py times both.
 
         Without an undo the layer is stepped in one fused call, which the kernel parallelises over
         the whole layer: 4.40 G params/s against 3.89 in 16 MiB chunks on the H200's 16 cores
-        (bench/adamw_split_bench.py, bench/results/s7_adamw_whole_after.json); W1's clipped step
+        (bench/archive/adamw_split_bench.py, bench/results/s7_adamw_whole_after.json); W1's clipped step
         went from 2.21 to 2.01 s. Fewer calls also mean fewer GIL retakes for the background lane
         while the next step's lanes launch kernels."""
         state, grad = self._views(layer)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from tinypipe.perf.machine import MachineRates
+from tinypipe.devices.rates import MachineRates
 
 
 @dataclass
@@ -87,7 +87,7 @@ def step_bound(params: int, block_params: int, head_params: int, layers: int, hi
     Compute counts matmul FLOPs (:func:`step_flops`) at the measured matmul rate, three ways: with
     the plan's recompute (``recompute_fraction`` of the blocks, by count -- blocks of one model
     have one size; default 1 with ``recompute``, else 0), with none, and -- given
-    ``forced_fraction``, the least memory forces (:func:`tinypipe.perf.keep_limit.keep_limit`)
+    ``forced_fraction``, the least memory forces (:func:`benchkit.keep_limit.keep_limit`)
     -- with that.
     """
     frac = (1.0 if recompute else 0.0) if recompute_fraction is None else recompute_fraction

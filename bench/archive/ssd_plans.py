@@ -7,8 +7,8 @@ what bounds the step, and the global batch from which the SSD's I/O is hidden. O
 presets: no GPU, no weights, no disk (``--ssd-read-gbps``/``--ssd-write-gbps`` state the rates; no
 free-space check).
 
-    python bench/ssd_plans.py                       # -> bench/results/s5_ssd_plans.txt
-    python bench/ssd_plans.py --hardware rtx4090-pcie4 --out /tmp/plans_4090.txt
+    python bench/archive/ssd_plans.py                       # -> bench/results/s5_ssd_plans.txt
+    python bench/archive/ssd_plans.py --hardware rtx4090-pcie4 --out /tmp/plans_4090.txt
 
 How long (one CPU core): a few seconds per model for the plan, up to a minute or two for the
 hiding-batch search where the chosen plan's own knobs cannot hide the I/O (it re-plans at 2x, 4x
@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
@@ -32,7 +32,7 @@ from tinypipe.cli import main as cli_main  # noqa: E402
 
 #: Llama-2-13B, Qwen2.5-14B, a 30B (LLaMA-30B) and a 70B (Llama-3.1-70B): the issue's four.
 MODELS = ("llama-2-13b", "qwen2.5-14b", "llama-30b", "llama-3.1-70b")
-OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "s5_ssd_plans.txt")
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results", "s5_ssd_plans.txt")
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     sections = [f"# tinypipe plan, full fine-tuning, 1 x {a.gpu_memory} ({a.hardware}) + {a.cpu_memory} host "
                 f"+ an SSD of {a.ssd_read_gbps} GB/s read / {a.ssd_write_gbps} GB/s write (stated), "
-                f"{a.global_batch} x {a.seq_len} tokens per step (bench/ssd_plans.py)"]
+                f"{a.global_batch} x {a.seq_len} tokens per step (bench/archive/ssd_plans.py)"]
     worst = 0
     for model in [m for m in a.models.split(",") if m]:
         t0 = time.perf_counter()

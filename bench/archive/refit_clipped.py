@@ -2,7 +2,7 @@
 """Refit the clipped pass's host AdamW efficiency (planner/cost.py ``CLIPPED_ADAMW_EFFICIENCY``) on
 measured clipped runs and check it on others it was not fitted on.
 
-    python bench/refit_clipped.py --fit bench/results/s7_w1_clip_after.json [more fit runs] \
+    python bench/archive/refit_clipped.py --fit bench/results/s7_w1_clip_after.json [more fit runs] \
         --check bench/results/s7_w3_clip_after.json bench/results/s5_w1_clip_resident4.json
 
 Each file is a ``bench/run.py --json`` result of a clipped run; its plan is evaluated offline
@@ -19,15 +19,16 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benchkit
 
 import transformers  # noqa: E402
 
 import tinypipe.planner.cost as cost  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.candidate import evaluate  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
 from tinypipe.schedule.plan import Plan  # noqa: E402
 
 

@@ -9,7 +9,7 @@ rate on the run named by ``--fit`` (the one value that makes its predicted step 
 measured one) and prints every run's prediction at the old and the new rate -- the runs not
 fitted on are the check.
 
-    python bench/fit_h200_rate.py --fit qlora-8b-nf4
+    python bench/archive/fit_h200_rate.py --fit qlora-8b-nf4
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # benchkit
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import transformers  # noqa: E402
@@ -32,7 +33,7 @@ from tinypipe.planner.sizes import lora_sizes, model_sizes  # noqa: E402
 from tinypipe.schedule.plan import Plan  # noqa: E402
 
 GiB = 1024**3
-RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results")
 LLAMA8B = dict(hidden_size=4096, intermediate_size=14336, num_attention_heads=32, num_key_value_heads=8,
                num_hidden_layers=32, vocab_size=128256)
 LLAMA70B = dict(hidden_size=8192, intermediate_size=28672, num_attention_heads=64, num_key_value_heads=8,
@@ -53,7 +54,7 @@ def _qlora_run(name: str, file: str, index: int, shape: dict, scheme: str | None
 
 
 def _w1_run(name: str, file: str) -> dict:
-    from tinypipe.perf.workloads import WORKLOADS
+    from benchkit.workloads import WORKLOADS
 
     rec = json.load(open(os.path.join(RESULTS, file)))
     w = WORKLOADS["W1"]

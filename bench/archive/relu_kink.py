@@ -3,7 +3,7 @@ kink at step 2, so one ulp of rounding picked the branch.
 
 Prints (1) the engine's grad norms against the whole-batch reference for micro-batches 5 / 2 / 1,
 (2) the reference's own norms after +-1 ulp of noise on its initial weights, (3) per step the least
-|ReLU input| along the reference for five sets of batch seeds. Run: python bench/relu_kink.py
+|ReLU input| along the reference for five sets of batch seeds. Run: python bench/archive/relu_kink.py
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 import tinypipe  # noqa: E402
 from model_zoo import make_batch, make_model  # noqa: E402
 from reference import ReferenceTrainer, randomize_biases, train_reference  # noqa: E402

@@ -2,7 +2,7 @@
 """Time a clipped step's deferred host AdamW pass over one layer: the clip coefficient as a separate
 ``g.mul_(coef)`` pass (before) vs passed into torch's fused kernel as ``grad_scale`` (after).
 
-    python bench/clip_bench.py --numel 100669440 --threads 1,2 --json out.json
+    python bench/archive/clip_bench.py --numel 100669440 --threads 1,2 --json out.json
 
 Both run chunk by chunk as :meth:`tinypipe.runtime.optim.decisions.StepDecisions._redo` does
 (``REDO_CHUNK`` elements, torch's fused CPU AdamW through :class:`ChunkedAdamW`); "unclipped" is
@@ -21,7 +21,7 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 
 import torch  # noqa: E402
 

@@ -16,7 +16,7 @@ of ``--numel`` fp32 parameters (default: a W1 block), with CUDA events on the st
 * the round trip beside a host AdamW pass (``--host-numel`` parameters, fused, all cores), which
   is what runs beside it in a clipped step: both times, and the host pass's rate alone.
 
-    python bench/assist_roundtrip.py --json out.json     # on the GPU machine (~1 min)
+    python bench/archive/assist_roundtrip.py --json out.json     # on the GPU machine (~1 min)
 
 Prints a table last: ms, GB/s of the bytes each moves, and the ratio to ``copies only``.
 """

@@ -2,7 +2,7 @@
 where the run was traced on CUDA). What the session 12 notes read the tail off: when each host
 AdamW update ran against the backward and the uploads.
 
-    python bench/trace_lanes.py bench/results/s12_w1_turn_s12b.trace.json optimizer h2d
+    python bench/archive/trace_lanes.py bench/results/s12_w1_turn_s12b.trace.json optimizer h2d
 """
 
 from __future__ import annotations

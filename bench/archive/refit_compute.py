@@ -4,7 +4,7 @@
 runs it was not fitted on, and print every run's step-time error at ``--baseline`` (default 1: one
 rate for every pass, the model before session 15) and at the refitted factor.
 
-    python bench/refit_compute.py --fit s11_w1_turn_traced_s11.json s12_w1_turn_s12b.json ... \
+    python bench/archive/refit_compute.py --fit s11_w1_turn_traced_s11.json s12_w1_turn_s12b.json ... \
         --check-parts s11_w3_turn_traced_s11c.json ... --check-steps s14_w1_*.json ...
 
 Files are ``bench/run.py --json`` results (names relative to bench/results/). A traced run's
@@ -24,18 +24,19 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benchkit
 
 import transformers  # noqa: E402
 
 import tinypipe.planner.cost as cost  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.candidate import evaluate  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
 from tinypipe.schedule.plan import Plan  # noqa: E402
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 
 @contextmanager

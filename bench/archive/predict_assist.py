@@ -5,7 +5,7 @@ one preset at one GPU budget. ``bench/run.py W1 --auto --max-grad-norm 1.0`` run
 plan, which the same search chooses (for the budget the engine reads under its cap); ``--save DIR``
 writes the two clipped plans as JSON (``Plan.load``) to run exactly these.
 
-    python bench/predict_assist.py [--workloads W1,W3] [--hardware h200-pcie5] [--gpu-gib 24]
+    python bench/archive/predict_assist.py [--workloads W1,W3] [--hardware h200-pcie5] [--gpu-gib 24]
                                    [--adamw-gparams G] [--json]
 
 Rows: unclipped with every update on the host (``assist_updates=False``) and with the planner's
@@ -21,14 +21,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import sys
 import time
 from pathlib import Path
 
-import transformers
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benchkit
 
-from tinypipe.perf.workloads import WORKLOADS
-from tinypipe.planner.hardware import HardwareSpec, load_hardware
-from tinypipe.planner.search import PlanResult, plan_for
+import transformers  # noqa: E402
+
+from benchkit.workloads import WORKLOADS  # noqa: E402
+from tinypipe.planner.hardware import HardwareSpec, load_hardware  # noqa: E402
+from tinypipe.planner.search import PlanResult, plan_for  # noqa: E402
 
 GIB = 2**30
 

@@ -6,7 +6,7 @@
 2. with the reference started from the engine's adapters in the engine's micro-batches, every
    input of every int8 layer equals one the engine fed it, bit for bit (all steps).
 
-    python bench/int8_shapes.py
+    python bench/archive/int8_shapes.py
 
 CPU only, ~15 s. Prints the mismatching element counts per row count, then the bit-equality
 counts per configuration.
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 import bitsandbytes as bnb  # noqa: E402
 

@@ -1,4 +1,6 @@
-"""Measured machine rates: the inputs of the physical bound (DESIGN.md section 4)."""
+"""Measured machine rates: pinned host<->device bandwidth, bf16 matmul rate, the CPU's fused AdamW
+and memcpy rates. ``tinypipe profile`` (planner/profile.py) records them in a hardware file; the
+benchmarks in ``bench/`` take them as the inputs of the physical bound (bench/benchkit/analysis.py)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 tests/test_qlora.py (PEFT + bitsandbytes + torch AdamW, 3 steps) trained again with +-1 ulp of
 noise on every decoder layer's output, per seed; fp4 (whose activations stay fp32) beside it.
 
-    python bench/int8_sensitivity.py [--seeds 12]
+    python bench/archive/int8_sensitivity.py [--seeds 12]
 
 int8 rounds each activation row to 127 levels, so a 1-ulp change upstream can flip a code; CPUs
 differ in which GEMM shapes round alike, which is why the int8 test compares step by step from
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests"))
 
 from model_zoo import make_batch  # noqa: E402
 from reference import train_reference  # noqa: E402

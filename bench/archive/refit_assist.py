@@ -2,7 +2,7 @@
 """Fit the per-chunk overhead of an assisted round trip (planner/assist.py ``ASSIST_CHUNK_S``) on
 one traced clipped run, and check the clipped race with it against that run and others.
 
-    python bench/refit_assist.py --fit bench/results/s8_w1_clip_assist_s8.json \
+    python bench/archive/refit_assist.py --fit bench/results/s8_w1_clip_assist_s8.json \
         --trace bench/results/s8_w1_clip_assist_s8.trace.json [--check other.json ...]
 
 The trace's ``up/f<q>/L<layer>`` spans of the plan's assisted layers (device times, the last
@@ -24,14 +24,15 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benchkit
 
 import transformers  # noqa: E402
 
 import tinypipe.planner.assist as assist  # noqa: E402
 import tinypipe.planner.cost as cost  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL  # noqa: E402
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.candidate import evaluate  # noqa: E402
 from tinypipe.planner.cost import clipped_race  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402

@@ -9,8 +9,8 @@ moments later, while the next backward runs. A memory-bound pass moves 28 B/para
 20 B/param in the weights pass. This times the three with torch's fused CPU AdamW and checks that
 the split gives the same bits as one pass.
 
-    python bench/adamw_split_bench.py --params 400 --threads 16,8 --json out.json
-    python bench/adamw_split_bench.py --params 400 --chunks 262144,1048576 --beside-link --json out.json
+    python bench/archive/adamw_split_bench.py --params 400 --threads 16,8 --json out.json
+    python bench/archive/adamw_split_bench.py --params 400 --chunks 262144,1048576 --beside-link --json out.json
 
 Prints a table last: G params/s of the one pass, the weights pass and the moments pass.
 

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One device call: GPU tests, then the W1 benchmark in the given configurations.
-# Usage (on the GPU machine, repo root): bash bench/gpu_session.sh "<bench args>" ["<bench args>" ...]
+# Usage (on the GPU machine, repo root): bash bench/archive/gpu_session.sh "<bench args>" ["<bench args>" ...]
 set -u
 export PYTHONPATH=$PWD:${PYTHONPATH:-} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"

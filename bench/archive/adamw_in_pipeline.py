@@ -2,7 +2,7 @@
 runs, and after it, from traced runs (``bench/run.py --trace``), against ``cpu_adamw_gparams_s``
 (the rate measured alone; planner/cost.py's backward term says why the planner still uses that).
 
-    python bench/adamw_in_pipeline.py bench/results/s7_w1_final.trace.json [more traces]
+    python bench/archive/adamw_in_pipeline.py bench/results/s7_w1_final.trace.json [more traces]
 """
 
 from __future__ import annotations
@@ -15,9 +15,10 @@ from pathlib import Path
 
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benchkit
 
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
 
 

@@ -1,50 +1,50 @@
 #!/usr/bin/env bash
 # One device call of a measurement session: GPU tests and benchmarks, chosen by phase, each
 # writing its raw JSON under $OUT. Usage (on the GPU machine, repo root):
-#   bash bench/gpu_calls.sh w1-qlora8b   # W1 auto plan + QLoRA/bf16-LoRA GPU tests + the 8B QLoRA pair
-#   bash bench/gpu_calls.sh qlora70b     # the 70B-shape QLoRA run (a call of its own: ~6 min)
-#   bash bench/gpu_calls.sh ssd-w3       # W3 with the SSD tier (bench/ssd_w3.py)
-#   bash bench/gpu_calls.sh gpu-tests    # every GPU-marked test (QLoRA 1/2 entries, int8, bf16, dropout)
-#   bash bench/gpu_calls.sh clip-dp      # W1 with/without clipping (auto plans) + 2 replicas sharing the GPU
-#   bash bench/gpu_calls.sh clip-w1      # W1 clipped: the unclipped plan, 4 resident packs, the planner's own
-#   bash bench/gpu_calls.sh keep         # W1 auto at 24 / 48 GiB (kept packs), 48 GiB without keeping, W3 auto;
+#   bash bench/archive/gpu_calls.sh w1-qlora8b   # W1 auto plan + QLoRA/bf16-LoRA GPU tests + the 8B QLoRA pair
+#   bash bench/archive/gpu_calls.sh qlora70b     # the 70B-shape QLoRA run (a call of its own: ~6 min)
+#   bash bench/archive/gpu_calls.sh ssd-w3       # W3 with the SSD tier (bench/ssd_w3.py)
+#   bash bench/archive/gpu_calls.sh gpu-tests    # every GPU-marked test (QLoRA 1/2 entries, int8, bf16, dropout)
+#   bash bench/archive/gpu_calls.sh clip-dp      # W1 with/without clipping (auto plans) + 2 replicas sharing the GPU
+#   bash bench/archive/gpu_calls.sh clip-w1      # W1 clipped: the unclipped plan, 4 resident packs, the planner's own
+#   bash bench/archive/gpu_calls.sh keep         # W1 auto at 24 / 48 GiB (kept packs), 48 GiB without keeping, W3 auto;
 #                                        # traced: the step decomposition and the bound with forced recompute
-#   bash bench/gpu_calls.sh clip7 [tag]  # host AdamW one pass vs split (weights, then moments); W1 and W3
+#   bash bench/archive/gpu_calls.sh clip7 [tag]  # host AdamW one pass vs split (weights, then moments); W1 and W3
 #                                        # auto with and without clipping, warm-up 2, traced (raw: *_<tag>.json)
-#   bash bench/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
-#   bash bench/gpu_calls.sh assist8 W1|W3 [tag]  # clipped with / without assisted updates + unclipped (#16)
-#   bash bench/gpu_calls.sh roundtrip9 [tag]    # one assisted round trip vs the link; W1 clipped assisted, traced
-#   bash bench/gpu_calls.sh final9 [tag]        # round trip vs host pass; W1/W3 clipped and W3 unclipped, auto
-#   bash bench/gpu_calls.sh final9b [tag]       # CUDA assist tests; W3 unclipped traced / assisted; W1 unclipped
-#   bash bench/gpu_calls.sh final9c [tag]       # blocking CUDA events: W3 clipped, W1 unclipped and clipped
-#   bash bench/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
-#   bash bench/gpu_calls.sh host10 [tag] [W3|traced]  # CUDA host-kept tests; W1 auto, then W3 auto or W1 traced
-#   bash bench/gpu_calls.sh host10c [tag]       # W1 with two packs' graphs in host memory, traced, 32 GiB cap
-#   bash bench/gpu_calls.sh keep10 [tag] W1|W3  # CUDA kept-graph tests (W1); the planner's plan (kept packs) vs
+#   bash bench/archive/gpu_calls.sh dp-w3        # W3 as 2 replicas sharing the GPU (planner's plan, host pre-flight)
+#   bash bench/archive/gpu_calls.sh assist8 W1|W3 [tag]  # clipped with / without assisted updates + unclipped (#16)
+#   bash bench/archive/gpu_calls.sh roundtrip9 [tag]    # one assisted round trip vs the link; W1 clipped assisted, traced
+#   bash bench/archive/gpu_calls.sh final9 [tag]        # round trip vs host pass; W1/W3 clipped and W3 unclipped, auto
+#   bash bench/archive/gpu_calls.sh final9b [tag]       # CUDA assist tests; W3 unclipped traced / assisted; W1 unclipped
+#   bash bench/archive/gpu_calls.sh final9c [tag]       # blocking CUDA events: W3 clipped, W1 unclipped and clipped
+#   bash bench/archive/gpu_calls.sh assist8b [tag]      # W3 unclipped traced, then every 3rd / 2nd block assisted
+#   bash bench/archive/gpu_calls.sh host10 [tag] [W3|traced]  # CUDA host-kept tests; W1 auto, then W3 auto or W1 traced
+#   bash bench/archive/gpu_calls.sh host10c [tag]       # W1 with two packs' graphs in host memory, traced, 32 GiB cap
+#   bash bench/archive/gpu_calls.sh keep10 [tag] W1|W3  # CUDA kept-graph tests (W1); the planner's plan (kept packs) vs
 #                                               # --keep-activations off, same call (#16)
-#   bash bench/gpu_calls.sh turn11 [tag] W1|W3 [traced]  # CUDA turn test (W1); the planner's plan (a
+#   bash bench/archive/gpu_calls.sh turn11 [tag] W1|W3 [traced]  # CUDA turn test (W1); the planner's plan (a
 #                                               # micro-batch-wise turn) vs --turn-packs 0, same call (#16)
-#   bash bench/gpu_calls.sh turn11b [tag]  # W1: planner's turn plan, turn + 9 assisted, no turn (#16)
-#   bash bench/gpu_calls.sh defer12 [tag]  # W1/W3 turn plans with and without deferred updates (#16)
-#   bash bench/gpu_calls.sh front12 [tag]  # single-block front packs vs session 11's turn plans (#16)
-#   bash bench/gpu_calls.sh front12b [tag] # the same, W1 traced (#16)
-#   bash bench/gpu_calls.sh defer12b [tag] # the same, traced: W1 6 / 9 / 0 turn layers deferred, W3 4 (#16)
-#   bash bench/gpu_calls.sh threads13 [tag] # W1/W3 host AdamW threads 14/12/10, W1 resident first pack (#16)
-#   bash bench/gpu_calls.sh pages13 [tag]   # huge-page host buffers on/off: AdamW alone, W1, W3 (#16)
-#   bash bench/gpu_calls.sh resident13 [tag] # W1 lowest blocks assisted / first pack resident, W3 front assisted (#16)
-#   bash bench/gpu_calls.sh resident13w3 [tag] # W3 front split with its single blocks assisted (#16)
-#   bash bench/gpu_calls.sh resident14 [tag]   # resident13's W1 plans in a balanced order A B C A C B A (#16)
-#   bash bench/gpu_calls.sh resident14w3 [tag] # W3 front split: assisted / plain / resident / plain / assisted
-#   bash bench/gpu_calls.sh lane14 [tag]       # the host-lane planner's W1/W3 plans vs the resident-first-pack ones
-#   bash bench/gpu_calls.sh front15 [tag]  # W1: --auto vs the resident-first-pack plan C vs the search with
+#   bash bench/archive/gpu_calls.sh turn11b [tag]  # W1: planner's turn plan, turn + 9 assisted, no turn (#16)
+#   bash bench/archive/gpu_calls.sh defer12 [tag]  # W1/W3 turn plans with and without deferred updates (#16)
+#   bash bench/archive/gpu_calls.sh front12 [tag]  # single-block front packs vs session 11's turn plans (#16)
+#   bash bench/archive/gpu_calls.sh front12b [tag] # the same, W1 traced (#16)
+#   bash bench/archive/gpu_calls.sh defer12b [tag] # the same, traced: W1 6 / 9 / 0 turn layers deferred, W3 4 (#16)
+#   bash bench/archive/gpu_calls.sh threads13 [tag] # W1/W3 host AdamW threads 14/12/10, W1 resident first pack (#16)
+#   bash bench/archive/gpu_calls.sh pages13 [tag]   # huge-page host buffers on/off: AdamW alone, W1, W3 (#16)
+#   bash bench/archive/gpu_calls.sh resident13 [tag] # W1 lowest blocks assisted / first pack resident, W3 front assisted (#16)
+#   bash bench/archive/gpu_calls.sh resident13w3 [tag] # W3 front split with its single blocks assisted (#16)
+#   bash bench/archive/gpu_calls.sh resident14 [tag]   # resident13's W1 plans in a balanced order A B C A C B A (#16)
+#   bash bench/archive/gpu_calls.sh resident14w3 [tag] # W3 front split: assisted / plain / resident / plain / assisted
+#   bash bench/archive/gpu_calls.sh lane14 [tag]       # the host-lane planner's W1/W3 plans vs the resident-first-pack ones
+#   bash bench/archive/gpu_calls.sh front15 [tag]  # W1: --auto vs the resident-first-pack plan C vs the search with
 #                                        # front packings (s15_w1_front_auto), C A F F A C (#16)
-#   bash bench/gpu_calls.sh front15w3 [tag] # the same for W3: C3 A F F A C3 (#16)
-#   bash bench/gpu_calls.sh clip15 [tag]   # clipping every step vs not, --auto both: W1 U K K U, W3 U K (#16)
-#   bash bench/gpu_calls.sh int8cuda15     # int8 QLoRA on CUDA step by step (can the refusal go?) +
+#   bash bench/archive/gpu_calls.sh front15w3 [tag] # the same for W3: C3 A F F A C3 (#16)
+#   bash bench/archive/gpu_calls.sh clip15 [tag]   # clipping every step vs not, --auto both: W1 U K K U, W3 U K (#16)
+#   bash bench/archive/gpu_calls.sh int8cuda15     # int8 QLoRA on CUDA step by step (can the refusal go?) +
 #                                        # the streamed kept-pack CUDA tests
-#   bash bench/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
+#   bash bench/archive/gpu_calls.sh two-gpu      # needs nvidia-h200-x2: W1, W3 as 1 GPU / 2 replicas (NCCL) /
 #                                        # 1 pipeline over 2 GPUs (#15)
-#   bash bench/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
+#   bash bench/archive/gpu_calls.sh two-gpu-speed  # needs nvidia-h200-x2: W1, W3 auto over cuda:0,cuda:1 (#16)
 # bitsandbytes is carried as a wheel in .whl/ (the GPU image lacks it; .whl/ is git-ignored, so a
 # fresh checkout has none): `pip download bitsandbytes==0.50.2 --no-deps -d .whl` here (43 MB), then
 # `run` with carry [".whl"]. Phases that test int8/nf4 on CUDA stop when it is missing.
@@ -114,7 +114,7 @@ case "${1:-}" in
   clip7)
     # 8 files back at most: 5 JSON, 2 traces, one log of everything
     T=${2:-base}; L=/tmp/clip7; mkdir -p $L
-    timeout 120 python3 bench/adamw_split_bench.py --params 400 --threads 16,12,8 --chunks 1048576,4194304 \
+    timeout 120 python3 bench/archive/adamw_split_bench.py --params 400 --threads 16,12,8 --chunks 1048576,4194304 \
       --repeat 3 --json "$OUT/adamw_split_$T.json" > $L/adamw.log 2>&1
     R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
     timeout 110 $R W1 --steps 3 --trace "$OUT/w1_$T.trace.json" --json "$OUT/w1_$T.json" > $L/w1.log 2>&1
@@ -128,7 +128,7 @@ case "${1:-}" in
   clip7b)
     # after: one fused call per clipped layer; untraced, warm-up 2, then W3 with and without clipping
     T=${2:-after}; L=/tmp/clip7b; mkdir -p $L
-    timeout 100 python3 bench/adamw_split_bench.py --params 400 --threads 16 --chunks 4194304,400000000 \
+    timeout 100 python3 bench/archive/adamw_split_bench.py --params 400 --threads 16 --chunks 4194304,400000000 \
       --repeat 3 --json "$OUT/adamw_whole_$T.json" > $L/adamw.log 2>&1
     R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
     timeout 100 $R W1 --steps 5 --json "$OUT/w1_$T.json" > $L/w1.log 2>&1
@@ -203,7 +203,7 @@ case "${1:-}" in
     # (traced) and W3 again, exactly (--plan): does the step count made without a blocking copy bring
     # the assisted uploads to the link's rate? 7 files back: 3 JSON, 2 traces, 2 logs
     T=${2:-s9}; L=/tmp/roundtrip9; mkdir -p $L
-    timeout 120 python3 bench/assist_roundtrip.py --json "$OUT/assist_roundtrip_$T.json" > "$OUT/assist_roundtrip_$T.log" 2>&1
+    timeout 120 python3 bench/archive/assist_roundtrip.py --json "$OUT/assist_roundtrip_$T.json" > "$OUT/assist_roundtrip_$T.log" 2>&1
     R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --max-grad-norm 1.0"
     timeout 150 $R W1 --steps 4 --plan bench/results/s8_w1_clip_assist_s8.json \
       --trace "$OUT/w1_clip_assist_$T.trace.json" --json "$OUT/w1_clip_assist_$T.json" > $L/w1.log 2>&1
@@ -350,7 +350,7 @@ case "${1:-}" in
     # refitted chunk overhead: W1 clipped, W3 clipped (traced: the race's forward out of sample) and
     # W3 unclipped for the ratio. 7 files back: 4 JSON, 1 trace, 2 logs
     T=${2:-s9}; L=/tmp/final9; mkdir -p $L
-    timeout 150 python3 bench/assist_roundtrip.py --json "$OUT/assist_roundtrip_$T.json" > "$OUT/assist_roundtrip_$T.log" 2>&1
+    timeout 150 python3 bench/archive/assist_roundtrip.py --json "$OUT/assist_roundtrip_$T.json" > "$OUT/assist_roundtrip_$T.log" 2>&1
     R="python3 bench/run.py --devices cuda:0 --auto --cap-gib 24 --warmup 2"
     timeout 120 $R W1 --steps 4 --max-grad-norm 1.0 --json "$OUT/w1_clip_$T.json" > $L/w1c.log 2>&1
     timeout 170 $R W3 --steps 2 --max-grad-norm 1.0 --trace "$OUT/w3_clip_$T.trace.json" \
@@ -403,11 +403,11 @@ case "${1:-}" in
     report $L "$OUT/threads13_$T.log" "^machine|$SUMMARY" w1_t14 w1_t12 w1_t10 w1_res1 w3_t14 w3_t12 ;;
   pages13)
     # host buffers advised onto huge pages against torch's allocator (TINYPIPE_HUGE_PAGES=off): the
-    # AdamW rate alone (bench/host_pages.py), then W1 and W3 with the engine's own plans, on / off /
+    # AdamW rate alone (bench/archive/host_pages.py), then W1 and W3 with the engine's own plans, on / off /
     # on in one call; W1 also with 16 AdamW threads. 7 JSON, 1 log. Ran at commit 6e5c3c0; the
     # advice measured slower on the H200 box and was reverted, so the variable is gone now
     T=${2:-s13b}; L=/tmp/pages13; mkdir -p $L
-    timeout 60 python3 bench/host_pages.py --threads 14,16 --json "$OUT/host_pages_$T.json" > $L/pages.log 2>&1
+    timeout 60 python3 bench/archive/host_pages.py --threads 14,16 --json "$OUT/host_pages_$T.json" > $L/pages.log 2>&1
     R="python3 bench/run.py --devices cuda:0 --cap-gib 24 --warmup 2 --auto"
     timeout 90 $R W1 --steps 6 --json "$OUT/w1_huge_$T.json" > $L/w1_huge.log 2>&1
     TINYPIPE_HUGE_PAGES=off timeout 80 $R W1 --steps 6 --json "$OUT/w1_small_$T.json" > $L/w1_small.log 2>&1

@@ -2,7 +2,7 @@
 """gloo all-reduce bandwidth between processes on one machine -- the bound of replicas that share
 a GPU (NCCL refuses two ranks on one GPU, so their gradients go through gloo).
 
-    python -m torch.distributed.run --nproc-per-node 2 bench/gloo_bw.py [--mb 400] [--reps 3]
+    python -m torch.distributed.run --nproc-per-node 2 bench/archive/gloo_bw.py [--mb 400] [--reps 3]
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """Does SSD I/O overlap with the CPU AdamW step? The optimizer path's loop, timed three ways.
 
-Usage: ``python bench/ssd_overlap.py DIR [--layers 8] [--mib 64] [--depth 2] [--reps 3] [--json OUT]``
+Usage: ``python bench/archive/ssd_overlap.py DIR [--layers 8] [--mib 64] [--depth 2] [--reps 3] [--json OUT]``
 
 Per layer: master, exp_avg, exp_avg_sq of ``--mib`` MiB each live on the SSD; a step reads them
 ahead (``--depth`` layers in flight through a StagingPool of depth + 1 layers), runs AdamW on the
@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from tinypipe.devices.host_buffers import aligned_empty  # noqa: E402
 from tinypipe.storage import SsdStateStore, StagingPool, StateStager  # noqa: E402

@@ -16,7 +16,7 @@ moments: 16 B/param, far beyond the caches) one layer per fused call, as the hos
 reports G params/s (median of ``--passes``) per (allocation, threads), the kernel's THP settings
 and how much of the state ended up on huge pages. Prints a table last; ``--json`` writes it.
 
-    python bench/host_pages.py --threads 12,14,16 --json out.json
+    python bench/archive/host_pages.py --threads 12,14,16 --json out.json
 """
 
 from __future__ import annotations

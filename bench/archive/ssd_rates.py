@@ -1,6 +1,6 @@
 """Sweep the SSD tier's I/O path over worker threads and request (chunk) sizes.
 
-Usage: ``python bench/ssd_rates.py DIR [--gib 1] [--reps 2] [--threads 1,2,4,8,16]
+Usage: ``python bench/archive/ssd_rates.py DIR [--gib 1] [--reps 2] [--threads 1,2,4,8,16]
 [--chunks-mib 4,16,64] [--json OUT.json]``
 
 Each configuration writes then reads ``--gib`` GiB through :func:`tinypipe.storage.measure_rates`
@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
 
 from tinypipe.storage import measure_rates  # noqa: E402
 from tinypipe.storage.scratch import filesystem_type  # noqa: E402

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The host-DRAM floor on the forward after a clipped step (planner/dram.py) against measured steps.
 
-    python bench/dram_window.py bench/results/s9_w3_clip_s9.json bench/results/s9_w1_clip_s9.json ...
+    python bench/archive/dram_window.py bench/results/s9_w3_clip_s9.json bench/results/s9_w1_clip_s9.json ...
         [--dram-gbs G (default: the h200-pcie5 preset's host_dram_gbs)] [--json out.json]
 
 Each file is a ``bench/run.py --json`` result of a clipped run; its plan's bytes through host
@@ -19,11 +19,12 @@ import json
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # the repository root
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benchkit
 
 import transformers  # noqa: E402
 
-from tinypipe.perf.workloads import WORKLOADS  # noqa: E402
+from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.cost import UPLOAD_BYTES  # noqa: E402
 from tinypipe.planner.dram import clipped_forward_dram  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402

@@ -1,7 +1,7 @@
 """The most recompute that offloading activations to host memory could save in a measured step.
 
 A block that offloads instead of recomputing sends what autograd saves for it -- for every token
-of the step, :attr:`~tinypipe.perf.keep_limit.KeepLimit.bytes_per_block` -- down during the
+of the step, :attr:`~benchkit.keep_limit.KeepLimit.bytes_per_block` -- down during the
 forward and brings it back up during the backward. That only costs nothing where the link is
 idle: the device-to-host time the forward phase leaves free and the host-to-device time the head
 and backward leave free. So the blocks that can offload at no cost are at most
