@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The acceptance matrix in one device call (run from the repository root on the GPU machine, with
-# bitsandbytes and peft carried as wheels in .whl/, git-ignored: `pip download bitsandbytes==0.50.2
-# peft==<the version installed here> --no-deps -d .whl`, then `run` with carry [".whl"]):
+# bitsandbytes and peft carried as wheels in .whl/, git-ignored: `python3 -m pip download --no-deps
+# --only-binary=:all: --python-version 3.12 --platform manylinux_2_24_x86_64 -d .whl bitsandbytes==0.50.2
+# peft==0.21.2` (the pins of requirements/lock.txt), then `run` with carry [".whl"]):
 #   bash bench/acceptance_device.sh SHA --tier quick
 #   bash bench/acceptance_device.sh SHA --tier full --part 2
 # Rows go to $OUT/acc/ and come back as one file, $OUT/acc.tgz (a call returns at most 8 files);
