@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 from tinypipe.config import Config
-from tinypipe.errors import ConfigError, PlanDoesNotFitError
+from tinypipe.errors import ConfigError, PlanDoesNotFitError, TinypipeError, UnsupportedModelError
 from tinypipe.planner.hardware import HARDWARE, HardwareSpec, load_hardware
 from tinypipe.schedule.plan import Plan, make_plan
 
@@ -372,28 +372,44 @@ def _check_fits(model: nn.Module, config: Config, plan: Plan) -> Plan:
 
 
 def lora_settings_of(model: nn.Module):  # -> LoraSettings | None
-    """The LoRA settings of a ``peft.PeftModel`` (so the plan sizes its adapters), else None."""
+    """The LoRA settings of a ``peft.PeftModel`` (so the plan sizes its adapters), else None.
+
+    Read from the adapters the model really has (the PEFT config's ``target_modules`` may be a
+    regular expression or ``"all-linear"``). A model whose adapters the planner cannot size is an
+    error naming why, never a plan sized as full fine-tuning: that plan would budget gradients and
+    optimizer state for the frozen base and hide the mistake."""
     from tinypipe.lora.hooks import is_peft_model
 
     if not is_peft_model(model):
         return None
     from tinypipe.lora.settings import LoraSettings
-
-    from tinypipe.errors import TinypipeError
     from tinypipe.planner.sizes import lora_sizes
+    from tinypipe.quant.model import spec_of  # QLoRA: plan the quantized base's sizes
 
+    def refuse(why: str) -> UnsupportedModelError:
+        return UnsupportedModelError(f"cannot plan for this PEFT model's adapters: {why}; give the plan "
+                                     "yourself (Config's plan knobs) or attach adapters with tinypipe's "
+                                     "LoRA options")
+
+    active = getattr(model, "active_adapter", None)
+    pc = getattr(model, "peft_config", {}).get(active) if isinstance(active, str) else None
+    if pc is None or getattr(pc, "peft_type", None) is None or str(getattr(pc.peft_type, "value", pc.peft_type)) != "LORA":
+        raise refuse(f"the active adapter {active!r} is not a LoRA adapter")
+    adapted = {name.rsplit(".", 1)[-1]: module for name, module in model.named_modules()
+               if active in getattr(module, "lora_A", {})}
+    if not adapted:
+        raise refuse("no module carries the active adapter")
+    ranks = {int(m.r[active]) for m in adapted.values()}
+    if len(ranks) != 1 or getattr(pc, "use_dora", False):
+        raise refuse("adapters of several ranks (rank_pattern)" if len(ranks) != 1 else "DoRA adapters")
+    quant = spec_of(model)
     try:
-        pc = model.peft_config[model.active_adapter]
-        targets = pc.target_modules
-        targets = [targets] if isinstance(targets, str) else sorted(targets)
-        from tinypipe.quant.model import spec_of  # QLoRA: plan the quantized base's sizes
-
-        quant = spec_of(model)
-        settings = LoraSettings(rank=int(pc.r), alpha=float(pc.lora_alpha), targets=targets,
+        settings = LoraSettings(rank=ranks.pop(), alpha=float(pc.lora_alpha), targets=sorted(adapted),
+                                dropout=float(pc.lora_dropout),
                                 quantize=quant.scheme if quant is not None else None,
                                 double_quant=quant.double_quant if quant is not None else True,
                                 compute_dtype="fp32" if quant is not None and quant.unit == 4 else "bf16")
-        lora_sizes(model.config, settings)  # adapters the planner cannot size: plan as full fine-tuning
-    except (TinypipeError, AttributeError, KeyError, TypeError, ValueError):
-        return None
+        lora_sizes(model.config, settings)
+    except (TinypipeError, AttributeError, KeyError, TypeError, ValueError) as exc:
+        raise refuse(f"{type(exc).__name__}: {exc}") from exc
     return settings
