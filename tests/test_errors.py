@@ -185,7 +185,8 @@ def test_disk_full_while_saving_the_model_keeps_the_previous_output(capsys, monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(export, "save_file", disk_full)
-    _fails(capsys, _base(tiny_model_dir, data_file, out, "--steps", "6", "--lr", "1e-2", "--checkpoint-every", "3"),
+    _fails(capsys, _base(tiny_model_dir, data_file, out, "--steps", "6", "--lr", "1e-2", "--checkpoint-every", "3",
+                           "--overwrite"),
            "cannot save the model", "disk full")
     assert (out / "model.safetensors").read_bytes() == before  # the previous output survives
     assert not list(out.glob("*.tmp"))

@@ -149,10 +149,13 @@ def _offload_dirs(value: str | None) -> str | tuple[str, ...] | None:
 def _check_inputs(s: dict[str, Any]) -> tuple[Path, Path]:
     """A wrong model path, malformed data or an unwritable output fails now, before the model
     loads. Returns the data path and the output directory."""
+    from tinypipe.cli.output_guard import check_output
     from tinypipe.train.data import read_records
     from tinypipe.train.model_io import resolve_model_path
 
-    resolve_model_path(s["model"])
+    _, model_path = resolve_model_path(s["model"])  # a directory, or a .gguf file (never overwritten)
+    check_output(Path(s["output"]).expanduser(), model_path,
+                 resume=bool(s["resume"]), overwrite=bool(s["overwrite"]))
     data_path = Path(s["data"]).expanduser()
     read_records(data_path, skip_bad_lines=s["skip_bad_lines"])
     if s["eval_data"]:

@@ -203,6 +203,8 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "(default: off)", "N"),
     Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result "
            "equals an uninterrupted run", flag=True),
+    Option("overwrite", _bool, False, "start a new run over OUTPUT's checkpoint and saved model (without "
+           "it, a fresh run into an OUTPUT holding them is refused)", flag=True),
     Option("force", _bool, False, "with --resume: continue even though the checkpoint was made with other "
            "settings (they are listed)", flag=True),
     Option("eval-data", _str, None, "held-out data (same formats as --data) to evaluate the loss on", "FILE"),

@@ -110,12 +110,26 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
         os.fsync(f.fileno())
     _fsync_dir(tmp)
     _phase("written")
-    # Swap. Invariant: at every instant ``final`` or ``old`` is a complete checkpoint. ``final``
-    # only ever appears by renaming a complete ``tmp``; ``old`` only by renaming a complete
-    # ``final``; ``old`` is deleted only while ``final`` exists. (When a kill landed between the
-    # two renames last time, ``final`` is missing and ``old`` is the current checkpoint: keep it
-    # until the new one is in place.)
+    swap_in(tmp, final)
+    _phase("done")
+    return final
+
+
+def swap_in(tmp: Path, final: Path) -> None:
+    """Replace the checkpoint ``final`` by the complete directory ``tmp`` with renames.
+
+    Invariant: at every instant ``final`` or ``old`` is a complete checkpoint. ``final`` only ever
+    appears by renaming a complete ``tmp``; ``old`` only by renaming a complete ``final``; ``old`` is
+    deleted only while ``final`` exists. (When a kill landed between the two renames last time,
+    ``final`` is missing and ``old`` is the current checkpoint: keep it until the new one is in
+    place.) A ``final`` or ``old`` that tinypipe did not write is never moved or deleted: one-line
+    ConfigError instead (the new checkpoint stays in ``tmp``)."""
     old = final.with_name(final.name + ".old")
+    for existing in (final, old):
+        if existing.exists() and not is_tinypipe_checkpoint(existing):
+            raise ConfigError(f"{existing}: exists and is not a tinypipe checkpoint; tinypipe writes its "
+                              "checkpoints there and would replace it: move it away or choose another "
+                              "--output")
     if final.exists():
         if old.exists():
             shutil.rmtree(old)
@@ -127,8 +141,19 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
     _phase("swapped")
     if old.exists():
         shutil.rmtree(old)
-    _phase("done")
-    return final
+
+
+def is_tinypipe_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether directory ``path`` is a checkpoint tinypipe wrote (a ``state.json`` or a sharded
+    ``manifest.json`` with its format and layers): only those are ever replaced or deleted."""
+    for name in ("state.json", "manifest.json"):
+        try:
+            record = json.loads((Path(path) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and "format" in record and "layers" in record:
+            return True
+    return False
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path | None:

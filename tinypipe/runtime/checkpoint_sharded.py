@@ -27,7 +27,7 @@ from tinypipe.distributed.group import Replicas
 from tinypipe.errors import ConfigError
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.checkpoint import (CheckpointWriteError, describe_os_error, find_checkpoint,
-                                         load_checkpoint, save_checkpoint)
+                                         load_checkpoint, save_checkpoint, swap_in)
 from tinypipe.runtime.optim.path import OptimizerPath
 from tinypipe.runtime.optim.sharded import ShardedOptimizerPath
 
@@ -100,16 +100,7 @@ def _commit(store: HostStore, optimizer: ShardedOptimizerPath, replicas: Replica
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    old = final.with_name(final.name + ".old")  # the swap of runtime/checkpoint.py (same invariant)
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        _fsync_dir(final.parent)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    swap_in(tmp, final)  # the swap of runtime/checkpoint.py (same invariant)
 
 
 def _fsync_dir(path: Path) -> None:
