@@ -59,7 +59,7 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         _say(_plan_line(engine))
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({config.precision}), lr {s['lr']:g} "
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps)")
-        run = run_settings(s, data_path, steps, lora)
+        run = run_settings(s, data_path, steps, lora, seq_len)
         records = _train(engine, (dataset, eval_set), steps, s, out, run, progress=not args.no_progress)
         if records is None:
             return 130
