@@ -18,7 +18,6 @@ neither torch nor transformers: ``tinypipe plan`` and ``--help`` stay fast.
 from __future__ import annotations
 
 import argparse
-import errno
 import sys
 import traceback
 from typing import Any, Callable, Sequence
@@ -124,19 +123,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         return 130
-    except OSError as exc:  # disk full / permissions on a write not wrapped above: still one line
-        if exc.errno not in _DISK_ERRNOS:
+    except Exception as exc:  # noqa: BLE001 - disk full / limits on a write not wrapped above: one line
+        from tinypipe.write_errors import DISK_ERRNOS, as_os_error, describe
+
+        failed = as_os_error(exc)  # safetensors' full disk is no OSError
+        if failed is None or failed.errno not in DISK_ERRNOS:
             raise
         if debug:
             traceback.print_exc()
-        from tinypipe.runtime.checkpoint import describe_os_error
-
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"{PROG}: error: {where}{describe_os_error(exc)}", file=sys.stderr, flush=True)
+        where = f"{failed.filename}: " if failed.filename else ""
+        print(f"{PROG}: error: {where}{describe(failed)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-
-
-_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from tinypipe.cli.output import (
     _say,
 )
 from tinypipe.cli.resume import refuse_or_override, resume_differences, run_settings
-from tinypipe.errors import ConfigError
+from tinypipe.errors import ConfigError, WriteError
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
@@ -60,13 +60,19 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({config.precision}), lr {s['lr']:g} "
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps)")
         run = run_settings(s, data_path, steps, lora, seq_len)
-        records = _train(engine, (dataset, eval_set), steps, s, out, run, progress=not args.no_progress)
-        if records is None:
-            return 130
-        # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
-        quantized = lora is not None and lora.quant_spec is not None
-        metrics, png = _save(engine, tokenizer, records, out, merge=s["merge"],
-                             merged_dtype=torch.bfloat16 if quantized else torch.float32)
+        try:
+            records = _train(engine, (dataset, eval_set), steps, s, out, run, progress=not args.no_progress)
+            if records is None:
+                return 130
+            # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
+            quantized = lora is not None and lora.quant_spec is not None
+            metrics, png = _save(engine, tokenizer, records, out, merge=s["merge"],
+                                 merged_dtype=torch.bfloat16 if quantized else torch.float32)
+        except WriteError as failed:  # disk full, ulimit -f: the trained model is saved elsewhere
+            from tinypipe.cli.rescue import rescue
+            from tinypipe.runtime.checkpoint import find_checkpoint
+
+            raise rescue(engine, tokenizer, failed, find_checkpoint(out / "checkpoint")) from failed
     finally:
         engine.close()
         shutdown()

@@ -10,7 +10,6 @@ moment leaves either the previous checkpoint or the new one -- never a mixture. 
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -22,6 +21,8 @@ from safetensors.torch import load_file, save_file
 
 from tinypipe.errors import ConfigError, WriteError
 from tinypipe.memory.host_store import HostStore
+from tinypipe.write_errors import describe as describe_os_error  # noqa: F401 - its old home
+from tinypipe.write_errors import os_errors
 
 FORMAT = 1
 
@@ -39,17 +40,6 @@ class CheckpointWriteError(WriteError):
 def _phase(name: str) -> None:
     if FAULT_HOOK is not None:
         FAULT_HOOK(name)
-
-
-def describe_os_error(exc: OSError) -> str:
-    """``disk full`` / ``permission denied`` / ... for an OSError, for one-line messages."""
-    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-        return "disk full (no space left on device)"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    if exc.errno == errno.EROFS:
-        return "read-only file system"
-    return " ".join(str(exc.strerror or exc).split())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -72,7 +62,8 @@ def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike,
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     try:
-        return _save(store, step_count, final, tmp, extra)
+        with os_errors():  # safetensors' full disk is an OSError here
+            return _save(store, step_count, final, tmp, extra)
     except OSError as exc:
         if isinstance(exc, CheckpointWriteError):
             raise

@@ -30,6 +30,7 @@ from tinypipe.runtime.checkpoint import (CheckpointWriteError, describe_os_error
                                          load_checkpoint, save_checkpoint, swap_in)
 from tinypipe.runtime.optim.path import OptimizerPath
 from tinypipe.runtime.optim.sharded import ShardedOptimizerPath
+from tinypipe.write_errors import os_errors
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -56,7 +57,8 @@ def save_sharded(store: HostStore, optimizer: ShardedOptimizerPath, replicas: Re
     replicas.host.barrier()  # the temporary directory exists
     if not failed:
         try:
-            _write_shard(store, optimizer, tmp / rank_dir(rank, world))
+            with os_errors():
+                _write_shard(store, optimizer, tmp / rank_dir(rank, world))
         except OSError as exc:
             failed = describe_os_error(exc)
     if replicas.host.any_flag(bool(failed)):  # every rank wrote its shard, or none commits

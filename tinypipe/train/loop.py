@@ -321,7 +321,7 @@ def _close(bar: Any, log: IO[str] | None) -> None:
 
 
 def _write_error(path: Path, exc: OSError, step: int | None = None) -> WriteError:
-    from tinypipe.runtime.checkpoint import describe_os_error
+    from tinypipe.write_errors import describe as describe_os_error
 
     at = f" after step {step + 1}" if step is not None else ""
     return WriteError(f"cannot write {path}{at}: {describe_os_error(exc)}")
