@@ -16,9 +16,9 @@ from pathlib import Path
 from tinypipe.errors import ConfigError
 
 CHECKPOINT = "checkpoint"
-#: What a finished run leaves besides its checkpoint (a fresh run would overwrite it).
-MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors",
-               "metrics.jsonl")
+#: What a finished run leaves besides its checkpoint (a fresh run would overwrite it). Not metrics.jsonl
+#: alone: a run killed before its first checkpoint leaves only that, and is started again as it was.
+MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
 
 def check_output(out: Path, model: Path, *, resume: bool, overwrite: bool) -> None:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file, save_file
 
 from tinypipe.errors import ConfigError, WriteError
 from tinypipe.memory.host_store import HostStore
+from tinypipe.runtime.checksums import BackgroundHasher, verify
 from tinypipe.write_errors import describe as describe_os_error  # noqa: F401 - its old home
 from tinypipe.write_errors import os_errors
 
@@ -80,20 +81,25 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
         shutil.rmtree(tmp)
     tmp.mkdir()
     layers = []
-    for i, s in enumerate(store.iter_layers()):  # state on the SSD: read one layer at a time
-        fresh = s.step == 0  # moments are uninitialised until a layer's first step
-        tensors = {
-            "master": s.master,
-            "exp_avg": torch.zeros_like(s.exp_avg) if fresh else s.exp_avg,
-            "exp_avg_sq": torch.zeros_like(s.exp_avg_sq) if fresh else s.exp_avg_sq,
-        }
-        name = f"layer-{i:04d}.safetensors"
-        save_file(tensors, str(tmp / name))
-        with open(tmp / name, "rb+") as f:
-            os.fsync(f.fileno())
-        layers.append({"name": s.spec.name, "numel": s.spec.numel, "train_numel": s.spec.train_numel,
-                       "step": s.step, "file": name})
-        _phase("layer")
+    with BackgroundHasher() as hasher:  # each file hashed while the next is written
+        for i, s in enumerate(store.iter_layers()):  # state on the SSD: read one layer at a time
+            fresh = s.step == 0  # moments are uninitialised until a layer's first step
+            tensors = {
+                "master": s.master,
+                "exp_avg": torch.zeros_like(s.exp_avg) if fresh else s.exp_avg,
+                "exp_avg_sq": torch.zeros_like(s.exp_avg_sq) if fresh else s.exp_avg_sq,
+            }
+            name = f"layer-{i:04d}.safetensors"
+            save_file(tensors, str(tmp / name))
+            with open(tmp / name, "rb+") as f:
+                os.fsync(f.fileno())
+            hasher.submit(tmp / name)
+            layers.append({"name": s.spec.name, "numel": s.spec.numel, "train_numel": s.spec.train_numel,
+                           "step": s.step, "file": name})
+            _phase("layer")
+        digests = hasher.digests()
+    for entry in layers:
+        entry["sha256"] = digests[entry["file"]]
     state = {"format": FORMAT, "step_count": step_count, "layers": layers, "extra": extra or {}}
     with open(tmp / "state.json", "w") as f:
         json.dump(state, f, indent=1)
@@ -185,15 +191,29 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
     """Restore ``store`` from a checkpoint; returns (step_count, extra)."""
     found, state = check_layout(store, path)
     for i, (s, entry) in enumerate(zip(store.layers, state["layers"])):
+        path = found / entry["file"]
+        verify(path, entry.get("sha256"))
         try:
-            tensors = load_file(str(found / entry["file"]))
+            tensors = load_file(str(path))
         except Exception as exc:  # noqa: BLE001 - a damaged file: one line, not a traceback
             detail = " ".join(str(exc).split())
-            raise ConfigError(f"{found}/{entry['file']}: unreadable checkpoint file ({detail})") from exc
+            raise ConfigError(f"{path}: unreadable checkpoint file ({detail})") from exc
+        _check_sizes(path, tensors, {"master": s.spec.train_numel, "exp_avg": s.spec.train_numel,
+                                     "exp_avg_sq": s.spec.train_numel})
         # into DRAM, or written to the SSD where the state lives there (scratch is never a checkpoint)
         store.restore_layer(i, tensors["master"], tensors["exp_avg"], tensors["exp_avg_sq"])
         s.step = int(entry["step"])
     return int(state["step_count"]), dict(state.get("extra", {}))
+
+
+def _check_sizes(path: Path, tensors: dict[str, torch.Tensor], numel: dict[str, int]) -> None:
+    """One-line ConfigError when a layer file lacks a tensor or holds one of another size."""
+    for name, want in numel.items():
+        got = tensors.get(name)
+        if got is None or got.numel() != want:
+            have = "missing" if got is None else f"{got.numel()} elements"
+            raise ConfigError(f"{path}: {name} is {have}, this layer has {want}: the file is from another "
+                              "checkpoint or model")
 
 
 def read_extra(path: str | os.PathLike) -> dict[str, Any]:
