@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -39,8 +40,14 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     config, auto = _engine_config(s)
     lora = _lora_settings(s, config.precision)
     plan = read_plan_file(s["plan"], len(config.devices)) if s["plan"] else None
-    data_path, out = _check_inputs(s)
+    with ExitStack() as held:  # the output directory's lock, held until the run ends
+        data_path, out = _check_inputs(s, held)
+        return _finetune(args, s, config, auto, lora, plan, data_path, out)
 
+
+def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bool, lora: Any, plan: Any,
+              data_path: Path, out: Path) -> int:
+    """Load the model and data, train, save (the inputs checked, the output directory locked)."""
     import torch
 
     from tinypipe.distributed.launch import init_from_environment, shutdown
@@ -152,21 +159,25 @@ def _offload_dirs(value: str | None) -> str | tuple[str, ...] | None:
     return parse_directories(value)
 
 
-def _check_inputs(s: dict[str, Any]) -> tuple[Path, Path]:
-    """A wrong model path, malformed data or an unwritable output fails now, before the model
-    loads. Returns the data path and the output directory."""
-    from tinypipe.cli.output_guard import check_output
+def _check_inputs(s: dict[str, Any], held: ExitStack) -> tuple[Path, Path]:
+    """A wrong model path, malformed data, an unwritable output or one that holds what the run
+    would destroy (:mod:`~tinypipe.cli.output_guard`) or that another run is using fails now, before
+    the model loads; ``held`` keeps the output's lock. Returns the data path and the output directory."""
+    from tinypipe.cli.output_guard import check_output, refuse_model_dir
+    from tinypipe.cli.output_lock import output_lock
     from tinypipe.train.data import read_records
     from tinypipe.train.model_io import resolve_model_path
 
     _, model_path = resolve_model_path(s["model"])  # a directory, or a .gguf file (never overwritten)
-    check_output(Path(s["output"]).expanduser(), model_path,
-                 resume=bool(s["resume"]), overwrite=bool(s["overwrite"]))
+    refuse_model_dir(Path(s["output"]).expanduser(), model_path)
+    out = _prepare_output(s["output"])
+    held.enter_context(output_lock(out))
+    check_output(out, resume=bool(s["resume"]), overwrite=bool(s["overwrite"]))
     data_path = Path(s["data"]).expanduser()
     read_records(data_path, skip_bad_lines=s["skip_bad_lines"])
     if s["eval_data"]:
         read_records(Path(s["eval_data"]).expanduser(), skip_bad_lines=s["skip_bad_lines"])
-    return data_path, _prepare_output(s["output"])
+    return data_path, out
 
 
 def _load_model(path: str, lora: Any) -> tuple[Any, Any]:

@@ -21,14 +21,18 @@ CHECKPOINT = "checkpoint"
 MODEL_FILES = ("model.safetensors", "model.safetensors.index.json", "adapter_model.safetensors")
 
 
-def check_output(out: Path, model: Path, *, resume: bool, overwrite: bool) -> None:
-    """One-line ConfigError if writing a run into ``out`` would lose something; ``model`` is the
-    model directory (or .gguf file) the run reads."""
-    if resume and overwrite:
-        raise ConfigError("give --resume (continue the checkpoint) or --overwrite (start over), not both")
+def refuse_model_dir(out: Path, model: Path) -> None:
+    """One-line ConfigError if ``out`` is the model directory ``model`` (checked before anything is
+    written to ``out``; a .gguf file's directory is fine: its file is never overwritten)."""
     if out.exists() and _same_dir(out, model):
         raise ConfigError(f"--output {out} is the --model directory: saving would overwrite the original "
                           "weights; choose another --output")
+
+
+def check_output(out: Path, *, resume: bool, overwrite: bool) -> None:
+    """One-line ConfigError if writing a run into ``out`` would lose something."""
+    if resume and overwrite:
+        raise ConfigError("give --resume (continue the checkpoint) or --overwrite (start over), not both")
     for name in (CHECKPOINT, CHECKPOINT + ".old"):
         foreign = out / name
         if foreign.exists() and not _is_ours(foreign):
