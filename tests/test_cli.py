@@ -82,7 +82,7 @@ def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(capsys, "--help")[0] == 0
     assert run_cli(capsys, "finetune", "--help")[0] == 0
     code, _, err = run_cli(capsys)  # no subcommand
-    assert code == 2 and "usage:" in err
+    assert code == 2 and "required: COMMAND" in err
     code, _, err = run_cli(capsys, "finetune", "--model", "m", "--data", "d", "--output", "o", "--schedule",
                            "bogus")
     assert code == 2 and "invalid choice" in err
