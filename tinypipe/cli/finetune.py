@@ -99,6 +99,9 @@ def _check_settings(s: dict[str, Any]) -> None:
     _positive("seq_len", s["seq_len"], 2)
     _positive("steps", s["steps"])
     _positive("warmup_steps", s["warmup_steps"], 0)
+    if s["checkpoint_every"] is not None and s["checkpoint_every"] < 1:  # 0 or -1 would silently mean "never"
+        raise ConfigError(f"checkpoint_every must be >= 1 (leave it out for no checkpoints), "
+                          f"got {s['checkpoint_every']}")
     if s["epochs"] is not None and not s["epochs"] > 0:
         raise ConfigError(f"epochs must be > 0, got {s['epochs']}")
     if not 0.0 <= s["min_lr_ratio"] <= 1.0:
@@ -174,9 +177,10 @@ def _check_inputs(s: dict[str, Any], held: ExitStack) -> tuple[Path, Path]:
     held.enter_context(output_lock(out))
     check_output(out, resume=bool(s["resume"]), overwrite=bool(s["overwrite"]))
     data_path = Path(s["data"]).expanduser()
-    read_records(data_path, skip_bad_lines=s["skip_bad_lines"])
+    # read again (and skipped lines logged) when the data loads: quiet here, each line reported once
+    read_records(data_path, skip_bad_lines=s["skip_bad_lines"], quiet=True)
     if s["eval_data"]:
-        read_records(Path(s["eval_data"]).expanduser(), skip_bad_lines=s["skip_bad_lines"])
+        read_records(Path(s["eval_data"]).expanduser(), skip_bad_lines=s["skip_bad_lines"], quiet=True)
     return data_path, out
 
 
@@ -297,7 +301,7 @@ def _train(engine: Any, data: tuple[Any, Any], steps: int, s: dict[str, Any], ou
             engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
             warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
             seed=s["seed"], log_path=metrics, progress=progress, append=bool(s["resume"]),
-            start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"],
+            start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"] or 0,
             checkpoint_extra={"run": run}, eval_dataset=eval_set, eval_every=s["eval_every"],
             reporters=reporters,
         )
@@ -351,7 +355,10 @@ def _save(engine: Any, tokenizer: Any, records: list, out: Path, merge: bool,
 
 def _plan_line(engine: Any) -> str:
     """``plan: ...``: what the engine runs (``engine.plan``), and what the planner predicted for it."""
-    line = f"plan: {engine.plan.describe()}"
+    from tinypipe.schedule.plan import CPU_DEVICE
+
+    cpu = not any(d.startswith("cuda") for d in engine.config.devices)
+    line = f"plan: {engine.plan.describe(on=CPU_DEVICE) if cpu else engine.plan.describe()}"
     if engine.plan_result is not None:
         best = engine.plan_result.best
         line += (f"; predicted {best.time.tokens_per_s:,.0f} tokens/s, {best.gpu_need / 2**30:.1f} GiB "

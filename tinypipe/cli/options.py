@@ -199,8 +199,8 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            flag=True),
     Option("plan", _str, None, "a plan from `tinypipe plan --save-plan FILE` (packs, micro-batches, "
            "placement; overrides those flags)", "FILE"),
-    Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps "
-           "(default: off)", "N"),
+    Option("checkpoint-every", _int, None, "write an atomic checkpoint to OUTPUT/checkpoint every N steps, "
+           "N >= 1 (default: off)", "N"),
     Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result "
            "equals an uninterrupted run", flag=True),
     Option("overwrite", _bool, False, "start a new run over OUTPUT's checkpoint and saved model (without "
