@@ -22,6 +22,7 @@ from safetensors.torch import load_file, save_file
 from tinypipe.errors import ConfigError, WriteError
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.checksums import BackgroundHasher, verify
+from tinypipe.safe_paths import inside
 from tinypipe.write_errors import describe as describe_os_error  # noqa: F401 - its old home
 from tinypipe.write_errors import os_errors
 
@@ -191,7 +192,7 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
     """Restore ``store`` from a checkpoint; returns (step_count, extra)."""
     found, state = check_layout(store, path)
     for i, (s, entry) in enumerate(zip(store.layers, state["layers"])):
-        path = found / entry["file"]
+        path = inside(found, entry["file"], found / "state.json")
         verify(path, entry.get("sha256"))
         try:
             tensors = load_file(str(path))
