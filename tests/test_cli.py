@@ -82,7 +82,7 @@ def test_help_and_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     assert run_cli(capsys, "--help")[0] == 0
     assert run_cli(capsys, "finetune", "--help")[0] == 0
     code, _, err = run_cli(capsys)  # no subcommand
-    assert code == 2 and "usage:" in err
+    assert code == 2 and "required: COMMAND" in err
     code, _, err = run_cli(capsys, "finetune", "--model", "m", "--data", "d", "--output", "o", "--schedule",
                            "bogus")
     assert code == 2 and "invalid choice" in err
@@ -424,8 +424,8 @@ def test_finetune_prints_and_runs_the_plan_file(capsys: pytest.CaptureFixture[st
     assert code == 0, err
     printed = [line for line in stdout.splitlines() if line.startswith("plan: ")]
     assert printed == ["plan: pack 2, micro-batch 2/1 (fwd/bwd), window 2, stash device, "
-                       "head stepped on the GPU"]
-    assert printed == [f"plan: {Plan.load(plan_file).describe()}"]
+                       "head stepped on the device (cpu)"]
+    assert printed == [f"plan: {Plan.load(plan_file).describe(on='the device (cpu)')}"]
     (engine,) = engines
     assert engine.plan == plan and engine.plan_result is None
 
@@ -458,8 +458,8 @@ def test_finetune_with_layers_stepped_on_the_device(capsys: pytest.CaptureFixtur
     code, stdout, err = run_cli(capsys, "finetune", *common, "--output", str(tmp_path / "dev"),
                                 "--device-optimizer", "both", "--resident-packs", "1")
     assert code == 0, err
-    assert ("plan: pack 1, micro-batch 2/2 (fwd/bwd), window 1, stash device, both stepped on the GPU, "
-            "first 1 pack resident on the GPU") in stdout.splitlines()
+    assert ("plan: pack 1, micro-batch 2/2 (fwd/bwd), window 1, stash device, both stepped on the device "
+            "(cpu), first 1 pack resident on the device (cpu)") in stdout.splitlines()
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "host", dtype=torch.float32).state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "dev", dtype=torch.float32).state_dict()
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

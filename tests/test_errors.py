@@ -8,6 +8,7 @@ import errno
 import json
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -156,6 +157,7 @@ def test_disk_full_while_writing_a_checkpoint_keeps_the_previous_one(capsys, mon
             raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(ckpt_module, "FAULT_HOOK", disk_full_on_second_save)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the unsaved model is rescued to
     out = tmp_path / "o"
     _fails(capsys, _base(tiny_model_dir, data_file, out, "--checkpoint-every", "1"),
            "disk full", "checkpoint", "intact")
@@ -173,6 +175,7 @@ def test_disk_full_while_saving_the_model_keeps_the_previous_output(capsys, monk
                                                                    data_file: Path) -> None:  # noqa: F811
     import tinypipe.models.export as export
 
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the unsaved model is rescued to
     out = tmp_path / "o"
     code, _, err = run_cli(capsys, *_base(tiny_model_dir, data_file, out, "--checkpoint-every", "3"))
     assert code == 0, err
@@ -185,7 +188,8 @@ def test_disk_full_while_saving_the_model_keeps_the_previous_output(capsys, monk
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(export, "save_file", disk_full)
-    _fails(capsys, _base(tiny_model_dir, data_file, out, "--steps", "6", "--lr", "1e-2", "--checkpoint-every", "3"),
+    _fails(capsys, _base(tiny_model_dir, data_file, out, "--steps", "6", "--lr", "1e-2", "--checkpoint-every", "3",
+                           "--overwrite"),
            "cannot save the model", "disk full")
     assert (out / "model.safetensors").read_bytes() == before  # the previous output survives
     assert not list(out.glob("*.tmp"))

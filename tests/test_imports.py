@@ -11,7 +11,8 @@ root facade ``tinypipe/__init__.py`` is imported before any module, so it is nob
 The layers, lowest first (:data:`LAYERS`); a module may import its own layer and the layers below.
 Each layer is placed by what it needs, never by what needs it:
 
-- ``errors``, ``units``: the words everyone uses (the error hierarchy, byte sizes).
+- ``errors``, ``units``, ``write_errors``, ``safe_paths``: the words everyone uses (the error
+  hierarchy, byte sizes, failed writes as one line, file names read from files kept inside their folder).
 - ``devices``: the machine -- the :class:`~tinypipe.devices.backend.Backend` interface,
   page-aligned host buffers it can pin, and its measured rates (``rates.py``: ``tinypipe profile``).
   The benchmarks' own helpers (workloads, bounds, RSS sampling) live outside the package, in
@@ -51,7 +52,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 #: Lowest first. Names are the first component below ``tinypipe``; ``""`` is the facade itself.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "units"),
+    ("errors", "units", "write_errors", "safe_paths"),
     ("devices",),
     ("models", "quant"),
     ("memory", "storage"),

@@ -50,3 +50,9 @@ class StorageError(TinypipeError, OSError):
 
     def __str__(self) -> str:  # one line, without OSError's "[Errno N]" prefix
         return str(self.args[0]) if self.args else "storage failed"
+
+
+class StalledError(TinypipeError, FloatingPointError):
+    """Training stopped making progress: a gradient norm of 0 or a non-finite loss or norm (a
+    learning rate that wrecked the model). Raised before that step's checkpoint, so the last
+    checkpoint is from before it."""

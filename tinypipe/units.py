@@ -53,3 +53,13 @@ def fmt_bytes(n: float) -> str:
 def gib_text(n: float) -> str:
     """``n`` bytes as '12.3 GiB' (plan messages)."""
     return f"{n / GIB:.1f} GiB"
+
+
+def gib_pair(need: float, have: float) -> tuple[str, str]:
+    """``need`` and ``have`` bytes as GiB texts with just enough digits to differ when they do
+    ("needs 3.0 GiB, have 3.0 GiB" told the user nothing): one decimal, up to four."""
+    for digits in range(1, 5):
+        a, b = f"{need / GIB:.{digits}f} GiB", f"{have / GIB:.{digits}f} GiB"
+        if a != b:
+            return a, b
+    return a, b

@@ -18,10 +18,10 @@ neither torch nor transformers: ``tinypipe plan`` and ``--help`` stay fast.
 from __future__ import annotations
 
 import argparse
-import errno
+import re
 import sys
 import traceback
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NoReturn, Sequence
 
 from tinypipe.cli.demo import (  # noqa: F401 - re-exported: tinypipe.cli.DEMO_* is the demo's setting
     DEMO_EVAL_ROWS,
@@ -42,11 +42,28 @@ from tinypipe.errors import TinypipeError
 __all__ = ["main"]
 
 
+class OneLineParser(argparse.ArgumentParser):
+    """argparse with the house's error form: one line (not the whole usage) and exit 2; and option
+    values such as ``--lr -1e-3`` read as numbers, not as unknown options (argparse's own pattern
+    knows only ``-1`` and ``-.5``). Sub-commands' parsers are of this class too."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = _NEGATIVE_NUMBER
+
+    def error(self, message: str) -> NoReturn:
+        hint = f" (`{self.prog} --help` lists the options)"
+        self.exit(EXIT_USAGE, f"{PROG}: error: {' '.join(message.split())}{hint}\n")
+
+
+_NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    debug = argparse.ArgumentParser(add_help=False)
+    debug = OneLineParser(add_help=False)
     debug.add_argument("--debug", action="store_true", default=argparse.SUPPRESS,
                        help="show tracebacks for errors")
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog=PROG, parents=[debug],
         description="Fine-tune Hugging Face causal LMs larger than GPU memory (Tiny-Pipe layer swapping).",
     )
@@ -124,19 +141,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)
         return 130
-    except OSError as exc:  # disk full / permissions on a write not wrapped above: still one line
-        if exc.errno not in _DISK_ERRNOS:
+    except Exception as exc:  # noqa: BLE001 - disk full / limits on a write not wrapped above: one line
+        from tinypipe.write_errors import DISK_ERRNOS, as_os_error, describe
+
+        failed = as_os_error(exc)  # safetensors' full disk is no OSError
+        if failed is None or failed.errno not in DISK_ERRNOS:
             raise
         if debug:
             traceback.print_exc()
-        from tinypipe.runtime.checkpoint import describe_os_error
-
-        where = f"{exc.filename}: " if exc.filename else ""
-        print(f"{PROG}: error: {where}{describe_os_error(exc)}", file=sys.stderr, flush=True)
+        where = f"{failed.filename}: " if failed.filename else ""
+        print(f"{PROG}: error: {where}{describe(failed)}", file=sys.stderr, flush=True)
         return EXIT_USAGE
-
-
-_DISK_ERRNOS = {errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC), errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 if __name__ == "__main__":

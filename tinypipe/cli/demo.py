@@ -133,7 +133,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
         # the held-out loss through the engine, forward only (what finetune --eval-split reports)
         eval_before = evaluate_dataset(engine, held_out, demo_eval_rows)["eval_loss"]
         lap("eval")
-        _say(f"plan: {engine.plan.describe()}")
+        from tinypipe.schedule.plan import CPU_DEVICE
+
+        cpu = not any(d.startswith("cuda") for d in engine.config.devices)
+        _say(f"plan: {engine.plan.describe(on=CPU_DEVICE) if cpu else engine.plan.describe()}")
         _say(f"training: {args.steps} steps x {demo_global_batch} rows x {demo_seq_len} tokens, "
              f"AdamW lr {demo_lr:g} (cosine, {min(demo_warmup, args.steps - 1)} warm-up steps)")
         metrics = out / "metrics.jsonl"

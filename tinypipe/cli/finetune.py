@@ -7,6 +7,7 @@ import json
 import math
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -29,7 +30,7 @@ from tinypipe.cli.output import (
     _say,
 )
 from tinypipe.cli.resume import refuse_or_override, resume_differences, run_settings
-from tinypipe.errors import ConfigError
+from tinypipe.errors import ConfigError, WriteError
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
@@ -39,8 +40,14 @@ def cmd_finetune(args: argparse.Namespace) -> int:
     config, auto = _engine_config(s)
     lora = _lora_settings(s, config.precision)
     plan = read_plan_file(s["plan"], len(config.devices)) if s["plan"] else None
-    data_path, out = _check_inputs(s)
+    with ExitStack() as held:  # the output directory's lock, held until the run ends
+        data_path, out = _check_inputs(s, held)
+        return _finetune(args, s, config, auto, lora, plan, data_path, out)
 
+
+def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bool, lora: Any, plan: Any,
+              data_path: Path, out: Path) -> int:
+    """Load the model and data, train, save (the inputs checked, the output directory locked)."""
     import torch
 
     from tinypipe.distributed.launch import init_from_environment, shutdown
@@ -59,14 +66,20 @@ def cmd_finetune(args: argparse.Namespace) -> int:
         _say(_plan_line(engine))
         _say(f"training: {steps} steps on {', '.join(config.devices)} ({config.precision}), lr {s['lr']:g} "
              f"({s['schedule']}, {s['warmup_steps']} warm-up steps)")
-        run = run_settings(s, data_path, steps, lora)
-        records = _train(engine, (dataset, eval_set), steps, s, out, run, progress=not args.no_progress)
-        if records is None:
-            return 130
-        # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
-        quantized = lora is not None and lora.quant_spec is not None
-        metrics, png = _save(engine, tokenizer, records, out, merge=s["merge"],
-                             merged_dtype=torch.bfloat16 if quantized else torch.float32)
+        run = run_settings(s, data_path, steps, lora, seq_len)
+        try:
+            records = _train(engine, (dataset, eval_set), steps, s, out, run, progress=not args.no_progress)
+            if records is None:
+                return 130
+            # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
+            quantized = lora is not None and lora.quant_spec is not None
+            metrics, png = _save(engine, tokenizer, records, out, merge=s["merge"],
+                                 merged_dtype=torch.bfloat16 if quantized else torch.float32)
+        except WriteError as failed:  # disk full, ulimit -f: the trained model is saved elsewhere
+            from tinypipe.cli.rescue import rescue
+            from tinypipe.runtime.checkpoint import find_checkpoint
+
+            raise rescue(engine, tokenizer, failed, find_checkpoint(out / "checkpoint")) from failed
     finally:
         engine.close()
         shutdown()
@@ -86,6 +99,9 @@ def _check_settings(s: dict[str, Any]) -> None:
     _positive("seq_len", s["seq_len"], 2)
     _positive("steps", s["steps"])
     _positive("warmup_steps", s["warmup_steps"], 0)
+    if s["checkpoint_every"] is not None and s["checkpoint_every"] < 1:  # 0 or -1 would silently mean "never"
+        raise ConfigError(f"checkpoint_every must be >= 1 (leave it out for no checkpoints), "
+                          f"got {s['checkpoint_every']}")
     if s["epochs"] is not None and not s["epochs"] > 0:
         raise ConfigError(f"epochs must be > 0, got {s['epochs']}")
     if not 0.0 <= s["min_lr_ratio"] <= 1.0:
@@ -146,18 +162,26 @@ def _offload_dirs(value: str | None) -> str | tuple[str, ...] | None:
     return parse_directories(value)
 
 
-def _check_inputs(s: dict[str, Any]) -> tuple[Path, Path]:
-    """A wrong model path, malformed data or an unwritable output fails now, before the model
-    loads. Returns the data path and the output directory."""
+def _check_inputs(s: dict[str, Any], held: ExitStack) -> tuple[Path, Path]:
+    """A wrong model path, malformed data, an unwritable output or one that holds what the run
+    would destroy (:mod:`~tinypipe.cli.output_guard`) or that another run is using fails now, before
+    the model loads; ``held`` keeps the output's lock. Returns the data path and the output directory."""
+    from tinypipe.cli.output_guard import check_output, refuse_model_dir
+    from tinypipe.cli.output_lock import output_lock
     from tinypipe.train.data import read_records
     from tinypipe.train.model_io import resolve_model_path
 
-    resolve_model_path(s["model"])
+    _, model_path = resolve_model_path(s["model"])  # a directory, or a .gguf file (never overwritten)
+    refuse_model_dir(Path(s["output"]).expanduser(), model_path)
+    out = _prepare_output(s["output"])
+    held.enter_context(output_lock(out))
+    check_output(out, resume=bool(s["resume"]), overwrite=bool(s["overwrite"]))
     data_path = Path(s["data"]).expanduser()
-    read_records(data_path, skip_bad_lines=s["skip_bad_lines"])
+    # read again (and skipped lines logged) when the data loads: quiet here, each line reported once
+    read_records(data_path, skip_bad_lines=s["skip_bad_lines"], quiet=True)
     if s["eval_data"]:
-        read_records(Path(s["eval_data"]).expanduser(), skip_bad_lines=s["skip_bad_lines"])
-    return data_path, _prepare_output(s["output"])
+        read_records(Path(s["eval_data"]).expanduser(), skip_bad_lines=s["skip_bad_lines"], quiet=True)
+    return data_path, out
 
 
 def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
@@ -277,7 +301,7 @@ def _train(engine: Any, data: tuple[Any, Any], steps: int, s: dict[str, Any], ou
             engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
             warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
             seed=s["seed"], log_path=metrics, progress=progress, append=bool(s["resume"]),
-            start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"],
+            start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"] or 0,
             checkpoint_extra={"run": run}, eval_dataset=eval_set, eval_every=s["eval_every"],
             reporters=reporters,
         )
@@ -331,7 +355,10 @@ def _save(engine: Any, tokenizer: Any, records: list, out: Path, merge: bool,
 
 def _plan_line(engine: Any) -> str:
     """``plan: ...``: what the engine runs (``engine.plan``), and what the planner predicted for it."""
-    line = f"plan: {engine.plan.describe()}"
+    from tinypipe.schedule.plan import CPU_DEVICE
+
+    cpu = not any(d.startswith("cuda") for d in engine.config.devices)
+    line = f"plan: {engine.plan.describe(on=CPU_DEVICE) if cpu else engine.plan.describe()}"
     if engine.plan_result is not None:
         best = engine.plan_result.best
         line += (f"; predicted {best.time.tokens_per_s:,.0f} tokens/s, {best.gpu_need / 2**30:.1f} GiB "

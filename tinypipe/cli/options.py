@@ -199,10 +199,12 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            flag=True),
     Option("plan", _str, None, "a plan from `tinypipe plan --save-plan FILE` (packs, micro-batches, "
            "placement; overrides those flags)", "FILE"),
-    Option("checkpoint-every", _int, 0, "write an atomic checkpoint to OUTPUT/checkpoint every N steps "
-           "(default: off)", "N"),
+    Option("checkpoint-every", _int, None, "write an atomic checkpoint to OUTPUT/checkpoint every N steps, "
+           "N >= 1 (default: off)", "N"),
     Option("resume", _bool, False, "continue from OUTPUT/checkpoint (same data and settings): the result "
            "equals an uninterrupted run", flag=True),
+    Option("overwrite", _bool, False, "start a new run over OUTPUT's checkpoint and saved model (without "
+           "it, a fresh run into an OUTPUT holding them is refused)", flag=True),
     Option("force", _bool, False, "with --resume: continue even though the checkpoint was made with other "
            "settings (they are listed)", flag=True),
     Option("eval-data", _str, None, "held-out data (same formats as --data) to evaluate the loss on", "FILE"),

@@ -26,7 +26,7 @@ def _prepare_output(path: str) -> Path:
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as exc:
-        from tinypipe.runtime.checkpoint import describe_os_error
+        from tinypipe.write_errors import describe as describe_os_error
 
         raise ConfigError(f"--output {out}: not writable ({describe_os_error(exc)})") from None
     return out
@@ -62,10 +62,17 @@ def _save_outputs(engine: Any, tokenizer: Any, records: list[dict], out: Path) -
     link traffic per step, the last step's lanes)."""
     from tinypipe.train.plots import plot_metrics, plot_timeline
 
+    from tinypipe.errors import WriteError
+    from tinypipe.write_errors import describe, os_errors
+
     engine.save_pretrained(out)
-    tokenizer.save_pretrained(str(out))
-    png = plot_metrics(records, out / "loss.png")
-    plot_timeline(records, engine.step_timeline(), out / "timeline.png")
+    try:
+        with os_errors():
+            tokenizer.save_pretrained(str(out))
+            png = plot_metrics(records, out / "loss.png")
+            plot_timeline(records, engine.step_timeline(), out / "timeline.png")
+    except OSError as exc:
+        raise WriteError(f"cannot save to {out}: {describe(exc)}") from exc
     return out / "metrics.jsonl", png
 
 

@@ -1,7 +1,8 @@
 """``finetune --resume``: what a checkpoint records of the run that made it, and the check that the
 resumed run is the same run.
 
-A changed learning rate, schedule, step count, data file, model, LoRA setting (QLoRA's
+A changed learning rate, schedule, step count, sequence length, data file, model (its path and
+its files' content: a base replaced at the same path is another model), LoRA setting (QLoRA's
 quantization included), packing, dropout, held-out split, seed or global batch -- and, recorded
 by the engine itself, precision, AdamW settings and the weight-decay grouping -- would silently
 continue a different run from the checkpoint. Each is recorded; a resume that differs stops with
@@ -27,7 +28,34 @@ def file_fingerprint(path: Path) -> str:
     return f"{path.stat().st_size} bytes, sha256 of the first 4 MiB {digest.hexdigest()[:16]}"
 
 
-def run_settings(s: dict[str, Any], data_path: Path, steps: int, lora: Any) -> dict[str, Any]:
+SAMPLE_BYTES = 4 * 1024 * 1024
+MODEL_SUFFIXES = (".safetensors", ".bin", ".gguf", ".json", ".pt")
+
+
+def model_fingerprint(path: Path) -> str:
+    """One line identifying the model files at ``path`` (a directory or a .gguf file): their count,
+    total size and a sha256 over each file's name, size and its first, middle and last 4 MiB.
+
+    Sampled, not whole: hashing a 140 GB model would add minutes to every start, and a model
+    replaced at the same path differs in its safetensors header (first bytes) or its size; a
+    tinypipe-sized test model (< 12 MiB per file) is hashed whole."""
+    files = [path] if path.is_file() else sorted(
+        f for f in path.iterdir() if f.is_file() and f.suffix in MODEL_SUFFIXES)
+    digest = hashlib.sha256()
+    total = 0
+    for f in files:
+        size = f.stat().st_size
+        total += size
+        digest.update(f"{f.name}\0{size}\0".encode())
+        with open(f, "rb") as handle:
+            for offset in sorted({0, max(0, size // 2 - SAMPLE_BYTES // 2), max(0, size - SAMPLE_BYTES)}):
+                handle.seek(offset)
+                digest.update(handle.read(SAMPLE_BYTES))
+    return f"{len(files)} files, {total} bytes, sha256 of samples {digest.hexdigest()[:16]}"
+
+
+def run_settings(s: dict[str, Any], data_path: Path, steps: int, lora: Any,
+                 seq_len: int) -> dict[str, Any]:
     """The settings a checkpoint of this run records (``extra["run"]``), by readable name."""
     lora_text = "off" if lora is None else (
         f"rank {lora.rank}, alpha {lora.alpha:g}, dropout {lora.dropout:g}, "
@@ -35,6 +63,8 @@ def run_settings(s: dict[str, Any], data_path: Path, steps: int, lora: Any) -> d
         + (f", quantize {lora.quantize}" if lora.quantize else ""))
     return {
         "model": str(Path(s["model"]).expanduser().resolve()),
+        "model content": model_fingerprint(Path(s["model"]).expanduser().resolve()),
+        "seq len": seq_len,
         "data file": str(data_path.resolve()),
         "data content": file_fingerprint(data_path),
         "eval split": s["eval_split"],

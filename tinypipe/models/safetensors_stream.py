@@ -19,6 +19,8 @@ from pathlib import Path
 
 import torch
 
+from tinypipe.safe_paths import inside
+
 __all__ = ["TensorEntry", "read_header", "read_tensor", "safetensors_files"]
 
 DTYPES = {
@@ -65,7 +67,7 @@ def safetensors_files(folder: Path) -> list[Path]:
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise SafetensorsError(
                 f"{index}: cannot read the shard index ({type(exc).__name__}: {exc})") from None
-        files = [folder / name for name in dict.fromkeys(weight_map.values())]
+        files = [inside(folder, name, index) for name in dict.fromkeys(weight_map.values())]
         for f in files:
             if not f.is_file():
                 raise SafetensorsError(f"{index}: lists shard {f.name}, which is missing")

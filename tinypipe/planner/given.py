@@ -15,7 +15,7 @@ from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.search import PLAN_ONLY_NOTE, PlanResult, ranking_seconds
 from tinypipe.schedule.plan import Plan
-from tinypipe.units import gib_text
+from tinypipe.units import gib_pair, gib_text
 
 
 def with_given_plan(result: PlanResult, plan: Plan) -> PlanResult:
@@ -32,11 +32,12 @@ def with_given_plan(result: PlanResult, plan: Plan) -> PlanResult:
     cand = evaluate(result.sizes, result.hardware, plan, seq=result.seq, global_batch=result.global_batch,
                     precision=result.precision, max_grad_norm=result.max_grad_norm)
     if cand.gpu_need > result.gpu_memory_bytes:
-        raise PlanDoesNotFitError(f"this plan ({plan.describe()}) needs {gib_text(cand.gpu_need)} on its "
-                                  f"fullest GPU, have {gib_text(result.gpu_memory_bytes)}")
+        need, have = gib_pair(cand.gpu_need, result.gpu_memory_bytes)
+        raise PlanDoesNotFitError(f"this plan ({plan.describe()}) needs {need} on its fullest GPU, "
+                                  f"have {have}")
     if cand.host_need > result.cpu_memory_bytes:
-        raise PlanDoesNotFitError(f"this plan ({plan.describe()}) needs {gib_text(cand.host_need)} of host "
-                                  f"memory, have {gib_text(result.cpu_memory_bytes)}")
+        need, have = gib_pair(cand.host_need, result.cpu_memory_bytes)
+        raise PlanDoesNotFitError(f"this plan ({plan.describe()}) needs {need} of host memory, have {have}")
     clipping = result.max_grad_norm is not None
     mine, best = ranking_seconds(cand, clipping), ranking_seconds(result.best, clipping)
     note = (f"the planner's own choice for these budgets: {best:.3f} s/step, this plan {mine:.3f} "

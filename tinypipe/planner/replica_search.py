@@ -42,7 +42,7 @@ from tinypipe.planner.search import PlanResult, plan_for
 from tinypipe.planner.sharded_host import shard_numel, sharded_host
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.schedule.plan import Plan
-from tinypipe.units import gib_text
+from tinypipe.units import gib_pair, gib_text
 
 if TYPE_CHECKING:
     from tinypipe.lora.settings import LoraSettings
@@ -164,7 +164,8 @@ def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layo
         opt.host = host if name == "replicate" else sharded_host(host, sizes, plan, layout.replicas, retain)
         opt.host_per_node = host_per_node(opt.host, layout.per_node)
         if opt.host_per_node > budget:
-            opt.why_not = f"needs {gib_text(opt.host_per_node)} host per node, have {gib_text(budget)}"
+            need, have = gib_pair(opt.host_per_node, budget)
+            opt.why_not = f"needs {need} host per node, have {have}"
         if workload:
             time_option(opt, sizes, plan, c.time.step_s, c.time.backward_s, layout, cluster,
                         global_batch * seq)  # type: ignore[operator]

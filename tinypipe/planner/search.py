@@ -55,7 +55,7 @@ from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
 from tinypipe.planner.ssd import SsdSpec
 from tinypipe.schedule.plan import DeviceOptimizer, Plan, make_plan
-from tinypipe.units import gib_text
+from tinypipe.units import gib_pair, gib_text
 
 if TYPE_CHECKING:
     from tinypipe.lora.settings import LoraSettings
@@ -573,10 +573,12 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd:
         host = min_host.memory.host
         frozen = next((k for k in host if k.startswith("frozen_weights")), None)  # "frozen_weights (nf4)"
         if frozen is not None and host[frozen]:
-            return (f"needs {gib_text(min_host.host_need)} host memory even with LoRA, "
-                    f"have {gib_text(cpu_mem)} ({gib_text(host[frozen])} of it the frozen base weights); "
+            need, have = gib_pair(min_host.host_need, cpu_mem)
+            return (f"needs {need} host memory even with LoRA, "
+                    f"have {have} ({gib_text(host[frozen])} of it the frozen base weights); "
                     "add RAM" + ("" if "(" in frozen else " or quantize the base (--quantize nf4)"))
-        return (f"needs {gib_text(min_host.host_need)} host memory, have {gib_text(cpu_mem)} "
+        need, have = gib_pair(min_host.host_need, cpu_mem)
+        return (f"needs {need} host memory, have {have} "
                 f"({gib_text(host['master_weights'] + host['optimizer_state'])} of it "
                 "fp32 master weights + AdamW state); try --lora or more RAM")
     if not gpu_ok:

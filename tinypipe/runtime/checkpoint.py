@@ -10,7 +10,6 @@ moment leaves either the previous checkpoint or the new one -- never a mixture. 
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import shutil
@@ -22,6 +21,10 @@ from safetensors.torch import load_file, save_file
 
 from tinypipe.errors import ConfigError, WriteError
 from tinypipe.memory.host_store import HostStore
+from tinypipe.runtime.checksums import BackgroundHasher, verify
+from tinypipe.safe_paths import inside
+from tinypipe.write_errors import describe as describe_os_error  # noqa: F401 - its old home
+from tinypipe.write_errors import os_errors
 
 FORMAT = 1
 
@@ -39,17 +42,6 @@ class CheckpointWriteError(WriteError):
 def _phase(name: str) -> None:
     if FAULT_HOOK is not None:
         FAULT_HOOK(name)
-
-
-def describe_os_error(exc: OSError) -> str:
-    """``disk full`` / ``permission denied`` / ... for an OSError, for one-line messages."""
-    if exc.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", -1)):
-        return "disk full (no space left on device)"
-    if exc.errno in (errno.EACCES, errno.EPERM):
-        return "permission denied"
-    if exc.errno == errno.EROFS:
-        return "read-only file system"
-    return " ".join(str(exc.strerror or exc).split())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -72,7 +64,8 @@ def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike,
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     try:
-        return _save(store, step_count, final, tmp, extra)
+        with os_errors():  # safetensors' full disk is an OSError here
+            return _save(store, step_count, final, tmp, extra)
     except OSError as exc:
         if isinstance(exc, CheckpointWriteError):
             raise
@@ -89,20 +82,25 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
         shutil.rmtree(tmp)
     tmp.mkdir()
     layers = []
-    for i, s in enumerate(store.iter_layers()):  # state on the SSD: read one layer at a time
-        fresh = s.step == 0  # moments are uninitialised until a layer's first step
-        tensors = {
-            "master": s.master,
-            "exp_avg": torch.zeros_like(s.exp_avg) if fresh else s.exp_avg,
-            "exp_avg_sq": torch.zeros_like(s.exp_avg_sq) if fresh else s.exp_avg_sq,
-        }
-        name = f"layer-{i:04d}.safetensors"
-        save_file(tensors, str(tmp / name))
-        with open(tmp / name, "rb+") as f:
-            os.fsync(f.fileno())
-        layers.append({"name": s.spec.name, "numel": s.spec.numel, "train_numel": s.spec.train_numel,
-                       "step": s.step, "file": name})
-        _phase("layer")
+    with BackgroundHasher() as hasher:  # each file hashed while the next is written
+        for i, s in enumerate(store.iter_layers()):  # state on the SSD: read one layer at a time
+            fresh = s.step == 0  # moments are uninitialised until a layer's first step
+            tensors = {
+                "master": s.master,
+                "exp_avg": torch.zeros_like(s.exp_avg) if fresh else s.exp_avg,
+                "exp_avg_sq": torch.zeros_like(s.exp_avg_sq) if fresh else s.exp_avg_sq,
+            }
+            name = f"layer-{i:04d}.safetensors"
+            save_file(tensors, str(tmp / name))
+            with open(tmp / name, "rb+") as f:
+                os.fsync(f.fileno())
+            hasher.submit(tmp / name)
+            layers.append({"name": s.spec.name, "numel": s.spec.numel, "train_numel": s.spec.train_numel,
+                           "step": s.step, "file": name})
+            _phase("layer")
+        digests = hasher.digests()
+    for entry in layers:
+        entry["sha256"] = digests[entry["file"]]
     state = {"format": FORMAT, "step_count": step_count, "layers": layers, "extra": extra or {}}
     with open(tmp / "state.json", "w") as f:
         json.dump(state, f, indent=1)
@@ -110,12 +108,26 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
         os.fsync(f.fileno())
     _fsync_dir(tmp)
     _phase("written")
-    # Swap. Invariant: at every instant ``final`` or ``old`` is a complete checkpoint. ``final``
-    # only ever appears by renaming a complete ``tmp``; ``old`` only by renaming a complete
-    # ``final``; ``old`` is deleted only while ``final`` exists. (When a kill landed between the
-    # two renames last time, ``final`` is missing and ``old`` is the current checkpoint: keep it
-    # until the new one is in place.)
+    swap_in(tmp, final)
+    _phase("done")
+    return final
+
+
+def swap_in(tmp: Path, final: Path) -> None:
+    """Replace the checkpoint ``final`` by the complete directory ``tmp`` with renames.
+
+    Invariant: at every instant ``final`` or ``old`` is a complete checkpoint. ``final`` only ever
+    appears by renaming a complete ``tmp``; ``old`` only by renaming a complete ``final``; ``old`` is
+    deleted only while ``final`` exists. (When a kill landed between the two renames last time,
+    ``final`` is missing and ``old`` is the current checkpoint: keep it until the new one is in
+    place.) A ``final`` or ``old`` that tinypipe did not write is never moved or deleted: one-line
+    ConfigError instead (the new checkpoint stays in ``tmp``)."""
     old = final.with_name(final.name + ".old")
+    for existing in (final, old):
+        if existing.exists() and not is_tinypipe_checkpoint(existing):
+            raise ConfigError(f"{existing}: exists and is not a tinypipe checkpoint; tinypipe writes its "
+                              "checkpoints there and would replace it: move it away or choose another "
+                              "--output")
     if final.exists():
         if old.exists():
             shutil.rmtree(old)
@@ -127,8 +139,19 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
     _phase("swapped")
     if old.exists():
         shutil.rmtree(old)
-    _phase("done")
-    return final
+
+
+def is_tinypipe_checkpoint(path: str | os.PathLike) -> bool:
+    """Whether directory ``path`` is a checkpoint tinypipe wrote (a ``state.json`` or a sharded
+    ``manifest.json`` with its format and layers): only those are ever replaced or deleted."""
+    for name in ("state.json", "manifest.json"):
+        try:
+            record = json.loads((Path(path) / name).read_text())
+        except (OSError, ValueError):
+            continue
+        if isinstance(record, dict) and "format" in record and "layers" in record:
+            return True
+    return False
 
 
 def find_checkpoint(path: str | os.PathLike) -> Path | None:
@@ -169,15 +192,29 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
     """Restore ``store`` from a checkpoint; returns (step_count, extra)."""
     found, state = check_layout(store, path)
     for i, (s, entry) in enumerate(zip(store.layers, state["layers"])):
+        path = inside(found, entry["file"], found / "state.json")
+        verify(path, entry.get("sha256"))
         try:
-            tensors = load_file(str(found / entry["file"]))
+            tensors = load_file(str(path))
         except Exception as exc:  # noqa: BLE001 - a damaged file: one line, not a traceback
             detail = " ".join(str(exc).split())
-            raise ConfigError(f"{found}/{entry['file']}: unreadable checkpoint file ({detail})") from exc
+            raise ConfigError(f"{path}: unreadable checkpoint file ({detail})") from exc
+        _check_sizes(path, tensors, {"master": s.spec.train_numel, "exp_avg": s.spec.train_numel,
+                                     "exp_avg_sq": s.spec.train_numel})
         # into DRAM, or written to the SSD where the state lives there (scratch is never a checkpoint)
         store.restore_layer(i, tensors["master"], tensors["exp_avg"], tensors["exp_avg_sq"])
         s.step = int(entry["step"])
     return int(state["step_count"]), dict(state.get("extra", {}))
+
+
+def _check_sizes(path: Path, tensors: dict[str, torch.Tensor], numel: dict[str, int]) -> None:
+    """One-line ConfigError when a layer file lacks a tensor or holds one of another size."""
+    for name, want in numel.items():
+        got = tensors.get(name)
+        if got is None or got.numel() != want:
+            have = "missing" if got is None else f"{got.numel()} elements"
+            raise ConfigError(f"{path}: {name} is {have}, this layer has {want}: the file is from another "
+                              "checkpoint or model")
 
 
 def read_extra(path: str | os.PathLike) -> dict[str, Any]:

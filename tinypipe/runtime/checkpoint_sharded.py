@@ -27,9 +27,10 @@ from tinypipe.distributed.group import Replicas
 from tinypipe.errors import ConfigError
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.checkpoint import (CheckpointWriteError, describe_os_error, find_checkpoint,
-                                         load_checkpoint, save_checkpoint)
+                                         load_checkpoint, save_checkpoint, swap_in)
 from tinypipe.runtime.optim.path import OptimizerPath
 from tinypipe.runtime.optim.sharded import ShardedOptimizerPath
+from tinypipe.write_errors import os_errors
 
 MANIFEST = "manifest.json"
 FORMAT = 1
@@ -56,7 +57,8 @@ def save_sharded(store: HostStore, optimizer: ShardedOptimizerPath, replicas: Re
     replicas.host.barrier()  # the temporary directory exists
     if not failed:
         try:
-            _write_shard(store, optimizer, tmp / rank_dir(rank, world))
+            with os_errors():
+                _write_shard(store, optimizer, tmp / rank_dir(rank, world))
         except OSError as exc:
             failed = describe_os_error(exc)
     if replicas.host.any_flag(bool(failed)):  # every rank wrote its shard, or none commits
@@ -100,16 +102,7 @@ def _commit(store: HostStore, optimizer: ShardedOptimizerPath, replicas: Replica
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    old = final.with_name(final.name + ".old")  # the swap of runtime/checkpoint.py (same invariant)
-    if final.exists():
-        if old.exists():
-            shutil.rmtree(old)
-        os.replace(final, old)
-        _fsync_dir(final.parent)
-    os.replace(tmp, final)
-    _fsync_dir(final.parent)
-    if old.exists():
-        shutil.rmtree(old)
+    swap_in(tmp, final)  # the swap of runtime/checkpoint.py (same invariant)
 
 
 def _fsync_dir(path: Path) -> None:

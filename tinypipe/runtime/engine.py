@@ -58,6 +58,7 @@ from tinypipe.schedule.render import chrome_trace, to_text
 from tinypipe.schedule.tasks import Schedule, Task
 from tinypipe.schedule.validate import validate
 from tinypipe.storage import IoTotals
+from tinypipe.write_errors import describe, os_errors
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ENGINE_KEY = "_tinypipe_engine"  # the engine's own state inside a checkpoint's extra
@@ -456,24 +457,22 @@ class Engine:
                 self.replicas.host.barrier()
 
     def _save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None) -> Path:
-        if self.peft_model is not None:
-            return save_adapter(self.peft_model, out_dir)
-
         def tensors():
             for s in self.store.iter_layers():  # one layer in DRAM at a time where it lives on the SSD
                 for p in s.spec.params:
                     yield p.name, s.param_view(p)
 
         try:
-            return save_hf_directory(self.model, tensors(), out_dir, dtype=dtype)
+            with os_errors():  # safetensors' full disk is an OSError here
+                if self.peft_model is not None:
+                    return save_adapter(self.peft_model, out_dir)
+                return save_hf_directory(self.model, tensors(), out_dir, dtype=dtype)
         except OSError as exc:
             if isinstance(exc, WriteError):
                 raise
-            from tinypipe.runtime.checkpoint import describe_os_error
-
             for partial in Path(out_dir).glob("*.safetensors.tmp"):  # give the space back
                 partial.unlink(missing_ok=True)
-            raise WriteError(f"cannot save the model to {out_dir}: {describe_os_error(exc)}") from exc
+            raise WriteError(f"cannot save the model to {out_dir}: {describe(exc)}") from exc
 
     def close(self) -> None:
         """Stop the lane threads, remove the SSD tier's scratch files and unpin host memory; the

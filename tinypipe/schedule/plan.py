@@ -31,6 +31,8 @@ OPTIMIZER_SHARDINGS: tuple[OptimizerSharding, ...] = get_args(OptimizerSharding)
 PLAN_SETTINGS = ("pack_size", "micro_batch_size", "backward_micro_batch_size", "prefetch_window", "stash",
                  "grad_slots", "device_optimizer", "resident_packs", "keep_activations", "turn_packs")
 #: Plan JSON keys written by older versions -> today's field names (:meth:`Plan.from_json`).
+#: ``Plan.describe(on=...)`` for a plan run on CPU devices ("stepped on the GPU" would be untrue there).
+CPU_DEVICE = "the device (cpu)"
 _RENAMED_KEYS = {"fwd_micro_batch": "micro_batch_size", "bwd_micro_batch": "backward_micro_batch_size"}
 
 
@@ -309,10 +311,11 @@ class Plan:
             del out["turn_packs"]
         return out
 
-    def describe(self, ssd_bytes: int | None = None) -> str:
+    def describe(self, ssd_bytes: int | None = None, on: str = "the GPU") -> str:
         """One line: packing, micro-batches, window, stash, what stays on the device and what lives
         on the SSD (layers per kind; ``ssd_bytes``, when the caller knows the sizes, in brackets)
-        -- every printed plan reads it."""
+        -- every printed plan reads it. ``on`` names the device (a plan run on CPU devices passes
+        ``CPU_DEVICE``: nothing is stepped on a GPU there)."""
         pack = self.pack_size
         pack_text = str(pack) if isinstance(pack, int) else "[" + ",".join(map(str, pack)) + "]"
         stash = self.stash
@@ -323,10 +326,10 @@ class Plan:
         packs = f"pack{'s' * (resident > 1)}"
         return (f"pack {pack_text}, micro-batch {self.micro_batch_size}/{self.backward_micro_batch_size} "
                 f"(fwd/bwd), window {self.prefetch_window}, stash {stash}"
-                + ("" if dopt == "off" else f", {dopt} stepped on the GPU")
-                + ("" if not resident else f", first {resident} {packs} resident on the GPU")
+                + ("" if dopt == "off" else f", {dopt} stepped on {on}")
+                + ("" if not resident else f", first {resident} {packs} resident on {on}")
                 + self._describe_keep()
-                + ("" if not self.assisted else f", {len(self.assisted)} layers' AdamW assisted on the GPU")
+                + ("" if not self.assisted else f", {len(self.assisted)} layers' AdamW assisted on {on}")
                 + ("" if not self.deferred else f", {len(self.deferred)} layers' AdamW deferred to the next "
                    "forward")
                 + self._describe_offload(ssd_bytes)

@@ -239,15 +239,16 @@ def _read_bytes(path: Path) -> bytes:
         raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
 
 
-def _skip(path: Path, line: int, err: DataError, skipped: int) -> int:
-    """Log (the first few) skipped lines so that skipping is never silent."""
-    if skipped < _MAX_LOGGED_SKIPS:
+def _skip(path: Path, line: int, err: DataError, skipped: int, quiet: bool = False) -> int:
+    """Log (the first few) skipped lines so that skipping is never silent (``quiet``: a check that
+    reads the file again later, which logs them then -- each line is reported once)."""
+    if skipped < _MAX_LOGGED_SKIPS and not quiet:
         log.warning("skipping %s:%d: %s", path, line, err)
     return skipped + 1
 
 
 def read_jsonl(path: str | os.PathLike[str], *,
-               skip_bad_lines: bool = False) -> tuple[Format, list[Example], int]:
+               skip_bad_lines: bool = False, quiet: bool = False) -> tuple[Format, list[Example], int]:
     """Read a JSON Lines file into validated examples.
 
     Returns ``(format, examples, bad_lines_skipped)``. Blank lines are ignored.
@@ -282,7 +283,7 @@ def read_jsonl(path: str | os.PathLike[str], *,
         except DataError as err:
             if not skip_bad_lines:
                 raise DataError(f"{path}:{line_no}: {err}") from None
-            skipped = _skip(path, line_no, err, skipped)
+            skipped = _skip(path, line_no, err, skipped, quiet)
             continue
         if fmt is None:
             fmt, fmt_line = record_fmt, line_no
@@ -307,13 +308,13 @@ def read_text_file(path: str | os.PathLike[str]) -> str:
     return text
 
 
-def read_records(path: str | os.PathLike[str], *,
-                 skip_bad_lines: bool = False) -> tuple[Format, list[Example], int]:
-    """Read any supported file, dispatching on its extension."""
+def read_records(path: str | os.PathLike[str], *, skip_bad_lines: bool = False,
+                 quiet: bool = False) -> tuple[Format, list[Example], int]:
+    """Read any supported file, dispatching on its extension (``quiet``: skipped lines not logged)."""
     path = Path(path)
     suffix = path.suffix.lower()
     if suffix in JSONL_SUFFIXES:
-        return read_jsonl(path, skip_bad_lines=skip_bad_lines)
+        return read_jsonl(path, skip_bad_lines=skip_bad_lines, quiet=quiet)
     if suffix in TEXT_SUFFIXES:
         return "txt", [Example(1, text=read_text_file(path))], 0
     if not path.exists():

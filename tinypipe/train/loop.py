@@ -22,6 +22,7 @@ import psutil
 
 from tinypipe.errors import ConfigError, WriteError
 from tinypipe.train.plots import plot_metrics  # noqa: F401 - re-exported
+from tinypipe.train.stall import check_progress
 
 if TYPE_CHECKING:
     import torch
@@ -192,6 +193,7 @@ def train(
     if eval_every < 0:
         raise ConfigError(f"eval_every must be >= 0, got {eval_every}")
     _check_vocabulary(engine, dataset)
+    vocab = getattr(getattr(getattr(engine, "model", None), "config", None), "vocab_size", None)
     batches = _batches(dataset, global_batch, seed, start_step)
     # data-parallel replicas: every rank trains (its rows of the same global batches); rank 0 logs
     replicas = engine.replicas
@@ -221,6 +223,7 @@ def train(
                     _write_record(log, record, i)
                 if bar is not None:
                     _show_progress(bar, record, last_eval)
+                check_progress(record, vocab, lr)  # a wrecked model: stop before its checkpoint
                 due = checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps)
                 if replicas is not None:  # one stop decision for every rank (the checkpoint is collective)
                     stop["stop"] = replicas.host.any_flag(stop["stop"])
@@ -321,7 +324,7 @@ def _close(bar: Any, log: IO[str] | None) -> None:
 
 
 def _write_error(path: Path, exc: OSError, step: int | None = None) -> WriteError:
-    from tinypipe.runtime.checkpoint import describe_os_error
+    from tinypipe.write_errors import describe as describe_os_error
 
     at = f" after step {step + 1}" if step is not None else ""
     return WriteError(f"cannot write {path}{at}: {describe_os_error(exc)}")
