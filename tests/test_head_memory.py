@@ -41,7 +41,8 @@ def _step_peak(head_chunk: int) -> tuple[int, float]:
     engine's lazily built buffers."""
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
-                                   num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, max_position_embeddings=SEQ,
+                                   num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
+                                   max_position_embeddings=SEQ,
                                    tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     model = transformers.AutoModelForCausalLM.from_config(cfg)
