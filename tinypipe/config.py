@@ -102,6 +102,14 @@ class Config:
       steps every layer that is not resident on a device.
     * ``head_chunk_tokens`` -- tokens per chunk of the fused head (None: chosen from the vocabulary
       so one chunk's logits stay near 512 MiB). Logits for a whole batch are never materialised.
+    * ``mlp_chunk_tokens`` -- run each decoder block's MLP over at most this many tokens at a time
+      (:mod:`tinypipe.models.chunked_mlp`): at long sequences the MLP's intermediates, not the
+      weights, overflow the GPU (Llama-3.1-8B shape, 64K tokens: 1.75 GiB each for gate, up and
+      activation). A micro-batch of at most that many tokens runs unchunked, bit for bit as before;
+      a longer one costs one more MLP forward per chunk in its backward (each chunk is
+      recomputed there). None: automatic -- off for ``seq_len`` up to 16384 tokens (or unset), else
+      the power of two that keeps one intermediate near 256 MiB (8192 tokens for the 8B shape in
+      bf16). 0: never chunk. Blocks without an ``mlp`` module (OPT) are not chunked.
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
       copy, no power-of-two rounding); ``"pageable"`` leaves them pageable (slower transfers,
       nothing locked). Ignored on CPU devices.
@@ -190,6 +198,7 @@ class Config:
     assist_updates: bool = True
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
+    mlp_chunk_tokens: int | None = None
     grad_slots: int | None = None
     nonfinite: NonFinitePolicy = "raise"
     trace: bool = False
@@ -262,8 +271,9 @@ class Config:
             if not (d == "cpu" or d == "cuda" or d.startswith("cuda:")):
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
         optional = ("micro_batch_size", "prefetch_window", "backward_micro_batch_size", "grad_slots",
-                    "host_grad_buffers", "head_chunk_tokens", "optimizer_threads", "seq_len", "global_batch",
-                    "gpu_memory_bytes", "cpu_memory_bytes", "resident_packs", "dropout_seed")
+                    "host_grad_buffers", "head_chunk_tokens", "mlp_chunk_tokens", "optimizer_threads",
+                    "seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes", "resident_packs",
+                    "dropout_seed")
         for name in optional:
             value = getattr(self, name)
             if value is None and name in optional:
@@ -319,6 +329,8 @@ class Config:
         _check_choice("pin_memory", self.pin_memory, PIN_MODES)
         if self.head_chunk_tokens is not None and self.head_chunk_tokens < 1:
             raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
+        if self.mlp_chunk_tokens is not None and self.mlp_chunk_tokens < 0:
+            raise ConfigError(f"mlp_chunk_tokens must be >= 0 (0: unchunked), got {self.mlp_chunk_tokens}")
         turn = self.turn_packs
         if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 0):
             raise ConfigError(f"turn_packs must be a whole number >= 0, got {self.turn_packs!r}")

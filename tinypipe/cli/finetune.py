@@ -61,6 +61,8 @@ def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bo
         _cap_gpu_memory(config.devices, s["gpu_memory_bytes"])
     if auto or s["gpu_memory_bytes"] or s["cpu_memory_bytes"]:  # plan for (or check the plan against) it
         config = config.replace(seq_len=seq_len, global_batch=s["global_batch"])
+    elif config.mlp_chunk_tokens is None:  # the automatic MLP chunk depends on the row length alone
+        config = config.replace(mlp_chunk_tokens=_mlp_chunk(model, config.precision, seq_len))
     engine = Engine(model, config, plan=plan)
     try:
         _say(_plan_line(engine))
@@ -92,11 +94,22 @@ def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bo
     return 0
 
 
+def _mlp_chunk(model: Any, precision: str, seq_len: int) -> int:
+    """The engine's automatic MLP chunk (Config.mlp_chunk_tokens None) for rows of ``seq_len``."""
+    from tinypipe.models.chunked_mlp import LONG_SEQUENCE_TOKENS, mlp_chunk_tokens_for
+    from tinypipe.planner.sizes import dtype_bytes, shape_of
+
+    if seq_len <= LONG_SEQUENCE_TOKENS:  # unchunked, without reading the model's shape
+        return 0
+    return mlp_chunk_tokens_for(None, shape_of(model.config)["intermediate"], dtype_bytes(precision), seq_len)
+
+
 def _check_settings(s: dict[str, Any]) -> None:
     """Values the option parsers accept but the run cannot use (one-line ConfigError)."""
     for name in ("global_batch", "micro_batch_size"):
         _positive(_OPTIONS_BY_DEST[name].key, s[name])
     _positive("seq_len", s["seq_len"], 2)
+    _positive("mlp_chunk_tokens", s["mlp_chunk_tokens"], 0)
     _positive("steps", s["steps"])
     _positive("warmup_steps", s["warmup_steps"], 0)
     if s["checkpoint_every"] is not None and s["checkpoint_every"] < 1:  # 0 or -1 would silently mean "never"
@@ -141,6 +154,7 @@ def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
         resident_packs=s["resident_packs"],
         keep_activations=s["keep_activations"],
         turn_packs=s["turn_packs"],
+        mlp_chunk_tokens=s["mlp_chunk_tokens"],
         assist_updates=not s["no_assist"],
         dropout=not s["no_dropout"],
         dropout_seed=s["seed"],

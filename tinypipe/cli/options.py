@@ -176,6 +176,10 @@ FINETUNE_OPTIONS: tuple[Option, ...] = (
            "each micro-batch goes forward through them, through the head and back while their weights stay "
            "on the GPU, so they recompute nothing and hold one micro-batch's activations each (default: the "
            "planner's choice on CUDA, 0 on cpu)", "N"),
+    Option("mlp-chunk-tokens", _int, None, "run each decoder block's MLP over at most N tokens at a time, so "
+           "its intermediates stay bounded at long sequences (a longer micro-batch recomputes each chunk in "
+           "its backward); 0: never (default: automatic -- off up to 16384 tokens per row, above that a "
+           "chunk whose one intermediate is ~256 MiB)", "N"),
     Option("no-assist", _bool, False, "never let the GPU take host AdamW updates (default: the planner may "
            "step some layers' updates on the GPU, their fp32 state making a round trip over the link)",
            flag=True),

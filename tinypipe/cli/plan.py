@@ -101,6 +101,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ssd-write-gbps", default=None, metavar="Y",
                    help="the SSD's write rate in GB/s, of all --offload-dir drives together (implies the SSD "
                         "tier; overrides measured rates)")
+    p.add_argument("--mlp-chunk-tokens", default=None, metavar="N",
+                   help="run each block's MLP over at most N tokens at a time (0: never; default: "
+                        "automatic -- off up to 16384 tokens per sequence, above that a chunk whose one "
+                        "intermediate is ~256 MiB); the plan's activation memory counts it")
     p.add_argument("--no-assist", action="store_true",
                    help="with --max-grad-norm: step every clipped update on the host (default: the "
                         "planner lets the GPU step some layers' clipped updates on their way up, where "
@@ -229,7 +233,9 @@ def run(args: argparse.Namespace) -> int:
                           max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                           resident_packs=None if args.resident_packs is None else _nonnegative_int(
                               "--resident-packs", args.resident_packs), ssd=ssd,
-                          assist_updates=not getattr(args, "no_assist", False))
+                          assist_updates=not getattr(args, "no_assist", False),
+                          mlp_chunk_tokens=None if getattr(args, "mlp_chunk_tokens", None) is None
+                          else _nonnegative_int("--mlp-chunk-tokens", args.mlp_chunk_tokens))
         if given is not None:  # a plan the user has, priced like the search's
             from tinypipe.planner.given import with_given_plan
 
@@ -307,7 +313,9 @@ def _run_layouts(args: argparse.Namespace, hardware: Any, *, gpus: int, seq: int
                           gpus_per_replica=per_replica, sharding=args.optimizer_sharding,
                           gpu_memory_bytes=gpu_mem, precision=args.precision, max_grad_norm=clip, lora=lora,
                           device_optimizer=args.device_optimizer, resident_packs=resident,
-                          assist_updates=not getattr(args, "no_assist", False))
+                          assist_updates=not getattr(args, "no_assist", False),
+                          mlp_chunk_tokens=None if getattr(args, "mlp_chunk_tokens", None) is None
+                          else _nonnegative_int("--mlp-chunk-tokens", args.mlp_chunk_tokens))
     if args.save_plan and cmp.best is not None:
         try:
             cmp.best.plan().save(args.save_plan)

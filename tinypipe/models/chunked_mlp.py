@@ -29,6 +29,33 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 
+#: Bytes one MLP intermediate of one chunk (gate, up or activation: chunk tokens x intermediate
+#: size, compute dtype) may take when the chunk is chosen automatically: ~256 MiB keeps the three
+#: of a forward and their gradients in the backward near 1.5 GiB on any model.
+AUTO_CHUNK_BYTES = 256 * 1024**2
+#: Sequences of at most this many tokens run their MLPs unchunked when the chunk is chosen
+#: automatically: below it a micro-batch's intermediates are what plans were always sized for, and
+#: chunking would only add the recompute of each chunk in the backward (one more MLP forward).
+LONG_SEQUENCE_TOKENS = 16384
+
+
+def mlp_chunk_tokens_for(setting: int | None, intermediate: int, elem_bytes: int,
+                         seq_len: int | None) -> int:
+    """Tokens per MLP chunk for ``Config.mlp_chunk_tokens`` (0: unchunked).
+
+    ``setting`` given (0 = off): that. None (automatic): 0 for sequences of at most
+    :data:`LONG_SEQUENCE_TOKENS` tokens or an unknown length, so short runs compute exactly what
+    they did; longer ones get the largest power of two of tokens (at least 1024) whose one
+    intermediate (``intermediate`` wide, ``elem_bytes`` per element) fits
+    :data:`AUTO_CHUNK_BYTES` -- 8192 tokens for the Llama-3.1-8B shape in bf16 (224 MiB)."""
+    if setting is not None:
+        return int(setting)
+    if seq_len is None or seq_len <= LONG_SEQUENCE_TOKENS:
+        return 0
+    tokens = max(1024, AUTO_CHUNK_BYTES // max(1, intermediate * elem_bytes))
+    return 1 << (int(tokens).bit_length() - 1)
+
+
 class ChunkedMLP(nn.Module):
     """Runs ``mlp`` over at most ``chunk_tokens`` tokens at a time (see the module doc)."""
 
@@ -45,6 +72,15 @@ class ChunkedMLP(nn.Module):
             return self.mlp(hidden)
         flat = hidden.reshape(tokens, hidden.shape[-1])
         grad = torch.is_grad_enabled()
+        if torch.compiler.is_compiling():
+            # traced (compiled blocks): a concatenation, which Inductor lowers to each chunk writing
+            # its rows of one output buffer; slice assignments would be functionalised into a
+            # full-size scatter per chunk
+            parts = [checkpoint(self.mlp, flat[lo : lo + self.chunk_tokens], use_reentrant=False)
+                     if grad else self.mlp(flat[lo : lo + self.chunk_tokens])
+                     for lo in range(0, tokens, self.chunk_tokens)]
+            cat = torch.cat(parts)
+            return cat.reshape(*hidden.shape[:-1], cat.shape[-1])
         out: torch.Tensor | None = None
         for lo in range(0, tokens, self.chunk_tokens):
             part = flat[lo : lo + self.chunk_tokens]

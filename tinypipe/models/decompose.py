@@ -392,7 +392,7 @@ class Shell:
     """
 
     def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device,
-                 dropout: bool = False) -> None:
+                 dropout: bool = False, mlp_chunk_tokens: int = 0) -> None:
         memo: dict[int, Any] = {}
         # quantized weights (tinypipe.quant): rebuilt from a slot's payload bytes (once per slot)
         self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params
@@ -439,6 +439,13 @@ class Shell:
                 path, attr = n.rsplit(".", 1) if "." in n else ("", n)
                 module = self._resolve(shell, path)
                 self._slots.setdefault(canon, []).append((module, attr))  # type: ignore[attr-defined]
+        #: tokens per chunk of the blocks' MLPs (0: unchunked; models/chunked_mlp.py). Wrapped after
+        #: the parameter slots are resolved: they hold the MLP's own modules, which stay as they are
+        self.mlp_chunk_tokens = int(mlp_chunk_tokens)
+        if self.mlp_chunk_tokens > 0:
+            from tinypipe.models.chunked_mlp import chunk_mlps
+
+            chunk_mlps(self.blocks, self.mlp_chunk_tokens)
 
     def _resolve(self, shell: nn.Module, path: str) -> nn.Module:
         dec = self.decomposition

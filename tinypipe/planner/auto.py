@@ -35,7 +35,9 @@ from torch import nn
 
 from tinypipe.config import Config
 from tinypipe.errors import ConfigError, PlanDoesNotFitError, TinypipeError, UnsupportedModelError
+from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
 from tinypipe.planner.hardware import HARDWARE, HardwareSpec, load_hardware
+from tinypipe.planner.sizes import dtype_bytes
 from tinypipe.schedule.plan import Plan, make_plan
 
 if TYPE_CHECKING:
@@ -270,7 +272,8 @@ def _search(model: nn.Module, config: Config) -> PlanResult:
                     host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
                     device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
                     ssd=_ssd_of(config, hw), keep_activations=config.keep_activations,
-                    assist_updates=config.assist_updates, turn_packs=config.turn_packs)
+                    assist_updates=config.assist_updates, turn_packs=config.turn_packs,
+                    mlp_chunk_tokens=config.mlp_chunk_tokens)
 
 
 def quantized_base(model: nn.Module) -> bool:
@@ -346,11 +349,13 @@ def _check_fits(model: nn.Module, config: Config, plan: Plan) -> Plan:
     ssd = _ssd_of(config, hw)
     if ssd is not None:
         hw = ssd.apply(hw)
+    mlp_chunk = mlp_chunk_tokens_for(config.mlp_chunk_tokens, sizes.intermediate,
+                                     dtype_bytes(config.precision), config.seq_len)
 
     def ev(p: Plan, peaks=None):  # -> Candidate
         return evaluate(sizes, hw, p, seq=config.seq_len, global_batch=config.global_batch,
                         precision=config.precision, max_grad_norm=config.max_grad_norm,
-                        host_grad_buffers=config.host_grad_buffers, peaks=peaks)
+                        host_grad_buffers=config.host_grad_buffers, peaks=peaks, mlp_chunk=mlp_chunk)
 
     c = ev(plan)
     if c.gpu_need > gpu:

@@ -65,7 +65,7 @@ def gpu_need(report: MemoryReport) -> int:
 def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int, global_batch: int,
              precision: Precision = "bf16", max_grad_norm: float | None = None,
              host_grad_buffers: int | None = None, peaks: Sequence[int] | None = None,
-             assist_within: int | None = None) -> Candidate:
+             assist_within: int | None = None, mlp_chunk: int = 0) -> Candidate:
     """Estimate ``plan``'s memory and step time on ``plan.num_devices`` GPUs of ``hardware``
     (``peaks``: activation peaks already estimated for the same plan with another window).
 
@@ -73,7 +73,8 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     is replaced) -- those that make its step shorter (under ``max_grad_norm`` its clipped step;
     without, its backward and tail: :func:`~tinypipe.planner.cost.predict_step_time`), if the plan
     still fits that budget with the scratch every device then holds; None: ``plan.assisted`` as
-    given."""
+    given. ``mlp_chunk``: the blocks' MLPs run in chunks of that many tokens (0: unchunked;
+    :func:`~tinypipe.planner.estimate.activation_peaks`)."""
     clipping = max_grad_norm is not None
     assist = assist_within is not None
     if assist and plan.assisted:
@@ -87,7 +88,7 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     def memory(p: Plan, peaks: Sequence[int] | None) -> MemoryReport:
         return estimate_memory(sizes, p, batch=global_batch, seq=seq, precision=precision, devices=devices,
                                host_grad_buffers=host_grad_buffers, max_grad_norm=max_grad_norm, peaks=peaks,
-                               act_per_token=act)
+                               act_per_token=act, mlp_chunk=mlp_chunk)
 
     mem = memory(plan, peaks)
     need = gpu_need(mem)

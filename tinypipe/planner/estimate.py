@@ -161,10 +161,15 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
 def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
                      devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
                      head_chunk: int | None = None, detail: bool = False,
-                     act_per_token: float | None = None) -> list[int] | tuple[list[int], list[str]]:
+                     act_per_token: float | None = None,
+                     mlp_chunk: int = 0) -> list[int] | tuple[list[int], list[str]]:
     """Estimated activation peak per device entry (bytes), and with ``detail`` the phase that
     sets it. ``act_per_token`` overrides the probe's saved bytes per token and block (a measured
-    profile's value). See the module documentation for the model."""
+    profile's value). ``mlp_chunk``: the blocks' MLPs run in chunks of that many tokens
+    (``Config.mlp_chunk_tokens``, 0: unchunked) -- a micro-batch of more tokens holds one chunk's
+    MLP intermediates in its forward, and its backward saves every token's block activations but
+    the MLP's (:meth:`~tinypipe.planner.sizes.ModelSizes.chunked_block_bytes`) plus one chunk's
+    recomputed ones. See the module documentation for the model."""
     H = hidden or sizes.hidden
     V = vocab or sizes.vocab
     a = dtype_bytes(precision)
@@ -231,10 +236,14 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     e, h = plan.embed_device, plan.head_device
     # embedding forward: the trunk's own temporaries beside its output (acts[0], counted above)
     work[e][EF] += bsh
+    def mlp_rows(tokens: int) -> int:
+        """Tokens whose MLP intermediates exist at once: a chunk's, when the MLP is chunked."""
+        return min(tokens, mlp_chunk) if mlp_chunk > 0 else tokens
+
     # forward packs (no autograd): one block's largest temporaries for one micro-batch
     for q in range(P):
         d = plan.fwd_device[q]
-        work[d][F(q)] += tf * (3 * sizes.intermediate + 4 * H) * a + remote_rows(q, d, tf)
+        work[d][F(q)] += (mlp_rows(tf) * 3 * sizes.intermediate + tf * 4 * H) * a + remote_rows(q, d, tf)
     # head: input-gradient rows, one chunk of logits (compute dtype, the gradient written over them)
     # and the eager path's fp32 row block (models/head_loss.py)
     work[h][HEAD] += tf * H * a + logit_bytes(chunk, V, a) + chunk * H * 4 + remote_rows(P, h, tf)
@@ -247,8 +256,13 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
             # (a compact graph recomputes one block's elementwise tensors for it: the difference)
             work[d][Bk(q)] += tf * 2 * sizes.intermediate * a + tf * max(0.0, act_tok - kept_tok)
             continue
-        saved = tb * act_tok * len(pack) + tb * H * a * (len(pack) - 1)
-        transient = tb * 2 * sizes.intermediate * a
+        if mlp_rows(tb) < tb:  # chunked: no MLP intermediates saved, one chunk's recomputed at a time
+            mlp_tok = act_tok * sizes.mlp_bytes_per_token(precision) / sizes.block_act_bytes(precision)
+            saved = (tb * (act_tok - mlp_tok) * len(pack) + mlp_rows(tb) * mlp_tok
+                     + tb * H * a * (len(pack) - 1))
+        else:
+            saved = tb * act_tok * len(pack) + tb * H * a * (len(pack) - 1)
+        transient = mlp_rows(tb) * 2 * sizes.intermediate * a
         work[d][Bk(q)] += saved + transient + remote_rows(q, d, tb)
     # kept packs: every forward micro-batch's graph, from the pack's forward to its backward; in
     # host memory (Plan.kept_on_host) only what is in flight: two forward micro-batches' graphs
@@ -314,7 +328,8 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
                     devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
                     host_grad_buffers: int | None = None, max_grad_norm: float | None = None,
                     retain_grads: bool | None = None, head_chunk: int | None = None,
-                    peaks: Sequence[int] | None = None, act_per_token: float | None = None) -> MemoryReport:
+                    peaks: Sequence[int] | None = None, act_per_token: float | None = None,
+                    mlp_chunk: int = 0) -> MemoryReport:
     """The :class:`MemoryReport` the engine would give for ``plan`` after one step of
     ``batch`` x ``seq`` tokens: static categories exact, ``activations_peak`` estimated.
 
@@ -333,7 +348,7 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
     if peaks is None:
         peaks = activation_peaks(sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices,
                                  hidden=hidden, vocab=vocab, head_chunk=head_chunk,
-                                 act_per_token=act_per_token)
+                                 act_per_token=act_per_token, mlp_chunk=mlp_chunk)
     devs = {}
     for i, d in enumerate(devices):
         cats = device_static_bytes(sizes, plan, i, d, precision)

@@ -23,6 +23,7 @@ def format_plan(result: PlanResult) -> str:
         f"{result.global_batch} x {result.seq} tokens/step"
         + (f", clip {result.max_grad_norm}" if result.max_grad_norm is not None else ""),
         f"plan: {b.describe()}",
+        *long_context_lines(result),
         f"predicted: {t.step_s:.2f} s/step, {t.tokens_per_s:,.0f} tokens/s "
         f"(fill {t.fill_s:.2f} + forward {t.forward_s:.2f} [{t.forward_limit}] + head {t.head_s:.2f} + "
         f"backward {t.backward_s:.2f} [{t.backward_limit}] + tail {t.tail_s:.2f})",
@@ -67,6 +68,21 @@ def format_plan(result: PlanResult) -> str:
     for note in result.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def long_context_lines(result: PlanResult) -> list[str]:
+    """With chunked MLPs (long sequences): the chunk sizes and the largest MLP intermediate."""
+    if not result.mlp_chunk_tokens:
+        return []
+    from tinypipe.planner.estimate import head_chunk_tokens
+    from tinypipe.planner.sizes import dtype_bytes
+
+    s, n, plan = result.sizes, result.mlp_chunk_tokens, result.best.plan
+    one = n * s.intermediate * dtype_bytes(result.precision)
+    return [f"long context: MLPs in chunks of {n:,} tokens (one intermediate {fmt_bytes(one)}), head and "
+            f"loss in chunks of {head_chunk_tokens(s.vocab):,} tokens; micro-batch "
+            f"{plan.micro_batch_size} x {result.seq:,} tokens, "
+            f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs stashed in host memory"]
 
 
 def ssd_lines(result: PlanResult) -> list[str]:

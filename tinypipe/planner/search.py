@@ -30,6 +30,7 @@ import transformers
 
 from tinypipe.config import PRECISIONS, Precision
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
+from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
 from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search's public names
     FRAGMENTATION,
     GPU_CONTEXT_BYTES,
@@ -51,7 +52,7 @@ from tinypipe.planner.options import (
 )
 from tinypipe.planner.presets import load_model_config
 from tinypipe.planner.sharded_host import sharded_candidate
-from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
+from tinypipe.planner.sizes import ModelSizes, dtype_bytes, lora_sizes, model_sizes
 from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
 from tinypipe.planner.ssd import SsdSpec
 from tinypipe.schedule.plan import DeviceOptimizer, Plan, make_plan
@@ -85,6 +86,7 @@ class PlanResult:
     notes: list[str] = field(default_factory=list)
     ssd: SsdSpec | None = None  # the SSD planned for (None: DRAM only)
     hiding: IoHiding | None = None  # where the best plan's SSD I/O is hidden (None: it moves none)
+    mlp_chunk_tokens: int = 0  # the blocks' MLPs planned in chunks of this many tokens (0: unchunked)
 
     @property
     def retain_grads(self) -> bool:
@@ -104,6 +106,8 @@ class PlanResult:
         out["devices"] = [f"cuda:{i}" for i in range(self.gpus)]
         out["precision"] = self.precision
         out["max_grad_norm"] = self.max_grad_norm
+        if self.mlp_chunk_tokens:
+            out["mlp_chunk_tokens"] = self.mlp_chunk_tokens
         if c.plan.offload:  # the engine derives the same offload set from these (offload_dir: yours)
             if self.ssd is not None and self.ssd.directory is not None:
                 out["offload_dir"] = self.ssd.directory
@@ -152,7 +156,7 @@ class PlanResult:
             "budget": {"gpus": self.gpus, "gpu_memory_bytes": self.gpu_memory_bytes,
                        "cpu_memory_bytes": self.cpu_memory_bytes},
             "workload": {"seq": self.seq, "global_batch": self.global_batch, "precision": self.precision,
-                         "max_grad_norm": self.max_grad_norm},
+                         "max_grad_norm": self.max_grad_norm, "mlp_chunk_tokens": self.mlp_chunk_tokens},
             "considered": self.considered,
             "fitting": self.fitting,
             "best": cand(self.best),
@@ -365,7 +369,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              device_optimizer: DeviceOptimizer | None = None,
              resident_packs: int | None = None, ssd: SsdSpec | None = None,
              hiding_search: bool = True, keep_activations: bool | None = None,
-             host_shards: int = 1, assist_updates: bool = True, turn_packs: int | None = None) -> PlanResult:
+             host_shards: int = 1, assist_updates: bool = True, turn_packs: int | None = None,
+             mlp_chunk_tokens: int | None = None) -> PlanResult:
     """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
@@ -385,6 +390,10 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     (``Config.assist_updates``): under ``max_grad_norm`` each plan that fits gets the layers whose
     clipped updates its GPU steps on their way up (``Plan.assisted``, :mod:`tinypipe.planner.assist`)
     where that is faster in a step where clipping triggers; never for sharded replicas.
+    ``mlp_chunk_tokens`` (``Config.mlp_chunk_tokens``; None: the engine's automatic choice for
+    ``seq``, :func:`~tinypipe.models.chunked_mlp.mlp_chunk_tokens_for`): the blocks' MLPs run in
+    chunks of that many tokens, which bounds their intermediates in every plan's activation
+    estimate; the result's ``mlp_chunk_tokens`` says what was planned with.
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
@@ -446,10 +455,15 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     # scratch (not for sharded replicas: they step their shards, and their leftover work is theirs)
     assist = gpu_mem if assist_updates and host_shards == 1 else None
 
+    mlp_chunk = mlp_chunk_tokens_for(mlp_chunk_tokens, sizes.intermediate, dtype_bytes(precision), seq)
+    if mlp_chunk:
+        notes.append(f"MLPs in chunks of {mlp_chunk} tokens "
+                     "(a block's MLP intermediates bounded by a chunk's)")
+
     def ev(plan: Plan, peaks: Sequence[int] | None = None, batch: int = global_batch) -> Candidate:
         c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
                      max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks,
-                     assist_within=assist)
+                     assist_within=assist, mlp_chunk=mlp_chunk)
         return c if host_shards == 1 else sharded_candidate(c, sizes, host_shards, max_grad_norm is not None)
 
     spill = Spill(sizes, ssd, cpu_memory_bytes, precision=precision, retain_grads=max_grad_norm is not None)
@@ -552,14 +566,15 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                 host_grad_buffers=host_grad_buffers, lora=lora,
                                 device_optimizer=device_optimizer, resident_packs=resident_packs,
                                 ssd=ssd, hiding_search=False, keep_activations=keep_activations,
-                                assist_updates=assist_updates, turn_packs=turn_packs).best
+                                assist_updates=assist_updates, turn_packs=turn_packs,
+                                mlp_chunk_tokens=mlp_chunk).best
 
             hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
                       gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq,
                       global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
                       considered=len(cands), fitting=len(fits), model_name=name, notes=notes, ssd=ssd,
-                      hiding=hiding)
+                      hiding=hiding, mlp_chunk_tokens=mlp_chunk)
 
 
 def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd: bool = False) -> str:

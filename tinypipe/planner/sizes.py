@@ -94,6 +94,10 @@ class ModelSizes:
     #: bytes per token a *kept* block saves in the compact form (models/compact.py: matmul and
     #: attention outputs), per precision; empty: as ``act_bytes_per_token``
     kept_bytes_per_token: dict = field(default_factory=dict, compare=False)
+    #: bytes per token a recomputed block saves when its MLP runs in sequence chunks
+    #: (models/chunked_mlp.py: the MLP's intermediates are not saved, one chunk's are recomputed in
+    #: the backward), per precision; empty: as ``act_bytes_per_token``
+    chunked_bytes_per_token: dict = field(default_factory=dict, compare=False)
     #: the config has dropout (a kept graph then saves in full, to hold its masks)
     draws: bool = False
     #: trainable elements per layer (runtime order) when some parameters are frozen (LoRA: the
@@ -152,6 +156,17 @@ class ModelSizes:
         if precision not in self.act_bytes_per_token:
             raise ConfigError(f"precision must be 'bf16' or 'fp32', got {precision!r}")
         return float(self.act_bytes_per_token[precision])
+
+    def chunked_block_bytes(self, precision: str) -> float:
+        """Bytes per token one recomputed block saves with its MLP chunked (all tokens but the
+        chunk being recomputed: see :meth:`mlp_bytes_per_token`)."""
+        full = self.block_act_bytes(precision)
+        return min(full, float(self.chunked_bytes_per_token.get(precision, full)))
+
+    def mlp_bytes_per_token(self, precision: str) -> float:
+        """What the MLP's intermediates add per token to a recomputed block's saved bytes: what a
+        chunked MLP recomputes, one chunk at a time, in the backward."""
+        return self.block_act_bytes(precision) - self.chunked_block_bytes(precision)
 
     def kept_block_bytes(self, precision: str) -> float:
         """Bytes per token one block of a kept pack holds from its forward to its backward: the
@@ -324,10 +339,12 @@ def _layer_sizes(model: nn.Module, dec: Decomposition) -> tuple[list[int], list[
 
 
 def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype,
-                           lora: LoraSettings | None = None) -> tuple[float, float]:
+                           lora: LoraSettings | None = None) -> tuple[float, float, float]:
     """Bytes autograd saves per token for block 0 of a (probe-sized) model, excluding its input
     and its parameters: what the backward pass holds for one recomputed block, and what a kept
-    block saves in the compact form (models/compact.py) -- both from one forward. ``lora``: with
+    block saves in the compact form (models/compact.py) -- both from one forward -- and, from a
+    second forward with the MLP in chunks of a quarter of the tokens (models/chunked_mlp.py), what
+    a recomputed block saves then (the MLP's input, not its intermediates). ``lora``: with
     PEFT's adapters on a dense base (frozen base weights save no inputs for their gradients, the
     adapters add their own intermediates; a quantized base saves as a frozen dense one)."""
     model = _build(cfg, "cpu", dtype)
@@ -342,12 +359,14 @@ def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtyp
         model.to(dtype)
     dec = Decomposition(model)
     shell = Shell(model, dec, torch.device("cpu"))
+    chunked = Shell(model, dec, torch.device("cpu"), mlp_chunk_tokens=PROBE_BATCH * PROBE_SEQ // 4)
     named = dict(model.named_parameters())
     param_ptrs = set()
     for name in dec.aliases:
         t = named[name].detach().requires_grad_(named[name].requires_grad or lora is None)
         param_ptrs.add(t.untyped_storage().data_ptr())
         shell.bind(name, t)
+        chunked.bind(name, t)
     ids = torch.randint(0, PROBE_VOCAB, (PROBE_BATCH, PROBE_SEQ), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hidden, calls = shell.embed_forward(ids, None)
@@ -357,8 +376,9 @@ def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtyp
     with torch.enable_grad():
         full = saved_tensor_bytes(
             lambda: compact.append(saved_output_bytes(lambda: shell.block_forward(0, x, calls[0]))), skip)
+        in_chunks = saved_tensor_bytes(lambda: chunked.block_forward(0, x, calls[0]), skip)
     tokens = PROBE_BATCH * PROBE_SEQ
-    return full / tokens, compact[0] / tokens
+    return full / tokens, compact[0] / tokens, in_chunks / tokens
 
 
 def saved_tensor_bytes(run: Callable[[], object], skip: set[int]) -> int:
@@ -394,8 +414,9 @@ def _act_formula(shape: dict[str, int], precision: str) -> float:
 
 
 def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: str,
-                   lora: LoraSettings | None = None) -> tuple[float, float]:
-    """Saved bytes per token of one real-size block: recomputed, and kept in the compact form.
+                   lora: LoraSettings | None = None) -> tuple[float, float, float]:
+    """Saved bytes per token of one real-size block: recomputed, kept in the compact form, and
+    recomputed with its MLP in chunks.
 
     Small models are probed at their real widths. Larger ones are probed at widths /scale and
     /(scale/2): b(s) = A/s + C separates the width-proportional part A from the per-token constant
@@ -412,8 +433,8 @@ def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: st
         raise UnsupportedModelError("widths do not scale down")
     one = _saved_bytes_per_token(probe_config(cfg, scale, layers=1), dtype, lora)
     two = _saved_bytes_per_token(probe_config(cfg, scale // 2, layers=1), dtype, lora)
-    full, compact = (max((b2 - b1) * scale + max(2 * b1 - b2, 0.0), b1) for b1, b2 in zip(one, two))
-    return full, compact
+    full, compact, chunked = (max((b2 - b1) * scale + max(2 * b1 - b2, 0.0), b1) for b1, b2 in zip(one, two))
+    return full, compact, chunked
 
 
 def _lora_probe_scale(cfg: transformers.PretrainedConfig, scale: int, rank: int) -> int:
@@ -474,13 +495,15 @@ def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
                                     f"config says {shape['layers']}")
     acts: dict[str, float] = {}
     kept: dict[str, float] = {}
+    chunked: dict[str, float] = {}
     source = "probe"
     for precision in ("bf16", "fp32"):
         try:
-            acts[precision], kept[precision] = _act_per_token(cfg, scale, precision)
+            acts[precision], kept[precision], chunked[precision] = _act_per_token(cfg, scale, precision)
         except Exception:  # noqa: BLE001 - the probe is an estimate; any failure falls back to the formula
             acts[precision] = _act_formula(shape, precision)
             kept.pop(precision, None)  # kept blocks then count as full graphs
+            chunked.pop(precision, None)  # and chunked MLPs as unchunked ones
             source = "formula"
     return ModelSizes(
         model_type=str(getattr(cfg, "model_type", type(meta).__name__)),
@@ -504,6 +527,7 @@ def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
         act_bytes_per_token=acts,
         act_source=source,
         kept_bytes_per_token=kept,
+        chunked_bytes_per_token=chunked,
         draws=config_draws(cfg),
     )
 
@@ -533,7 +557,7 @@ def lora_sizes(cfg: transformers.PretrainedConfig, settings: LoraSettings) -> Mo
         from tinypipe.quant.sizing import quantized_sizes
 
         numels, quantized = quantized_sizes(dec, inner, quant)
-    acts, kept, source = _lora_activations(cfg, settings, base)
+    acts, kept, chunked, source = _lora_activations(cfg, settings, base)
     return dataclasses.replace(
         base, embed_numel=numels[0], head_numel=numels[-1], block_numels=tuple(numels[1:-1]),
         train_numels=tuple(trains),
@@ -541,16 +565,18 @@ def lora_sizes(cfg: transformers.PretrainedConfig, settings: LoraSettings) -> Mo
         + (f" over a {quant.label} base" if quant is not None else ""),
         quantize=quant.label if quant is not None else "", quant_block_params=tuple(quantized[1:-1]),
         draws=base.draws or settings.dropout > 0,
-        act_bytes_per_token=acts, kept_bytes_per_token=kept, act_source=source,
+        act_bytes_per_token=acts, kept_bytes_per_token=kept, chunked_bytes_per_token=chunked,
+        act_source=source,
     )
 
 
-_LORA_ACTS: dict[str, tuple[dict, dict, str]] = {}
+_LORA_ACTS: dict[str, tuple[dict, dict, dict, str]] = {}
 
 
 def _lora_activations(cfg: transformers.PretrainedConfig, settings: LoraSettings,
-                      base: ModelSizes) -> tuple[dict, dict, str]:
-    """Saved bytes per token of a block with ``settings``' adapters (full graph, compact set), per
+                      base: ModelSizes) -> tuple[dict, dict, dict, str]:
+    """Saved bytes per token of a block with ``settings``' adapters (full graph, compact set,
+    chunked MLP), per
     precision: probed like the base's (cached per config and settings); where the probe cannot
     run, the base's figures (full fine-tuning's: frozen weights save less, adapters a little more)."""
     key = _key(cfg) + repr((settings.rank, settings.dropout, tuple(settings.targets or ())))
@@ -558,15 +584,19 @@ def _lora_activations(cfg: transformers.PretrainedConfig, settings: LoraSettings
     if hit is not None:
         return hit
     if base.act_source != "probe":
-        return dict(base.act_bytes_per_token), dict(base.kept_bytes_per_token), base.act_source
+        return (dict(base.act_bytes_per_token), dict(base.kept_bytes_per_token),
+                dict(base.chunked_bytes_per_token), base.act_source)
     acts: dict[str, float] = {}
     kept: dict[str, float] = {}
+    chunked: dict[str, float] = {}
     try:
         for precision in ("bf16", "fp32"):
-            acts[precision], kept[precision] = _act_per_token(cfg, _probe_scale(cfg), precision, settings)
+            acts[precision], kept[precision], chunked[precision] = _act_per_token(
+                cfg, _probe_scale(cfg), precision, settings)
     except Exception:  # noqa: BLE001 - an estimate: a probe that fails falls back to the base's figures
-        return dict(base.act_bytes_per_token), dict(base.kept_bytes_per_token), "probe (full fine-tuning)"
+        return (dict(base.act_bytes_per_token), dict(base.kept_bytes_per_token),
+                dict(base.chunked_bytes_per_token), "probe (full fine-tuning)")
     if len(_LORA_ACTS) > 64:
         _LORA_ACTS.clear()
-    _LORA_ACTS[key] = out = (acts, kept, "probe")
+    _LORA_ACTS[key] = out = (acts, kept, chunked, "probe")
     return out

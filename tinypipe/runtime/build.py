@@ -49,8 +49,10 @@ class EngineBuilder:
     """What an engine is built from (model, config, plan, devices, precision), and the steps."""
 
     def __init__(self, model: nn.Module, config: Config, plan: Plan, decomposition: Decomposition,
-                 backends: list[Backend], dtype: torch.dtype, replicas: Replicas | None = None) -> None:
+                 backends: list[Backend], dtype: torch.dtype, replicas: Replicas | None = None,
+                 mlp_chunk_tokens: int = 0) -> None:
         self.model, self.config, self.plan, self.dec = model, config, plan, decomposition
+        self.mlp_chunk_tokens = mlp_chunk_tokens  # the blocks' MLP chunk (0: unchunked)
         self.backends, self.dtype = backends, dtype
         self.replicas = replicas  # data-parallel replicas (None: this engine alone)
         self.sharded = replicas is not None and plan.optimizer_sharding == "shard"
@@ -162,7 +164,8 @@ class EngineBuilder:
         # page-locked host buffers: the staging pool would be an extra 4 B/param copy per step
         pool_buffers = 0 if self.retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
         gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner, POLL_S)
-        shell = Shell(self.model, dec, backend.device, dropout=cfg.dropout)
+        shell = Shell(self.model, dec, backend.device, dropout=cfg.dropout,
+                      mlp_chunk_tokens=self.mlp_chunk_tokens)
         if compile_backend is not None:
             shell.compile_blocks(compile_backend, replay_random=cfg.dropout)
         runtime = DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool)

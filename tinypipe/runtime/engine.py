@@ -34,8 +34,10 @@ from tinypipe.memory.host_store import HostStore
 from tinypipe.memory.report import MemoryReport
 from tinypipe.models.decompose import Decomposition
 from tinypipe.models.export import save_hf_directory
+from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import check_keepable
+from tinypipe.planner.sizes import shape_of
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
 from tinypipe.runtime.checkpoint_sharded import find_sharded, load_replicas, save_replicas, sharded_extra
@@ -103,6 +105,14 @@ def _prefer_expandable_segments() -> None:
         pass
 
 
+def _mlp_chunk(cfg: Config, model: nn.Module, dtype: torch.dtype) -> int:
+    """Tokens per chunk of the blocks' MLPs for ``cfg`` (0: unchunked; the model's shape is read
+    only when the choice is automatic and the sequence long)."""
+    if cfg.mlp_chunk_tokens is not None or cfg.seq_len is None:
+        return mlp_chunk_tokens_for(cfg.mlp_chunk_tokens, 1, dtype.itemsize, cfg.seq_len)
+    return mlp_chunk_tokens_for(None, shape_of(model.config)["intermediate"], dtype.itemsize, cfg.seq_len)
+
+
 def _stop(background: BackgroundUpdates, workers: LaneWorkers, store: HostStore) -> None:
     """Finish background optimizer work, stop the lane threads, remove the SSD tier's scratch
     files (engine finalizer)."""
@@ -144,7 +154,10 @@ class Engine:
         topo = self.replicas.topology if self.replicas is not None else None
         self.backends = [make_backend(d) for d in local_devices(cfg, topo)]
         self.dtype = _DTYPES[cfg.precision]
-        build = EngineBuilder(model, cfg, self.plan, dec, self.backends, self.dtype, self.replicas)
+        #: tokens per chunk of the decoder blocks' MLPs (0: unchunked; Config.mlp_chunk_tokens)
+        self.mlp_chunk = _mlp_chunk(cfg, model, self.dtype)
+        build = EngineBuilder(model, cfg, self.plan, dec, self.backends, self.dtype, self.replicas,
+                              mlp_chunk_tokens=self.mlp_chunk)
         self._any_cuda = build.any_cuda
         self.pinner = build.pinner
         self.store = build.host_store()

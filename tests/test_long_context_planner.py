@@ -1,0 +1,77 @@
+"""The planner at long sequences (issue #32): chunked MLPs bound the activation estimate, block
+inputs stashed on the host count in the host budget, ``tinypipe plan --seq-len`` prints the chunk
+choice and refuses with one line saying what it would need; short sequences plan as before."""
+
+from __future__ import annotations
+
+import pytest
+
+from tinypipe.cli.plan import EXIT_NO_FIT, EXIT_OK, main
+from tinypipe.planner.estimate import activation_peaks
+from tinypipe.planner.presets import load_model_config
+from tinypipe.planner.search import plan_for
+from tinypipe.planner.sizes import model_sizes
+from tinypipe.schedule.plan import make_plan
+from tinypipe.units import GIB
+
+BOX = dict(gpus=1, gpu_memory_bytes=24 * GIB, cpu_memory_bytes=128 * GIB)
+
+
+def _sizes():  # noqa: ANN202
+    return model_sizes(load_model_config("llama-3.1-8b"))
+
+
+def test_the_probe_separates_the_mlp_intermediates() -> None:
+    """A gated MLP saves gate, up, activation and their product: 4 x intermediate per token, which
+    a chunked MLP does not keep (the probe measures both forms)."""
+    s = _sizes()
+    for precision, a in (("bf16", 2), ("fp32", 4)):
+        assert s.chunked_block_bytes(precision) < s.block_act_bytes(precision)
+        assert s.mlp_bytes_per_token(precision) == pytest.approx(4 * s.intermediate * a, rel=0.02)
+
+
+def test_chunked_mlp_bounds_the_activation_peak() -> None:
+    """8B shape, 2 x 65536 tokens, pack 1, micro-batch 1, host stash: chunks of 8192 tokens take
+    the backward's saved MLP intermediates and the forward's temporaries down to one chunk's."""
+    s = _sizes()
+    plan = make_plan(s.num_blocks, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1,
+                     num_devices=1, prefetch_window=1, stash="host", tied=s.tied)
+    kw = dict(batch=2, seq=65536, precision="bf16", devices=["cuda:0"])
+    whole, = activation_peaks(s, plan, **kw)
+    chunked, = activation_peaks(s, plan, mlp_chunk=8192, **kw)
+    saved_mlp = 65536 * s.mlp_bytes_per_token("bf16")
+    assert whole - chunked >= 0.8 * saved_mlp, (whole / GIB, chunked / GIB)
+    # a micro-batch within one chunk: the same estimate as unchunked
+    assert activation_peaks(s, plan, mlp_chunk=65536, **kw) == [whole]
+
+
+def test_short_sequences_plan_unchunked_and_as_before() -> None:
+    a = plan_for("llama-3.2-1b", "rtx4090-pcie4", seq=512, global_batch=4, **BOX)
+    b = plan_for("llama-3.2-1b", "rtx4090-pcie4", seq=512, global_batch=4, mlp_chunk_tokens=0, **BOX)
+    assert a.mlp_chunk_tokens == 0 and a.best.plan == b.best.plan and a.best.gpu_need == b.best.gpu_need
+
+
+def test_64k_fits_with_host_stashed_inputs_counted() -> None:
+    r = plan_for("llama-3.1-8b", "h200-pcie5", seq=65536, global_batch=2, **BOX)
+    assert r.mlp_chunk_tokens == 8192 and r.best.gpu_need <= 24 * GIB
+    plan = r.best.plan
+    stashed = sum(plan.stash_on_host[1:])
+    assert stashed >= 1
+    assert r.best.memory.host["stashed_activations"] == stashed * 2 * 65536 * 4096 * 2
+    assert r.config_kwargs()["mlp_chunk_tokens"] == 8192
+    # without the chunked MLP the same workload does not fit
+    with pytest.raises(Exception, match="needs .* GPU memory"):
+        plan_for("llama-3.1-8b", "h200-pcie5", seq=65536, global_batch=2, mlp_chunk_tokens=0, **BOX)
+
+
+def test_plan_command_prints_the_chunk_and_refuses_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    args = ["--model", "llama-3.1-8b", "--hardware", "h200-pcie5", "--gpu-memory", "24GiB",
+            "--cpu-memory", "128GiB", "--global-batch", "2"]
+    assert main([*args, "--seq-len", "65536"]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "long context: MLPs in chunks of 8,192 tokens" in out and "stashed in host memory" in out
+    assert main([*args, "--seq-len", "131072"]) == EXIT_NO_FIT
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "needs" in err and "GiB GPU memory" in err
+    assert main([*args, "--seq-len", "65536", "--mlp-chunk-tokens", "4096"]) == EXIT_OK
+    assert "chunks of 4,096 tokens" in capsys.readouterr().out
