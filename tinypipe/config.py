@@ -110,6 +110,11 @@ class Config:
       recomputed there). None: automatic -- off for ``seq_len`` up to 16384 tokens (or unset), else
       the power of two that keeps one intermediate near 256 MiB (8192 tokens for the 8B shape in
       bf16). 0: never chunk. Blocks without an ``mlp`` module (OPT) are not chunked.
+    * ``segment_attention`` -- attend within each packed document (and sliding window) without
+      transformers' dense ``[B, 1, S, S]`` mask (:mod:`tinypipe.models.segment_attention`): 16 GiB
+      per 128K-token row, on every device. None: automatic -- on for ``seq_len`` above 16384 tokens
+      (off when unset), so short runs compute bit for bit what they did; True/False: always/never.
+      Honoured for Llama, Mistral, Qwen2 and Qwen3 with SDPA attention; other models keep the mask.
     * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
       copy, no power-of-two rounding); ``"pageable"`` leaves them pageable (slower transfers,
       nothing locked). Ignored on CPU devices.
@@ -199,6 +204,7 @@ class Config:
     pin_memory: PinMode = "register"
     head_chunk_tokens: int | None = None
     mlp_chunk_tokens: int | None = None
+    segment_attention: bool | None = None
     grad_slots: int | None = None
     nonfinite: NonFinitePolicy = "raise"
     trace: bool = False

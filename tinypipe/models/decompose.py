@@ -28,6 +28,8 @@ from torch import nn
 from tinypipe.errors import UnsupportedModelError
 from tinypipe.models.blocks import find_blocks
 from tinypipe.models.compact import CompactBlock
+from tinypipe.models.segment_attention import (STARTS_KWARG, segment_attention_supported, segment_starts,
+                                                use_segment_attention)
 
 #: Element alignment of every parameter inside a layer's flat buffer (keeps device views aligned
 #: for vectorised kernels: 64 elements = 128 bytes in bf16, 256 in fp32).
@@ -392,7 +394,8 @@ class Shell:
     """
 
     def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device,
-                 dropout: bool = False, mlp_chunk_tokens: int = 0) -> None:
+                 dropout: bool = False, mlp_chunk_tokens: int = 0,
+                 segment_attention: bool = False) -> None:
         memo: dict[int, Any] = {}
         # quantized weights (tinypipe.quant): rebuilt from a slot's payload bytes (once per slot)
         self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params
@@ -446,6 +449,11 @@ class Shell:
             from tinypipe.models.chunked_mlp import chunk_mlps
 
             chunk_mlps(self.blocks, self.mlp_chunk_tokens)
+        #: whether blocks attend per document without dense masks (models/segment_attention.py):
+        #: asked for long sequences and honoured for the families it supports
+        self.segment_attention = bool(segment_attention) and segment_attention_supported(shell)
+        if self.segment_attention:
+            use_segment_attention(shell)
 
     def _resolve(self, shell: nn.Module, path: str) -> nn.Module:
         dec = self.decomposition
@@ -521,7 +529,11 @@ class Shell:
             pass
         if rec.hidden is None or any(c is None for c in rec.calls):
             raise UnsupportedModelError("the trunk's forward did not reach every decoder block")
-        return rec.hidden, list(rec.calls)  # type: ignore[arg-type]
+        calls = list(rec.calls)
+        if self.segment_attention:  # the trunk built no mask: every block gets the segments instead
+            starts = segment_starts(input_ids, attention_mask, position_ids)
+            calls = [(args, {**kwargs, STARTS_KWARG: starts}) for args, kwargs in calls]  # type: ignore[misc]
+        return rec.hidden, calls  # type: ignore[return-value]
 
     def block_forward(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
                       compact: bool = False) -> torch.Tensor:

@@ -82,7 +82,19 @@ def long_context_lines(result: PlanResult) -> list[str]:
     return [f"long context: MLPs in chunks of {n:,} tokens (one intermediate {fmt_bytes(one)}), head and "
             f"loss in chunks of {head_chunk_tokens(s.vocab):,} tokens; micro-batch "
             f"{plan.micro_batch_size} x {result.seq:,} tokens, "
-            f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs stashed in host memory"]
+            f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs stashed in host memory; "
+            f"{_attention_text(s.model_type, result.seq)}"]
+
+
+def _attention_text(model_type: str, seq: int) -> str:
+    """How packed documents attend at this length: per segment (models/segment_attention.py) for
+    the families it supports, else through transformers' dense mask, which the estimate lacks."""
+    from tinypipe.models.segment_attention import FAMILIES, segment_attention_for
+
+    if segment_attention_for(None, seq) and model_type in FAMILIES:
+        return "attention per document (no [S, S] mask)"
+    mask = seq * seq  # one bool per (query, key) of a row
+    return f"packed documents or padding add a {fmt_bytes(mask)} mask per row (not in the estimate)"
 
 
 def ssd_lines(result: PlanResult) -> list[str]:

@@ -23,6 +23,7 @@ from tinypipe.models.compiled import resolve_backend
 from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
 from tinypipe.models.head_loss import HeadLoss
 from tinypipe.models.placement import IN_PLACE_MARK
+from tinypipe.models.segment_attention import segment_attention_for
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.decay import DecayGroups, hf_decay_names
@@ -165,7 +166,8 @@ class EngineBuilder:
         pool_buffers = 0 if self.retain else buffer_count(max(1, grad_numel), cfg.host_grad_buffers)
         gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner, POLL_S)
         shell = Shell(self.model, dec, backend.device, dropout=cfg.dropout,
-                      mlp_chunk_tokens=self.mlp_chunk_tokens)
+                      mlp_chunk_tokens=self.mlp_chunk_tokens,
+                      segment_attention=segment_attention_for(cfg.segment_attention, cfg.seq_len))
         if compile_backend is not None:
             shell.compile_blocks(compile_backend, replay_random=cfg.dropout)
         runtime = DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool)
