@@ -202,3 +202,25 @@ def test_a_wrong_chunking_fails_these_tolerances(monkeypatch: pytest.MonkeyPatch
     with pytest.raises(AssertionError):
         train_both(model, model, _batches(packed=False),
                    dict(CONFIGS["recompute_packs2"], mlp_chunk_tokens=CHUNK), lr=LR, eps=EPS, weight_decay=WD)
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+def test_folded_norms_shrink_what_a_chunked_block_saves(family: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The planner's probe (bf16, hidden 512): a recomputed block with its MLP chunked saves per
+    token ~21 x hidden bytes (Llama; Qwen3's per-head norms ~29) with its norms in place, at most
+    8 x hidden with them folded into the chunks (q', k', v, the attention output and o_proj's
+    input: 7 x hidden for this GQA shape)."""
+    import transformers
+
+    from tinypipe.models import chunked_mlp
+    from tinypipe.planner import sizes
+
+    make = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
+    cfg = make(hidden_size=512, intermediate_size=1792, num_hidden_layers=2, num_attention_heads=8,
+               num_key_value_heads=2, head_dim=64, vocab_size=1000)
+    cfg._attn_implementation = "sdpa"
+    h = cfg.hidden_size
+    _, _, folded = sizes._saved_bytes_per_token(cfg, torch.bfloat16)
+    monkeypatch.setattr(chunked_mlp, "FOLDABLE", frozenset())
+    _, _, unfolded = sizes._saved_bytes_per_token(cfg, torch.bfloat16)
+    assert folded <= 8 * h and unfolded >= 20 * h, (folded / h, unfolded / h)

@@ -105,3 +105,99 @@ def chunk_mlps(blocks: Iterable[nn.Module], chunk_tokens: int) -> int:
         block.mlp = ChunkedMLP(inner, chunk_tokens)
         count += 1
     return count
+
+
+def _tokens(x: torch.Tensor, lead: int) -> int:
+    """Tokens in ``x``: the product of its first ``lead`` dimensions' sizes (batch, sequence)."""
+    n = 1
+    for d in x.shape[:lead]:
+        n *= int(d)
+    return n
+
+
+class _ShortOnly(nn.Module):
+    """``norm`` for a micro-batch of at most ``chunk_tokens`` tokens, else the identity: the
+    readers of its output apply it inside their chunks (:func:`fold_norms`)."""
+
+    def __init__(self, norm: nn.Module, chunk_tokens: int, lead: int = 2) -> None:
+        super().__init__()
+        self.norm, self.chunk_tokens, self.lead = norm, int(chunk_tokens), int(lead)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x) if _tokens(x, self.lead) <= self.chunk_tokens else x
+
+
+class _HeadNorm(nn.Module):
+    """A per-head norm (Qwen3's ``q_norm``/``k_norm``) applied to a flat projection's output."""
+
+    def __init__(self, norm: nn.Module, head_dim: int) -> None:
+        super().__init__()
+        self.norm = norm
+        self.head_dim = int(head_dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.norm(x.unflatten(-1, (-1, self.head_dim))).flatten(-2)
+
+
+class _FoldedProjection(nn.Module):
+    """q/k/v's projection reading the residual stream: for a long micro-batch the block's first
+    norm, the projection (and a per-head norm) in checkpointed token chunks; for a short one the
+    projection alone on the normed input, as unfolded (bit for bit)."""
+
+    def __init__(self, norm: nn.Module, proj: nn.Module, head_norm: nn.Module | None,
+                 head_dim: int, chunk_tokens: int) -> None:
+        super().__init__()
+        self.proj = proj
+        parts = [norm, proj] + ([_HeadNorm(head_norm, head_dim)] if head_norm is not None else [])
+        self.chunked = ChunkedMLP(nn.Sequential(*parts), chunk_tokens)
+        self.chunk_tokens = int(chunk_tokens)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _tokens(x, 2) <= self.chunk_tokens:
+            return self.proj(x)
+        return self.chunked(x)
+
+
+#: Decoder layers computing ``x + attn(norm1(x))`` then ``h + mlp(norm2(h))`` with norm1 feeding
+#: only ``self_attn``'s q/k/v projections (and Qwen3's per-head q/k norms right after them), as
+#: transformers 5 writes them for these families.
+FOLDABLE = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+
+
+def fold_norms(block: nn.Module, chunk_tokens: int) -> bool:
+    """Move a block's RMSNorms into token chunks for long micro-batches (returns whether it did).
+
+    Why: with the MLP chunked, a recomputed block still saves each norm's fp32 input, its
+    normalised copy and its output -- about 8 x hidden bytes per token each, most of what the
+    attention half keeps. A norm acts on one token alone, so it can run inside the chunks of
+    what reads it: ``input_layernorm`` inside each of q/k/v's projections (per-head q/k norms
+    after them), ``post_attention_layernorm`` inside the chunked MLP. Under autograd each chunk is
+    a checkpoint that keeps only its input (the residual stream, which the block holds anyway), so
+    the backward recomputes a chunk's norm and projection at a time: one more norm and q/k/v
+    forward per block. A micro-batch of at most ``chunk_tokens`` tokens runs the unfolded
+    computation, op for op. Same modules, same parameters: long micro-batches equal the unfolded
+    block's to float rounding (products over fewer rows; the first norm's gradient summed from
+    three chunked backwards)."""
+    attn = getattr(block, "self_attn", None)
+    norm1 = getattr(block, "input_layernorm", None)
+    norm2 = getattr(block, "post_attention_layernorm", None)
+    mlp = getattr(block, "mlp", None)
+    projs = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj")]
+    if not all(isinstance(m, nn.Module) for m in (attn, norm1, norm2, mlp, *projs)):
+        return False
+    if isinstance(norm1, _ShortOnly):  # folded already
+        return False
+    head_dim = int(getattr(attn, "head_dim", 0))
+    for name, proj, head in (("q_proj", projs[0], "q_norm"), ("k_proj", projs[1], "k_norm"),
+                             ("v_proj", projs[2], None)):
+        head_norm = getattr(attn, head, None) if head else None
+        if not (isinstance(head_norm, nn.Module) and head_dim):
+            head_norm = None
+        else:  # [B, S, heads, head_dim]: tokens are its first two dimensions as well
+            setattr(attn, head, _ShortOnly(head_norm, chunk_tokens))
+        setattr(attn, name, _FoldedProjection(norm1, proj, head_norm, head_dim, chunk_tokens))
+    block.input_layernorm = _ShortOnly(norm1, chunk_tokens)
+    inner = mlp.mlp if isinstance(mlp, ChunkedMLP) else mlp
+    block.mlp = ChunkedMLP(nn.Sequential(norm2, inner), chunk_tokens)
+    block.post_attention_layernorm = nn.Identity()
+    return True

@@ -446,9 +446,12 @@ class Shell:
         #: the parameter slots are resolved: they hold the MLP's own modules, which stay as they are
         self.mlp_chunk_tokens = int(mlp_chunk_tokens)
         if self.mlp_chunk_tokens > 0:
-            from tinypipe.models.chunked_mlp import chunk_mlps
+            from tinypipe.models.chunked_mlp import FOLDABLE, chunk_mlps, fold_norms
 
             chunk_mlps(self.blocks, self.mlp_chunk_tokens)
+            if getattr(shell.config, "model_type", None) in FOLDABLE:
+                for block in self.blocks:
+                    fold_norms(block, self.mlp_chunk_tokens)
         #: whether blocks attend per document without dense masks (models/segment_attention.py):
         #: asked for long sequences and honoured for the families it supports
         self.segment_attention = bool(segment_attention) and segment_attention_supported(shell)

@@ -164,8 +164,9 @@ class ModelSizes:
         return min(full, float(self.chunked_bytes_per_token.get(precision, full)))
 
     def mlp_bytes_per_token(self, precision: str) -> float:
-        """What the MLP's intermediates add per token to a recomputed block's saved bytes: what a
-        chunked MLP recomputes, one chunk at a time, in the backward."""
+        """What the MLP's intermediates (and the norms folded into the chunks, models/chunked_mlp.py
+        ``fold_norms``) add per token to a recomputed block's saved bytes: what a chunked block
+        recomputes, one chunk at a time, in the backward."""
         return self.block_act_bytes(precision) - self.chunked_block_bytes(precision)
 
     def kept_block_bytes(self, precision: str) -> float:
