@@ -77,7 +77,8 @@ def test_drift_is_named() -> None:
     assert differences(missing) == ["Config.lr: not in the reference",
                                      "Config.learning_rate: in the reference, not a field"]
     edited = page.replace("AdamW's denominator term", "AdamW's epsilon", 1)
-    assert differences(edited) == ["the reference's text differs from the fields' documentation (regenerate it)"]
+    assert differences(edited) == [
+        "the reference's text differs from the fields' documentation (regenerate it)"]
 
 
 def test_the_rendering() -> None:

@@ -65,7 +65,7 @@ def _finetune(args: argparse.Namespace, s: FinetuneSettings, config: Config, aut
     try:
         say(_plan_line(engine))
         say(f"training: {steps} steps on {', '.join(config.devices)} ({config.precision}), lr {s.lr:g} "
-             f"({s.schedule}, {s.warmup_steps} warm-up steps)")
+            f"({s.schedule}, {s.warmup_steps} warm-up steps)")
         run = run_settings(s, data_path, steps, lora, seq_len)
         try:
             records = _train(engine, (dataset, eval_set), steps, s, out, run, progress=not args.no_progress)
@@ -85,10 +85,10 @@ def _finetune(args: argparse.Namespace, s: FinetuneSettings, config: Config, aut
         shutdown()
     what = "LoRA adapter (PeftModel.from_pretrained loads it)" if lora is not None else "model"
     say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; plots -> {png} , "
-         f"{out / 'timeline.png'}")
+        f"{out / 'timeline.png'}")
     if s.merge:
         say(f"saved: merged model + tokenizer -> {out / 'merged'}/ "
-             "(AutoModelForCausalLM.from_pretrained loads it)")
+            "(AutoModelForCausalLM.from_pretrained loads it)")
     return 0
 
 
@@ -137,7 +137,7 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
 
         n_params = dense_paramformat_count(model)
     say(f"model: {path} ({type(model).__name__}, {format_count(n_params)} parameters) "
-         f"loaded in {time.perf_counter() - t0:.1f} s")
+        f"loaded in {time.perf_counter() - t0:.1f} s")
     if lora is None:
         return model, tokenizer
     from tinypipe.lora import apply_lora
@@ -146,8 +146,8 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     cfg = model.peft_config[model.active_adapter]
     say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
-         f"{format_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
-         + (f" over a {quant.label} base" if quant is not None else ""))
+        f"{format_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
+        + (f" over a {quant.label} base" if quant is not None else ""))
     return model, tokenizer
 
 
@@ -173,8 +173,8 @@ def _load_data(s: FinetuneSettings, data_path: Path, tokenizer: Any,
         )
     steps = s.steps or max(1, math.ceil((s.epochs or 1.0) * per_epoch))
     say(f"data: {data_path} ({stats.format}, {stats.records} records, {stats.tokens} tokens -> "
-         f"{stats.describe()} of {seq_len}; {per_epoch} steps per epoch of {s.global_batch} rows)"
-         + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
+        f"{stats.describe()} of {seq_len}; {per_epoch} steps per epoch of {s.global_batch} rows)"
+        + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
     return (dataset, held), seq_len, steps
 
 
@@ -190,7 +190,7 @@ def _document_masks(model: Any) -> bool:
     if Decomposition(inner).document_masks:
         return True
     say(f"packing: {type(inner).__name__} builds no per-document attention masks from position ids "
-         f"(transformers {transformers.__version__}); padding each example to its own row instead")
+        f"(transformers {transformers.__version__}); padding each example to its own row instead")
     return False
 
 
