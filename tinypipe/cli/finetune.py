@@ -135,7 +135,7 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     if quant is not None:  # QLoRA: count the quantized weights' dense elements, not their bytes
         from tinypipe.quant.model import dense_param_count
 
-        n_params = dense_paramformat_count(model)
+        n_params = dense_param_count(model)
     say(f"model: {path} ({type(model).__name__}, {format_count(n_params)} parameters) "
         f"loaded in {time.perf_counter() - t0:.1f} s")
     if lora is None:
