@@ -177,22 +177,23 @@ def test_bad_config_values(capsys: pytest.CaptureFixture[str], tmp_path: Path, t
 
 
 def test_flags_map_to_the_setting_names(tmp_path: Path) -> None:
-    """Friendly flags and config-file keys (micro_batch, gpu_memory) land on the settings' own
-    names (the Config fields), in the option table only."""
+    """A flag, its config-file key and its settings attribute share one name (micro_batch); the
+    Config field it sets (micro_batch_size) is named in the option table only."""
     import dataclasses
 
     import tinypipe
 
-    renamed = {o.key: o.dest for o in cli.FINETUNE_OPTIONS if o.key != o.dest}
+    renamed = {o.key: o.config for o in cli.FINETUNE_OPTIONS if o.config and o.config != o.key}
     assert renamed == {"micro_batch": "micro_batch_size", "gpu_memory": "gpu_memory_bytes",
-                       "cpu_memory": "cpu_memory_bytes"}
+                       "cpu_memory": "cpu_memory_bytes", "no_assist": "assist_updates",
+                       "seed": "dropout_seed", "no_dropout": "dropout"}
     assert set(renamed.values()) <= {f.name for f in dataclasses.fields(tinypipe.Config)}
     toml = tmp_path / "run.toml"
     toml.write_text('micro_batch = 3\ngpu_memory = "2GiB"\npack_size = "2,1"\n')
-    assert cli._load_config_file(str(toml)) == {"micro_batch_size": 3, "gpu_memory_bytes": 2 * 1024**3,
-                                                "pack_size": [2, 1]}
+    assert cli.load_config_file(str(toml)) == {"micro_batch": 3, "gpu_memory": 2 * 1024**3,
+                                               "pack_size": [2, 1]}
     args = cli.build_parser().parse_args(["finetune", "--micro-batch", "4", "--cpu-memory", "1GiB"])
-    assert args.micro_batch_size == 4 and args.cpu_memory_bytes == 1024**3
+    assert args.micro_batch == 4 and args.cpu_memory == 1024**3
 
 
 def test_debug_shows_the_traceback(capsys: pytest.CaptureFixture[str], tmp_path: Path,

@@ -36,6 +36,6 @@ def test_config_files_parse_or_raise_config_error(tmp_path: Path, text: str, suf
     path = tmp_path / f"settings{suffix}"
     path.write_text(text, encoding="utf-8")
     try:
-        cli._load_config_file(str(path))
+        cli.load_config_file(str(path))
     except tinypipe.ConfigError as exc:
         assert "\n" not in str(exc)

@@ -11,8 +11,9 @@ root facade ``tinypipe/__init__.py`` is imported before any module, so it is nob
 The layers, lowest first (:data:`LAYERS`); a module may import its own layer and the layers below.
 Each layer is placed by what it needs, never by what needs it:
 
-- ``errors``, ``units``, ``write_errors``, ``safe_paths``: the words everyone uses (the error
-  hierarchy, byte sizes, failed writes as one line, file names read from files kept inside their folder).
+- ``errors``, ``units``, ``write_errors``, ``safe_paths``, ``documented``: the words everyone uses (the
+  error hierarchy, byte sizes, failed writes as one line, file names read from files kept inside their
+  folder, dataclass fields documented where they are declared).
 - ``devices``: the machine -- the :class:`~tinypipe.devices.backend.Backend` interface,
   page-aligned host buffers it can pin, and its measured rates (``rates.py``: ``tinypipe profile``).
   The benchmarks' own helpers (workloads, bounds, RSS sampling) live outside the package, in
@@ -31,7 +32,8 @@ Each layer is placed by what it needs, never by what needs it:
 - ``planner``: sizes (of LoRA models too), memory estimate, cost model, search; plans for a Config.
 - ``runtime``: the engine that runs a plan; it asks the planner when it is given none.
 - ``train``: the training loop, data and model loading around an engine.
-- ``cli``: the ``tinypipe`` command.
+- ``cli``, ``config_reference``: the ``tinypipe`` command; ``docs/configuration.md`` rendered from
+  ``Config`` (it names the ``finetune`` flag that sets each field, so it sits beside the command).
 - the facade ``tinypipe/__init__.py``: the public names; nothing inside the package imports it.
 
 Every top-level module or package of ``tinypipe`` must appear here: a new one is placed on purpose.
@@ -52,7 +54,7 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 
 #: Lowest first. Names are the first component below ``tinypipe``; ``""`` is the facade itself.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("errors", "units", "write_errors", "safe_paths"),
+    ("errors", "units", "write_errors", "safe_paths", "documented"),
     ("devices",),
     ("models", "quant"),
     ("memory", "storage"),
@@ -63,7 +65,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("planner",),
     ("runtime",),
     ("train",),
-    ("cli",),
+    ("cli", "config_reference"),
     ("",),
 )
 

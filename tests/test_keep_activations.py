@@ -302,13 +302,12 @@ def test_plan_round_trip_and_settings() -> None:
 
 def test_finetune_flag_reaches_the_config() -> None:
     from tinypipe import cli
-    from tinypipe.cli.finetune import _engine_config
-    from tinypipe.cli.options import _resolve_settings
+    from tinypipe.cli.options import engine_config, resolve_settings
 
     parser = cli.build_parser()
     base = ["finetune", "--model", "m", "--data", "d", "--output", "o", "--pack-size", "2"]
     for flag, want in ((["--keep-activations", "on"], True), (["--keep-activations", "off"], False), ([], None)):
-        config, _ = _engine_config(_resolve_settings(parser.parse_args(base + flag)))
+        config, _ = engine_config(resolve_settings(parser.parse_args(base + flag)))
         assert config.keep_activations is want
     with pytest.raises(SystemExit):
         parser.parse_args(base + ["--keep-activations", "maybe"])

@@ -241,14 +241,13 @@ def test_the_finetune_flag_reaches_the_config_and_the_plan() -> None:
     """``tinypipe finetune --turn-packs N`` sets ``Config.turn_packs``; with hand-set knobs the
     engine's plan turns through the last N packs (unset: 0)."""
     from tinypipe import cli
-    from tinypipe.cli.finetune import _engine_config
-    from tinypipe.cli.options import _resolve_settings
+    from tinypipe.cli.options import engine_config, resolve_settings
     from tinypipe.planner.auto import manual_plan
 
     parser = cli.build_parser()
     base = ["finetune", "--model", "m", "--data", "d", "--output", "o", "--pack-size", "1"]
     for flag, want in ((["--turn-packs", "2"], 2), ([], None)):
-        config, _ = _engine_config(_resolve_settings(parser.parse_args(base + flag)))
+        config, _ = engine_config(resolve_settings(parser.parse_args(base + flag)))
         assert config.turn_packs == want
         plan = manual_plan(config, num_blocks=4, tied=False)
         k = want or 0

@@ -1,12 +1,17 @@
-"""Engine configuration: one typed object whose fields say when to change them."""
+"""Engine configuration: one typed object whose fields, grouped in sections, say when to change them.
+
+Each field is declared with its documentation (:func:`tinypipe.documented.setting`);
+``docs/configuration.md`` is generated from the declarations (:mod:`tinypipe.config_reference`).
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, MISSING, dataclass
 from typing import Literal, Sequence, get_args
 
+from tinypipe.documented import Section, fields_text, setting
 from tinypipe.errors import ConfigError
 from tinypipe.schedule.plan import (  # noqa: F401 - re-exported: the plan's choice sets
     DEVICE_OPTIMIZER_CHOICES,
@@ -47,182 +52,262 @@ def _check_choice(name: str, value: object, choices: tuple[str, ...]) -> None:
         raise ConfigError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
 
 
-@dataclass
-class Config:
-    """How the engine trains.
-
+DEVICES = Section("Devices and precision", """
+    Where the model trains and in what arithmetic.""")
+WORKLOAD = Section("Workload", """
+    What one optimizer step is. The automatic plan needs it on CUDA devices (memory depends on it);
+    on CPU-only devices without it the hand-set defaults are used. Given with a hand-set plan, the
+    engine checks that plan against the budgets too.""")
+BUDGETS = Section("Memory budgets and hardware", """
+    What a plan must fit, and the rates the time model ranks the plans that fit by.""")
+SSD_TIER = Section("SSD tier", """
+    Training state that does not fit in host memory, on fast local SSDs (docs/ssd_tier.md,
+    docs/ssd_striping.md).""")
+PLAN = Section("The plan: packing, micro-batches, placement", """
     Memory/speed knobs. Leave all of ``pack_size``, ``micro_batch_size``,
     ``backward_micro_batch_size``, ``prefetch_window`` and ``stash`` unset (None) and the engine
-    chooses them with the planner (:func:`tinypipe.planner.plan_for`) for the model, the devices
-    and the budgets below, and refuses to start (:class:`PlanDoesNotFitError`, one line) when no
-    plan fits. Set any of them and the plan is yours: unset ones take 1, the forward size, 1 and
-    ``"device"``, as before. ``device_optimizer`` / ``resident_packs`` / ``keep_activations``
-    unset: the planner's choice when it plans, else ``"off"`` / 0 / none; set, the planner keeps
-    them.
+    chooses them with the planner (:func:`tinypipe.planner.plan_for`) for the model, the devices,
+    the workload and the budgets, and refuses to start (:class:`PlanDoesNotFitError`, one line) when
+    no plan fits. Set any of them and the plan is yours: unset ones take 1, the forward size, 1 and
+    ``"device"``. ``device_optimizer`` / ``resident_packs`` / ``keep_activations`` / ``turn_packs``
+    unset: the planner's choice when it plans, else ``"off"`` / 0 / none / 0; set, the planner keeps
+    them. A whole plan can also be given to the engine (``Engine(..., plan=...)``, ``finetune
+    --plan``).""")
+LONG_CONTEXT = Section("Long sequences", """
+    Chunking that keeps the activations of the head and the MLPs bounded as rows get longer
+    (docs/long_context.md).""")
+OPTIMIZER = Section("Optimizer", """
+    AdamW in fp32 -- on the host, or on a device for the layers the plan puts there -- with exact
+    global-norm clipping.""")
+DROPOUT = Section("Dropout", """
+    The model's own dropout, drawn so that a step's masks do not depend on thread timing or the
+    number of devices.""")
+REPLICAS = Section("Data-parallel replicas", """
+    Several processes under torchrun, each replica training its share of every global batch
+    (docs/replicas.md).""")
+FAULTS = Section("Faults and diagnostics", """
+    What a NaN/inf or a stalled task does, and what the engine records to find out why.""")
+TUNING = Section("Runtime tuning", """
+    Buffers, threads and pinning the engine sizes for itself; change them when a measurement says
+    so.""")
 
-    * ``pack_size`` -- decoder blocks per pack: an int for uniform packs or a list of sizes
-      (uneven packs, summing to the block count). Bigger packs: fewer pipeline bubbles and
-      fewer boundary stashes, more device memory (every layer of a pack is resident at once).
-    * ``prefetch_window`` -- how many layers are uploaded ahead of the one computing. 0 means no
-      overlap of upload and compute; 1-2 is enough when compute per layer exceeds its upload.
-    * ``micro_batch_size`` / ``backward_micro_batch_size`` -- sequences per micro-batch in the
-      forward and backward passes (backward defaults to forward). Bigger: faster kernels, more
-      activation memory. Must divide nothing: the last micro-batch may be smaller.
-    * ``stash`` -- where each pack's input is kept between forward and backward: on the device
-      (fast, costs device memory) or in host memory (costs link bandwidth). A list gives it per
-      pack boundary.
-    * ``device_optimizer`` -- ``"embed"``, ``"head"`` or ``"both"`` keep the fp32 master weights and
-      AdamW moments of the embedding and/or head on their device (12 bytes per parameter of
-      device memory) and step them there: their weights and gradients stop crossing the link,
-      and the embedding's update no longer trails the backward on the host. ``"off"``: host AdamW.
-    * ``resident_packs`` -- the first N packs stay on their device for the whole run (loaded
-      once, never swapped) with their AdamW state there (2 + 4 + 12 bytes per parameter of device
-      memory): no upload, download or host AdamW for them -- host AdamW throughput and the
-      link are what the rest of the model shares. The first packs' updates are also the last
-      the backward produces. Needs each of those packs' forward and backward on one device.
-    * ``keep_activations`` -- ``True`` keeps the autograd activations of every pack that can keep
-      them (every pack whose forward and backward share a device; over a QLoRA base only the
-      resident packs and the last one) on the device from its forward to its backward, so that
-      pack is not recomputed: one forward of its FLOPs less per step, its activations (every
-      micro-batch of the step; matmul and attention outputs only, models/compact.py, unless the
-      blocks draw dropout masks) held on the device meanwhile. A list gives it per pack. Needs
-      the backward micro-batch to be a multiple of the forward one. ``False``: every pack is
-      recomputed (the stash only).
-    * ``turn_packs`` -- the last N packs run a micro-batch-wise turn: each forward micro-batch goes
-      through them, the head and back through their backward while their weights stay on the
-      device, so each keeps (and holds) one micro-batch's activations instead of the step's, at the
-      price of all their weights and gradient accumulators on the device at once. Needs them and
-      the head on one device. Unset: the planner's choice (auto plan), 0 for hand-set knobs.
-    * ``assist_updates`` -- True lets the planner move the AdamW updates of some host-stepped layers
-      to the GPU (``Plan.assisted``, :mod:`tinypipe.runtime.optim.assist`) when the host's pass
-      is what the step waits for: their fp32 master and moments go up, are stepped there and
-      come back (12 B/param each way) -- right after the layer's backward without clipping, or at
-      its first upload of the next step when clipping made the update wait for the global norm
-      (the retained gradient goes up too) -- while the host steps the others. False: the host
-      steps every layer that is not resident on a device.
-    * ``head_chunk_tokens`` -- tokens per chunk of the fused head (None: chosen from the vocabulary
-      so one chunk's logits stay near 512 MiB). Logits for a whole batch are never materialised.
-    * ``mlp_chunk_tokens`` -- run each decoder block's MLP over at most this many tokens at a time
-      (:mod:`tinypipe.models.chunked_mlp`): at long sequences the MLP's intermediates, not the
-      weights, overflow the GPU (Llama-3.1-8B shape, 64K tokens: 1.75 GiB each for gate, up and
-      activation). A micro-batch of at most that many tokens runs unchunked, bit for bit as before;
-      a longer one costs one more MLP forward per chunk in its backward (each chunk is
-      recomputed there). None: automatic -- off for ``seq_len`` up to 16384 tokens (or unset), else
-      the power of two that keeps one intermediate near 256 MiB (8192 tokens for the 8B shape in
-      bf16). 0: never chunk. Blocks without an ``mlp`` module (OPT) are not chunked.
-    * ``segment_attention`` -- attend within each packed document (and sliding window) without
-      transformers' dense ``[B, 1, S, S]`` mask (:mod:`tinypipe.models.segment_attention`): 16 GiB
-      per 128K-token row, on every device. None: automatic -- on for ``seq_len`` above 16384 tokens
-      (off when unset), so short runs compute bit for bit what they did; True/False: always/never.
-      Honoured for Llama, Mistral, Qwen2 and Qwen3 with SDPA attention; other models keep the mask.
-    * ``pin_memory`` -- ``"register"`` page-locks the host master weights in place (fast DMA, no
-      copy, no power-of-two rounding); ``"pageable"`` leaves them pageable (slower transfers,
-      nothing locked). Ignored on CPU devices.
-    * ``compile_blocks`` -- ``"auto"`` runs the decoder blocks through torch.compile (Inductor) on
-      CUDA and eager on CPU; ``"off"`` always eager; any other value names a torch.compile
-      backend (e.g. ``"aot_eager"``). Compiled blocks are ~25% faster on an H200; the first
-      step pays a one-off compile (~15 s for a Llama block).
-    * ``nonfinite`` -- a NaN/inf loss or gradient: ``"raise"`` stops with NonFiniteError;
-      ``"skip"`` drops the step and leaves weights and AdamW state bit-identical. To make that
-      exact, every layer's update waits for the end of the backward (as under clipping; it then
-      overlaps the next step's forward): measured on W1 (3B, H200) ~2.9 s/step instead of ~2.0 s.
-      Under ``"raise"`` a non-finite loss is seen before any layer is updated; a non-finite
-      gradient is seen when its layer's turn comes, after the layers before it in the backward
-      were stepped (speculatively, overlapped with the backward). With retained gradients
-      (``max_grad_norm`` set) those steps are undone algebraically (within float rounding) and
-      the engine can go on. Without them (the default: retaining would cost 4 bytes/parameter of
-      host memory, deferring every update ~45% of step time, for an event that ends the run
-      anyway) nothing can undo them: the error names the layers that kept the update, and the
-      engine refuses further steps and checkpoints -- it never continues from, or saves, a state
-      that mixes two steps -- until ``load_checkpoint`` restores a consistent one.
 
-    Training semantics:
+@dataclass
+class Config:
+    """How the engine trains: the user's settings, in sections.
 
-    * ``dropout`` -- train with the model's own dropout (``True``, as Hugging Face's Trainer does:
-      modules in training mode, so GPT-2's ``attn_pdrop``/``resid_pdrop``/``embd_pdrop``, PEFT's
-      ``lora_dropout`` and the like apply); ``False`` runs every module in eval mode. The backward
-      recompute draws the forward's masks exactly (see :mod:`tinypipe.runtime.rng`). Models
-      without dropout train identically either way.
-    * ``dropout_seed`` -- the masks are a function of this seed, the step count, the pack and the
-      forward micro-batch (not of thread timing or the number of devices). None: drawn from
-      torch's global generator when the engine is built (``torch.manual_seed`` first to repeat).
-
-    Optimizer:
-
-    * ``weight_decay`` / ``decay_all`` -- AdamW's decoupled weight decay, applied as Hugging Face
-      Trainer applies it: not to biases and normalization weights (LayerNorm/RMSNorm, any
-      parameter whose name says ``norm``; see :mod:`tinypipe.runtime.optim.decay`), to everything
-      else, embeddings and the output embedding included. ``decay_all=True`` decays every
-      parameter, as plain ``torch.optim.AdamW(model.parameters())`` does.
-      Checkpoints record the grouping; loading one made with another grouping is refused.
-
-    Planning inputs (used by the automatic plan, and to check a hand-set plan when the workload
-    is given):
-
-    * ``seq_len`` / ``global_batch`` -- the workload the plan is for: tokens per sequence and
-      sequences per optimizer step. Required for the automatic plan on CUDA devices (memory
-      depends on them); on CPU-only devices without them the hand-set defaults are used. When
-      given with a hand-set plan, the engine checks that plan against the budgets too.
-    * ``gpu_memory_bytes`` -- memory per device (default: the device's capacity under any
-      per-process cap, or free memory if less; on CPU the available RAM).
-    * ``cpu_memory_bytes`` -- host memory for training (default: available RAM plus what this
-      process already holds).
-    * ``offload_dir`` -- a directory on a fast local SSD for the training state that does not fit
-      in host memory (``Plan.offload`` says which layers' masters, moments, retained gradients or
-      frozen LoRA weights live there), or a list of directories, one per drive: the state is
-      striped over them and their rates add up (one string is always one path; a list of one
-      becomes that string, of several a tuple). The engine keeps one scratch file in each for
-      the run (removed at exit; leftovers of killed runs are swept and reported); checkpoints
-      stay the source of truth. With it and ``cpu_memory_bytes``, the planner chooses per layer
-      and kind what goes there. None: everything stays in DRAM, and a plan with ``offload`` is
-      refused.
-    * ``optimizer_sharding`` -- with data-parallel replicas (torchrun), whether each replica keeps
-      the whole host AdamW state (``"replicate"``) or only its 1/R shard (``"shard"``: less host
-      memory, one all-gather of the updated weights per layer); ``"auto"``: the planner chooses.
-    * ``hardware`` -- rates for the time model: a preset (``tinypipe plan --hardware list``) or a
-      JSON file, e.g. one written by ``tinypipe profile`` (default: guessed from the GPU's name).
+    Every field is documented where it is declared (``setting(default, SECTION, doc)``, see
+    :mod:`tinypipe.documented`); ``docs/configuration.md`` is generated from those declarations
+    (``python -m tinypipe.config_reference``) and the list below is appended from them too. Give
+    the fields as keywords (``devices`` may also come first); every value is checked when the
+    object is made (:meth:`validate`: one-line :class:`ConfigError`). ``engine.config`` is what the
+    user gave; ``engine.plan`` is what runs.
     """
 
-    devices: Sequence[str] = ("cpu",)
-    micro_batch_size: int | None = None
-    backward_micro_batch_size: int | None = None
-    pack_size: int | Sequence[int] | None = None
-    prefetch_window: int | None = None
-    precision: Precision = "fp32"
-    lr: float = 1e-5
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.0
-    decay_all: bool = False
-    max_grad_norm: float | None = None
-    stash: StashPlace | Sequence[StashPlace] | None = None
-    device_optimizer: DeviceOptimizer | None = None
-    resident_packs: int | None = None
-    keep_activations: bool | Sequence[bool] | None = None
-    turn_packs: int | None = None
-    assist_updates: bool = True
-    pin_memory: PinMode = "register"
-    head_chunk_tokens: int | None = None
-    mlp_chunk_tokens: int | None = None
-    segment_attention: bool | None = None
-    grad_slots: int | None = None
-    nonfinite: NonFinitePolicy = "raise"
-    trace: bool = False
-    host_grad_buffers: int | None = None
-    stall_timeout_s: float = 300.0
-    check_finite: bool = False
-    optimizer_threads: int | None = None
-    compile_blocks: str = "auto"
-    dropout: bool = True
-    dropout_seed: int | None = None
-    seq_len: int | None = None
-    global_batch: int | None = None
-    gpu_memory_bytes: int | None = None
-    cpu_memory_bytes: int | None = None
-    offload_dir: str | tuple[str, ...] | None = None
-    optimizer_sharding: OptimizerShardingChoice = "auto"
-    hardware: str | None = None
-    extra: dict = field(default_factory=dict)
+    devices: Sequence[str] = setting(("cpu",), DEVICES, """
+        The devices that train: ``"cpu"``, ``"cuda"`` or ``"cuda:N"``. Several CUDA devices run the
+        model's packs as a pipeline (Tiny-Pipe's rotation, docs/several_gpus.md). A string is split
+        at its commas (``"cuda:0,cuda:1"``).""")
+    _: KW_ONLY
+    precision: Precision = setting("fp32", DEVICES, """
+        Compute precision of the forward and backward passes: ``"bf16"`` (for CUDA) or ``"fp32"``
+        (exact mode). The master weights, gradient accumulators and AdamW moments stay fp32
+        either way.""")
+    compile_blocks: str = setting("auto", DEVICES, """
+        ``"auto"`` runs the decoder blocks through torch.compile (Inductor) on CUDA and eager on
+        CPU; ``"off"`` always eager; any other value names a torch.compile backend (e.g.
+        ``"aot_eager"``). Compiled blocks are ~25% faster on an H200; the first step pays a
+        one-off compile (~15 s for a Llama block).""")
+
+    seq_len: int | None = setting(None, WORKLOAD, """
+        Tokens per sequence the plan is for (at least 2). Required, with ``global_batch``, for
+        the automatic plan on CUDA devices.""")
+    global_batch: int | None = setting(None, WORKLOAD, """
+        Sequences per optimizer step the plan is for.""")
+
+    gpu_memory_bytes: int | None = setting(None, BUDGETS, """
+        Memory per device the plan must fit; a string such as ``"24GiB"`` is read as bytes.
+        None: the device's capacity under any per-process cap, or its free memory if less; on
+        CPU the available RAM.""")
+    cpu_memory_bytes: int | None = setting(None, BUDGETS, """
+        Host memory for training; a string such as ``"100GiB"`` is read as bytes. None: the
+        available RAM plus what this process already holds.""")
+    hardware: str | None = setting(None, BUDGETS, """
+        Rates for the time model: a preset (``tinypipe plan --hardware list``) or a JSON file,
+        e.g. one written by ``tinypipe profile``. None: guessed from the GPU's name.""")
+
+    offload_dir: str | tuple[str, ...] | None = setting(None, SSD_TIER, """
+        A directory on a fast local SSD for the training state that does not fit in host memory
+        (``Plan.offload`` says which layers' masters, moments, retained gradients or frozen LoRA
+        weights live there), or a list of directories, one per drive: the state is striped over
+        them and their rates add up (one string is always one path; a list of one becomes that
+        string, of several a tuple). The engine keeps one scratch file in each for the run
+        (removed at exit; leftovers of killed runs are swept and reported); checkpoints stay the
+        source of truth. With it and ``cpu_memory_bytes``, the planner chooses per layer and kind
+        what goes there. None: everything stays in DRAM, and a plan with ``offload`` is
+        refused.""")
+
+    pack_size: int | Sequence[int] | None = setting(None, PLAN, """
+        Decoder blocks per pack: an int for uniform packs or a list of sizes (uneven packs,
+        summing to the block count). Bigger packs: fewer pipeline bubbles and fewer boundary
+        stashes, more device memory (every layer of a pack is resident at once).""")
+    micro_batch_size: int | None = setting(None, PLAN, """
+        Sequences per micro-batch in the forward pass. Bigger: faster kernels, more activation
+        memory. It need divide nothing: the last micro-batch may be smaller.""")
+    backward_micro_batch_size: int | None = setting(None, PLAN, """
+        Sequences per micro-batch in the backward pass (the recompute and the backward). None:
+        the forward's.""")
+    prefetch_window: int | None = setting(None, PLAN, """
+        How many layers are uploaded ahead of the one computing. 0 means no overlap of upload and
+        compute; 1-2 is enough when compute per layer exceeds its upload.""")
+    stash: StashPlace | Sequence[StashPlace] | None = setting(None, PLAN, """
+        Where each pack's input is kept between forward and backward: on the device
+        (``"device"``: fast, costs device memory) or in host memory (``"host"``: costs link
+        bandwidth). A list gives it per pack boundary.""")
+    device_optimizer: DeviceOptimizer | None = setting(None, PLAN, """
+        ``"embed"``, ``"head"`` or ``"both"`` keep the fp32 master weights and AdamW moments of the
+        embedding and/or head on their device (12 bytes per parameter of device memory) and step
+        them there: their weights and gradients stop crossing the link, and the embedding's
+        update no longer trails the backward on the host. ``"off"``: host AdamW.""")
+    resident_packs: int | None = setting(None, PLAN, """
+        The first N packs stay on their device for the whole run (loaded once, never swapped)
+        with their AdamW state there (2 + 4 + 12 bytes per parameter of device memory): no
+        upload, download or host AdamW for them -- host AdamW throughput and the link are what the
+        rest of the model shares. The first packs' updates are also the last the backward
+        produces. Needs each of those packs' forward and backward on one device.""")
+    keep_activations: bool | Sequence[bool] | None = setting(None, PLAN, """
+        ``True`` keeps the autograd activations of every pack that can keep them (every pack
+        whose forward and backward share a device; over a QLoRA base only the resident packs and
+        the last one) on the device from its forward to its backward, so that pack is not
+        recomputed: one forward of its FLOPs less per step, its activations (every micro-batch of
+        the step; matmul and attention outputs only, models/compact.py, unless the blocks draw
+        dropout masks) held on the device meanwhile. A list gives it per pack. Needs the backward
+        micro-batch to be a multiple of the forward one. ``False``: every pack is recomputed (the
+        stash only).""")
+    turn_packs: int | None = setting(None, PLAN, """
+        The last N packs run a micro-batch-wise turn: each forward micro-batch goes through them,
+        the head and back through their backward while their weights stay on the device, so each
+        keeps (and holds) one micro-batch's activations instead of the step's, at the price of all
+        their weights and gradient accumulators on the device at once. Needs them and the head on
+        one device.""")
+    assist_updates: bool = setting(True, PLAN, """
+        True lets the planner move the AdamW updates of some host-stepped layers to the GPU
+        (``Plan.assisted``, :mod:`tinypipe.runtime.optim.assist`) when the host's pass is what the
+        step waits for: their fp32 master and moments go up, are stepped there and come back
+        (12 B/param each way) -- right after the layer's backward without clipping, or at its first
+        upload of the next step when clipping made the update wait for the global norm (the
+        retained gradient goes up too) -- while the host steps the others. False: the host steps
+        every layer that is not resident on a device.""")
+
+    head_chunk_tokens: int | None = setting(None, LONG_CONTEXT, """
+        Tokens per chunk of the fused head (final norm, LM head and loss, forward and backward).
+        None: chosen from the vocabulary so one chunk's logits stay near 512 MiB. Logits for a
+        whole batch are never materialised.""")
+    mlp_chunk_tokens: int | None = setting(None, LONG_CONTEXT, """
+        Run each decoder block's MLP over at most this many tokens at a time
+        (:mod:`tinypipe.models.chunked_mlp`): at long sequences the MLP's intermediates, not the
+        weights, overflow the GPU (Llama-3.1-8B shape, 64K tokens: 1.75 GiB each for gate, up and
+        activation). A micro-batch of at most that many tokens runs unchunked, bit for bit as
+        before; a longer one costs one more MLP forward per chunk in its backward (each chunk is
+        recomputed there). None: automatic -- off for ``seq_len`` up to 16384 tokens (or unset),
+        else the power of two that keeps one intermediate near 256 MiB (8192 tokens for the 8B
+        shape in bf16). 0: never chunk. Blocks without an ``mlp`` module (OPT) are not
+        chunked. For Llama, Mistral, Qwen2 and Qwen3 the blocks' norms run inside the chunks too
+        (one more norm and q/k/v forward per chunked block in the backward).""")
+    segment_attention: bool | None = setting(None, LONG_CONTEXT, """
+        Attend within each packed document (and sliding window) without transformers' dense
+        ``[B, 1, S, S]`` mask (:mod:`tinypipe.models.segment_attention`): 16 GiB per 128K-token
+        row, on every device. None: automatic -- on for ``seq_len`` above 16384 tokens (off when
+        unset), so short runs compute bit for bit what they did; True/False: always/never.
+        Honoured for Llama, Mistral, Qwen2 and Qwen3 with SDPA attention; other models keep the
+        mask.""")
+
+    lr: float = setting(1e-5, OPTIMIZER, """
+        AdamW's learning rate; ``engine.step(batch, lr=...)`` overrides it for one step (the
+        training loop's schedule does).""")
+    betas: tuple[float, float] = setting((0.9, 0.999), OPTIMIZER, """
+        AdamW's moment decay rates, two numbers in [0, 1).""")
+    eps: float = setting(1e-8, OPTIMIZER, """
+        AdamW's denominator term, > 0.""")
+    weight_decay: float = setting(0.0, OPTIMIZER, """
+        AdamW's decoupled weight decay, applied as Hugging Face Trainer applies it: not to biases
+        and normalization weights (LayerNorm/RMSNorm, any parameter whose name says ``norm``; see
+        :mod:`tinypipe.runtime.optim.decay`), to everything else, embeddings and the output
+        embedding included. Checkpoints record the grouping; loading one made with another
+        grouping is refused.""")
+    decay_all: bool = setting(False, OPTIMIZER, """
+        True decays every parameter, as plain ``torch.optim.AdamW(model.parameters())`` does.""")
+    max_grad_norm: float | None = setting(None, OPTIMIZER, """
+        Clip the global gradient norm to this, exactly. Layers are stepped as their gradients
+        arrive, speculating that clipping will not trigger; when it does, those steps are undone
+        from the retained gradients and redone clipped (:mod:`tinypipe.runtime.optim.decisions`).
+        Retaining the gradients costs 4 bytes per parameter of host memory. None: no
+        clipping.""")
+
+    dropout: bool = setting(True, DROPOUT, """
+        Train with the model's own dropout (``True``, as Hugging Face's Trainer does: modules in
+        training mode, so GPT-2's ``attn_pdrop``/``resid_pdrop``/``embd_pdrop``, PEFT's
+        ``lora_dropout`` and the like apply); ``False`` runs every module in eval mode. The
+        backward recompute draws the forward's masks exactly (see :mod:`tinypipe.runtime.rng`).
+        Models without dropout train identically either way.""")
+    dropout_seed: int | None = setting(None, DROPOUT, """
+        The masks are a function of this seed, the step count, the pack and the forward
+        micro-batch (not of thread timing or the number of devices). None: drawn from torch's
+        global generator when the engine is built (``torch.manual_seed`` first to repeat).""")
+
+    optimizer_sharding: OptimizerShardingChoice = setting("auto", REPLICAS, """
+        With data-parallel replicas (torchrun), whether each replica keeps the whole host AdamW
+        state (``"replicate"``) or only its 1/R shard (``"shard"``: less host memory, one
+        all-gather of the updated weights per layer); ``"auto"``: the planner chooses.""")
+
+    nonfinite: NonFinitePolicy = setting("raise", FAULTS, """
+        A NaN/inf loss or gradient: ``"raise"`` stops with NonFiniteError; ``"skip"`` drops the
+        step and leaves weights and AdamW state bit-identical. To make that exact, every layer's
+        update waits for the end of the backward (as under clipping; it then overlaps the next
+        step's forward): measured on W1 (3B, H200) ~2.9 s/step instead of ~2.0 s.
+
+        Under ``"raise"`` a non-finite loss is seen before any layer is updated; a non-finite
+        gradient is seen when its layer's turn comes, after the layers before it in the backward
+        were stepped (speculatively, overlapped with the backward). With retained gradients
+        (``max_grad_norm`` set) those steps are undone algebraically (within float rounding) and
+        the engine can go on. Without them (the default: retaining would cost 4 bytes/parameter
+        of host memory, deferring every update ~45% of step time, for an event that ends the run
+        anyway) nothing can undo them: the error names the layers that kept the update, and the
+        engine refuses further steps and checkpoints -- it never continues from, or saves, a
+        state that mixes two steps -- until ``load_checkpoint`` restores a consistent one.""")
+    check_finite: bool = setting(False, FAULTS, """
+        Stop at the first task whose output holds a NaN/inf, naming it (each task's output is
+        checked, which synchronizes: for finding where a NaN starts, not for training).""")
+    stall_timeout_s: float = setting(300.0, FAULTS, """
+        When no task of a step has finished for this many seconds, the watchdog aborts the step
+        with one line naming what was waiting (a hung device or transfer), instead of hanging
+        forever.""")
+    trace: bool = setting(False, FAULTS, """
+        Record CUDA timing events per task: ``engine.step_timeline()`` and
+        ``engine.export_trace(path)`` (Chrome/Perfetto) then show device times, not host times.
+        Costs a little per task.""")
+
+    pin_memory: PinMode = setting("register", TUNING, """
+        ``"register"`` page-locks the host master weights in place (fast DMA, no copy, no
+        power-of-two rounding); ``"pageable"`` leaves them pageable (slower transfers, nothing
+        locked). Ignored on CPU devices.""")
+    grad_slots: int | None = setting(None, TUNING, """
+        Gradient accumulators per device (``Plan.grad_slots``). None: enough for a pack to
+        accumulate while the pack before it on that device still downloads, so no backward waits
+        for a download (``Plan.grad_slot_count``).""")
+    host_grad_buffers: int | None = setting(None, TUNING, """
+        Host buffers per device that gradient chunks download into before the optimizer takes
+        them. None: enough for two whole block layers in flight (at least 3); fewer made
+        downloads wait for the optimizer (measured on W1: 8% of throughput).""")
+    optimizer_threads: int | None = setting(None, TUNING, """
+        OpenMP threads of the host optimizer lane. None: with CUDA devices, the cores less one
+        per device and one more (left to the lanes that feed the GPUs); on CPU, torch's
+        default.""")
+    extra: dict = setting(MISSING, TUNING, """
+        Named knobs that are not settings of their own yet, read where they apply:
+        ``"ssd_read_ahead"`` (layers of SSD-tier state read ahead, default 2), and for replicas
+        ``"dp_share_devices"``, ``"dp_timeout_s"``, ``"dp_heartbeat_s"`` and ``"dp_single_rank"``
+        (:func:`tinypipe.runtime.replica_setup.join_replicas`).""", default_factory=dict)
 
     def __post_init__(self) -> None:
         if isinstance(self.devices, str):  # "cuda:0" or "cuda:0,cuda:1"
@@ -382,3 +467,6 @@ class Config:
     def replace(self, **changes: object) -> "Config":
         """A copy with some fields changed (validated)."""
         return dataclasses.replace(self, **changes)
+
+
+Config.__doc__ = (Config.__doc__ or "").rstrip() + "\n" + fields_text(Config) + "\n"

@@ -35,8 +35,14 @@ from tinypipe.cli.demo import (  # noqa: F401 - re-exported: tinypipe.cli.DEMO_*
     cmd_demo,
 )
 from tinypipe.cli.finetune import cmd_finetune
-from tinypipe.cli.options import FINETUNE_OPTIONS, Option, _load_config_file, _resolve_settings  # noqa: F401
-from tinypipe.cli.output import EXIT_USAGE, PROG, _error_line, _loss_summary  # noqa: F401
+from tinypipe.cli.options import (  # noqa: F401 - re-exported: the option table, config files
+    FINETUNE_OPTIONS,
+    FinetuneSettings,
+    Option,
+    load_config_file,
+    resolve_settings,
+)
+from tinypipe.cli.output import EXIT_USAGE, PROG, error_line
 from tinypipe.errors import TinypipeError
 
 __all__ = ["main"]
@@ -95,10 +101,10 @@ def build_parser() -> argparse.ArgumentParser:
     ft.add_argument("--config", metavar="FILE", help="TOML or YAML file of settings")
     for o in FINETUNE_OPTIONS:
         if o.flag:
-            ft.add_argument(f"--{o.name}", dest=o.dest, action="store_const", const=True, default=None,
+            ft.add_argument(f"--{o.name}", dest=o.key, action="store_const", const=True, default=None,
                             help=o.help)
             continue
-        ft.add_argument(f"--{o.name}", dest=o.dest, type=_argparse_type(o), default=None,
+        ft.add_argument(f"--{o.name}", dest=o.key, type=_argparse_type(o), default=None,
                         choices=o.choices, metavar=o.metavar, help=o.help)
     ft.add_argument("--no-progress", action="store_true", help="no progress bar")
     ft.set_defaults(func=cmd_finetune)
@@ -119,7 +125,7 @@ def _argparse_type(option: Option) -> Callable[[str], Any]:
         except (TypeError, ValueError) as exc:
             raise argparse.ArgumentTypeError(f"invalid value {text!r} ({exc})") from None
 
-    convert.__name__ = option.dest
+    convert.__name__ = option.key
     return convert
 
 
@@ -136,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except TinypipeError as exc:
         if debug:
             traceback.print_exc()
-        print(_error_line(exc), file=sys.stderr, flush=True)
+        print(error_line(exc), file=sys.stderr, flush=True)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr, flush=True)

@@ -11,8 +11,15 @@ import sys
 import time
 from typing import Any
 
-from tinypipe.cli.options import _check_devices, _default_device, _positive
-from tinypipe.cli.output import _count, _loss_summary, _prepare_output, _process_seconds, _save_outputs, _say
+from tinypipe.cli.options import check_at_least as _positive
+from tinypipe.cli.options import check_devices as _check_devices
+from tinypipe.cli.options import default_device as _default_device
+from tinypipe.cli.output import format_count as _count
+from tinypipe.cli.output import loss_summary as _loss_summary
+from tinypipe.cli.output import prepare_output as _prepare_output
+from tinypipe.cli.output import process_seconds as _process_seconds
+from tinypipe.cli.output import save_outputs as _save_outputs
+from tinypipe.cli.output import say as _say
 
 DEMO_PROMPT = "The Python language"
 DEMO_NEW_TOKENS = 40

@@ -12,41 +12,39 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from tinypipe.cli.options import (
-    _OPTIONS_BY_DEST,
-    FINETUNE_OPTIONS,
-    _check_devices,
-    _default_device,
-    _positive,
-    _resolve_settings,
+    FinetuneSettings,
+    config_values,
+    engine_config,
     read_plan_file,
+    resolve_settings,
 )
 from tinypipe.cli.output import (
     PROG,
-    _count,
-    _eval_summary,
-    _loss_summary,
-    _prepare_output,
-    _save_outputs,
-    _say,
+    eval_summary,
+    format_count,
+    loss_summary,
+    prepare_output,
+    save_outputs,
+    say,
 )
 from tinypipe.cli.resume import refuse_or_override, resume_differences, run_settings
+from tinypipe.config import Config
 from tinypipe.errors import ConfigError, WriteError
 
 
 def cmd_finetune(args: argparse.Namespace) -> int:
     """Check everything that can fail early, load the model and data, train, save."""
-    s = _resolve_settings(args)
-    _check_settings(s)
-    config, auto = _engine_config(s)
+    s = resolve_settings(args)  # checked
+    config, auto = engine_config(s)
     lora = _lora_settings(s, config.precision)
-    plan = read_plan_file(s["plan"], len(config.devices)) if s["plan"] else None
+    plan = read_plan_file(s.plan, len(config.devices)) if s.plan else None
     with ExitStack() as held:  # the output directory's lock, held until the run ends
         data_path, out = _check_inputs(s, held)
         return _finetune(args, s, config, auto, lora, plan, data_path, out)
 
 
-def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bool, lora: Any, plan: Any,
-              data_path: Path, out: Path) -> int:
+def _finetune(args: argparse.Namespace, s: FinetuneSettings, config: Config, auto: bool, lora: Any,
+              plan: Any, data_path: Path, out: Path) -> int:
     """Load the model and data, train, save (the inputs checked, the output directory locked)."""
     import torch
 
@@ -54,20 +52,20 @@ def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bo
     from tinypipe.runtime.engine import Engine
 
     init_from_environment()  # torchrun: every rank trains its rows of each global batch; rank 0 reports
-    torch.manual_seed(s["seed"])
-    model, tokenizer = _load_model(s["model"], lora)
+    torch.manual_seed(s.seed)
+    model, tokenizer = _load_model(s.model, lora)
     (dataset, eval_set), seq_len, steps = _load_data(s, data_path, tokenizer, model)
-    if any(d.startswith("cuda") for d in config.devices) and s["gpu_memory_bytes"]:
-        _cap_gpu_memory(config.devices, s["gpu_memory_bytes"])
-    if auto or s["gpu_memory_bytes"] or s["cpu_memory_bytes"]:  # plan for (or check the plan against) it
-        config = config.replace(seq_len=seq_len, global_batch=s["global_batch"])
+    if any(d.startswith("cuda") for d in config.devices) and s.gpu_memory:
+        _cap_gpu_memory(config.devices, s.gpu_memory)
+    if auto or s.gpu_memory or s.cpu_memory:  # plan for (or check the plan against) the workload
+        config = config.replace(**config_values(s, workload=True, seq_len=seq_len))
     elif config.mlp_chunk_tokens is None:  # the automatic MLP chunk depends on the row length alone
         config = config.replace(mlp_chunk_tokens=_mlp_chunk(model, config.precision, seq_len))
     engine = Engine(model, config, plan=plan)
     try:
-        _say(_plan_line(engine))
-        _say(f"training: {steps} steps on {', '.join(config.devices)} ({config.precision}), lr {s['lr']:g} "
-             f"({s['schedule']}, {s['warmup_steps']} warm-up steps)")
+        say(_plan_line(engine))
+        say(f"training: {steps} steps on {', '.join(config.devices)} ({config.precision}), lr {s.lr:g} "
+            f"({s.schedule}, {s.warmup_steps} warm-up steps)")
         run = run_settings(s, data_path, steps, lora, seq_len)
         try:
             records = _train(engine, (dataset, eval_set), steps, s, out, run, progress=not args.no_progress)
@@ -75,7 +73,7 @@ def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bo
                 return 130
             # QLoRA: the dequantized base + adapter in bf16 (the base never had more precision)
             quantized = lora is not None and lora.quant_spec is not None
-            metrics, png = _save(engine, tokenizer, records, out, merge=s["merge"],
+            metrics, png = _save(engine, tokenizer, records, out, merge=s.merge,
                                  merged_dtype=torch.bfloat16 if quantized else torch.float32)
         except WriteError as failed:  # disk full, ulimit -f: the trained model is saved elsewhere
             from tinypipe.cli.rescue import rescue
@@ -86,11 +84,11 @@ def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bo
         engine.close()
         shutdown()
     what = "LoRA adapter (PeftModel.from_pretrained loads it)" if lora is not None else "model"
-    _say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; plots -> {png} , "
-         f"{out / 'timeline.png'}")
-    if s["merge"]:
-        _say(f"saved: merged model + tokenizer -> {out / 'merged'}/ "
-             "(AutoModelForCausalLM.from_pretrained loads it)")
+    say(f"saved: {what} + tokenizer -> {out}/ ; metrics -> {metrics} ; plots -> {png} , "
+        f"{out / 'timeline.png'}")
+    if s.merge:
+        say(f"saved: merged model + tokenizer -> {out / 'merged'}/ "
+            "(AutoModelForCausalLM.from_pretrained loads it)")
     return 0
 
 
@@ -104,79 +102,7 @@ def _mlp_chunk(model: Any, precision: str, seq_len: int) -> int:
     return mlp_chunk_tokens_for(None, shape_of(model.config)["intermediate"], dtype_bytes(precision), seq_len)
 
 
-def _check_settings(s: dict[str, Any]) -> None:
-    """Values the option parsers accept but the run cannot use (one-line ConfigError)."""
-    for name in ("global_batch", "micro_batch_size"):
-        _positive(_OPTIONS_BY_DEST[name].key, s[name])
-    _positive("seq_len", s["seq_len"], 2)
-    _positive("mlp_chunk_tokens", s["mlp_chunk_tokens"], 0)
-    _positive("steps", s["steps"])
-    _positive("warmup_steps", s["warmup_steps"], 0)
-    if s["checkpoint_every"] is not None and s["checkpoint_every"] < 1:  # 0 or -1 would silently mean "never"
-        raise ConfigError(f"checkpoint_every must be >= 1 (leave it out for no checkpoints), "
-                          f"got {s['checkpoint_every']}")
-    if s["epochs"] is not None and not s["epochs"] > 0:
-        raise ConfigError(f"epochs must be > 0, got {s['epochs']}")
-    if not 0.0 <= s["min_lr_ratio"] <= 1.0:
-        raise ConfigError(f"min_lr_ratio must be in [0, 1], got {s['min_lr_ratio']}")
-    _positive("eval_every", s["eval_every"], 0)
-    if s["eval_split"] is not None and not 0.0 < s["eval_split"] < 1.0:
-        raise ConfigError(f"eval_split must be in (0, 1), got {s['eval_split']}")
-    if s["eval_split"] is not None and s["eval_data"]:
-        raise ConfigError("give --eval-data or --eval-split, not both")
-    if s["eval_every"] and s["eval_split"] is None and not s["eval_data"]:
-        raise ConfigError("eval_every needs held-out data: --eval-data FILE or --eval-split X")
-    if s["force"] and not s["resume"]:
-        raise ConfigError("--force only applies to --resume")
-    for o in FINETUNE_OPTIONS:
-        if o.choices and s[o.dest] is not None and s[o.dest] not in o.choices:
-            raise ConfigError(f"{o.key} must be one of {', '.join(o.choices)}, got {s[o.dest]!r}")
-
-
-def _engine_config(s: dict[str, Any]) -> tuple[Any, bool]:
-    """The engine's Config from the settings, and whether the engine plans for itself (CUDA, no
-    packing flag, no --plan; on cpu unset packing flags take the hand-set defaults)."""
-    from tinypipe.config import Config
-
-    devices = s["devices"] or [_default_device()]
-    cuda = any(d.startswith("cuda") for d in devices)
-    auto = cuda and s["micro_batch_size"] is None and s["pack_size"] is None and not s["plan"]
-    config = Config(
-        devices=devices,
-        micro_batch_size=None if auto else (s["micro_batch_size"] or 1),
-        pack_size=None if auto else (s["pack_size"] or 1),
-        precision=s["precision"] or ("bf16" if cuda else "fp32"),
-        lr=s["lr"],
-        weight_decay=s["weight_decay"],
-        decay_all=s["decay_all"],
-        max_grad_norm=s["max_grad_norm"],
-        device_optimizer=s["device_optimizer"],
-        resident_packs=s["resident_packs"],
-        keep_activations=s["keep_activations"],
-        turn_packs=s["turn_packs"],
-        mlp_chunk_tokens=s["mlp_chunk_tokens"],
-        assist_updates=not s["no_assist"],
-        dropout=not s["no_dropout"],
-        dropout_seed=s["seed"],
-        gpu_memory_bytes=s["gpu_memory_bytes"],
-        cpu_memory_bytes=s["cpu_memory_bytes"],
-        offload_dir=_offload_dirs(s["offload_dir"]),
-        optimizer_sharding=s["optimizer_sharding"],
-    )
-    _check_devices(config.devices)
-    return config, auto
-
-
-def _offload_dirs(value: str | None) -> str | tuple[str, ...] | None:
-    """``--offload-dir A`` or ``A,B`` (one directory per drive: the state is striped over them)."""
-    if not value:
-        return None
-    from tinypipe.storage.stripe import parse_directories
-
-    return parse_directories(value)
-
-
-def _check_inputs(s: dict[str, Any], held: ExitStack) -> tuple[Path, Path]:
+def _check_inputs(s: FinetuneSettings, held: ExitStack) -> tuple[Path, Path]:
     """A wrong model path, malformed data, an unwritable output or one that holds what the run
     would destroy (:mod:`~tinypipe.cli.output_guard`) or that another run is using fails now, before
     the model loads; ``held`` keeps the output's lock. Returns the data path and the output directory."""
@@ -185,16 +111,16 @@ def _check_inputs(s: dict[str, Any], held: ExitStack) -> tuple[Path, Path]:
     from tinypipe.train.data import read_records
     from tinypipe.train.model_io import resolve_model_path
 
-    _, model_path = resolve_model_path(s["model"])  # a directory, or a .gguf file (never overwritten)
-    refuse_model_dir(Path(s["output"]).expanduser(), model_path)
-    out = _prepare_output(s["output"])
+    _, model_path = resolve_model_path(s.model)  # a directory, or a .gguf file (never overwritten)
+    refuse_model_dir(Path(s.output).expanduser(), model_path)
+    out = prepare_output(s.output)
     held.enter_context(output_lock(out))
-    check_output(out, resume=bool(s["resume"]), overwrite=bool(s["overwrite"]))
-    data_path = Path(s["data"]).expanduser()
+    check_output(out, resume=bool(s.resume), overwrite=bool(s.overwrite))
+    data_path = Path(s.data).expanduser()
     # read again (and skipped lines logged) when the data loads: quiet here, each line reported once
-    read_records(data_path, skip_bad_lines=s["skip_bad_lines"], quiet=True)
-    if s["eval_data"]:
-        read_records(Path(s["eval_data"]).expanduser(), skip_bad_lines=s["skip_bad_lines"], quiet=True)
+    read_records(data_path, skip_bad_lines=s.skip_bad_lines, quiet=True)
+    if s.eval_data:
+        read_records(Path(s.eval_data).expanduser(), skip_bad_lines=s.skip_bad_lines, quiet=True)
     return data_path, out
 
 
@@ -210,8 +136,8 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
         from tinypipe.quant.model import dense_param_count
 
         n_params = dense_param_count(model)
-    _say(f"model: {path} ({type(model).__name__}, {_count(n_params)} parameters) "
-         f"loaded in {time.perf_counter() - t0:.1f} s")
+    say(f"model: {path} ({type(model).__name__}, {format_count(n_params)} parameters) "
+        f"loaded in {time.perf_counter() - t0:.1f} s")
     if lora is None:
         return model, tokenizer
     from tinypipe.lora import apply_lora
@@ -219,36 +145,36 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     model = apply_lora(model, lora)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     cfg = model.peft_config[model.active_adapter]
-    _say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
-         f"{_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
-         + (f" over a {quant.label} base" if quant is not None else ""))
+    say(f"LoRA: rank {lora.rank}, alpha {lora.alpha:g} on {', '.join(sorted(cfg.target_modules))}: "
+        f"{format_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
+        + (f" over a {quant.label} base" if quant is not None else ""))
     return model, tokenizer
 
 
-def _load_data(s: dict[str, Any], data_path: Path, tokenizer: Any,
+def _load_data(s: FinetuneSettings, data_path: Path, tokenizer: Any,
                model: Any) -> tuple[tuple[Any, Any], int, int]:
     """The tokenized training rows and held-out rows (None without --eval-*), the sequence length
     and the number of optimizer steps, reported."""
     from tinypipe.train.data import load_dataset
 
     max_pos = getattr(model.config, "max_position_embeddings", None)
-    seq_len = s["seq_len"] or min(1024, int(max_pos or 1024))
+    seq_len = s.seq_len or min(1024, int(max_pos or 1024))
     if max_pos is not None and seq_len > int(max_pos):
         raise ConfigError(f"seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}")
-    packing = s["packing"] == "on" and _document_masks(model)
-    dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"],
+    packing = s.packing == "on" and _document_masks(model)
+    dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s.skip_bad_lines,
                                   packing=packing)
     dataset, held = _eval_data(s, dataset, tokenizer, seq_len)  # a held-out split leaves fewer rows
-    per_epoch = dataset.num_batches(s["global_batch"])
+    per_epoch = dataset.num_batches(s.global_batch)
     if per_epoch == 0:
         raise ConfigError(
             f"{data_path}: {stats.rows} rows of {seq_len} tokens is fewer than one global batch of "
-            f"{s['global_batch']}; lower --global-batch or --seq-len, or add data"
+            f"{s.global_batch}; lower --global-batch or --seq-len, or add data"
         )
-    steps = s["steps"] or max(1, math.ceil((s["epochs"] or 1.0) * per_epoch))
-    _say(f"data: {data_path} ({stats.format}, {stats.records} records, {stats.tokens} tokens -> "
-         f"{stats.describe()} of {seq_len}; {per_epoch} steps per epoch of {s['global_batch']} rows)"
-         + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
+    steps = s.steps or max(1, math.ceil((s.epochs or 1.0) * per_epoch))
+    say(f"data: {data_path} ({stats.format}, {stats.records} records, {stats.tokens} tokens -> "
+        f"{stats.describe()} of {seq_len}; {per_epoch} steps per epoch of {s.global_batch} rows)"
+        + (f"; {stats.bad_lines_skipped} bad lines skipped" if stats.bad_lines_skipped else ""))
     return (dataset, held), seq_len, steps
 
 
@@ -263,38 +189,38 @@ def _document_masks(model: Any) -> bool:
     inner = split_peft(model)[1]
     if Decomposition(inner).document_masks:
         return True
-    _say(f"packing: {type(inner).__name__} builds no per-document attention masks from position ids "
-         f"(transformers {transformers.__version__}); padding each example to its own row instead")
+    say(f"packing: {type(inner).__name__} builds no per-document attention masks from position ids "
+        f"(transformers {transformers.__version__}); padding each example to its own row instead")
     return False
 
 
-def _eval_data(s: dict[str, Any], dataset: Any, tokenizer: Any, seq_len: int) -> tuple[Any, Any]:
+def _eval_data(s: FinetuneSettings, dataset: Any, tokenizer: Any, seq_len: int) -> tuple[Any, Any]:
     """(training rows, held-out rows or None): ``--eval-split`` of the rows, or ``--eval-data``."""
-    if s["eval_split"] is not None:
+    if s.eval_split is not None:
         from tinypipe.train.evaluation import split_eval
 
         full = len(dataset)
-        dataset, held = split_eval(dataset, s["eval_split"], s["seed"])
-        if full >= s["global_batch"] and dataset.num_batches(s["global_batch"]) == 0:
-            raise ConfigError(f"--eval-split {s['eval_split']:g} leaves {len(dataset)} training rows, fewer "
-                              f"than one global batch of {s['global_batch']}")
-        _say(f"eval: {len(held)} rows held out ({s['eval_split']:g} of the data, seed {s['seed']})")
+        dataset, held = split_eval(dataset, s.eval_split, s.seed)
+        if full >= s.global_batch and dataset.num_batches(s.global_batch) == 0:
+            raise ConfigError(f"--eval-split {s.eval_split:g} leaves {len(dataset)} training rows, fewer "
+                              f"than one global batch of {s.global_batch}")
+        say(f"eval: {len(held)} rows held out ({s.eval_split:g} of the data, seed {s.seed})")
         return dataset, held
-    if not s["eval_data"]:
+    if not s.eval_data:
         return dataset, None
     from tinypipe.train.data import load_dataset
 
-    path = Path(s["eval_data"]).expanduser()
+    path = Path(s.eval_data).expanduser()
     # packed (position ids restarting per document) or padded, as the training rows are
-    held, stats = load_dataset(path, tokenizer, seq_len, skip_bad_lines=s["skip_bad_lines"],
+    held, stats = load_dataset(path, tokenizer, seq_len, skip_bad_lines=s.skip_bad_lines,
                                packing=dataset.position_ids is not None)
     if len(held) == 0:
         raise ConfigError(f"{path}: {stats.tokens} tokens is less than one row of {seq_len}")
-    _say(f"eval: {path} ({stats.records} records -> {len(held)} rows of {seq_len})")
+    say(f"eval: {path} ({stats.records} records -> {len(held)} rows of {seq_len})")
     return dataset, held
 
 
-def _train(engine: Any, data: tuple[Any, Any], steps: int, s: dict[str, Any], out: Path,
+def _train(engine: Any, data: tuple[Any, Any], steps: int, s: FinetuneSettings, out: Path,
            run: dict[str, Any], progress: bool) -> list | None:
     """Train (from the checkpoint with --resume) and return the whole run's metrics records; None
     when a signal stopped it (a final checkpoint was written)."""
@@ -302,30 +228,30 @@ def _train(engine: Any, data: tuple[Any, Any], steps: int, s: dict[str, Any], ou
 
     metrics = out / "metrics.jsonl"
     ckpt_dir = out / "checkpoint"
-    start = _resume(engine, s, ckpt_dir, metrics, run) if s["resume"] else 0
+    start = _resume(engine, s, ckpt_dir, metrics, run) if s.resume else 0
     reporters = ()
-    if s["report_to"] == "tensorboard":
+    if s.report_to == "tensorboard":
         from tinypipe.train.tensorboard import TensorBoardReporter
 
         reporters = (TensorBoardReporter(out / "runs", start_step=start),)
-        _say(f"tensorboard: logging to {out / 'runs'} (tensorboard --logdir {out / 'runs'})")
+        say(f"tensorboard: logging to {out / 'runs'} (tensorboard --logdir {out / 'runs'})")
     dataset, eval_set = data
     try:
         records = train(
-            engine, dataset, steps=steps, global_batch=s["global_batch"], lr=s["lr"],
-            warmup_steps=s["warmup_steps"], schedule=s["schedule"], min_lr_ratio=s["min_lr_ratio"],
-            seed=s["seed"], log_path=metrics, progress=progress, append=bool(s["resume"]),
-            start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s["checkpoint_every"] or 0,
-            checkpoint_extra={"run": run}, eval_dataset=eval_set, eval_every=s["eval_every"],
+            engine, dataset, steps=steps, global_batch=s.global_batch, lr=s.lr,
+            warmup_steps=s.warmup_steps, schedule=s.schedule, min_lr_ratio=s.min_lr_ratio,
+            seed=s.seed, log_path=metrics, progress=progress, append=bool(s.resume),
+            start_step=start, checkpoint_dir=ckpt_dir, checkpoint_every=s.checkpoint_every or 0,
+            checkpoint_extra={"run": run}, eval_dataset=eval_set, eval_every=s.eval_every,
             reporters=reporters,
         )
     except TrainingInterrupted as stop:
         print(f"{PROG}: {stop}; continue with the same command plus --resume", file=sys.stderr, flush=True)
         return None
-    return read_metrics(metrics) if s["resume"] else records  # resumed: the whole run's curve
+    return read_metrics(metrics) if s.resume else records  # resumed: the whole run's curve
 
 
-def _resume(engine: Any, s: dict[str, Any], ckpt_dir: Path, metrics: Path, run: dict[str, Any]) -> int:
+def _resume(engine: Any, s: FinetuneSettings, ckpt_dir: Path, metrics: Path, run: dict[str, Any]) -> int:
     """Load the checkpoint -- made by the same run (:mod:`tinypipe.cli.resume`; ``--force``
     overrides, saying what it overrides) -- and drop the metrics lines of steps after it (they
     will be redone); returns the step to continue from."""
@@ -333,13 +259,13 @@ def _resume(engine: Any, s: dict[str, Any], ckpt_dir: Path, metrics: Path, run: 
     from tinypipe.train.loop import read_metrics
 
     differences = engine.checkpoint_differences(ckpt_dir)  # another model or LoRA: ConfigError here
-    differences = resume_differences(read_extra(ckpt_dir), run, s["seed"], s["global_batch"]) + differences
-    override = refuse_or_override(ckpt_dir, differences, s["force"])
+    differences = resume_differences(read_extra(ckpt_dir), run, s.seed, s.global_batch) + differences
+    override = refuse_or_override(ckpt_dir, differences, s.force)
     if override is not None:
-        _say(override)
+        say(override)
     extra = engine.load_checkpoint(ckpt_dir, force=True)
     start = int(extra["step"])
-    _say(f"resuming at step {start} from {ckpt_dir}")
+    say(f"resuming at step {start} from {ckpt_dir}")
     if metrics.exists():
         kept = [r for r in read_metrics(metrics) if r["step"] <= start]
         metrics.write_text("".join(json.dumps(r) + "\n" for r in kept))
@@ -353,12 +279,12 @@ def _save(engine: Any, tokenizer: Any, records: list, out: Path, merge: bool,
     if engine.replicas is not None and not engine.replicas.is_main:  # rank 0 writes; the others wait
         engine.save_pretrained(out)
         return out / "metrics.jsonl", out / "loss.png"
-    _say(_loss_summary(records))
-    held = _eval_summary(records)
+    say(loss_summary(records))
+    held = eval_summary(records)
     if held:
-        _say(held)
-    _say(engine.memory_report().to_text())
-    metrics, png = _save_outputs(engine, tokenizer, records, out)
+        say(held)
+    say(engine.memory_report().to_text())
+    metrics, png = save_outputs(engine, tokenizer, records, out)
     if merge:
         from tinypipe.lora import save_merged
 
@@ -380,12 +306,12 @@ def _plan_line(engine: Any) -> str:
     return line
 
 
-def _lora_settings(s: dict[str, Any], precision: str = "fp32") -> Any:
+def _lora_settings(s: FinetuneSettings, precision: str = "fp32") -> Any:
     """LoRA settings from the resolved options (None without --lora); bad values fail here,
     before the model loads."""
     given = [k for k in ("lora_rank", "lora_alpha", "lora_dropout", "lora_targets", "merge", "quantize")
-             if s[k] not in (None, False)]
-    if not s["lora"]:
+             if getattr(s, k) not in (None, False)]
+    if not s.lora:
         if given:
             raise ConfigError(f"{given[0]} needs --lora (LoRA fine-tuning)")
         return None
@@ -393,11 +319,11 @@ def _lora_settings(s: dict[str, Any], precision: str = "fp32") -> Any:
 
     defaults = LoraSettings()
     return LoraSettings(
-        rank=defaults.rank if s["lora_rank"] is None else s["lora_rank"],
-        alpha=defaults.alpha if s["lora_alpha"] is None else s["lora_alpha"],
-        dropout=defaults.dropout if s["lora_dropout"] is None else s["lora_dropout"],
-        targets=s["lora_targets"],
-        quantize=s["quantize"],
+        rank=defaults.rank if s.lora_rank is None else s.lora_rank,
+        alpha=defaults.alpha if s.lora_alpha is None else s.lora_alpha,
+        dropout=defaults.dropout if s.lora_dropout is None else s.lora_dropout,
+        targets=s.lora_targets,
+        quantize=s.quantize,
         compute_dtype=precision,
     )
 

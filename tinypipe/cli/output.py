@@ -14,7 +14,7 @@ PROG = "tinypipe"
 EXIT_USAGE = 2
 
 
-def _prepare_output(path: str) -> Path:
+def prepare_output(path: str) -> Path:
     out = Path(path).expanduser()
     if out.exists() and not out.is_dir():
         raise ConfigError(f"--output {out}: exists and is not a directory")
@@ -32,7 +32,7 @@ def _prepare_output(path: str) -> Path:
     return out
 
 
-def _loss_summary(records: list[dict]) -> str:
+def loss_summary(records: list[dict]) -> str:
     losses = [r["loss"] for r in records]
     tokens = sum(r["tokens"] for r in records)
     seconds = sum(r["seconds"] for r in records)
@@ -46,7 +46,7 @@ def _loss_summary(records: list[dict]) -> str:
     )
 
 
-def _eval_summary(records: list[dict]) -> str | None:
+def eval_summary(records: list[dict]) -> str | None:
     """The last held-out evaluation of the run, or None when it had none."""
     held = [r for r in records if "eval_loss" in r]
     if not held:
@@ -57,7 +57,7 @@ def _eval_summary(records: list[dict]) -> str | None:
             f"{last['eval_tokens']} tokens after step {last['step']}{trend}")
 
 
-def _save_outputs(engine: Any, tokenizer: Any, records: list[dict], out: Path) -> tuple[Path, Path]:
+def save_outputs(engine: Any, tokenizer: Any, records: list[dict], out: Path) -> tuple[Path, Path]:
     """The model (or adapter), tokenizer and plots: ``loss.png`` and ``timeline.png`` (memory and
     link traffic per step, the last step's lanes)."""
     from tinypipe.train.plots import plot_metrics, plot_timeline
@@ -76,14 +76,14 @@ def _save_outputs(engine: Any, tokenizer: Any, records: list[dict], out: Path) -
     return out / "metrics.jsonl", png
 
 
-def _count(n: int) -> str:
+def format_count(n: int) -> str:
     for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
         if n >= size:
             return f"{n / size:.1f} {unit}"
     return str(n)
 
 
-def _process_seconds() -> float | None:
+def process_seconds() -> float | None:
     """Wall seconds since this process started (imports included), if the OS says."""
     try:
         import psutil
@@ -93,12 +93,12 @@ def _process_seconds() -> float | None:
         return None
 
 
-def _say(*parts: object) -> None:
+def say(*parts: object) -> None:
     if os.environ.get("RANK", "0") != "0":  # torchrun: only rank 0 reports (errors go to every stderr)
         return
     print(*parts, flush=True)
 
 
-def _error_line(exc: BaseException) -> str:
+def error_line(exc: BaseException) -> str:
     text = " ".join(str(exc).split()) or type(exc).__name__
     return f"{PROG}: error: {text}"

@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import hashlib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tinypipe.errors import ConfigError
+
+if TYPE_CHECKING:
+    from tinypipe.cli.options import FinetuneSettings
 
 HASHED_BYTES = 4 * 1024 * 1024  # the data file's first 4 MiB are hashed (with its size: cheap, telling)
 
@@ -54,7 +57,7 @@ def model_fingerprint(path: Path) -> str:
     return f"{len(files)} files, {total} bytes, sha256 of samples {digest.hexdigest()[:16]}"
 
 
-def run_settings(s: dict[str, Any], data_path: Path, steps: int, lora: Any,
+def run_settings(s: FinetuneSettings, data_path: Path, steps: int, lora: Any,
                  seq_len: int) -> dict[str, Any]:
     """The settings a checkpoint of this run records (``extra["run"]``), by readable name."""
     lora_text = "off" if lora is None else (
@@ -62,20 +65,20 @@ def run_settings(s: dict[str, Any], data_path: Path, steps: int, lora: Any,
         f"targets {','.join(lora.targets) if lora.targets else 'default'}"
         + (f", quantize {lora.quantize}" if lora.quantize else ""))
     return {
-        "model": str(Path(s["model"]).expanduser().resolve()),
-        "model content": model_fingerprint(Path(s["model"]).expanduser().resolve()),
+        "model": str(Path(s.model).expanduser().resolve()),
+        "model content": model_fingerprint(Path(s.model).expanduser().resolve()),
         "seq len": seq_len,
         "data file": str(data_path.resolve()),
         "data content": file_fingerprint(data_path),
-        "eval split": s["eval_split"],
+        "eval split": s.eval_split,
         "steps": steps,
-        "lr": s["lr"],
-        "schedule": s["schedule"],
-        "warmup steps": s["warmup_steps"],
-        "min lr ratio": s["min_lr_ratio"],
+        "lr": s.lr,
+        "schedule": s.schedule,
+        "warmup steps": s.warmup_steps,
+        "min lr ratio": s.min_lr_ratio,
         "lora": lora_text,
-        "packing": s["packing"],
-        "dropout": "off" if s["no_dropout"] else "on",
+        "packing": s.packing,
+        "dropout": "off" if s.no_dropout else "on",
     }
 
 
