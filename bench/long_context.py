@@ -21,9 +21,10 @@ allocator's reserved and allocated peaks, the host RSS peak, the MLP chunk, the 
 planner's prediction beside them (step time, GPU and host need). A table is printed last.
 
 The 2K reference (``8b-full-2k``) runs 16 x 2048 tokens: the issue's goal is 128K at >= 0.8x its
-model TFLOPS. Sequences here are single documents (no padding, no restarting position ids):
-transformers then gives SDPA ``is_causal`` and no mask; packed documents build a dense
-[B, 1, S, S] mask (16 GiB per sequence at 128K) -- see docs/long_context.md.
+model TFLOPS. Sequences are single documents except in ``8b-full-64k-packed`` (8 documents per
+row, position ids restarting): above 16K tokens the engine attends per document without
+transformers' dense [B, 1, S, S] mask (segment attention, docs/long_context.md), which at 64K
+would take 4 GiB per row.
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ class Row:
     warmup: int = 1
     steps: int = 1
     overhead_s: float = 100.0
+    docs: int = 1  # documents packed per row (position ids restart): segment attention, no mask
 
 
 #: name -> row, in the default order: most important first (the planner's refusals cost nothing)
@@ -92,19 +94,21 @@ ROWS: dict[str, Row] = {
     "8b-full-32k": Row("8b", 32 * K),
     "8b-qlora-256k": Row("8b", 256 * K, lora="nf4", overhead_s=80.0),
     "8b-full-2k": Row("8b", 2 * K, batch=16, warmup=1, steps=2),
+    "8b-full-64k-packed": Row("8b", 64 * K, docs=8),
 }
 
 
 # --------------------------------------------------------------------------- model FLOPs
 
 
-def model_flops(dims: dict, seq: int, batch: int, causal: bool = True) -> float:
+def model_flops(dims: dict, seq: int, batch: int, causal: bool = True, docs: int = 1) -> float:
     """Model FLOPs of one training step (forward + backward = 3 x forward; recompute not
     counted), Megatron-LM's accounting (Narayanan et al. 2021, ``72 B s l h^2 (1 + s/6h + V/12lh)``
     for GPT) generalised to grouped-query attention and gated MLPs: 2 FLOPs per multiply-add of
     every block matmul and the LM head, and attention's QK^T and AV, ``4 s^2 d`` per layer and
     sequence forward for ``d`` = heads x head dim -- half of it with ``causal`` masking (the
-    FlashAttention convention). Embedding lookups, norms and softmax are not counted."""
+    FlashAttention convention); with ``docs`` equal documents per row, attention within each
+    (``docs`` x a document's square). Embedding lookups, norms and softmax are not counted."""
     h = dims["hidden_size"]
     heads = dims["num_attention_heads"]
     kv = dims.get("num_key_value_heads", heads)
@@ -117,7 +121,8 @@ def model_flops(dims: dict, seq: int, batch: int, causal: bool = True) -> float:
     mlp_params = (3 if gated else 2) * h * inter
     tokens = batch * seq
     matmul = 2.0 * tokens * (layers * (attn_params + mlp_params) + vocab * h)
-    attention = 4.0 * seq * seq * heads * hd * layers * batch * (0.5 if causal else 1.0)
+    doc = -(-seq // max(1, docs))
+    attention = 4.0 * doc * seq * heads * hd * layers * batch * (0.5 if causal else 1.0)
     return 3.0 * (matmul + attention)
 
 
@@ -216,7 +221,11 @@ def _build(row: Row, seq: int, device: str, tiny: bool):  # -> (model, batch)
         model = apply_lora(model, _lora_settings(row, tiny))
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (row.batch, seq), generator=g)
-    return model, {"input_ids": ids}
+    if row.docs <= 1:
+        return model, {"input_ids": ids}
+    # ``docs`` documents per row: position ids restart at each (a dense mask would be S x S)
+    pos = torch.arange(seq) % -(-seq // row.docs)
+    return model, {"input_ids": ids, "position_ids": pos.expand(row.batch, seq).clone()}
 
 
 def run_row(name: str, row: Row, seq: int, a: argparse.Namespace) -> dict[str, Any]:
@@ -239,7 +248,8 @@ def run_row(name: str, row: Row, seq: int, a: argparse.Namespace) -> dict[str, A
         build_s = time.perf_counter() - t0
         if a.tiny:  # a hand-set plan on the CPU, MLPs chunked as a long run's are
             config = tinypipe.Config(devices=[device], precision="fp32", lr=1e-4, pack_size=1, micro_batch_size=1,
-                                     mlp_chunk_tokens=TINY_MLP_CHUNK, compile_blocks="off")
+                                     mlp_chunk_tokens=TINY_MLP_CHUNK, compile_blocks="off",
+                                     segment_attention=row.docs > 1 or None)
         else:
             config = tinypipe.Config(devices=[device], precision="bf16", lr=1e-5, seq_len=seq,
                                      global_batch=row.batch, gpu_memory_bytes=cap)
@@ -259,7 +269,7 @@ def run_row(name: str, row: Row, seq: int, a: argparse.Namespace) -> dict[str, A
     seconds = sum(r.seconds for r in timed) / len(timed)
     tokens = timed[0].tokens
     best = engine.plan_result.best if engine.plan_result is not None else None
-    flops = model_flops(_dims(row, a.tiny), seq, row.batch)
+    flops = model_flops(_dims(row, a.tiny), seq, row.batch, docs=row.docs)
     out = {
         "row": name, "settings": dataclasses.asdict(row), "seq": seq, "global_batch": row.batch,
         "tokens_per_step": tokens, "seconds_per_step": seconds, "tokens_per_s": tokens / seconds,
@@ -269,6 +279,7 @@ def run_row(name: str, row: Row, seq: int, a: argparse.Namespace) -> dict[str, A
         "gpu_peak_allocated": torch.cuda.max_memory_allocated(device) if cuda else 0,
         "gpu_cap": cap, "host_peak": rss.peak, "build_s": build_s, "engine_s": engine_s,
         "mlp_chunk_tokens": engine.mlp_chunk, "head_chunk_tokens": engine.head_chunk,
+        "segment_attention": all(d.shell.segment_attention for d in engine.devices),
         "plan": engine.plan.describe(), "plan_settings": engine.plan.as_dict(),
         "predicted_s": best.time.step_s if best is not None else None,
         "predicted_tokens_per_s": best.time.tokens_per_s if best is not None else None,

@@ -62,3 +62,14 @@ def test_one_tiny_row_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[s
     assert rec["tokens_per_step"] == 128 and rec["tokens_per_s"] > 0 and rec["model_tflops"] > 0
     assert rec["losses"][-1] < rec["losses"][0] and rec["planned"]["fits"]
     assert "8b-full-64k" in capsys.readouterr().out.splitlines()[-1]
+
+
+def test_a_tiny_packed_row_attends_per_document(tmp_path: Path) -> None:
+    """The packed row (8 documents per row) runs segment attention and counts attention per
+    document: its model FLOPs are below the one-document row's at the same length."""
+    out = tmp_path / "tiny"
+    assert lc.main(["--tiny", "--in-process", "--rows", "8b-full-64k-packed", "--out", str(out)]) == 0
+    rec = json.loads((out / "8b-full-64k-packed.json").read_text())
+    assert rec["segment_attention"] and rec["losses"][-1] < rec["losses"][0]
+    dims = lc._dims(lc.ROWS["8b-full-64k"], True)
+    assert rec["model_flops_per_step"] < lc.model_flops(dims, rec["seq"], 2)
