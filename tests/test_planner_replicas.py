@@ -414,3 +414,17 @@ def test_plan_cli_json_and_the_pipeline_row_is_the_single_plan(capsys: pytest.Ca
                                and best["host_per_node_bytes"] < fastest["host_per_node_bytes"])
     plan = Plan.load(saved)
     assert (plan.replicas, plan.optimizer_sharding) == (best["replicas"], best["sharding"])
+
+
+def test_sharded_replicas_with_the_ssd_tier_are_refused_in_one_place(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The planner's refusal of the SSD tier under sharded replicas is the engine's
+    (planner/ssd.py sharded_ssd_refusal), one line."""
+    from tinypipe.planner.hardware import load_hardware
+    from tinypipe.planner.search import plan_for
+    from tinypipe.planner.ssd import sharded_ssd_refusal, ssd_spec
+
+    ssd = ssd_spec(load_hardware("h200-pcie5"), directory=str(tmp_path))
+    with pytest.raises(ConfigError) as err:
+        plan_for("llama-3.2-1b", "h200-pcie5", gpus=1, cpu_memory_bytes=64 << 30, seq=512, global_batch=4,
+                 host_shards=2, ssd=ssd)
+    assert str(err.value) == str(sharded_ssd_refusal()) and "\n" not in str(err.value)

@@ -54,7 +54,7 @@ from tinypipe.planner.presets import load_model_config
 from tinypipe.planner.sharded_host import sharded_candidate
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes, lora_sizes, model_sizes
 from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
-from tinypipe.planner.ssd import SsdSpec
+from tinypipe.planner.ssd import SsdSpec, sharded_ssd_refusal
 from tinypipe.schedule.plan import DeviceOptimizer, Plan, make_plan
 from tinypipe.units import gib_pair, gib_text
 
@@ -422,7 +422,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     if host_shards < 1:
         raise ConfigError(f"host_shards must be >= 1, got {host_shards}")
     if host_shards > 1 and ssd is not None:
-        raise ConfigError("the SSD tier is not planned for sharded data-parallel replicas")
+        raise sharded_ssd_refusal()
     cfg, name = _resolve(config)
     max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
     notes = []

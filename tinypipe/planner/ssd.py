@@ -29,6 +29,13 @@ from tinypipe.planner.hardware import HARDWARE, TYPICAL_NVME_GEN4, HardwareSpec
 MEASURE_BYTES = 1 << 30
 
 
+def sharded_ssd_refusal() -> ConfigError:
+    """The one refusal of the SSD tier under replicas that shard the optimizer state (planner and
+    engine alike): the shards' SSD files and their I/O schedule are not built."""
+    return ConfigError("the SSD tier is not combined with optimizer state sharded across replicas yet: "
+                       "use Config(optimizer_sharding='replicate') or no offload_dir")
+
+
 @dataclass(frozen=True)
 class SsdSpec:
     """The offload directory the plan is for (``None``: rates only, no disk check); several: a

@@ -24,6 +24,7 @@ from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
 from tinypipe.models.head_loss import HeadLoss
 from tinypipe.models.placement import IN_PLACE_MARK
 from tinypipe.models.segment_attention import segment_attention_for
+from tinypipe.planner.ssd import sharded_ssd_refusal
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.decay import DecayGroups, hf_decay_names
@@ -100,8 +101,7 @@ class EngineBuilder:
         if not offload:
             return offload
         if self.sharded:
-            raise ConfigError("sharded optimizer state across replicas and the SSD tier are not combined "
-                              "yet: use Config(optimizer_sharding='replicate') or no offload")
+            raise sharded_ssd_refusal()
         if self.config.offload_dir is None:
             raise ConfigError("the plan offloads training state to the SSD but no offload directory is "
                               "set: give Config(offload_dir=...) / --offload-dir DIR")
