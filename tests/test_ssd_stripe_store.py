@@ -271,7 +271,7 @@ def test_config_and_cli_forms_of_several_directories(tmp_path):
     for bad in ([], [a, ""], [a, 3], 5):
         with pytest.raises(ConfigError, match="offload_dir must be a directory path or a list"):
             tinypipe.Config(offload_dir=bad)
-    with pytest.raises(ConfigError, match="lists .* twice"):
+    with pytest.raises(ConfigError, match="offload_dir must be .* listed twice"):
         tinypipe.Config(offload_dir=[a, b, a + "/"])
     assert parse_directories(a) == a
     both = parse_directories(f"{a}, {b}")

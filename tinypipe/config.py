@@ -12,7 +12,7 @@ from dataclasses import KW_ONLY, MISSING, dataclass
 from typing import Literal, Sequence, get_args
 
 from tinypipe.documented import Section, fields_text, setting
-from tinypipe.errors import ConfigError
+from tinypipe.errors import ConfigError, StorageError
 from tinypipe.schedule.plan import (  # noqa: F401 - re-exported: the plan's choice sets
     DEVICE_OPTIMIZER_CHOICES,
     PLAN_SETTINGS,
@@ -20,6 +20,7 @@ from tinypipe.schedule.plan import (  # noqa: F401 - re-exported: the plan's cho
     DeviceOptimizer,
     StashPlace,
 )
+from tinypipe.storage.stripe import as_directories
 from tinypipe.units import parse_bytes
 
 #: Compute precision (master weights and AdamW state stay fp32).
@@ -337,15 +338,12 @@ class Config:
                 setattr(self, name, parse_bytes(getattr(self, name)))
         if self.offload_dir is not None:  # one path, or several (one per drive): a tuple of 2+
             given = self.offload_dir
-            dirs = [given] if isinstance(given, (str, os.PathLike)) else given
-            if (not isinstance(dirs, (list, tuple)) or not dirs or not all(
-                    isinstance(d, (str, os.PathLike)) and str(os.fspath(d)).strip() for d in dirs)):
+            if not isinstance(given, (str, os.PathLike, list, tuple)):
                 raise ConfigError(f"offload_dir must be a directory path or a list of them, got {given!r}")
-            dirs = [os.fspath(d) for d in dirs]
-            real = [os.path.realpath(d) for d in dirs]
-            twice = [d for i, d in enumerate(dirs) if real[i] in real[:i]]
-            if twice:
-                raise ConfigError(f"offload_dir lists {twice[0]} twice")
+            try:  # the storage layer's own check, the one the SSD store and --offload-dir run
+                dirs = as_directories(given)
+            except StorageError as exc:
+                raise ConfigError(f"offload_dir must be a directory path or a list of them: {exc}") from None
             self.offload_dir = dirs[0] if len(dirs) == 1 else tuple(dirs)
         for flag in ("dropout", "assist_updates"):
             if not isinstance(getattr(self, flag), bool):
