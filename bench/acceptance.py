@@ -69,6 +69,10 @@ ROWS: dict[str, Row] = {
     "qlora-70b-nf4": EngineRow("70b", lora="nf4", lr=2e-4, warmup=1, steps=2, seconds=300),
     "ssd-w3": EngineRow("W3", cpu_memory_gib=48, offload=True, warmup=1, steps=2, seconds=170),
     "gpu-tests": TestsRow(seconds=200),
+    # long context (issue #32): chunked MLPs and norms, host-stashed inputs, segment attention
+    "long-8b-32k-packed": EngineRow("8b", seq=32768, batch=2, docs=8, warmup=1, steps=2, seconds=100),
+    "long-qlora-8b-64k": EngineRow("8b", lora="nf4", lr=2e-4, seq=65536, batch=2, warmup=1, steps=1,
+                                   seconds=150),
     # the machinery itself on a CPU (tests/test_acceptance.py): in no tier
     "tiny-cpu": EngineRow("tiny", devices=("cpu",), lr=1e-3, warmup=1, steps=2, seconds=30),
     "cli-cpu": CliRow(device="cpu", steps=4, seconds=120),
@@ -80,7 +84,7 @@ QUICK = ("lora-8b", "qlora-8b-nf4", "w1", "w1-clip", "w1-2stage", "w3", "cli")
 FULL_PARTS = {
     1: QUICK,
     2: ("w3-clip", "qlora-8b-fp4", "qlora-70b-nf4", "ssd-w3"),
-    3: ("gpu-tests",),
+    3: ("gpu-tests", "long-8b-32k-packed", "long-qlora-8b-64k"),
 }
 
 
@@ -155,6 +159,9 @@ def check(name: str, rec: dict[str, Any], baseline: dict[str, Any]) -> list[tupl
         return out
     losses = rec["losses"]
     out.append(("runs", True, rec["plan"]))
+    if rec["row"].get("docs", 1) > 1:  # packed documents at a long length: no dense mask built
+        out.append(("segment attention", rec.get("segment_attention") is True,
+                    "per document" if rec.get("segment_attention") else "dense masks"))
     out.append(("loss finite, falls", finite(losses) and losses[-1] < losses[0],
                 f"{losses[0]:.4f} -> {losses[-1]:.4f}"))
     peak, cap, need = rec["gpu_peak_reserved"], rec["gpu_cap"], rec["gpu_need"]
@@ -250,6 +257,8 @@ DESCRIBE = {
     "lora-8b": "Llama-3.1-8B shape, bf16 LoRA r16 (every projection)",
     "qlora-8b-nf4": "Llama-3.1-8B shape, QLoRA NF4 r16", "qlora-8b-fp4": "Llama-3.1-8B shape, QLoRA FP4 r16",
     "qlora-70b-nf4": "Llama-3.1-70B shape, QLoRA NF4 r16",
+    "long-8b-32k-packed": "Llama-3.1-8B shape, full FT, 2 x 32,768 tokens of 8 documents each",
+    "long-qlora-8b-64k": "Llama-3.1-8B shape, QLoRA NF4 r16, 2 x 65,536 tokens",
 }
 
 

@@ -50,6 +50,9 @@ class EngineRow:
     rank: int = 16
     seconds: int = 120  # what the row takes on the H200 (the tier's budget adds them up)
     kind: str = "engine"
+    seq: int = 2048  # tokens per sequence (a Llama-3.1 shape's rows; W1/W3 keep their workload's)
+    batch: int = 16  # sequences per step
+    docs: int = 1  # documents packed per sequence (position ids restarting): segment attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +103,7 @@ def _build(row: EngineRow, device: str):  # -> (model, batch)
 
     from benchkit.workloads import WORKLOADS, build_model, make_batch
 
-    if row.lora is None:
+    if row.lora is None and row.shape in WORKLOADS:
         w = WORKLOADS[row.shape]
         return build_model(w), make_batch(w)
     sys.path.insert(0, str(ROOT / "bench"))
@@ -109,15 +112,20 @@ def _build(row: EngineRow, device: str):  # -> (model, batch)
     from tinypipe.lora import LoraSettings, apply_lora
 
     cfg = _shape_config(row.shape)
-    scheme = None if row.lora == "bf16" else row.lora
+    cfg.max_position_embeddings = max(cfg.max_position_embeddings, row.seq)
+    scheme = None if row.lora in (None, "bf16") else row.lora
     model = build(cfg, scheme, device, torch.bfloat16)
     if device.startswith("cuda"):
         torch.cuda.empty_cache()  # the generator's scratch is not the engine's
-    pm = apply_lora(model, LoraSettings(rank=row.rank, alpha=2.0 * row.rank, quantize=scheme,
-                                        compute_dtype="bf16"))
+    if row.lora is not None:
+        model = apply_lora(model, LoraSettings(rank=row.rank, alpha=2.0 * row.rank, quantize=scheme,
+                                               compute_dtype="bf16"))
     g = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, cfg.vocab_size, (16, 2048), generator=g)
-    return pm, {"input_ids": ids}
+    ids = torch.randint(0, cfg.vocab_size, (row.batch, row.seq), generator=g)
+    if row.docs <= 1:
+        return model, {"input_ids": ids}
+    pos = torch.arange(row.seq) % -(-row.seq // row.docs)  # row.docs documents per sequence
+    return model, {"input_ids": ids, "position_ids": pos.expand(row.batch, row.seq).clone()}
 
 
 def _measured_ssd_hardware(directory: Path, scratch: Path, device: str) -> tuple[str, dict[str, float]]:
@@ -204,6 +212,8 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
         "gpu_need": best.gpu_need if best is not None else None,
         "host_need": best.host_need if best is not None else None,
         "kept_packs": [q for q in range(engine.plan.num_packs) if engine.plan.kept(q)],
+        "mlp_chunk_tokens": engine.mlp_chunk,
+        "segment_attention": all(d.shell.segment_attention for d in engine.devices),
         "ssd_rates": ssd,
         "memory_report": report.as_dict(),
         "torch": torch.__version__,
