@@ -43,8 +43,18 @@ def test_chunked_mlp_bounds_the_activation_peak() -> None:
     chunked, = activation_peaks(s, plan, mlp_chunk=8192, **kw)
     saved_mlp = 65536 * s.mlp_bytes_per_token("bf16")
     assert whole - chunked >= 0.8 * saved_mlp, (whole / GIB, chunked / GIB)
-    # a micro-batch within one chunk: the same estimate as unchunked
-    assert activation_peaks(s, plan, mlp_chunk=65536, **kw) == [whole]
+    # a micro-batch within one chunk: the same estimate as unchunked (stash on the device: no
+    # boundary gradient in host memory either)
+    on_device = make_plan(s.num_blocks, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1,
+                          num_devices=1, prefetch_window=1, stash="device", tied=s.tied)
+    assert (activation_peaks(s, on_device, mlp_chunk=65536, **kw)
+            == activation_peaks(s, on_device, **kw))
+    # host-stashed boundaries keep their gradients in the stash at long sequences: the backward
+    # packs' [2, 65536, 4096] bf16 buffers (1 GiB each, two alive) leave the device, one
+    # micro-batch's rows read back instead; the head's input gradient stays on the device, and
+    # the peak is the last pack's backward beside it: one buffer less there
+    within, = activation_peaks(s, plan, mlp_chunk=65536, **kw)
+    assert whole - within == 2 * 65536 * 4096 * 2, (whole - within) / GIB
 
 
 def test_short_sequences_plan_unchunked_and_as_before() -> None:

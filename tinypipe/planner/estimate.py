@@ -66,7 +66,7 @@ from tinypipe.planner.cost import pack_stats
 from tinypipe.planner.offload import apply_offload
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes
-from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.plan import Plan, host_gradient_boundaries
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
 STAGING_MAX = 32 * 1024 * 1024
@@ -220,8 +220,14 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
             alive(owner, F(q - 1), Bk(q), bsh)
         else:
             alive(owner, F(P - 1), HEAD, bsh)
-    # gradient buffers: grads[q] is d loss / d (input of pack q), written by pack q's backward
+    # gradient buffers: grads[q] is d loss / d (input of pack q), written by pack q's backward;
+    # at long sequences a host-stashed boundary's lives in its stash's rows (host_gradient_boundaries):
+    # the reading backward holds one micro-batch's rows of it instead
+    host_grads = host_gradient_boundaries(plan, mlp_chunk > 0)
     for q in range(P + 1):
+        if host_grads[q]:
+            work[plan.bwd_device[q - 1]][Bk(q - 1)] += tb * H * a
+            continue
         owner = plan.embed_device if q == 0 else plan.bwd_device[q - 1]
         start = HEAD if q == P else Bk(q)
         end = EB if q == 0 else Bk(q - 1)

@@ -242,6 +242,7 @@ class EngineBuilder:
             stall_timeout_s=cfg.stall_timeout_s,
             rng=DropoutRng.from_seed(cfg.dropout_seed) if cfg.dropout else None,
             replicas=self.replicas, head_loss=HeadLoss(self.compile_backend()),
+            long_sequences=self.mlp_chunk_tokens > 0,
         )
 
 

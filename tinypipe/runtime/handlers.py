@@ -355,7 +355,7 @@ class TaskHandlers:
         ctx = self.ctx
         x = self.stash.read_rows(ctx.acts[q], *task.rows, dev).detach().requires_grad_(True)
         self.stash.read_ahead_next(task, dev)
-        gout = ctx.grads[q + 1].read(*task.rows, dev.device)
+        gout = self.stash.read_rows(ctx.grads[q + 1], *task.rows, dev)
         span = self._span_open(task, dev) if self.res.trace else None
         with torch.enable_grad():
             y = self._recompute(task, dev, x)
@@ -375,7 +375,7 @@ class TaskHandlers:
         self._check(task, "input gradient", grads[0])
         for g in grads[1:]:
             self._check(task, "parameter gradient", g)
-        self.ctx.grads[task.pack].write(*rows, grads[0])
+        self.stash.write_rows(self.ctx.grads[task.pack], *rows, grads[0], dev)  # host rows: side stream
         i = 1
         for layer, g, n in zip(task.layers, task.grad_slots, counts):
             self._accumulate(dev, layer, g, list(grads[i : i + n]))
@@ -401,7 +401,7 @@ class TaskHandlers:
         ops through the blocks, in eager mode reading the weights they are bound to."""
         q, ctx = task.pack, self.ctx
         lo, hi = task.rows
-        gout = ctx.grads[q + 1].read(lo, hi, dev.device)
+        gout = self.stash.read_rows(ctx.grads[q + 1], lo, hi, dev)
         self._check(task, "output gradient", gout)
         self._rebind_kept(task, dev)
         buffers = self._pack_buffers(task, dev)

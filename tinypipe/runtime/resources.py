@@ -49,6 +49,7 @@ class EngineResources:
     check_finite: bool  # stop at the first task whose output holds NaN/inf (syncs)
     stall_timeout_s: float  # no task finished for this long: the watchdog aborts the step
     rng: DropoutRng | None = None  # training-mode randomness replayed by the recompute (None: dropout off)
+    long_sequences: bool = False  # MLPs in chunks: boundary gradients may live in their host stash
     replicas: Replicas | None = None  # data-parallel replicas (torch.distributed); None: this one only
     # the head's loss and logit gradient (fused by Inductor on CUDA when the blocks compile)
     head_loss: HeadLoss = field(default_factory=lambda: HeadLoss(None))

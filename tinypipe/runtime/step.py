@@ -25,6 +25,7 @@ from tinypipe.runtime.optim.messages import GradStream
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.signals import Aborted, Signal
 from tinypipe.schedule.ids import OPTIMIZER_LANE, Lane
+from tinypipe.schedule.plan import host_gradient_boundaries
 from tinypipe.schedule.tasks import STREAMING_KINDS, Schedule, Task
 
 ABORT_GRACE_S = 2.0  # after an abort, how long lanes get to notice before the step gives up on them
@@ -56,7 +57,11 @@ class StepRunner:
             else:
                 acts.append(on_device(plan.embed_device if q == 0 else
                                       (plan.fwd_device[q] if q < P else plan.head_device)))
-        grads = [on_device(plan.embed_device if q == 0 else plan.bwd_device[q - 1]) for q in range(P + 1)]
+        # a host-stashed boundary's gradient may reuse its stash's rows (host_gradient_boundaries)
+        host_grads = host_gradient_boundaries(plan, res.long_sequences)
+        grads = [RowBuffer(shape, res.compute_dtype, None, host=acts[q].tensor) if host_grads[q]
+                 else on_device(plan.embed_device if q == 0 else plan.bwd_device[q - 1])
+                 for q in range(P + 1)]
         return StepContext(
             schedule=schedule, inputs=inputs, acts=acts, grads=grads,
             signals={tid: Signal() for tid in schedule.tasks},

@@ -537,3 +537,22 @@ def make_plan(
                           f"got {keep_activations!r}")
     keep = tuple(k or q in turn for q, k in enumerate(keep))
     return replace(plan, keep_activations=keep, turn_packs=turn_packs)
+
+
+def host_gradient_boundaries(plan: Plan, long_sequences: bool) -> tuple[bool, ...]:
+    """Per pack boundary ``q`` (0..P): whether the gradient of pack ``q``'s input lives in host
+    memory, in the rows of that input's host stash -- rows nothing reads once pack ``q``'s
+    backward has recomputed from them -- instead of a ``[batch, seq, hidden]`` device buffer.
+
+    Why: at long sequences two such device buffers (the gradient a backward reads and the one it
+    writes) are 2 GiB each for two 128K-token rows of an 8B model, and they hold the whole global
+    batch; the copies to and from the host are small against a block's compute there. Only for
+    long sequences (``long_sequences``: the MLPs run in chunks), so short runs keep what they did,
+    and only where backward micro-batches are whole forward ones: a dropout replay reads the rest
+    of its forward micro-batch's inputs, which an earlier backward micro-batch could have
+    overwritten. (Those rows only shape the replay's draws -- no op mixes rows -- so this is
+    caution, not a correctness need: a test that aliased them anyway saw identical weights.)"""
+    P = plan.num_packs
+    aligned = plan.backward_micro_batch_size % plan.micro_batch_size == 0
+    on = long_sequences and aligned
+    return tuple(on and 0 < q < P and bool(plan.stash_on_host[q]) for q in range(P + 1))
