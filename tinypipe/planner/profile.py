@@ -32,7 +32,7 @@ from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
 from tinypipe.planner.sizes import saved_tensor_bytes
 
 if TYPE_CHECKING:
-    from tinypipe.models.decompose import Shell
+    from tinypipe.models.shell import Shell
 
 PROFILE_VERSION = 1
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -110,7 +110,8 @@ class _Bench:
 def _bench(cfg: transformers.PretrainedConfig, dev: torch.device, dtype: torch.dtype,
            compile_blocks: str) -> _Bench:
     from tinypipe.models.compiled import resolve_backend
-    from tinypipe.models.decompose import Decomposition, Shell
+    from tinypipe.models.decompose import Decomposition
+    from tinypipe.models.shell import Shell
     from tinypipe.models.head import chunk_tokens_for, is_plain_linear
 
     model = _one_block_model(cfg, dev, dtype)

@@ -33,7 +33,8 @@ from torch import nn
 
 from tinypipe.errors import ConfigError, UnsupportedModelError
 from tinypipe.models.compact import saved_output_bytes
-from tinypipe.models.decompose import ALIGN, Decomposition, Shell
+from tinypipe.models.decompose import ALIGN, Decomposition
+from tinypipe.models.shell import Shell
 
 if TYPE_CHECKING:
     from tinypipe.lora.settings import LoraSettings

@@ -20,9 +20,10 @@ from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_store import HostStore, offload_regions
 from tinypipe.models.compiled import resolve_backend
-from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
+from tinypipe.models.decompose import Decomposition, LayerSpec
 from tinypipe.models.head_loss import HeadLoss
 from tinypipe.models.placement import IN_PLACE_MARK
+from tinypipe.models.shell import Shell
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.decay import DecayGroups, hf_decay_names

@@ -38,6 +38,7 @@ from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import check_keepable
 from tinypipe.planner.sizes import shape_of
+from tinypipe.quant.hooks import HOOKS as QUANT_HOOKS
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
 from tinypipe.runtime.checkpoint_sharded import find_sharded, load_replicas, save_replicas, sharded_extra
@@ -139,7 +140,8 @@ class Engine:
         # a peft.PeftModel (LoRA): train its inner model; frozen base weights stay at compute precision
         self.peft_model, model = split_peft(model)
         self.model = model
-        self.decomposition = dec = Decomposition(model)
+        # a quantized base (QLoRA) is laid out and copied with the quantization layer's helpers
+        self.decomposition = dec = Decomposition(model, quant=QUANT_HOOKS)
         # the plan given, else the hand-set knobs' or (none set) the planner's; PlanDoesNotFitError
         # (one line) when it cannot fit
         # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs
