@@ -68,10 +68,9 @@ precision) the forward, recompute, backward and head rates come from the measure
 interpolated over micro-batch tokens and sequence length (:mod:`tinypipe.planner.layer_profile`)
 instead of the efficiency curve.
 
-Calibrated on an H200 box (``h200-pcie5``), bf16, 16 x 2048 tokens: Llama-3.2-3B shape pack 2 /
-micro-batch 4: 2.42 s measured; pack 2 / mb 2: 2.60 s; pack 1 / mb 2: 2.66 s; Llama-2-7B shape
-pack 4 / mb 4: 4.69 s (tests/test_planner.py holds the comparison). Multi-GPU rests on one
-run (two H200s, pack 2 / mb 4: 1.94 s); beyond two devices it is an extrapolation.
+Calibrated on an H200 box (``h200-pcie5``) against measured steps (tests/test_planner.py holds the
+comparison; the fits: docs/measured.md). Multi-GPU rests on one two-GPU run; beyond two devices it
+is an extrapolation.
 """
 
 from __future__ import annotations
@@ -97,40 +96,36 @@ from tinypipe.planner.host_lane import ARRIVAL_TIME, Arrival, BackwardOrder, lan
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.offload import SsdTraffic, ssd_traffic
 
-#: Why the SSD's reads and writes are one lane, not two: measured on the H200 box's disk (1.63 GB/s
-#: reading alone, 2.42 writing alone), W3 with its moments offloaded read 52.9 GB and wrote 52.9 GB
-#: per step in 53.7 s -- the serial time (55.1 s), not the longer of the two (33.0 s)
-#: (bench/results/s4_ssd_w3_b16.json). A disk shares its bandwidth between the two directions.
+#: Why the SSD's reads and writes are one lane, not two: a disk shares its bandwidth between the two
+#: directions. Measured, a step that read and wrote took the serial time, not the longer of the two
+#: (docs/measured.md).
 SSD_SHARED_NOTE = "one disk serves reads and writes"
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.quant.cost import dequant_seconds, passes_per_step
 from tinypipe.schedule.plan import Plan
 
-#: Tokens at which a micro-batch runs at half its asymptotic rate (fitted: mb 2 vs mb 4 on W1).
+#: Tokens at which a micro-batch runs at half its asymptotic rate (fitted on two micro-batch sizes,
+#: docs/measured.md).
 EFFICIENCY_T0 = 684.0
 #: Micro-batch size (tokens) at which ``HardwareSpec.bf16_tflops`` is quoted.
 REFERENCE_TOKENS = 8192.0
-#: Head throughput relative to the blocks (measured 347 vs 400 TFLOP/s on W1).
+#: Head throughput relative to the blocks (measured, docs/measured.md).
 HEAD_EFFICIENCY = 0.87
 #: A block's forward (and its recompute) per FLOP relative to its backward, on the efficiency curve
 #: (a measured profile times each pass itself): the backward adds memory-bound work per FLOP
 #: (attention's backward, the elementwise gradients). Fitted on the forward and recompute compute
-#: of four traced W1 H200 runs (sessions 11-12, measured / predicted at one rate 0.877-0.953, median
-#: 0.889); their backward at the hardware's rate was within 1.3 %. Checked on the two traced W3
-#: runs: forward and recompute 0.834-0.857 at one rate, i.e. 5-7 % slow with the factor
-#: (``python bench/archive/refit_compute.py``, bench/RESULTS.md session 15).
+#: of traced runs, whose backward sat on the hardware's rate; checked out of sample on runs of a
+#: larger model (``python bench/archive/refit_compute.py``, docs/measured.md).
 FORWARD_RATE_FACTOR = 1.125
 #: Fixed cost per pack execution (forward or backward), seconds.
 PACK_OVERHEAD_S = 2.1e-3
-#: Speed-up of the block work per extra device: fitted on one run (Llama-3.2-3B shape, two H200s:
-#: 1.94 s/step measured, i.e. the two compute lanes together ran the blocks 1.36x as fast as one).
+#: Speed-up of the block work per extra device: fitted on one two-GPU run (docs/measured.md).
 #: Pipeline bubbles and host-side contention between the lanes are folded into it.
 MULTI_DEVICE_SCALING = 0.36
 #: Block and head work inside the running pipeline vs the same work timed alone by
 #: ``tinypipe profile``: the lanes' host threads contend (GIL, launch gaps) and copies share
-#: memory bandwidth. Fitted on one H200 run (Llama-3.2-3B shape, compiled blocks, pack 2 /
-#: micro-batch 4 / window 2 / host stash: 2.011 s/step measured, 1.789 s predicted without it);
-#: the other plans measured the same session are predicted within 5 % with it (bench/RESULTS.md).
+#: memory bandwidth. Fitted on one run, and checked on the other plans measured beside it
+#: (docs/measured.md).
 PROFILE_IN_PIPELINE = 1.136
 #: Seconds per parameter of AdamW on the device (``Config.device_optimizer``): ~30 bytes of HBM
 #: traffic per parameter (fp32 master, gradient, two moments read; three written; the compute
@@ -139,20 +134,15 @@ DEVICE_ADAMW_S_PER_PARAM = 1.5e-11
 #: Host AdamW rate of a clipped step's leftover pass (every host-stepped layer waits for the global
 #: norm, then runs in the background ahead of the next forward, :mod:`tinypipe.planner.clipped`)
 #: relative to the profiled rate: the pass moves the retained gradient too and shares DRAM with the
-#: uploads and the cores with the lanes. Refitted in session 15, with FORWARD_RATE_FACTOR, on the
-#: median of five clipped W1 H200 runs of sessions 7-9 (the planner's clipped plans: 1.818-2.012
-#: s/step, s7_w1_clip_after/final, s8_w1_clip_host_s8, s9_w1_clip_s9/s9c; each within 4.3 %) by
-#: ``bench/archive/refit_clipped.py``; out of sample, W3's five clipped runs are predicted within 2.9 %
-#: (s7_w3_clip_after/final, s8_w3_clip_host_s8, s9_w3_clip_s9/s9c). Session 7's 0.838 was fitted on
-#: s7_w1_clip_after alone.
+#: uploads and the cores with the lanes. Fitted together with FORWARD_RATE_FACTOR (the pass races
+#: the forward) on the median of several clipped runs by ``bench/archive/refit_clipped.py``, and
+#: checked out of sample on a larger model's (docs/measured.md).
 CLIPPED_ADAMW_EFFICIENCY = 0.900
 #: Host AdamW rate beside an unclipped backward relative to the rate measured alone
 #: (``HardwareSpec.cpu_adamw_gparams_s``): the lane shares the cores with the threads that launch
-#: and wait for the devices' work, and it runs slower with fewer threads (bench/RESULTS.md,
-#: session 13). It sets how far the lane lags behind the backward (:mod:`tinypipe.planner.host_lane`).
-#: Fitted in session 14 on W1's engine plan (5 runs, median last-step tail 0.101 s; 0.097 s
-#: predicted). Out of sample, W3's front split: 0.151 s predicted against 0.144 measured (3 runs),
-#: and its resident-first-pack variant 0.066 against 0.050 (2 runs). bench/RESULTS.md, session 14.
+#: and wait for the devices' work, and it runs slower with fewer threads. It sets how far the lane
+#: lags behind the backward (:mod:`tinypipe.planner.host_lane`). Fitted on the exposed tail of one
+#: plan's steps, checked out of sample on others (docs/measured.md).
 BACKWARD_ADAMW_EFFICIENCY = 0.8
 #: Bytes per parameter moved each way (fp32 master weights up, fp32 gradients down).
 UPLOAD_BYTES = 4
@@ -640,13 +630,12 @@ def _host_lane(packs: _Packs, order: BackwardOrder, dev: _OnDevice, backward_s: 
 #: Bytes per parameter an assisted layer moves right after its backward (no clipping: the download
 #: task steps it, runtime/optim/assist.py): master and moments up, and down instead of the fp32 gradient.
 #: Least share of the step an unclipped step's assisted layers must save for the planner to choose
-#: them. 5 %: on the H200 box the model priced W1's four lowest blocks assisted 4 % faster and W3's
-#: 3 % faster; they measured no gain (+0.011 s) and 0.6 % (bench/results/s14_w1_*B, s14_w3_*S).
-#: Session 11's turn-layer assists measured slower (H2D shared with the next packs' uploads).
+#: them. 5 %: assists the model priced 3-4 % faster measured no gain, and assisting a turn's layers
+#: measured slower (their H2D shares the link with the next packs' uploads) (docs/measured.md).
 UNCLIPPED_ASSIST_MIN_GAIN = 0.05
 #: Host seconds per assisted chunk (``ASSIST_CHUNK_NUMEL`` elements) an unclipped step adds to its
 #: backward: about eight launches on the d2h lane's thread, which holds the GIL the compute lanes'
-#: launches need. Not measured (no GPU in the session that wrote it): an estimate at ~4 us a
+#: launches need. Not measured: an estimate at ~4 us a
 #: launch. It also makes a plan that needs no assist win over one that ties with it only by it.
 ASSIST_CHUNK_HOST_S = 3e-5
 BACKWARD_ASSIST_UP_BYTES = 12

@@ -8,9 +8,8 @@ says when a plan fits), keep those that fit, return the fastest and the time-mem
 
 Under clipping every plan is ranked by its clipped step with the layers whose clipped updates its
 GPU should step on their way up (``Plan.assisted``, :mod:`tinypipe.planner.assist`), where it can
-hold their scratch. Choosing them about doubles the search's time (h200-pcie5 at 24 GiB, clipping,
-CPU seconds on the 2-core CPU box: W1 ~0.4 before, ~0.9 with it; W3 ~1.2, ~2.4) and pays: the
-clipped step is predicted 9 % (W1) and 14 % (W3) shorter. Without clipping each plan's step
+hold their scratch. Choosing them about doubles the search's time and pays: the clipped step is
+predicted about a tenth shorter (docs/measured.md). Without clipping each plan's step
 includes the layers stepped right after their backward where the host AdamW would hold it up
 (:func:`~tinypipe.planner.cost.predict_step_time`; none on the H200 preset).
 
