@@ -1,5 +1,6 @@
 """Which layers' AdamW updates to assist on the GPU (``Plan.assisted``): under clipping, the
-leftover ones (here); without, those stepped right after their backward (``planner/cost.py``).
+leftover ones (here); without, those stepped right after their backward
+(:mod:`tinypipe.planner.backward_assist`).
 
 After a clipped step the host AdamW pass of every host-stepped layer runs ahead of the next
 forward, and each upload waits for its layer (:mod:`tinypipe.planner.clipped`). On the H200 box
@@ -25,7 +26,7 @@ trips share host DRAM, whose floor (:mod:`tinypipe.planner.dram`) the cost model
 Without clipping an assisted layer is stepped right after its backward (its state's round trip,
 12 B/param each way, replaces the 4 B/param gradient download): the backward's host AdamW term
 shrinks and its link terms grow. :func:`tinypipe.planner.cost.predict_step_time` chooses those
-layers itself (``_choose_backward_assist``: in backward order while the backward + tail gets
+layers itself (``backward_assist.choose_backward_assist``: in backward order while the backward + tail gets
 shorter) and keeps them only if they save enough of the step (``UNCLIPPED_ASSIST_MIN_GAIN``); on
 the H200 preset they never do (16 cores keep up), on a host with a slow AdamW they can nearly halve
 the step (docs/measured.md). ``nonfinite="skip"`` steps are not modelled as

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tinypipe.planner.cost import REFERENCE_TOKENS
 from tinypipe.planner.sizes import ModelSizes
+from tinypipe.planner.work import REFERENCE_TOKENS
 from tinypipe.schedule.plan import DeviceOptimizer, StashPlace
 
 MAX_UNIFORM_PACK = 8

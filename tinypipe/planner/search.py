@@ -37,7 +37,6 @@ from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search
     Candidate,
     evaluate,
 )
-from tinypipe.planner.cost import REFERENCE_TOKENS, recompute_seconds
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
 from tinypipe.planner.offload import disk_bytes, staging_shape, summary
@@ -54,6 +53,7 @@ from tinypipe.planner.sharded_host import sharded_candidate
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes, lora_sizes, model_sizes
 from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
 from tinypipe.planner.ssd import SsdSpec
+from tinypipe.planner.work import REFERENCE_TOKENS, recompute_seconds
 from tinypipe.schedule.plan import DeviceOptimizer, Plan, make_plan
 from tinypipe.units import gib_pair, gib_text
 
