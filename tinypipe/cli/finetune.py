@@ -182,7 +182,7 @@ def _check_inputs(s: dict[str, Any], held: ExitStack) -> tuple[Path, Path]:
     the model loads; ``held`` keeps the output's lock. Returns the data path and the output directory."""
     from tinypipe.cli.output_guard import check_output, refuse_model_dir
     from tinypipe.cli.output_lock import output_lock
-    from tinypipe.train.data import read_records
+    from tinypipe.train.records import read_records
     from tinypipe.train.model_io import resolve_model_path
 
     _, model_path = resolve_model_path(s["model"])  # a directory, or a .gguf file (never overwritten)
