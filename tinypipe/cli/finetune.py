@@ -97,7 +97,8 @@ def _finetune(args: argparse.Namespace, s: dict[str, Any], config: Any, auto: bo
 def _mlp_chunk(model: Any, precision: str, seq_len: int) -> int:
     """The engine's automatic MLP chunk (Config.mlp_chunk_tokens None) for rows of ``seq_len``."""
     from tinypipe.models.chunked_mlp import LONG_SEQUENCE_TOKENS, mlp_chunk_tokens_for
-    from tinypipe.planner.sizes import dtype_bytes, shape_of
+    from tinypipe.planner.probe import shape_of
+    from tinypipe.planner.sizes import dtype_bytes
 
     if seq_len <= LONG_SEQUENCE_TOKENS:  # unchunked, without reading the model's shape
         return 0

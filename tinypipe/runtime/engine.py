@@ -37,7 +37,7 @@ from tinypipe.models.export import save_hf_directory
 from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import check_keepable
-from tinypipe.planner.sizes import shape_of
+from tinypipe.planner.probe import shape_of
 from tinypipe.quant.hooks import HOOKS as QUANT_HOOKS
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
