@@ -46,7 +46,7 @@ from tinypipe.devices.rates import cpu_adamw_rate, measure  # noqa: E402
 from tinypipe.config import DEVICE_OPTIMIZER_CHOICES, PIN_MODES, PRECISIONS  # noqa: E402
 from tinypipe.planner.auto import hardware_for, resolve_plan  # noqa: E402
 from tinypipe.planner.candidate import Candidate, evaluate  # noqa: E402
-from tinypipe.planner.cost import UPLOAD_BYTES  # noqa: E402
+from tinypipe.planner.work import UPLOAD_BYTES  # noqa: E402
 from tinypipe.planner.dram import clipped_forward_dram  # noqa: E402
 from tinypipe.planner.hardware import HardwareSpec  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402

@@ -13,15 +13,11 @@ from model_zoo import make_batch, make_model
 from reference import compare, randomize_biases, train_both, train_reference
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.clipped import RaceUpload, race_forward_end
-from tinypipe.planner.cost import (
-    CLIPPED_ADAMW_EFFICIENCY,
-    DEVICE_ADAMW_S_PER_PARAM,
-    DOWNLOAD_BYTES,
-    UPLOAD_BYTES,
-)
+from tinypipe.planner.clipped_step import CLIPPED_ADAMW_EFFICIENCY
 from tinypipe.planner.hardware import load_hardware
 from tinypipe.planner.search import plan_for
 from tinypipe.planner.sizes import model_sizes
+from tinypipe.planner.work import DEVICE_ADAMW_S_PER_PARAM, DOWNLOAD_BYTES, UPLOAD_BYTES
 from tinypipe.schedule.plan import make_plan
 
 GIB = 2**30

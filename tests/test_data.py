@@ -15,16 +15,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from tinypipe.errors import TinypipeError
-from tinypipe.train.data import (
-    IGNORE_INDEX,
-    DataError,
-    DataStats,
-    PackedDataset,
-    load_dataset,
-    pack,
-    read_jsonl,
-    read_records,
-)
+from tinypipe.train.data import DataStats, PackedDataset, load_dataset, pack
+from tinypipe.train.records import DataError, read_jsonl, read_records
+from tinypipe.train.tokenizing import IGNORE_INDEX
 
 try:
     from tests._data_helpers import LAST_TURN_TEMPLATE, STRICT_TEMPLATE, make_tokenizer, write_jsonl

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from model_zoo import FAMILIES, make_batch, make_model
-from tinypipe.models.decompose import ALIGN, Decomposition, LayerKind, Shell, iter_param_names
+from tinypipe.models.decompose import ALIGN, Decomposition, LayerKind, iter_param_names
+from tinypipe.models.shell import Shell
 
 
 def staged_logits(shell: Shell, dec: Decomposition, ids: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:

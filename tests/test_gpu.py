@@ -182,10 +182,10 @@ def test_cuda_int8_qlora_matches_step_by_step(cfg: dict, monkeypatch: pytest.Mon
     (run_int8_step_by_step, fp32 compute), with the refusal switched off for this test only."""
     from test_qlora import run_int8_step_by_step
 
-    import tinypipe.quant.shell as shell
+    import tinypipe.quant.hooks as hooks
     from tinypipe.quant.spec import check_device
 
-    monkeypatch.setattr(shell, "check_device",
+    monkeypatch.setattr(hooks, "check_device",
                         lambda scheme, device: None if getattr(scheme, "scheme", scheme) == "int8"
                         else check_device(scheme, device))
     run_int8_step_by_step(cfg, ref_device="cuda")

@@ -11,10 +11,11 @@ import pytest
 import transformers
 
 from benchkit.workloads import WORKLOADS
-from tinypipe.planner.cost import BACKWARD_ADAMW_EFFICIENCY, predict_step_time
+from tinypipe.planner.cost import predict_step_time
 from tinypipe.planner.hardware import load_hardware
 from tinypipe.planner.host_lane import Arrival, lane_end_s, pack_arrivals
 from tinypipe.planner.sizes import model_sizes
+from tinypipe.planner.work import BACKWARD_ADAMW_EFFICIENCY
 from tinypipe.schedule.plan import Plan
 
 PLANS = Path(__file__).resolve().parent.parent / "bench" / "plans"

@@ -18,8 +18,11 @@ Each layer is placed by what it needs, never by what needs it:
   page-aligned host buffers it can pin, and its measured rates (``rates.py``: ``tinypipe profile``).
   The benchmarks' own helpers (workloads, bounds, RSS sampling) live outside the package, in
   ``bench/benchkit/``.
-- ``models``, ``quant``: a Hugging Face model as a sequence of layers (decomposition, streaming
-  loaders into the host layout, skeletons, export); quantized frozen weights in that layout.
+- ``models``: a Hugging Face model as a sequence of layers (decomposition, device shells,
+  streaming loaders into the host layout, skeletons, export). A model holding quantized weights
+  is laid out and copied with helpers the runtime hands in (``models/quant_hooks.py``).
+- ``quant``: quantized frozen weights in the decomposition's layout (so above models), and the
+  helpers the runtime hands the model layer (``quant/hooks.py``).
 - ``memory``, ``storage``: where training state lives -- the host copy (fp32 masters and moments
   in the decomposition's layout, so above models), gradient and device pools, budgets; the SSD tier.
 - ``schedule``: the :class:`~tinypipe.schedule.plan.Plan` and the schedule built from it, as data
@@ -56,7 +59,8 @@ ROOT = Path(__file__).resolve().parents[1] / PACKAGE
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("errors", "units", "write_errors", "safe_paths", "documented"),
     ("devices",),
-    ("models", "quant"),
+    ("models",),
+    ("quant",),
     ("memory", "storage"),
     ("schedule",),
     ("config",),
@@ -281,6 +285,16 @@ def test_the_graph_sees_the_package() -> None:
     assert ("tinypipe.train.model_io", "tinypipe.models.skeleton") in edges  # inside a function
     assert ("tinypipe.cli.finetune", "tinypipe.lora") in edges  # a name from a package's __init__
     assert ("tinypipe.planner.search", "tinypipe.lora") in edges  # implied by tinypipe.lora.settings
+    assert ("tinypipe.quant.sizing", "tinypipe.models.decompose") in edges  # quant builds on models
+
+
+def test_models_never_import_quant() -> None:
+    """The model layer is below the quantization layer: what it needs of quantized weights is
+    handed in (``Decomposition(model, quant=HOOKS)``), never imported, not even inside a function."""
+    assert layer_of("tinypipe.models.decompose", LAYERS) < layer_of("tinypipe.quant.hooks", LAYERS)
+    found = [e for e in import_graph(ROOT) if e.src.startswith("tinypipe.models.")
+             and e.named.startswith("tinypipe.quant") and e.dst == e.named]
+    assert not found, "\n".join(describe_edge(e, ROOT, PACKAGE, LAYERS) for e in found)
 
 
 def test_the_package_never_imports_the_benchmarks() -> None:

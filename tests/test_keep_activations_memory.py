@@ -27,7 +27,8 @@ from model_zoo import make_batch, make_model
 from tinypipe.models.compact import CompactBlock
 from tinypipe.planner.estimate import activation_peaks
 from tinypipe.planner.kept import kept_bytes
-from tinypipe.planner.sizes import model_sizes, probe_config
+from tinypipe.planner.probe import probe_config
+from tinypipe.planner.sizes import model_sizes
 from tinypipe.runtime.handlers import TaskHandlers
 from tinypipe.runtime.weight_refs import WeightRefs
 from tinypipe.schedule.plan import make_plan

@@ -12,10 +12,11 @@ import transformers
 import tinypipe
 from benchkit.workloads import WORKLOADS
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
-from tinypipe.planner.cost import predict_step_time, recompute_seconds
+from tinypipe.planner.cost import predict_step_time
 from tinypipe.planner.hardware import load_hardware
 from tinypipe.planner.search import plan_for
 from tinypipe.planner.sizes import model_sizes
+from tinypipe.planner.work import recompute_seconds
 from tinypipe.schedule.builder import build_schedule
 from tinypipe.schedule.plan import make_plan
 from tinypipe.schedule.validate import validate

@@ -27,7 +27,8 @@ from test_qlora import NF4, payloads, qlora_model
 from tinypipe.lora import LoraSettings, apply_lora
 from tinypipe.models.compact import CompactBlock
 from tinypipe.planner.kept import kept_bytes
-from tinypipe.planner.sizes import lora_sizes, probe_config
+from tinypipe.planner.probe import probe_config
+from tinypipe.planner.sizes import lora_sizes
 from tinypipe.runtime.handlers import TaskHandlers
 from tinypipe.runtime.weight_refs import WeightRefs
 
@@ -185,13 +186,13 @@ def test_lora_probe_keeps_low_rank_expansions_low_rank() -> None:
     """The planner probes LoRA blocks at reduced widths; it narrows them only as far as every
     projection that is a low-rank expansion of the rank at the real widths stays one (else the
     probe would count ``lora_B``'s output as saved)."""
-    from tinypipe.planner.sizes import _lora_probe_scale
+    from tinypipe.planner.probe import lora_probe_scale
 
     cfg = _config_8b(32)
-    assert _lora_probe_scale(cfg, 64, 16) == 8  # kv width 1024 / 8 = 128 = 8 x 16
-    assert _lora_probe_scale(cfg, 64, 64) == 2  # 1024 / 2 = 512: below 4 -> real widths
-    assert _lora_probe_scale(cfg, 64, 1024) < 4  # the MLP's 14336 is 8 x 1024 wide at the real widths only
-    assert _lora_probe_scale(cfg, 64, 2048) == 64  # no projection is 8x wider than rank 2048
+    assert lora_probe_scale(cfg, 64, 16) == 8  # kv width 1024 / 8 = 128 = 8 x 16
+    assert lora_probe_scale(cfg, 64, 64) == 2  # 1024 / 2 = 512: below 4 -> real widths
+    assert lora_probe_scale(cfg, 64, 1024) < 4  # the MLP's 14336 is 8 x 1024 wide at the real widths only
+    assert lora_probe_scale(cfg, 64, 2048) == 64  # no projection is 8x wider than rank 2048
     s16 = lora_sizes(cfg, LoraSettings(rank=16)).kept_block_bytes("bf16")
     s64 = lora_sizes(cfg, LoraSettings(rank=64)).kept_block_bytes("bf16")
     # rank 64 saves 48 more lora_A outputs per projection (7 projections, bf16) than rank 16

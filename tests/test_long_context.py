@@ -213,14 +213,14 @@ def test_folded_norms_shrink_what_a_chunked_block_saves(family: str, monkeypatch
     import transformers
 
     from tinypipe.models import chunked_mlp
-    from tinypipe.planner import sizes
+    from tinypipe.planner import probe
 
     make = transformers.Qwen3Config if family == "qwen3" else transformers.LlamaConfig
     cfg = make(hidden_size=512, intermediate_size=1792, num_hidden_layers=2, num_attention_heads=8,
                num_key_value_heads=2, head_dim=64, vocab_size=1000)
     cfg._attn_implementation = "sdpa"
     h = cfg.hidden_size
-    _, _, folded = sizes._saved_bytes_per_token(cfg, torch.bfloat16)
+    _, _, folded = probe._saved_bytes_per_token(cfg, torch.bfloat16)
     monkeypatch.setattr(chunked_mlp, "FOLDABLE", frozenset())
-    _, _, unfolded = sizes._saved_bytes_per_token(cfg, torch.bfloat16)
+    _, _, unfolded = probe._saved_bytes_per_token(cfg, torch.bfloat16)
     assert folded <= 8 * h and unfolded >= 20 * h, (folded / h, unfolded / h)

@@ -22,7 +22,8 @@ import tinypipe
 from model_zoo import VOCAB, make_model
 from reference import compare, randomize_biases, train_both
 from tinypipe.errors import BatchError
-from tinypipe.train.data import IGNORE_INDEX, DataStats, PackedDataset, pack
+from tinypipe.train.data import DataStats, PackedDataset, pack
+from tinypipe.train.tokenizing import IGNORE_INDEX
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gpt2")  # OPT: see test_opt_refuses_packed_rows

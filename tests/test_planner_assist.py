@@ -14,18 +14,20 @@ import transformers
 from benchkit.workloads import WORKLOADS
 from model_zoo import make_model
 import tinypipe.planner.assist as assist_mod
-import tinypipe.planner.cost as cost_mod
+import tinypipe.planner.clipped_step as clipped_step
 from tinypipe import cli
 from tinypipe.devices.backend import CpuBackend
 from tinypipe.memory.device_pool import ASSIST_BUFFERS, ASSIST_CHUNK_NUMEL, DevicePool, assist_scratch_numel
 from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES, assistable, choose_assisted
 from tinypipe.planner.candidate import evaluate
 from tinypipe.planner.clipped import RaceUpload, race_choosing, race_forward_end
-from tinypipe.planner.cost import BACKWARD_ADAMW_EFFICIENCY, DOWNLOAD_BYTES, clipped_race, predict_step_time
+from tinypipe.planner.clipped_step import clipped_race
+from tinypipe.planner.cost import predict_step_time
 from tinypipe.planner.estimate import device_static_bytes
 from tinypipe.planner.hardware import load_hardware
 from tinypipe.planner.search import plan_for
 from tinypipe.planner.sizes import model_sizes
+from tinypipe.planner.work import BACKWARD_ADAMW_EFFICIENCY, DEVICE_ADAMW_S_PER_PARAM, DOWNLOAD_BYTES
 from tinypipe.schedule.plan import make_plan
 
 GIB = 2**30
@@ -36,9 +38,9 @@ def no_chunk_overhead(monkeypatch: pytest.MonkeyPatch):
     """The race without the fitted per-chunk overhead of a round trip (``ASSIST_CHUNK_S``): the
     chooser's mechanism, independent of what the last measurement fitted."""
     monkeypatch.setattr(assist_mod, "ASSIST_CHUNK_S", 0.0)
-    cost_mod._assisted_order.cache_clear()
+    clipped_step.assisted_order.cache_clear()
     yield
-    cost_mod._assisted_order.cache_clear()
+    clipped_step.assisted_order.cache_clear()
 
 
 SCRATCH = 4 * ASSIST_CHUNK_NUMEL * 4 * ASSIST_BUFFERS  # master, two moments, gradient per chunk buffer
@@ -179,14 +181,14 @@ def test_the_per_chunk_overhead_slows_assisted_uploads(monkeypatch: pytest.Monke
     chosen = []
     for chunk_s in (0.0, 5e-4, 1e-2):
         monkeypatch.setattr(assist_mod, "ASSIST_CHUNK_S", chunk_s)
-        cost_mod._assisted_order.cache_clear()
+        clipped_step.assisted_order.cache_clear()
         race = clipped_race(sizes, dataclasses.replace(plan, assisted=(3,)), hw, batch=w.batch, seq=w.seq)
         up = next(u for u in race.uploads if u.layer == 3)
         chunks = -(-trains[3] // ASSIST_CHUNK_NUMEL)
-        assert up.device_s == pytest.approx(trains[3] * cost_mod.DEVICE_ADAMW_S_PER_PARAM + chunks * chunk_s)
+        assert up.device_s == pytest.approx(trains[3] * DEVICE_ADAMW_S_PER_PARAM + chunks * chunk_s)
         c = evaluate(sizes, hw, plan, **kw)
         chosen.append((len(c.plan.assisted), c.time.clipped_step_s))
-    cost_mod._assisted_order.cache_clear()
+    clipped_step.assisted_order.cache_clear()
     (n0, t0), (n1, t1), (n2, t2) = chosen
     assert n0 > n1 > n2 and t0 < t1 < t2
     # at 10 ms a chunk a round trip is off the critical path at best: no gain left

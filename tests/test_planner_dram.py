@@ -13,10 +13,11 @@ import transformers
 
 from benchkit.workloads import WORKLOADS
 from tinypipe.planner.candidate import evaluate
-from tinypipe.planner.cost import UPLOAD_BYTES, clipped_race
+from tinypipe.planner.clipped_step import clipped_race
 from tinypipe.planner.dram import ADAMW_DRAM_BYTES, clipped_forward_dram
 from tinypipe.planner.hardware import load_hardware
 from tinypipe.planner.sizes import model_sizes
+from tinypipe.planner.work import UPLOAD_BYTES
 from tinypipe.schedule.plan import Plan, make_plan
 
 RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"

@@ -320,6 +320,26 @@ def test_host_keeps_one_packed_copy_and_slots_hold_the_payload() -> None:
     engine.close()
 
 
+def test_decomposition_lays_out_a_quantized_model_only_with_the_hooks() -> None:
+    """The model layer never imports tinypipe.quant: the engine hands the decomposition its helpers
+    (tests/test_imports.py). Without them a quantized model is probed (the CLI asks whether it
+    builds per-document masks) but its layout is refused in one line, never guessed."""
+    from tinypipe.errors import UnsupportedModelError
+    from tinypipe.lora.hooks import split_peft
+    from tinypipe.models.decompose import Decomposition
+    from tinypipe.models.shell import Shell
+    from tinypipe.quant.hooks import HOOKS
+
+    inner = split_peft(qlora_model("llama", QuantSpec("nf4"), layers=2))[1]
+    bare = Decomposition(inner)
+    assert bare.document_masks and bare.num_blocks == 2
+    with pytest.raises(UnsupportedModelError, match="quant=tinypipe.quant.hooks.HOOKS"):
+        bare.layers
+    dec = Decomposition(inner, quant=HOOKS)
+    assert dec.quant is HOOKS and any(p.packed is not None for s in dec.blocks for p in s.params)
+    assert Shell(inner, dec, torch.device("cpu")).quantized
+
+
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 @pytest.mark.parametrize("spec", [QuantSpec("nf4"), QuantSpec("fp4", double_quant=False, compute_dtype=FP32),
                                   QuantSpec("int8")], ids=["nf4_bf16", "fp4_fp32", "int8_bf16"])

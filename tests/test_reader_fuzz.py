@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from tinypipe.errors import TinypipeError
 from tinypipe.models.safetensors_stream import SafetensorsError, read_header
-from tinypipe.train.data import DataError, read_jsonl
+from tinypipe.train.records import DataError, read_jsonl
 
 FUZZ = settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 

@@ -14,7 +14,8 @@ import tinypipe
 from model_zoo import make_batch, make_model
 from reference import compare, randomize_biases, train_both
 from tinypipe.models import segment_attention as sa
-from tinypipe.models.decompose import Decomposition, Shell
+from tinypipe.models.decompose import Decomposition
+from tinypipe.models.shell import Shell
 from tinypipe.train.data import pack
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

@@ -25,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benc
 import transformers  # noqa: E402
 
 from benchkit.workloads import WORKLOADS  # noqa: E402
-from tinypipe.planner.cost import UPLOAD_BYTES  # noqa: E402
+from tinypipe.planner.work import UPLOAD_BYTES  # noqa: E402
 from tinypipe.planner.dram import clipped_forward_dram  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402

@@ -30,11 +30,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benc
 import transformers  # noqa: E402
 
 import tinypipe.planner.assist as assist  # noqa: E402
-import tinypipe.planner.cost as cost  # noqa: E402
+import tinypipe.planner.clipped_step as clipped_step  # noqa: E402
 from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL  # noqa: E402
 from tinypipe.planner.candidate import evaluate  # noqa: E402
-from tinypipe.planner.cost import clipped_race  # noqa: E402
+from tinypipe.planner.clipped_step import clipped_race  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
 from tinypipe.schedule.plan import Plan  # noqa: E402
@@ -57,7 +57,7 @@ def _last_step_uploads(trace: dict) -> dict[int, float]:
 def _overhead(chunk_s: float) -> float:
     """Set ``ASSIST_CHUNK_S`` (and drop the cost model's cached assisted uploads); returns the old."""
     saved, assist.ASSIST_CHUNK_S = assist.ASSIST_CHUNK_S, chunk_s
-    cost._assisted_order.cache_clear()
+    clipped_step.assisted_order.cache_clear()
     return saved
 
 

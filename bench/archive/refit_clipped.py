@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Refit the clipped pass's host AdamW efficiency (planner/cost.py ``CLIPPED_ADAMW_EFFICIENCY``) on
+"""Refit the clipped pass's host AdamW efficiency (planner/clipped_step.py ``CLIPPED_ADAMW_EFFICIENCY``) on
 measured clipped runs and check it on others it was not fitted on.
 
     python bench/archive/refit_clipped.py --fit bench/results/s7_w1_clip_after.json [more fit runs] \
@@ -24,7 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benc
 
 import transformers  # noqa: E402
 
-import tinypipe.planner.cost as cost  # noqa: E402
+import tinypipe.planner.clipped_step as clipped_step  # noqa: E402
 from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.candidate import evaluate  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
@@ -36,7 +36,7 @@ def predicted(run: dict, hardware: str, efficiency: float) -> float:
     w = WORKLOADS[run["workload"]]
     cfg = transformers.LlamaConfig(**w.config)
     plan = Plan.from_json(json.dumps(run["plan"]))
-    cost.CLIPPED_ADAMW_EFFICIENCY = efficiency
+    clipped_step.CLIPPED_ADAMW_EFFICIENCY = efficiency
     cand = evaluate(model_sizes(cfg), load_hardware(hardware), plan, seq=w.seq, global_batch=w.batch,
                     precision=run["config"]["precision"], max_grad_norm=1.0)
     return cand.time.clipped_step_s
@@ -48,7 +48,7 @@ def main() -> None:
     ap.add_argument("--check", nargs="*", default=[])
     ap.add_argument("--hardware", default="h200-pcie5")
     a = ap.parse_args()
-    old = cost.CLIPPED_ADAMW_EFFICIENCY  # the value in the code, before the fit moves it
+    old = clipped_step.CLIPPED_ADAMW_EFFICIENCY  # the value in the code, before the fit moves it
     fits = [json.loads(Path(p).read_text()) for p in a.fit]
 
     def median_error(efficiency: float) -> float:

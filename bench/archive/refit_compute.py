@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Refit the forward's rate per FLOP relative to the backward's (planner/cost.py
+"""Refit the forward's rate per FLOP relative to the backward's (planner/work.py
 ``FORWARD_RATE_FACTOR``) on traced runs' measured forward and recompute compute, check it on traced
 runs it was not fitted on, and print every run's step-time error at ``--baseline`` (default 1: one
 rate for every pass, the model before session 15) and at the refitted factor.
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benc
 
 import transformers  # noqa: E402
 
-import tinypipe.planner.cost as cost  # noqa: E402
+import tinypipe.planner.work as work  # noqa: E402
 from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.candidate import evaluate  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
@@ -41,13 +41,13 @@ RESULTS = Path(__file__).resolve().parents[1] / "results"
 
 @contextmanager
 def forward_rate_factor(value: float) -> Iterator[None]:
-    """``cost.FORWARD_RATE_FACTOR`` set to ``value`` inside the block, restored after it."""
-    saved = cost.FORWARD_RATE_FACTOR
-    cost.FORWARD_RATE_FACTOR = value
+    """``work.FORWARD_RATE_FACTOR`` set to ``value`` inside the block, restored after it."""
+    saved = work.FORWARD_RATE_FACTOR
+    work.FORWARD_RATE_FACTOR = value
     try:
         yield
     finally:
-        cost.FORWARD_RATE_FACTOR = saved
+        work.FORWARD_RATE_FACTOR = saved
 
 
 def _sizes_plan(run: dict):
@@ -57,12 +57,12 @@ def _sizes_plan(run: dict):
 
 def pass_seconds(run: dict, hardware: str) -> dict[str, float]:
     """The model's compute seconds of ``run``'s plan at one rate (factor 1): forward, recompute
-    and backward, summed over packs -- the terms ``cost._pack_work`` puts on the compute lane."""
+    and backward, summed over packs -- the terms ``work.pack_work`` puts on the compute lane."""
     w, sizes, plan = _sizes_plan(run)
     with forward_rate_factor(1.0):
-        work = cost._Work.of(sizes, plan, load_hardware(hardware), batch=w.batch, seq=w.seq,
-                             precision=run["config"]["precision"])
-    f, r = work.fwd_flops, work.rates
+        plan_work = work.Work.of(sizes, plan, load_hardware(hardware), batch=w.batch, seq=w.seq,
+                                 precision=run["config"]["precision"])
+    f, r = plan_work.fwd_flops, plan_work.rates
     kept = [plan.kept(q) for q in range(plan.num_packs)]
     return {"forward": sum(f) / r.forward,
             "recompute": sum(x for x, k in zip(f, kept) if not k) / r.recompute,
@@ -111,7 +111,7 @@ def main() -> None:
     fit_r = {p: ratios(load[p], a.hardware) for p in a.fit}
     fwd = [r[k] for r in fit_r.values() for k in ("forward", "recompute")]
     factor = 1.0 / statistics.median(fwd)
-    old = cost.FORWARD_RATE_FACTOR
+    old = work.FORWARD_RATE_FACTOR
     print(f"fitted on {len(a.fit)} traced runs: FORWARD_RATE_FACTOR {factor:.3f} (in the code: {old:.3f})")
     print(f"{'set':<6} {'run':<34} {'fwd meas/model':>15} {'rec':>6} {'bwd':>6}   (model at factor 1)")
     for group, paths in (("fit", a.fit), ("check", a.check_parts)):

@@ -95,7 +95,8 @@ def _finetune(args: argparse.Namespace, s: FinetuneSettings, config: Config, aut
 def _mlp_chunk(model: Any, precision: str, seq_len: int) -> int:
     """The engine's automatic MLP chunk (Config.mlp_chunk_tokens None) for rows of ``seq_len``."""
     from tinypipe.models.chunked_mlp import LONG_SEQUENCE_TOKENS, mlp_chunk_tokens_for
-    from tinypipe.planner.sizes import dtype_bytes, shape_of
+    from tinypipe.planner.probe import shape_of
+    from tinypipe.planner.sizes import dtype_bytes
 
     if seq_len <= LONG_SEQUENCE_TOKENS:  # unchunked, without reading the model's shape
         return 0
@@ -108,7 +109,7 @@ def _check_inputs(s: FinetuneSettings, held: ExitStack) -> tuple[Path, Path]:
     the model loads; ``held`` keeps the output's lock. Returns the data path and the output directory."""
     from tinypipe.cli.output_guard import check_output, refuse_model_dir
     from tinypipe.cli.output_lock import output_lock
-    from tinypipe.train.data import read_records
+    from tinypipe.train.records import read_records
     from tinypipe.train.model_io import resolve_model_path
 
     _, model_path = resolve_model_path(s.model)  # a directory, or a .gguf file (never overwritten)

@@ -78,9 +78,8 @@ class CudaBackend(Backend):
         return torch.cuda.stream(stream)  # type: ignore[arg-type]
 
     def record_event(self, stream: object, timing: bool = False) -> object | None:
-        # not blocking (``blocking=True`` lets a waiting lane sleep instead of spinning): measured
-        # slower on the H200, W3 clipped 3.901 vs 3.801 s, W1 clipped 1.858 vs 1.818
-        # (bench/results/s9_w3_clip_s9c.json, s9_w1_clip_s9c.json against s9_*_clip_s9.json)
+        # not blocking (``blocking=True`` lets a waiting lane sleep instead of spinning): blocking
+        # events measured 2-3 % slower steps (docs/measured.md)
         event = torch.cuda.Event(enable_timing=timing)
         event.record(stream)  # type: ignore[arg-type]
         return event

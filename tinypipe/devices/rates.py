@@ -26,8 +26,7 @@ class MachineRates:
 
 def cpu_adamw_rate(n: int = 50_000_000) -> float:
     """torch's fused CPU AdamW on ``n`` parameters, G params/s (best of 3 steps): also taken after a
-    benchmark's timed steps, because on a shared host it moves within minutes (bench/RESULTS.md,
-    session 13)."""
+    benchmark's timed steps, because on a shared host it moves within minutes (docs/measured.md)."""
     p, g, m, v = (torch.randn(n) for _ in range(4))
     v.abs_()
     steps = [torch.tensor(0.0)]

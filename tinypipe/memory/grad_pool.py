@@ -37,7 +37,7 @@ def chunk_numel(slot_numel: int) -> int:
 
 def buffer_count(slot_numel: int, requested: int | None) -> int:
     """Pool buffers per device: as asked, or enough for two whole block layers in flight (at least
-    3). Measured on W1: a pool holding less than one layer (3 x 32 Mi-element chunks of a 100 M
+    3). Measured on a 3B model: a pool holding less than one layer (3 x 32 Mi-element chunks of a 100 M
     layer) made each download wait for the optimizer and cost 8% of throughput."""
     if requested is not None:
         return requested

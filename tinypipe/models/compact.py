@@ -9,7 +9,7 @@ activation checkpointing: the outputs of the matmuls and of scaled-dot-product a
 (:data:`SAVED_OPS`), everything else is recomputed from them in the backward -- norms, rotary,
 activations, residual sums: elementwise work, fused into the backward's kernels when the block is
 compiled. Per token that is 3*H + 2*KV + 2*I from the matmuls plus the attention output (H) and
-its log-sum-exp: for W1's block (H 3072, I 8192, KV 1024) 61 KB in bf16 against the full graph's
+its log-sum-exp: for a Llama-3.2-3B block (H 3072, I 8192, KV 1024) 61 KB in bf16 against the full graph's
 139 KB.
 
 Measured in the probe (:func:`saved_output_bytes`): the bytes are what the checkpoint's cache holds

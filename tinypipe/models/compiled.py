@@ -55,7 +55,7 @@ def compile_settings(backend: str | None, replay_random: bool = False) -> contex
     # Inductor's lowering runs an FX tracer (loop_body.py) that sets a process-global "FX is
     # tracing" flag; a compiled block entered meanwhile from another lane thread (a second device
     # entry) saw the flag and raised "Detected that you are using FX to symbolically trace a
-    # dynamo-optimized function" (measured on an H200, QLoRA on cuda:0,cuda:0, session 4). Such a
+    # dynamo-optimized function" (two device entries on one GPU, docs/measured.md). Such a
     # thread is not inside any trace: let it run its compiled graph
     if hasattr(cfg, "force_compile_during_fx_trace"):
         stack.enter_context(cfg.patch(force_compile_during_fx_trace=True))

@@ -16,20 +16,18 @@ No per-architecture copies of model code: what runs is the installed model's cod
 
 from __future__ import annotations
 
-import copy
 import enum
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 from torch import nn
 
 from tinypipe.errors import UnsupportedModelError
 from tinypipe.models.blocks import find_blocks
-from tinypipe.models.compact import CompactBlock
-from tinypipe.models.segment_attention import (STARTS_KWARG, segment_attention_supported, segment_starts,
-                                                use_segment_attention)
+from tinypipe.models.capture import Capture, Recorder, Stop
+from tinypipe.models.quant_hooks import QuantHooks, holds_quantized
 
 #: Element alignment of every parameter inside a layer's flat buffer (keeps device views aligned
 #: for vectorised kernels: 64 elements = 128 bytes in bf16, 256 in fp32).
@@ -55,7 +53,8 @@ class ParamSlice:
     numel: int
     trainable: bool = True  # False: frozen (requires_grad=False, e.g. a LoRA base weight)
     #: a bitsandbytes-quantized frozen weight: its payload layout (tinypipe.quant.layout), stored
-    #: as ``numel`` elements of the compute dtype and rebuilt by :meth:`Shell.bind`; else None
+    #: as ``numel`` elements of the compute dtype and rebuilt by
+    #: :meth:`~tinypipe.models.shell.Shell.bind`; else None
     packed: Any = None
 
 
@@ -95,7 +94,7 @@ def _aligned(n: int) -> int:
 
 
 def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Parameter]],
-            packed: dict[str, Any] | None = None) -> LayerSpec:
+            packed: Mapping[str, Any] | None = None) -> LayerSpec:
     """Flat layout: trainable parameters first (in module order), then frozen ones, so a layer's
     trainable state (master weights, gradients, moments) is one contiguous prefix. A quantized
     weight (``packed``: name -> payload layout) takes its payload's size, as a flat 1-D slice."""
@@ -112,58 +111,6 @@ def _layout(index: int, kind: LayerKind, name: str, named: list[tuple[str, nn.Pa
         params.append(ParamSlice(pname, tuple(p.shape) if lay is None else (n,), offset, n, False, lay))
         offset += _aligned(n)
     return LayerSpec(index, kind, name, params, offset, train_numel=train_numel)
-
-
-def _packed_layouts(model: nn.Module) -> dict[str, Any]:
-    """Payload layouts of the model's bitsandbytes-quantized weights ({} without any: then
-    tinypipe.quant is not even imported)."""
-    if not any(type(p).__module__.startswith("bitsandbytes") for p in model.parameters()):
-        return {}
-    from tinypipe.quant.model import packed_layouts
-
-    return packed_layouts(model)
-
-
-class _Stop(Exception):
-    """Raised by the last capture module to end the trunk's forward after the blocks' inputs."""
-
-
-class _Recorder:
-    """Collects what the trunk passes to each block: the hidden states and the other arguments."""
-
-    def __init__(self, count: int, stop: bool) -> None:
-        self.count = count
-        self.stop = stop
-        self.hidden: torch.Tensor | None = None
-        self.calls: list[tuple[tuple, dict] | None] = [None] * count
-        self.order: list[str] = []
-
-
-class _Capture(nn.Module):
-    """Stands in for block ``index``: records its call and returns the hidden states unchanged."""
-
-    def __init__(self, recorder: _Recorder, index: int, template: nn.Module) -> None:
-        super().__init__()
-        self._recorder = [recorder]  # list: keep it out of the module tree
-        self.index = index
-        for attr in ("attention_type", "layer_idx", "layer_type", "is_sliding"):
-            if hasattr(template, attr) and not isinstance(getattr(template, attr), (nn.Module, torch.Tensor)):
-                setattr(self, attr, getattr(template, attr))
-
-    def forward(self, *args: Any, **kwargs: Any) -> torch.Tensor:
-        rec = self._recorder[0]
-        if args:
-            hidden, rest = args[0], tuple(args[1:])
-        else:
-            kwargs = dict(kwargs)
-            hidden, rest = kwargs.pop("hidden_states"), ()
-        if self.index == 0:
-            rec.hidden = hidden
-        rec.calls[self.index] = (rest, dict(kwargs))
-        rec.order.append(f"block{self.index}")
-        if rec.stop and self.index == rec.count - 1:
-            raise _Stop()
-        return hidden
 
 
 def _has_mask(call: Any, expected: torch.Tensor) -> bool:
@@ -200,10 +147,16 @@ def _check_supported(model: nn.Module) -> None:
 
 
 class Decomposition:
-    """The layer structure of one model, plus the probes that established it."""
+    """The layer structure of one model, plus the probes that established it.
 
-    def __init__(self, model: nn.Module) -> None:
+    ``quant``: the quantization layer's helpers (:data:`tinypipe.quant.hooks.HOOKS`), needed to lay
+    out a model holding bitsandbytes weights and kept for its shells. Without them such a model
+    is probed (``document_masks``, the stage order) but its :attr:`layers` are refused.
+    """
+
+    def __init__(self, model: nn.Module, quant: QuantHooks | None = None) -> None:
         _check_supported(model)
+        self.quant = quant
         self.model_type: str = getattr(model.config, "model_type", type(model).__name__)
         blocks_path, blocks = find_blocks(model)
         if "." in blocks_path:
@@ -223,7 +176,11 @@ class Decomposition:
         self.pre_names, self.post_names = self._probe_order(model, trunk, blocks)
         #: whether the trunk turns position ids restarting inside a row into per-document masks
         self.document_masks: bool = self._probe_document_masks(model, trunk, blocks)
-        self.layers = self._assign_params(model, trunk, blocks, head)
+        quantized = holds_quantized(model)
+        # the quantized weights' payload layouts by name ({} without any)
+        packed = quant.packed_layouts(model) if quantized and quant is not None else {}
+        self._layers = (None if quantized and quant is None
+                        else self._assign_params(model, trunk, blocks, head, packed))
         self.aliases = self._aliases(model)
         canonical = {id(p): n for n, p in model.named_parameters()}
         weight = getattr(head, "weight", None)
@@ -235,8 +192,8 @@ class Decomposition:
                      blocks: nn.ModuleList) -> tuple[list[str], list[str]]:
         """Run the trunk once on two tokens with identity blocks, recording which children run
         before the blocks (embedding side) and after them (head side)."""
-        recorder = _Recorder(len(blocks), stop=False)
-        captures = nn.ModuleList(_Capture(recorder, i, b) for i, b in enumerate(blocks))
+        recorder = Recorder(len(blocks), stop=False)
+        captures = nn.ModuleList(Capture(recorder, i, b) for i, b in enumerate(blocks))
         handles = []
         for name, child in trunk.named_children():
             if name == self.blocks_attr:
@@ -278,15 +235,15 @@ class Decomposition:
         families (``masking_utils.find_packed_sequence_indices``), not for all (OPT)."""
         if "position_ids" not in inspect.signature(trunk.forward).parameters:
             return False
-        recorder = _Recorder(len(blocks), stop=True)
-        captures = nn.ModuleList(_Capture(recorder, i, b) for i, b in enumerate(blocks))
+        recorder = Recorder(len(blocks), stop=True)
+        captures = nn.ModuleList(Capture(recorder, i, b) for i, b in enumerate(blocks))
         device = next(iter(model.parameters())).device
         pos = torch.tensor([[0, 1, 2, 0, 1]], device=device)
         try:
             setattr(trunk, self.blocks_attr, captures)
             with torch.no_grad():
                 trunk(input_ids=pos.clone(), attention_mask=None, position_ids=pos, use_cache=False)
-        except _Stop:
+        except Stop:
             pass
         except Exception:  # noqa: BLE001 - a trunk that cannot take these inputs builds no such masks
             return False
@@ -297,11 +254,10 @@ class Decomposition:
         return all(call is not None and _has_mask(call, expected) for call in recorder.calls)
 
     def _assign_params(self, model: nn.Module, trunk: nn.Module, blocks: nn.ModuleList,
-                       head: nn.Module) -> list[LayerSpec]:
+                       head: nn.Module, packed: Mapping[str, Any]) -> list[LayerSpec]:
         prefix = f"{self.trunk_path}." if self.trunk_path else ""
         canonical = {id(p): n for n, p in model.named_parameters()}
         owner: dict[int, int] = {}
-        packed = _packed_layouts(model)
 
         def named(module: nn.Module, path: str) -> list[tuple[str, nn.Parameter]]:
             out = []
@@ -357,6 +313,15 @@ class Decomposition:
     # -- queries ----------------------------------------------------------------------------
 
     @property
+    def layers(self) -> list[LayerSpec]:
+        """``[embedding, block 0, ..., block L-1, head]``, each in its flat layout."""
+        if self._layers is None:
+            raise UnsupportedModelError(
+                f"{self.model_type}: the model holds bitsandbytes-quantized weights; laying it out needs "
+                "their payload sizes: Decomposition(model, quant=tinypipe.quant.hooks.HOOKS)")
+        return self._layers
+
+    @property
     def embed(self) -> LayerSpec:
         return self.layers[0]
 
@@ -383,172 +348,6 @@ class Decomposition:
     def param_index(self) -> dict[str, tuple[int, ParamSlice]]:
         """Canonical parameter name -> (owning layer, slice)."""
         return {p.name: (layer.index, p) for layer in self.layers for p in layer.params}
-
-
-class Shell:
-    """A parameter-less copy of the model for one compute device.
-
-    Parameters are meta tensors until :meth:`bind` points them at views of a device buffer;
-    buffers (rotary tables, masks) are real and live on the device. One shell per device entry,
-    used by one thread, so binding never races.
-    """
-
-    def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device,
-                 dropout: bool = False, mlp_chunk_tokens: int = 0,
-                 segment_attention: bool = False) -> None:
-        memo: dict[int, Any] = {}
-        # quantized weights (tinypipe.quant): rebuilt from a slot's payload bytes (once per slot)
-        self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params
-                        if p.packed is not None}
-        self._rebuilt: dict[tuple[str, int], Any] = {}  # (name, slot address) -> rebuilt parameter
-        if self._packed:
-            from tinypipe.quant.shell import shell_memo
-
-            memo.update(shell_memo(model))
-        for p in model.parameters():
-            memo[id(p)] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device="meta"), p.requires_grad)
-        shell = copy.deepcopy(model, memo)
-        for module in shell.modules():
-            for name, buf in list(module._buffers.items()):
-                if buf is not None:
-                    module._buffers[name] = buf.to(device)
-        if self._packed:
-            from tinypipe.quant.shell import prepare_shell
-
-            prepare_shell(shell, device, {lay.scheme for lay in self._packed.values()})
-        self.model = shell
-        # training mode applies the model's dropout; the engine replays its draws in the recompute
-        self.set_dropout(dropout)
-        self.device = device
-        self.decomposition = decomposition
-        trunk = shell.get_submodule(decomposition.trunk_path)
-        self.trunk = trunk
-        self.blocks: nn.ModuleList = getattr(trunk, decomposition.blocks_attr)
-        self.recorder = _Recorder(len(self.blocks), stop=True)
-        setattr(
-            trunk,
-            decomposition.blocks_attr,
-            nn.ModuleList(_Capture(self.recorder, i, b) for i, b in enumerate(self.blocks)),
-        )
-        self.runners: list[Any] = list(self.blocks)  # what block_forward calls (eager or compiled)
-        # what block_forward calls for a kept pack's recorded forward (models/compact.py)
-        self.compact_runners: list[Any] = [CompactBlock(b) for b in self.blocks]
-        self.compiled = False  # whether the runners go through torch.compile
-        self.post = [trunk.get_submodule(n) for n in decomposition.post_names]
-        self.lm_head = shell.get_submodule(decomposition.head_path)
-        self._slots: dict[str, tuple[nn.Module, str]] = {}
-        for canon, names in decomposition.aliases.items():
-            for n in names:
-                path, attr = n.rsplit(".", 1) if "." in n else ("", n)
-                module = self._resolve(shell, path)
-                self._slots.setdefault(canon, []).append((module, attr))  # type: ignore[attr-defined]
-        #: tokens per chunk of the blocks' MLPs (0: unchunked; models/chunked_mlp.py). Wrapped after
-        #: the parameter slots are resolved: they hold the MLP's own modules, which stay as they are
-        self.mlp_chunk_tokens = int(mlp_chunk_tokens)
-        if self.mlp_chunk_tokens > 0:
-            from tinypipe.models.chunked_mlp import FOLDABLE, chunk_mlps, fold_norms
-
-            chunk_mlps(self.blocks, self.mlp_chunk_tokens)
-            if getattr(shell.config, "model_type", None) in FOLDABLE:
-                for block in self.blocks:
-                    fold_norms(block, self.mlp_chunk_tokens)
-        #: whether blocks attend per document without dense masks (models/segment_attention.py):
-        #: asked for long sequences and honoured for the families it supports
-        self.segment_attention = bool(segment_attention) and segment_attention_supported(shell)
-        if self.segment_attention:
-            use_segment_attention(shell)
-
-    def _resolve(self, shell: nn.Module, path: str) -> nn.Module:
-        dec = self.decomposition
-        blocks_prefix = f"{dec.trunk_path}.{dec.blocks_attr}." if dec.trunk_path else f"{dec.blocks_attr}."
-        if path.startswith(blocks_prefix):
-            rest = path[len(blocks_prefix):]
-            idx, _, sub = rest.partition(".")
-            block = self.blocks[int(idx)]
-            return block.get_submodule(sub) if sub else block
-        return shell.get_submodule(path)
-
-    @property
-    def dropout(self) -> bool:
-        """Whether the shell runs in training mode (the model's dropout applied)."""
-        return self.model.training
-
-    @property
-    def quantized(self) -> bool:
-        """Whether the shell holds bitsandbytes weights (a QLoRA base)."""
-        return bool(self._packed)
-
-    def set_dropout(self, enabled: bool) -> None:
-        """Training mode (``True``) or eval mode for every module, e.g. eval for a forward-only
-        evaluation; compiled blocks compile one more graph per mode. Quantized base layers (QLoRA)
-        stay in eval mode: they are frozen, and bitsandbytes' int8 kernel differs in training mode."""
-        # the blocks left the module tree when the capture wrappers replaced them: set them too
-        parts = [self.model, *getattr(self, "blocks", ())]
-        for part in parts:
-            part.train(enabled)
-        if self._packed:
-            from tinypipe.quant.shell import freeze_quantized_modes
-
-            for part in parts:
-                freeze_quantized_modes(part)
-
-    def compile_blocks(self, backend: str, replay_random: bool = False) -> None:
-        """Run the decoder blocks through torch.compile with ``backend`` (see models/compiled.py);
-        ``replay_random``: their random ops must draw what eager ones draw."""
-        from tinypipe.models.compiled import CompiledBlock
-
-        self.runners = [CompiledBlock(b, backend, replay_random) for b in self.blocks]
-        self.compact_runners = [CompiledBlock(CompactBlock(b), backend, replay_random) for b in self.blocks]
-        self.compiled = True
-
-    def bind(self, name: str, tensor: torch.Tensor) -> None:
-        """Point every alias of canonical parameter ``name`` at ``tensor`` (a quantized weight's
-        payload: at bitsandbytes' parameter rebuilt as views of it)."""
-        packed = self._packed.get(name)
-        if packed is not None:  # rebuilt once per slot it lands in (~0.1 ms each), then reused
-            key = (name, tensor.data_ptr())
-            rebuilt = self._rebuilt.get(key)
-            if rebuilt is None:
-                rebuilt = self._rebuilt[key] = packed.rebuild(tensor)
-            for module, attr in self._slots[name]:  # type: ignore[union-attr]
-                packed.attach(module, attr, rebuilt)
-            return
-        for module, attr in self._slots[name]:  # type: ignore[union-attr]
-            module._parameters[attr] = tensor  # type: ignore[assignment]
-
-    # -- the three stages -------------------------------------------------------------------
-
-    def embed_forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                      position_ids: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, list[tuple[tuple, dict]]]:
-        """Hidden states entering block 0 and the arguments the trunk passes to every block
-        (``position_ids``: given to the trunk, which derives positions and masks from them)."""
-        rec = self.recorder
-        rec.hidden, rec.calls, rec.order = None, [None] * rec.count, []
-        extra = {} if position_ids is None else {"position_ids": position_ids}
-        try:
-            self.trunk(input_ids=input_ids, attention_mask=attention_mask, use_cache=False, **extra)
-        except _Stop:
-            pass
-        if rec.hidden is None or any(c is None for c in rec.calls):
-            raise UnsupportedModelError("the trunk's forward did not reach every decoder block")
-        calls = list(rec.calls)
-        if self.segment_attention:  # the trunk built no mask: every block gets the segments instead
-            starts = segment_starts(input_ids, attention_mask, position_ids)
-            calls = [(args, {**kwargs, STARTS_KWARG: starts}) for args, kwargs in calls]  # type: ignore[misc]
-        return rec.hidden, calls  # type: ignore[return-value]
-
-    def block_forward(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
-                      compact: bool = False) -> torch.Tensor:
-        """Block ``index`` on ``hidden``; ``compact``: saving only what models/compact.py keeps."""
-        args, kwargs = call
-        out = (self.compact_runners if compact else self.runners)[index](hidden, *args, **kwargs)
-        return out[0] if isinstance(out, (tuple, list)) else out
-
-    def head_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        for module in self.post:
-            hidden = module(hidden)
-        return self.lm_head(hidden)
 
 
 def map_tensors(obj: Any, fn: Any) -> Any:

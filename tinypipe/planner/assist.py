@@ -1,5 +1,6 @@
 """Which layers' AdamW updates to assist on the GPU (``Plan.assisted``): under clipping, the
-leftover ones (here); without, those stepped right after their backward (``planner/cost.py``).
+leftover ones (here); without, those stepped right after their backward
+(:mod:`tinypipe.planner.backward_assist`).
 
 After a clipped step the host AdamW pass of every host-stepped layer runs ahead of the next
 forward, and each upload waits for its layer (:mod:`tinypipe.planner.clipped`). On the H200 box
@@ -8,7 +9,7 @@ that pass is the bound: at the clipped rate (~3.4 G params/s) a block's update t
 gradient (:data:`ASSIST_UP_BYTES`, on the link about as long as the host takes for the update),
 the device steps it, and master and moments come back on the d2h lane (:data:`ASSIST_DOWN_BYTES`),
 which the forward leaves nearly idle. Assisting every layer would move the bound to the link; the
-best split keeps host pass and link level -- on W1 about one streamed block in three.
+best split keeps host pass and link level (for a 3B model about one streamed block in three).
 
 :func:`choose_assisted` walks the next step's upload order as the race does
 (:func:`~tinypipe.planner.clipped.race_choosing`), assisting a layer whenever that lets the next
@@ -17,19 +18,18 @@ the choice only if its clipped step, raced with it, is shorter; the search
 (:mod:`tinypipe.planner.search`) keeps it only if the plan still fits with the scratch every device
 then holds (:func:`tinypipe.memory.device_pool.assist_scratch_numel`, 192 MiB).
 
-Measured on the H200 at 24 GiB with the planner's choice (session 9, bench/results/s9_*): W1
-clipped 1.818 s (0.93x its unclipped 1.692), W3 3.801 s (0.85x its 3.236); the host pass alone
-ran 1.889 and 4.336 s in session 8. Each round trip holds its upload stream
+With the planner's choice a clipped step runs 0.85-0.93x its unclipped speed, faster than with
+the host pass alone (docs/measured.md). Each round trip holds its upload stream
 :data:`ASSIST_CHUNK_S` per chunk beyond its bytes' link time (fitted); and host pass and round
 trips share host DRAM, whose floor (:mod:`tinypipe.planner.dram`) the cost model applies too.
 
 Without clipping an assisted layer is stepped right after its backward (its state's round trip,
 12 B/param each way, replaces the 4 B/param gradient download): the backward's host AdamW term
 shrinks and its link terms grow. :func:`tinypipe.planner.cost.predict_step_time` chooses those
-layers itself (``_choose_backward_assist``: in backward order while the backward + tail gets
-shorter) and keeps them only if they save >= 1 % of the step; on the H200 preset they never do (16
-cores keep up), with 1 G params/s of host AdamW they bring W3 from 6.73 to 3.58 s per step
-(bench/results/s8_predict_assist_adamw1.json). ``nonfinite="skip"`` steps are not modelled as
+layers itself (``backward_assist.choose_backward_assist``: in backward order while the backward + tail gets
+shorter) and keeps them only if they save enough of the step (``UNCLIPPED_ASSIST_MIN_GAIN``); on
+the H200 preset they never do (16 cores keep up), on a host with a slow AdamW they can nearly halve
+the step (docs/measured.md). ``nonfinite="skip"`` steps are not modelled as
 deferred. Nothing is assisted for data-parallel replicas (their leftover work is the sharded
 path's) or in plans with state on the SSD (their clipped step is timed by the SSD's lanes, not by
 the race).
@@ -51,7 +51,7 @@ ASSIST_DOWN_BYTES = 12
 #: Seconds per chunk (:data:`~tinypipe.memory.device_pool.ASSIST_CHUNK_NUMEL` elements) an assisted
 #: round trip holds its upload stream beyond the link time of its bytes: the lane thread's launches
 #: between one chunk's upload and the next. Fitted by ``bench/archive/refit_assist.py`` on the assisted
-#: blocks' first uploads in one traced run (see bench/RESULTS.md, session 9).
+#: blocks' first uploads in one traced run (docs/measured.md).
 ASSIST_CHUNK_S = 6.1e-4
 
 

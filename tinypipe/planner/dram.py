@@ -4,14 +4,9 @@ When clipping triggers, every host-stepped layer's AdamW waits for the global no
 of the next forward, which follows it layer by layer (:mod:`tinypipe.planner.clipped`); the
 layers in ``Plan.assisted`` make a round trip to their device instead. Everything then in flight
 reads or writes host memory at once: the host pass (:data:`ADAMW_DRAM_BYTES` per parameter), the
-uploads, the assisted round trips and the host-stashed activations' moves. On the H200 box the
-sum stayed near 155 GB/s however it was split between the CPU and the DMA engines (the
-``h200-pcie5`` preset's ``host_dram_gbs``):
-
-* ``bench/results/s9_assist_roundtrip_s9.json``: round trips at 67.5 GB/s beside a host pass at
-  3.24 G params/s (90.6 GB/s), copies at 71.8 beside 2.95 G params/s (82.7): 158 and 155 GB/s;
-* ``bench/results/s9_adamw_split_link_s9.json``: the link copying at 90.7 GB/s beside a pass at
-  1.90 G params/s (53.2 GB/s): 144 GB/s; the pass alone ran 4.14-4.37 G params/s (116-122 GB/s).
+uploads, the assisted round trips and the host-stashed activations' moves. Measured, their sum
+stays near one rate however it is split between the CPU and the DMA engines (the ``h200-pcie5``
+preset's ``host_dram_gbs``; two benchmarks, docs/measured.md).
 
 So that forward lasts at least ``bytes / DRAM rate``: whether the host or the GPU steps a layer,
 its state crosses host memory (28 B/param either way, plus the host-stepped layer's 4 B/param

@@ -62,10 +62,10 @@ from tinypipe.memory.device_pool import assist_scratch_numel
 from tinypipe.memory.grad_pool import buffer_count, chunk_numel
 from tinypipe.memory.report import CPU_DEVICE_POOLS, MemoryReport
 from tinypipe.models.head_loss import logit_bytes
-from tinypipe.planner.cost import pack_stats
 from tinypipe.planner.offload import apply_offload
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes
+from tinypipe.planner.work import pack_stats
 from tinypipe.schedule.plan import Plan, host_gradient_boundaries
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).

@@ -90,11 +90,9 @@ _GEN4 = dict(ssd_read_gbps=TYPICAL_NVME_GEN4[0], ssd_write_gbps=TYPICAL_NVME_GEN
 HARDWARE: dict[str, HardwareSpec] = {
     h.name: h
     for h in (
-        # bf16: 525 TFLOP/s fitted on one compiled-block run (QLoRA, Llama-3.1-8B shape, 3.027 s/step,
-        # bench/results/s4_qlora_8b.json) and checked on runs not fitted on: W1 full FT -0.6 %, 8B bf16
-        # LoRA -4.8 %, 70B QLoRA +9.7 % (python bench/archive/fit_h200_rate.py); 400 was HF's eager blocks
-        # host DRAM: 155 GB/s shared by the host AdamW and the DMA engines (planner/dram.py: two
-        # benchmarks, bench/results/s9_assist_roundtrip_s9.json and s9_adamw_split_link_s9.json)
+        # bf16: 525 TFLOP/s fitted on one compiled-block run and checked on runs not fitted on
+        # (python bench/archive/fit_h200_rate.py); host DRAM: 155 GB/s shared by the host AdamW and
+        # the DMA engines (planner/dram.py); both measured: docs/measured.md
         HardwareSpec("h200-pcie5", 140 * GiB, 55.5, 55.3, 101.0, 525.0, 4.1, fp32_tflops=35.0,
                      description="H200 on PCIe 5.0 x16, 16-core host (measured here, compiled blocks; "
                                  "its disk and host memory too)",

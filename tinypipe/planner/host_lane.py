@@ -6,10 +6,9 @@ gradient chunk has landed, and once the lane has finished the layers before it. 
 micro-batch-wise turn (``Plan.turn_packs``) the turn's layers download only once the whole turn
 is through, so they all arrive then.
 
-What the lane has left when the device's backward ends is the step's exposed tail. Measured on the
-H200 box (session 14), it was the lane's backlog and not pack 0's update alone. W1's plan with every
-block streamed had a 0.08-0.21 s tail. With its first pack resident on the GPU, the lane's last
-work arrives one pack earlier and the tail was 0.05 s. That plan ran 3 % faster.
+What the lane has left when the device's backward ends is the step's exposed tail: measured, it is
+the lane's backlog, not pack 0's update alone. With the first pack resident on the GPU the lane's
+last work arrives one pack earlier, and the tail shrinks (docs/measured.md).
 
 The arrival times follow the device's backward. Each pack's backward seconds are laid end to end
 in backward order and scaled to the phase's length, so a link-bound backward stretches them alike.

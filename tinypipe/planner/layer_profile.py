@@ -22,7 +22,7 @@ import math
 from dataclasses import dataclass
 
 KINDS = ("forward", "recompute", "backward", "head")
-#: Same constant as cost.EFFICIENCY_T0 (kept here to avoid an import cycle).
+#: Same constant as work.EFFICIENCY_T0 (kept here to avoid an import cycle).
 _T0 = 684.0
 
 

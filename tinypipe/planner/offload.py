@@ -17,9 +17,10 @@ them against running engines). The upload pool holds a layer's master/frozen reg
 layer the uploads prefetch plus the one being copied; the update pool ``read_ahead + 1`` layers'
 optimizer state (moments, gradient, master of layers without a backward upload) plus, when
 backward uploads read masters, a pack's masters and the prefetch window's; the store's workers add
-their bounce pages (:func:`tinypipe.storage.store.bounce_bytes`, 64 KiB). Until session 5 the
-planner counted one uniform pool of ``(slots per device x devices + 1) x (most regions of a
-layer)`` slots of the largest region: 12.1 GiB for W3 at pack 6 where the runtime takes 4.5 GiB.
+their bounce pages (:func:`tinypipe.storage.store.bounce_bytes`, 64 KiB). Counting one uniform
+pool of ``(slots per device x devices + 1) x (most regions of a layer)`` slots of the largest
+region instead would count more than twice what the runtime takes for a 7B model
+(docs/measured.md).
 
 **The order** (:func:`offload_order`): kinds in :data:`OFFLOAD_ORDER` -- moments first (read and
 written once per step, needed only by the host AdamW, which runs during the backward), then

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from tinypipe.planner.cost import REFERENCE_TOKENS
 from tinypipe.planner.sizes import ModelSizes
+from tinypipe.planner.work import REFERENCE_TOKENS
 from tinypipe.schedule.plan import DeviceOptimizer, StashPlace
 
 MAX_UNIFORM_PACK = 8
@@ -21,8 +21,8 @@ def pack_options(num_blocks: int, max_uniform: int = MAX_UNIFORM_PACK) -> list[i
     """Uniform pack sizes 1..max (remainder last, as ``split_packs``) and a few uneven packings:
     the remainder first, a first pack of one block (pack 0's optimizer steps are the exposed
     tail of the step, so a small first pack shortens it), and k+1 single blocks before packs of k
-    (the host lane's last packs arrive a block at a time; measured on W3, session 16: 1.1-1.5 %
-    faster than pack 1, as predicted)."""
+    (the host lane's last packs then arrive a block at a time; measured a little faster than a
+    first pack of one, as predicted: docs/measured.md)."""
     L = num_blocks
     out: list[int | tuple[int, ...]] = []
     seen: set[tuple[int, ...]] = set()

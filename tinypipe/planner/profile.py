@@ -29,10 +29,10 @@ import transformers
 from tinypipe.models.head_loss import HeadLoss
 from tinypipe.planner.hardware import PROFILE_FORMAT, HardwareSpec, _from_dict
 from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
-from tinypipe.planner.sizes import saved_tensor_bytes
+from tinypipe.planner.probe import saved_tensor_bytes
 
 if TYPE_CHECKING:
-    from tinypipe.models.decompose import Shell
+    from tinypipe.models.shell import Shell
 
 PROFILE_VERSION = 1
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -63,12 +63,12 @@ def _timed(fn: Callable[[], object], device: torch.device, reps: int,
 
 def _one_block_model(cfg: transformers.PretrainedConfig, device: torch.device,
                      dtype: torch.dtype) -> torch.nn.Module:
-    from tinypipe.planner.sizes import _build, _set_layers
+    from tinypipe.planner.probe import build_model, set_layers
 
     c = copy.deepcopy(cfg)
-    _set_layers(c, 1)
+    set_layers(c, 1)
     c._attn_implementation = "sdpa"
-    model = _build(c, str(device), dtype)
+    model = build_model(c, str(device), dtype)
     g = torch.Generator(device="cpu").manual_seed(0)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -110,7 +110,8 @@ class _Bench:
 def _bench(cfg: transformers.PretrainedConfig, dev: torch.device, dtype: torch.dtype,
            compile_blocks: str) -> _Bench:
     from tinypipe.models.compiled import resolve_backend
-    from tinypipe.models.decompose import Decomposition, Shell
+    from tinypipe.models.decompose import Decomposition
+    from tinypipe.models.shell import Shell
     from tinypipe.models.head import chunk_tokens_for, is_plain_linear
 
     model = _one_block_model(cfg, dev, dtype)

@@ -8,9 +8,8 @@ says when a plan fits), keep those that fit, return the fastest and the time-mem
 
 Under clipping every plan is ranked by its clipped step with the layers whose clipped updates its
 GPU should step on their way up (``Plan.assisted``, :mod:`tinypipe.planner.assist`), where it can
-hold their scratch. Choosing them about doubles the search's time (h200-pcie5 at 24 GiB, clipping,
-CPU seconds on the 2-core CPU box: W1 ~0.4 before, ~0.9 with it; W3 ~1.2, ~2.4) and pays: the
-clipped step is predicted 9 % (W1) and 14 % (W3) shorter. Without clipping each plan's step
+hold their scratch. Choosing them about doubles the search's time and pays: the clipped step is
+predicted about a tenth shorter (docs/measured.md). Without clipping each plan's step
 includes the layers stepped right after their backward where the host AdamW would hold it up
 (:func:`~tinypipe.planner.cost.predict_step_time`; none on the H200 preset).
 
@@ -24,7 +23,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Callable, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import transformers
 
@@ -38,8 +37,16 @@ from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search
     Candidate,
     evaluate,
 )
-from tinypipe.planner.cost import REFERENCE_TOKENS, recompute_seconds
 from tinypipe.planner.kept import kept_bytes
+from tinypipe.planner.grow import (
+    KEEP_SEEDS,
+    RESIDENT_SEEDS,
+    TURN_SEEDS,
+    keep_all,
+    with_kept_activations,
+    with_resident_packs,
+    with_turn,
+)
 from tinypipe.planner.hardware import HardwareSpec, load_hardware
 from tinypipe.planner.offload import disk_bytes, staging_shape, summary
 from tinypipe.planner.options import (
@@ -53,8 +60,9 @@ from tinypipe.planner.options import (
 from tinypipe.planner.presets import load_model_config
 from tinypipe.planner.sharded_host import sharded_candidate
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes, lora_sizes, model_sizes
-from tinypipe.planner.spill import Evaluate, IoHiding, Spill, hiding_batch, replanned_hiding
+from tinypipe.planner.spill import IoHiding, Spill, hiding_batch, replanned_hiding
 from tinypipe.planner.ssd import SsdSpec, sharded_ssd_refusal
+from tinypipe.planner.work import REFERENCE_TOKENS, recompute_seconds
 from tinypipe.schedule.plan import DeviceOptimizer, Plan, make_plan
 from tinypipe.units import gib_pair, gib_text
 
@@ -167,168 +175,6 @@ class PlanResult:
         }
 
 
-#: Pareto plans (fastest first) that the search tries again with resident packs.
-RESIDENT_SEEDS = 4
-
-
-def _with_resident_packs(seeds: list[Candidate], evaluate_plan: Evaluate,
-                         settle: Callable[[Candidate], Candidate | None],
-                         gpu_mem: int) -> tuple[list[Candidate], list[Candidate]]:
-    """Each seed plan with 1, 2, ... of its first packs kept resident on the GPU (stepped there),
-    for as long as that fits and its pack placement allows it (one device per resident pack):
-    (every plan evaluated, those that fit -- ``settle`` fits the host, moving state to the SSD).
-
-    Resident packs trade GPU memory (18 bytes per parameter in bf16: weights, fp32 gradient,
-    master and moments) for link traffic and host AdamW work; the first packs come first because
-    their host updates are the ones left after the backward."""
-    out, fits = [], []
-    for seed in seeds:
-        peaks = [seed.memory.devices[n]["activations_peak"] for n in seed.memory.devices]
-        for r in range(1, seed.plan.num_packs + 1):
-            try:
-                plan = dataclasses.replace(seed.plan, resident_packs=r, offload=(), assisted=())
-            except ConfigError:  # this pack's forward and backward run on different devices
-                break
-            c = evaluate_plan(plan, peaks)
-            out.append(c)
-            settled = settle(c) if c.gpu_need <= gpu_mem else None
-            if settled is None:
-                break
-            fits.append(settled)
-    return out, fits
-
-
-#: Pareto plans (fastest first, among those whose packs can keep activations) tried with them.
-KEEP_SEEDS = 12
-
-
-def _with_kept_activations(seeds: list[Candidate], evaluate_plan: Evaluate,
-                           settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
-                           saved_per_byte: Callable[[Plan], list[float]], grow_resident: bool,
-                           streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
-    """Each seed plan with activations kept on the GPU, greedily: first the seed's keepable packs
-    (:meth:`Plan.keepable_packs`: every pack on one device; with ``streamed`` False only the
-    resident packs and the last pack across the turn) in order of
-    recompute seconds saved per byte held (``saved_per_byte``), each added while the plan still
-    fits and skipped when it does not (a smaller pack may); then (``grow_resident``) one more
-    resident pack at a time, kept too, for as long as that fits: (every plan evaluated, those
-    that fit).
-
-    A kept pack holds its whole step's activations (every forward micro-batch) on the GPU from its
-    forward to its backward and is not recomputed: one forward of its FLOPs less per step. A
-    streamed pack's graph re-reads its weights from the backward's slots (runtime/weight_refs.py),
-    so any pack can keep; a QLoRA base's cannot, and there keeping more than the last pack means
-    making packs resident (18 bytes per parameter in bf16 on top of their activations)."""
-    out: list[Candidate] = []
-    fits: list[Candidate] = []
-    fitting = _fitter(evaluate_plan, settle, gpu_mem, out, fits)
-
-    for seed in seeds:
-        plan = dataclasses.replace(seed.plan, assisted=())  # settle chooses them again for each variant
-        if plan.backward_micro_batch_size % plan.micro_batch_size:
-            continue
-        ratio = saved_per_byte(plan)
-        keep: set[int] = set()
-        for q in sorted(plan.keepable_packs(streamed), key=lambda q: -ratio[q]):
-            if fitting(trial := _keeping(plan, keep | {q})) is not None:
-                keep.add(q)
-                plan = trial
-        for r in range(plan.resident_packs + 1, plan.num_packs + 1) if grow_resident else ():
-            try:
-                trial = _keeping(dataclasses.replace(plan, resident_packs=r, offload=()), keep | {r - 1})
-            except ConfigError:  # this pack's forward and backward run on different devices
-                break
-            if fitting(trial) is None:
-                break
-            keep.add(r - 1)
-            plan = trial
-    return out, fits
-
-
-def _fitter(evaluate_plan: Evaluate, settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
-            out: list[Candidate], fits: list[Candidate]) -> Callable[[Plan], Candidate | None]:
-    """Evaluate a plan into ``out`` and, settled on the host when it fits the GPU, into ``fits``:
-    returns the settled candidate (None: it does not fit)."""
-
-    def fitting(plan: Plan) -> Candidate | None:
-        c = evaluate_plan(plan, None)
-        out.append(c)
-        settled = settle(c) if c.gpu_need <= gpu_mem else None
-        if settled is not None:
-            fits.append(settled)
-        return settled
-
-    return fitting
-
-
-#: Pareto plans (fastest first, after keeping) tried with a micro-batch-wise turn.
-TURN_SEEDS = 4
-
-
-def _with_turn(seeds: list[Candidate], evaluate_plan: Evaluate,
-               settle: Callable[[Candidate], Candidate | None], gpu_mem: int,
-               saved_per_byte: Callable[[Plan], list[float]],
-               streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
-    """Each seed plan with a micro-batch-wise turn (``Plan.turn_packs``) through its last 1, 2, ...
-    packs for as long as that fits, then (the longest turn that fits) its other packs kept greedily
-    as :func:`_with_kept_activations` keeps them: (every plan evaluated, those that fit).
-
-    A pack in the turn is not recomputed and holds one forward micro-batch's graph instead of the
-    step's, but the turn's weights and gradient accumulators are all on the device at once (its
-    slots), and no host AdamW starts before the turn is through (the time model's terms)."""
-    out: list[Candidate] = []
-    fits: list[Candidate] = []
-    fitting = _fitter(evaluate_plan, settle, gpu_mem, out, fits)
-
-    for seed in seeds:
-        base = dataclasses.replace(seed.plan, assisted=(), turn_packs=0)
-        kept = {q for q in range(base.num_packs) if base.kept(q)}
-        longest: Candidate | None = None
-        for k in range(1, base.num_packs - base.resident_packs + 1):
-            try:
-                turn = set(range(base.num_packs - k, base.num_packs))
-                trial = dataclasses.replace(_keeping(base, kept | turn), turn_packs=k)
-            except ConfigError:  # the turn's packs would run on other devices than the head
-                break
-            if (settled := fitting(trial)) is None:
-                break
-            longest = settled
-        if longest is not None:
-            more, more_fits = _with_kept_activations([longest], evaluate_plan, settle,
-                                                     gpu_mem, saved_per_byte, grow_resident=False,
-                                                     streamed=streamed)
-            out += more
-            fits += more_fits
-    return out, fits
-
-
-def _keeping(plan: Plan, kept: set[int]) -> Plan:
-    """``plan`` with the activations of packs ``kept`` (and the turn's, ``Plan.turn_packs``) kept,
-    their inputs stashed on the device: a kept pack's backward reads no stash, so a host stash
-    would only move its input down and up again in the forward -- on the device it costs about
-    what the graphs would hold of it anyway."""
-    kept = kept | set(plan.turn())
-    stash = tuple(h and q not in kept for q, h in enumerate(plan.stash_on_host))
-    return dataclasses.replace(plan, keep_activations=tuple(q in kept for q in range(plan.num_packs)),
-                               stash_on_host=stash)
-
-
-def _keep_all(fits: list[Candidate], evaluate_plan: Evaluate, settle: Callable[[Candidate], Candidate | None],
-              gpu_mem: int, streamed: bool = True) -> tuple[list[Candidate], list[Candidate]]:
-    """``keep_activations=True``: every plan that can keep them, with every keepable pack kept."""
-    out, kept = [], []
-    for c in fits:
-        p = dataclasses.replace(c.plan, assisted=())  # settle chooses them again
-        if not p.keepable_packs(streamed) or p.backward_micro_batch_size % p.micro_batch_size:
-            continue
-        trial = evaluate_plan(_keeping(p, set(p.keepable_packs(streamed))), None)
-        out.append(trial)
-        settled = settle(trial) if trial.gpu_need <= gpu_mem else None
-        if settled is not None:
-            kept.append(settled)
-    return out, kept
-
-
 #: Said when a chosen plan has parts the ``tinypipe.Config`` fields cannot express.
 PLAN_ONLY_NOTE = ("the {what} are part of the plan, not of the Config fields: pass the plan "
                   "(--save-plan FILE; Engine(model, config, plan=Plan.load(FILE))) or let the engine plan "
@@ -375,10 +221,11 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
     model is sized with those adapters (only they train; the base is frozen at compute precision).
     ``device_optimizer`` fixes that choice (default: searched, see :func:`device_optimizer_options`);
-    ``resident_packs`` likewise (default: searched, see :func:`_with_resident_packs`), and
-    ``keep_activations`` (default: searched, :func:`_with_kept_activations`; True: every plan keeps
+    ``resident_packs`` likewise (default: searched, see
+    :func:`~tinypipe.planner.grow.with_resident_packs`), and ``keep_activations`` (default:
+    searched, :func:`~tinypipe.planner.grow.with_kept_activations`; True: every plan keeps
     them for all its keepable packs; False: none), and with it searched a micro-batch-wise turn
-    (``turn_packs``: default searched, :func:`_with_turn`; 0: none). ``ssd``
+    (``turn_packs``: default searched, :func:`~tinypipe.planner.grow.with_turn`; 0: none). ``ssd``
     (an offload directory and its rates): host memory becomes a real limit with the SSD as the
     overflow (:class:`~tinypipe.planner.spill.Spill`); without it, nothing changes. With state on
     the SSD the result says from which global batch its I/O is hidden (``hiding_search=False``
@@ -510,7 +357,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         raise PlanDoesNotFitError((spill.why_not() if gpu_ok else None)
                                   or _why_not(cands, gpu_mem, cpu_memory_bytes, gpus, ssd is not None))
     if resident_packs is None:  # spend what GPU memory the fastest plans leave on resident packs
-        more, more_fits = _with_resident_packs(_pareto(fits, clipping)[:RESIDENT_SEEDS], ev, settle, gpu_mem)
+        more, more_fits = with_resident_packs(_pareto(fits, clipping)[:RESIDENT_SEEDS], ev, settle, gpu_mem)
         cands += more
         fits += more_fits
     if keep_activations is None:  # spend what GPU memory is left on not recomputing packs
@@ -523,23 +370,23 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
 
         seeds = _pareto([c for c in fits if not c.plan.backward_micro_batch_size % c.plan.micro_batch_size],
                         clipping)
-        more, more_fits = _with_kept_activations(seeds[:KEEP_SEEDS], ev, settle, gpu_mem, saved_per_byte,
-                                                 grow_resident=resident_packs is None,
-                                                 streamed=not sizes.quantize)
+        more, more_fits = with_kept_activations(seeds[:KEEP_SEEDS], ev, settle, gpu_mem, saved_per_byte,
+                                                grow_resident=resident_packs is None,
+                                                streamed=not sizes.quantize)
         cands += more
         fits += more_fits
         if turn_packs is None:
-            turned, turned_fits = _with_turn(_pareto(fits, clipping)[:TURN_SEEDS], ev, settle, gpu_mem,
-                                             saved_per_byte, streamed=not sizes.quantize)
+            turned, turned_fits = with_turn(_pareto(fits, clipping)[:TURN_SEEDS], ev, settle, gpu_mem,
+                                            saved_per_byte, streamed=not sizes.quantize)
             cands += turned
             fits += turned_fits
             if resident_packs is None:  # a turn plan's first packs resident: the host lane's last work
                 turn_seeds = _pareto(turned_fits, clipping)[:TURN_SEEDS]
-                more, more_fits = _with_resident_packs(turn_seeds, ev, settle, gpu_mem)
+                more, more_fits = with_resident_packs(turn_seeds, ev, settle, gpu_mem)
                 cands += more
                 fits += more_fits
     elif keep_activations:
-        more, fits = _keep_all(fits, ev, settle, gpu_mem, streamed=not sizes.quantize)
+        more, fits = keep_all(fits, ev, settle, gpu_mem, streamed=not sizes.quantize)
         cands += more
         if not fits:
             raise PlanDoesNotFitError("no plan that fits can keep the activations of its keepable packs "

@@ -1,6 +1,6 @@
 """Exact per-layer sizes of a model from its config alone: no weights, no GPU, seconds for 70B+.
 
-Two models are built from the config:
+Two models are built from the config (:mod:`tinypipe.planner.probe`):
 
 * a *meta* model (``torch.device("meta")``, weight init skipped): the real parameter shapes at no
   memory cost;
@@ -19,32 +19,31 @@ computed with the runtime's 64-element alignment per parameter, so the numbers e
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
 import json
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING
 
 import torch
 import transformers
 from torch import nn
 
 from tinypipe.errors import ConfigError, UnsupportedModelError
-from tinypipe.models.compact import saved_output_bytes
-from tinypipe.models.decompose import ALIGN, Decomposition, Shell
+from tinypipe.models.decompose import ALIGN, Decomposition
+from tinypipe.planner.probe import (
+    act_formula,
+    act_per_token,
+    build_model,
+    config_draws,
+    probe_config,
+    probe_scale,
+    shape_of,
+)
 
 if TYPE_CHECKING:
     from tinypipe.lora.settings import LoraSettings
-
-#: Config attributes holding widths that scale with the hidden size (the probe divides them).
-_WIDTH_ATTRS = ("hidden_size", "intermediate_size", "ffn_dim", "n_inner", "head_dim", "word_embed_proj_dim",
-                "moe_intermediate_size", "shared_expert_intermediate_size")
-_TOKEN_ATTRS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
-PROBE_VOCAB = 128
-PROBE_BATCH, PROBE_SEQ = 2, 16
-
 
 _ELEM = {"bf16": 2, "fp32": 4}
 
@@ -179,108 +178,6 @@ class ModelSizes:
         return min(full, float(self.kept_bytes_per_token[precision]))
 
 
-# --------------------------------------------------------------------------- config helpers
-
-
-def _cfg_int(cfg: transformers.PretrainedConfig, *names: str, default: int | None = None) -> int | None:
-    for n in names:
-        v = getattr(cfg, n, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            return v
-    return default
-
-
-def shape_of(cfg: transformers.PretrainedConfig) -> dict[str, int]:
-    """Hidden, intermediate, heads, kv heads, head dim, vocab and layers of a config."""
-    hidden = _cfg_int(cfg, "hidden_size", "n_embd", "d_model")
-    layers = _cfg_int(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _cfg_int(cfg, "num_attention_heads", "n_head")
-    vocab = _cfg_int(cfg, "vocab_size")
-    if not hidden or not layers or not heads or not vocab:
-        raise ConfigError(f"config of model_type {getattr(cfg, 'model_type', '?')!r} lacks hidden size, "
-                          "layer count, head count or vocabulary size")
-    inter = _cfg_int(cfg, "intermediate_size", "ffn_dim", "n_inner") or 4 * hidden
-    kv = _cfg_int(cfg, "num_key_value_heads", default=heads) or heads
-    head_dim = _cfg_int(cfg, "head_dim") or hidden // heads
-    return dict(hidden=hidden, intermediate=inter, heads=heads, kv_heads=kv, head_dim=head_dim, vocab=vocab,
-                layers=layers)
-
-
-def _set_layers(cfg: transformers.PretrainedConfig, n: int) -> None:
-    cfg.num_hidden_layers = n
-    for attr in ("layer_types", "mlp_only_layers"):
-        v = getattr(cfg, attr, None)
-        if isinstance(v, list) and len(v) > n:
-            setattr(cfg, attr, v[:n])
-    if isinstance(getattr(cfg, "max_window_layers", None), int):
-        cfg.max_window_layers = min(cfg.max_window_layers, n)
-
-
-def _probe_scale(cfg: transformers.PretrainedConfig) -> int:
-    """Largest power-of-two divisor (<= 64) of every width that keeps the head dim >= 4."""
-    shape = shape_of(cfg)
-    widths = [shape["hidden"], shape["head_dim"]]
-    widths += [v for a in _WIDTH_ATTRS
-               if isinstance(v := getattr(cfg, a, None), int) and not isinstance(v, bool)]
-    for s in (64, 32, 16, 8, 4, 2):
-        if all(w % s == 0 for w in widths) and shape["head_dim"] // s >= 4:
-            return s
-    return 1
-
-
-def probe_config(cfg: transformers.PretrainedConfig, scale: int,
-                 layers: int = 2) -> transformers.PretrainedConfig:
-    """A small copy of ``cfg``: widths divided by ``scale``, ``layers`` blocks, a tiny vocabulary."""
-    c = copy.deepcopy(cfg)
-    for attr in _WIDTH_ATTRS:
-        v = getattr(c, attr, None)
-        if isinstance(v, int) and not isinstance(v, bool):
-            setattr(c, attr, v // scale)
-    _set_layers(c, layers)
-    c.vocab_size = PROBE_VOCAB
-    for attr in _TOKEN_ATTRS:
-        v = getattr(c, attr, None)
-        if isinstance(v, int) and v >= PROBE_VOCAB:
-            setattr(c, attr, None)
-    for attr in ("sliding_window",):  # keep windows meaningful at the probe's short sequences
-        v = getattr(c, attr, None)
-        if isinstance(v, int) and v < PROBE_SEQ:
-            setattr(c, attr, PROBE_SEQ)
-    c._attn_implementation = "sdpa"
-    return c
-
-
-@contextlib.contextmanager
-def _no_init():
-    try:
-        from transformers.initialization import no_init_weights
-    except ImportError:  # older 5.x layouts
-        from transformers.modeling_utils import no_init_weights  # type: ignore[no-redef]
-    with no_init_weights():
-        yield
-
-
-def _build(cfg: transformers.PretrainedConfig, device: str, dtype: torch.dtype) -> nn.Module:
-    try:
-        try:
-            with torch.device(device), _no_init():
-                model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-        except Exception:  # noqa: BLE001 - a model without SDPA support: its eager attention
-            if getattr(cfg, "_attn_implementation", None) != "sdpa":
-                raise
-            cfg = copy.deepcopy(cfg)
-            cfg._attn_implementation = "eager"
-            with torch.device(device), _no_init():
-                model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=dtype)
-    except Exception as exc:  # noqa: BLE001 - any failure of the model's own constructor: one line
-        first = " ".join(str(exc).split())[:300] or type(exc).__name__
-        raise UnsupportedModelError(f"cannot build a causal LM for model_type "
-                                    f"{getattr(cfg, 'model_type', '?')!r}: {first}") from exc
-    if getattr(cfg, "tie_word_embeddings", False):
-        model.tie_weights()
-    return model
-
-
 # --------------------------------------------------------------------------- layer sizes
 
 
@@ -336,122 +233,6 @@ def _layer_sizes(model: nn.Module, dec: Decomposition) -> tuple[list[int], list[
     return numels, raws, tied, head_matmul
 
 
-# --------------------------------------------------------------------------- activation probe
-
-
-def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype,
-                           lora: LoraSettings | None = None) -> tuple[float, float, float]:
-    """Bytes autograd saves per token for block 0 of a (probe-sized) model, excluding its input
-    and its parameters: what the backward pass holds for one recomputed block, and what a kept
-    block saves in the compact form (models/compact.py) -- both from one forward -- and, from a
-    second forward with the MLP in chunks of a quarter of the tokens (models/chunked_mlp.py), what
-    a recomputed block saves then (the MLP's input, not its intermediates). ``lora``: with
-    PEFT's adapters on a dense base (frozen base weights save no inputs for their gradients, the
-    adapters add their own intermediates; a quantized base saves as a frozen dense one)."""
-    model = _build(cfg, "cpu", dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    if lora is not None:
-        from tinypipe.lora.hooks import split_peft
-        from tinypipe.lora.settings import apply_lora
-
-        _, model = split_peft(apply_lora(model, dataclasses.replace(lora, quantize=None)))
-        model.to(dtype)
-    dec = Decomposition(model)
-    shell = Shell(model, dec, torch.device("cpu"))
-    chunked = Shell(model, dec, torch.device("cpu"), mlp_chunk_tokens=PROBE_BATCH * PROBE_SEQ // 4)
-    named = dict(model.named_parameters())
-    param_ptrs = set()
-    for name in dec.aliases:
-        t = named[name].detach().requires_grad_(named[name].requires_grad or lora is None)
-        param_ptrs.add(t.untyped_storage().data_ptr())
-        shell.bind(name, t)
-        chunked.bind(name, t)
-    ids = torch.randint(0, PROBE_VOCAB, (PROBE_BATCH, PROBE_SEQ), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        hidden, calls = shell.embed_forward(ids, None)
-    x = hidden.detach().to(dtype).requires_grad_(True)
-    skip = param_ptrs | {x.untyped_storage().data_ptr()}
-    compact: list[int] = []
-    with torch.enable_grad():
-        full = saved_tensor_bytes(
-            lambda: compact.append(saved_output_bytes(lambda: shell.block_forward(0, x, calls[0]))), skip)
-        in_chunks = saved_tensor_bytes(lambda: chunked.block_forward(0, x, calls[0]), skip)
-    tokens = PROBE_BATCH * PROBE_SEQ
-    return full / tokens, compact[0] / tokens, in_chunks / tokens
-
-
-def saved_tensor_bytes(run: Callable[[], object], skip: set[int]) -> int:
-    """Bytes of the distinct storages autograd saves for backward while ``run`` executes, except
-    the storages in ``skip`` (the input and the parameters, which exist anyway)."""
-    saved: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        st = t.untyped_storage()
-        if st.data_ptr() not in skip and st.device.type != "meta":
-            saved[st.data_ptr()] = st.nbytes()
-        return t
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        run()
-    return sum(saved.values())
-
-
-def config_draws(cfg: transformers.PretrainedConfig) -> bool:
-    """Whether ``cfg`` sets a dropout probability above 0 (``attention_dropout``, ``resid_pdrop``,
-    ``hidden_dropout_prob`` ...): its blocks then draw random numbers while training."""
-    for key, value in cfg.to_dict().items():
-        if ("dropout" in key or "pdrop" in key) and isinstance(value, (int, float)) and value > 0:
-            return True
-    return False
-
-
-def _act_formula(shape: dict[str, int], precision: str) -> float:
-    """Fallback when no probe can run: a gated-MLP decoder block (measured on Llama: 24*H + 8*I
-    bytes per token in bf16, fp32 norms included)."""
-    h, i = shape["hidden"], shape["intermediate"]
-    return float(24 * h + 8 * i) * (2.0 if precision == "fp32" else 1.0)
-
-
-def _act_per_token(cfg: transformers.PretrainedConfig, scale: int, precision: str,
-                   lora: LoraSettings | None = None) -> tuple[float, float, float]:
-    """Saved bytes per token of one real-size block: recomputed, kept in the compact form, and
-    recomputed with its MLP in chunks.
-
-    Small models are probed at their real widths. Larger ones are probed at widths /scale and
-    /(scale/2): b(s) = A/s + C separates the width-proportional part A from the per-token constant
-    C (norm statistics, attention log-sum-exp, LoRA's rank-wide intermediates), so A + C is the
-    real block's figure. ``lora``: the block with adapters (the scale then keeps every projection
-    that is a low-rank expansion at the real widths one at the probe's, models/compact.py).
-    """
-    dtype = torch.bfloat16 if precision == "bf16" else torch.float32
-    if lora is not None:
-        scale = _lora_probe_scale(cfg, scale, lora.rank)
-    if shape_of(cfg)["hidden"] <= 1024 or (lora is not None and scale < 4):
-        return _saved_bytes_per_token(probe_config(cfg, 1, layers=1), dtype, lora)
-    if scale < 4:
-        raise UnsupportedModelError("widths do not scale down")
-    one = _saved_bytes_per_token(probe_config(cfg, scale, layers=1), dtype, lora)
-    two = _saved_bytes_per_token(probe_config(cfg, scale // 2, layers=1), dtype, lora)
-    full, compact, chunked = (max((b2 - b1) * scale + max(2 * b1 - b2, 0.0), b1) for b1, b2 in zip(one, two))
-    return full, compact, chunked
-
-
-def _lora_probe_scale(cfg: transformers.PretrainedConfig, scale: int, rank: int) -> int:
-    """The largest power of two <= ``scale`` at which every projection width that is a low-rank
-    expansion of ``rank`` at the real widths still is one (below 4: probe the real widths)."""
-    from tinypipe.models.compact import LOW_RANK_RATIO
-
-    shape = shape_of(cfg)
-    widths = [shape["hidden"], shape["intermediate"], shape["heads"] * shape["head_dim"],
-              shape["kv_heads"] * shape["head_dim"]]
-    need = LOW_RANK_RATIO * rank
-    while scale >= 4 and any(w >= need > w // scale for w in widths):
-        scale //= 2
-    return scale
-
-
 # --------------------------------------------------------------------------- entry point
 
 
@@ -484,12 +265,12 @@ def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
         raise UnsupportedModelError(f"model_type {cfg.model_type!r}: encoder-decoder models are not "
                                     "supported")
     shape = shape_of(cfg)
-    scale = _probe_scale(cfg)
-    probe = _build(probe_config(cfg, scale, layers=2), "cpu", torch.float32)
+    scale = probe_scale(cfg)
+    probe = build_model(probe_config(cfg, scale, layers=2), "cpu", torch.float32)
     dec = Decomposition(probe)
     real_cfg = copy.deepcopy(cfg)
     real_cfg._attn_implementation = "sdpa"
-    meta = _build(real_cfg, "meta", torch.float32)
+    meta = build_model(real_cfg, "meta", torch.float32)
     numels, raws, tied, head_matmul = _layer_sizes(meta, dec)
     if len(numels) - 2 != shape["layers"]:
         raise UnsupportedModelError(f"model_type {cfg.model_type!r}: found {len(numels) - 2} blocks, "
@@ -500,9 +281,9 @@ def _compute_sizes(cfg: transformers.PretrainedConfig) -> ModelSizes:
     source = "probe"
     for precision in ("bf16", "fp32"):
         try:
-            acts[precision], kept[precision], chunked[precision] = _act_per_token(cfg, scale, precision)
+            acts[precision], kept[precision], chunked[precision] = act_per_token(cfg, scale, precision)
         except Exception:  # noqa: BLE001 - the probe is an estimate; any failure falls back to the formula
-            acts[precision] = _act_formula(shape, precision)
+            acts[precision] = act_formula(shape, precision)
             kept.pop(precision, None)  # kept blocks then count as full graphs
             chunked.pop(precision, None)  # and chunked MLPs as unchunked ones
             source = "formula"
@@ -592,8 +373,8 @@ def _lora_activations(cfg: transformers.PretrainedConfig, settings: LoraSettings
     chunked: dict[str, float] = {}
     try:
         for precision in ("bf16", "fp32"):
-            acts[precision], kept[precision], chunked[precision] = _act_per_token(
-                cfg, _probe_scale(cfg), precision, settings)
+            acts[precision], kept[precision], chunked[precision] = act_per_token(
+                cfg, probe_scale(cfg), precision, settings)
     except Exception:  # noqa: BLE001 - an estimate: a probe that fails falls back to the base's figures
         return (dict(base.act_bytes_per_token), dict(base.kept_bytes_per_token),
                 dict(base.chunked_bytes_per_token), "probe (full fine-tuning)")

@@ -139,10 +139,10 @@ def check_device(spec: QuantSpec | str, device: torch.device) -> None:
             raise QuantizeError(f"bitsandbytes {bnb.__version__} found no CUDA library for this GPU/CUDA "
                                 f"version: {scheme} cannot run on {device}")
         if scheme == "int8":
-            # measured on an H200 (bitsandbytes 0.50.2, session 5, bench/results/s5_gpu_tests_2_int8.log):
-            # with eager blocks int8 trains, losses equal PEFT + bitsandbytes to 1e-5, but the
-            # gradient norm differs by 4.2e-5 relative (MatMul8bitLt's fp16 backward over micro-batches),
-            # over the 1e-5 every other scheme meets; until that is pinned down int8 stays a CPU scheme
+            # measured on CUDA (docs/measured.md): int8 trains, its losses equal PEFT + bitsandbytes
+            # to 1e-5, but its gradient norm differs by more (MatMul8bitLt's fp16 backward over
+            # micro-batches) than the 1e-5 every other scheme meets; until that is pinned down int8
+            # stays a CPU scheme
             raise QuantizeError(f"int8 QLoRA is verified on the CPU only; on {device} use --quantize nf4 "
                                 "or fp4 (4-bit bases are smaller and as fast)")
         return

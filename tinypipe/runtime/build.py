@@ -20,10 +20,11 @@ from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool, buffer_count, chunk_numel
 from tinypipe.memory.host_store import HostStore, offload_regions
 from tinypipe.models.compiled import resolve_backend
-from tinypipe.models.decompose import Decomposition, LayerSpec, Shell
+from tinypipe.models.decompose import Decomposition, LayerSpec
 from tinypipe.models.head_loss import HeadLoss
 from tinypipe.models.placement import IN_PLACE_MARK
 from tinypipe.models.segment_attention import segment_attention_for
+from tinypipe.models.shell import Shell
 from tinypipe.planner.ssd import sharded_ssd_refusal
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
@@ -250,9 +251,8 @@ def _replaced_bytes(model: nn.Module, dec: Decomposition, dtype: torch.dtype) ->
     """Host bytes the store frees while it is built: it copies one layer at a time and re-points
     the model's parameters at the copy (``param.data = view``), so their old host storage goes
     (a model built in Python, not by tinypipe's loader). Less the largest layer, which exists
-    twice for a moment. Counting it as kept refused W3 (Llama-2-7B, fp32, clipping: 100.4 GiB
-    "needed", 98.7 available) on a 128 GiB machine whose run then peaked at 100.2 GiB RSS
-    (bench/results/s7_w3_clip_after.json). Storage another object still
+    twice for a moment. Counting it as kept refused a 7B model on a 128 GiB machine where its run
+    fitted (docs/measured.md). Storage another object still
     references is not freed: ``TINYPIPE_SKIP_HOST_MEMORY_CHECK`` is the way out of a wrong guess."""
     seen: set[int] = set()
     freed = 0

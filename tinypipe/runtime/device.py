@@ -9,7 +9,7 @@ import torch
 from tinypipe.devices.backend import Backend
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool
-from tinypipe.models.decompose import Shell
+from tinypipe.models.shell import Shell
 from tinypipe.schedule.ids import Lane
 
 #: Streams per device: the lanes' (compute, uploads, gradient downloads, replicas' gradient

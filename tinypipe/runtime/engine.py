@@ -37,7 +37,8 @@ from tinypipe.models.export import save_hf_directory
 from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
 from tinypipe.models.head import chunk_tokens_for
 from tinypipe.planner.auto import check_keepable
-from tinypipe.planner.sizes import shape_of
+from tinypipe.planner.probe import shape_of
+from tinypipe.quant.hooks import HOOKS as QUANT_HOOKS
 from tinypipe.runtime.build import EngineBuilder
 from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_checkpoint, setting_differences
 from tinypipe.runtime.checkpoint_sharded import find_sharded, load_replicas, save_replicas, sharded_extra
@@ -94,7 +95,7 @@ class StepResult:
 def _prefer_expandable_segments() -> None:
     """Use expandable allocator segments unless the user configured the allocator.
 
-    Activations of varying sizes otherwise fragment fixed segments: measured on W1, 7.5 GiB
+    Activations of varying sizes otherwise fragment fixed segments: measured on a 3B model, 7.5 GiB
     allocated needed 12.2 GiB reserved.
     """
     if "expandable_segments" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
@@ -139,7 +140,8 @@ class Engine:
         # a peft.PeftModel (LoRA): train its inner model; frozen base weights stay at compute precision
         self.peft_model, model = split_peft(model)
         self.model = model
-        self.decomposition = dec = Decomposition(model)
+        # a quantized base (QLoRA) is laid out and copied with the quantization layer's helpers
+        self.decomposition = dec = Decomposition(model, quant=QUANT_HOOKS)
         # the plan given, else the hand-set knobs' or (none set) the planner's; PlanDoesNotFitError
         # (one line) when it cannot fit
         # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs

@@ -386,9 +386,9 @@ class Plan:
         it on that device (in backward order) still downloads, so no backward waits for a download.
 
         It was the largest pack + 1, which let a pack of 3 start only after 2 of the previous
-        pack's 3 downloads: 16.4 ms at each of W1's 9 pack boundaries on an H200, 0.15 s of a
-        1.85 s step (bench/results/s7_w1_base.trace.json). Resident packs accumulate in their own
-        buffers; ``grad_slots`` overrides."""
+        pack's 3 downloads: 8 % of a traced step went to waiting at the pack boundaries
+        (docs/measured.md). Resident packs accumulate in their own buffers; ``grad_slots``
+        overrides."""
         if self.grad_slots:
             return self.grad_slots
         need = max(len(p) for p in self.packs) + 1

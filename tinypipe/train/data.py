@@ -1,26 +1,12 @@
-"""Training data for causal-LM fine-tuning: read, validate, tokenize, pack.
+"""Training data for causal-LM fine-tuning: read, validate, tokenize, pack (:func:`load_dataset`).
 
-Supported inputs (format chosen per file):
-
-* ``.jsonl`` / ``.json`` (JSON Lines), one record per line, detected from the
-  first valid record's keys:
-
-  - ``{"text": ...}``: plain language modelling, every token is trained on.
-  - ``{"prompt": ..., "completion": ...}``: loss only on completion tokens.
-  - ``{"messages": [{"role": ..., "content": ...}, ...]}``: rendered with the
-    tokenizer's chat template, loss only on assistant turns.
-
-* ``.txt``: the whole file is one document.
-
-Examples are tokenized (each ending in EOS) and packed into rows of ``seq_len``
-tokens without ever splitting an example that fits in a row: whole examples
-share a row, each a separate document -- position ids restart at 0 and the
-model attends only within the document (transformers builds block-diagonal
-masks from such position ids; see :func:`pack`). Examples longer than
-``seq_len`` are cut into rows and counted (``DataStats.split_examples``).
-``packing=False`` pads every example to its own row instead. Labels stay
-aligned with ``input_ids`` (the model shifts them, like Hugging Face does);
-``-100`` marks positions excluded from the loss.
+Files are read and validated by :mod:`tinypipe.train.records`, tokenized by
+:mod:`tinypipe.train.tokenizing`, and packed here: examples (each ending in EOS) go into rows of
+``seq_len`` tokens without ever splitting an example that fits in a row: whole examples share a
+row, each a separate document -- position ids restart at 0 and the model attends only within the
+document (transformers builds block-diagonal masks from such position ids; see :func:`pack`).
+Examples longer than ``seq_len`` are cut into rows and counted (``DataStats.split_examples``).
+``packing=False`` pads every example to its own row instead.
 """
 
 from __future__ import annotations
@@ -28,61 +14,18 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import hashlib
-import json
-import logging
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING
 
 import torch
 
-from tinypipe.errors import TinypipeError
+from tinypipe.train.records import DataError, Format, read_records
+from tinypipe.train.tokenizing import IGNORE_INDEX, eos_id, tokenize_examples
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
-
-__all__ = [
-    "IGNORE_INDEX",
-    "ROLES",
-    "DataError",
-    "DataStats",
-    "Example",
-    "PackedDataset",
-    "detect_format",
-    "load_dataset",
-    "pack",
-    "read_jsonl",
-    "read_records",
-    "read_text_file",
-    "tokenize_examples",
-]
-
-log = logging.getLogger(__name__)
-
-IGNORE_INDEX = -100
-"""Label value the loss ignores (``torch.nn.CrossEntropyLoss`` default)."""
-
-ROLES = frozenset({"system", "developer", "user", "assistant", "tool"})
-"""Chat roles accepted in ``messages`` records; anything else is likely a typo."""
-
-Format = Literal["text", "prompt_completion", "chat", "txt"]
-JSONL_SUFFIXES = (".jsonl", ".json")
-TEXT_SUFFIXES = (".txt",)
-_MAX_SHOWN = 80
-_MAX_LOGGED_SKIPS = 10
-
-
-class DataError(TinypipeError, ValueError):
-    """A problem with the user's training data; the message is one line, shown as-is."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(_one_line(message, 500))
-
-
-class _MixedFormats(DataError):
-    """Raised for format mixing, which ``skip_bad_lines`` must not swallow."""
 
 
 @dataclass(frozen=True)
@@ -111,387 +54,6 @@ class DataStats:
         split = (f"; {self.split_examples} example(s) longer than a row split across rows"
                  if self.split_examples else "")
         return f"{self.rows} rows ({how}; {pad:.1f}% padding){split}"
-
-
-@dataclass(frozen=True)
-class Example:
-    """One validated record; ``line`` (1-based) lets later errors point back at the source."""
-
-    line: int
-    text: str = ""
-    prompt: str = ""
-    completion: str = ""
-    messages: tuple[dict[str, str], ...] = ()
-
-
-# --------------------------------------------------------------------------- helpers
-
-
-def _one_line(text: str, limit: int = _MAX_SHOWN) -> str:
-    """Collapse whitespace and truncate, so that messages stay single-line and short."""
-    flat = " ".join(str(text).split())
-    flat = flat.encode("utf-8", "backslashreplace").decode("utf-8")  # lone surrogates would break printing
-    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-def _type_name(value: Any) -> str:
-    """JSON-ish type names read better in errors than Python ones (null, not NoneType)."""
-    names = {type(None): "null", bool: "boolean", int: "number", float: "number",
-             str: "string", list: "array", dict: "object"}
-    return names.get(type(value), type(value).__name__)
-
-
-def _check_unicode(value: str, what: str) -> None:
-    """JSON allows lone surrogates (\\ud800) but tokenizers cannot encode them."""
-    try:
-        value.encode("utf-8")
-    except UnicodeEncodeError:
-        raise DataError(f"{what} contains invalid Unicode (a lone surrogate escape)") from None
-
-
-def _nonempty_str(record: dict[str, Any], key: str) -> str:
-    """Fetch a required string field that must contain some non-whitespace text."""
-    if key not in record:
-        raise DataError(f"missing {key!r} field")
-    value = record[key]
-    if not isinstance(value, str):
-        raise DataError(f"{key!r} must be a string, got {_type_name(value)}")
-    if not value.strip():
-        raise DataError(f"{key!r} is empty")
-    _check_unicode(value, repr(key))
-    return value
-
-
-# --------------------------------------------------------------------------- reading
-
-
-def detect_format(record: dict[str, Any]) -> Format:
-    """Decide a record's format from its keys (extra keys such as ``id`` are ignored)."""
-    if "messages" in record:
-        return "chat"
-    if "prompt" in record or "completion" in record:
-        return "prompt_completion"
-    if "text" in record:
-        return "text"
-    keys = ", ".join(repr(k) for k in list(record)[:5]) or "none"
-    raise DataError(f"no 'text', 'prompt'/'completion' or 'messages' field (keys: {_one_line(keys)})")
-
-
-def _parse_message(index: int, message: Any) -> dict[str, str]:
-    """Validate one chat message; only role and content are kept for rendering."""
-    where = f"messages[{index}]"
-    if not isinstance(message, dict):
-        raise DataError(f"{where} must be an object, got {_type_name(message)}")
-    if "role" not in message:
-        raise DataError(f"{where} has no 'role'")
-    role = message["role"]
-    if not isinstance(role, str) or role not in ROLES:
-        shown = _one_line(repr(role)) if isinstance(role, str) else _type_name(role)
-        raise DataError(f"{where} has unknown role {shown} (expected one of {', '.join(sorted(ROLES))})")
-    if "content" not in message:
-        raise DataError(f"{where} has no 'content'")
-    content = message["content"]
-    if not isinstance(content, str):
-        raise DataError(f"{where} 'content' must be a string, got {_type_name(content)}")
-    _check_unicode(content, f"{where} 'content'")
-    return {"role": role, "content": content}
-
-
-def _parse_example(record: dict[str, Any], fmt: Format, line: int) -> Example:
-    """Validate a record of a known format and turn it into an ``Example``."""
-    if fmt == "text":
-        return Example(line, text=_nonempty_str(record, "text"))
-    if fmt == "prompt_completion":
-        prompt = _nonempty_str(record, "prompt")
-        return Example(line, prompt=prompt, completion=_nonempty_str(record, "completion"))
-    messages = record["messages"]
-    if not isinstance(messages, list) or not messages:
-        raise DataError("'messages' must be a non-empty array")
-    parsed = tuple(_parse_message(i, m) for i, m in enumerate(messages))
-    if not any(m["role"] == "assistant" for m in parsed):
-        raise DataError("'messages' has no assistant message, so there is nothing to train on")
-    return Example(line, messages=parsed)
-
-
-def _decode_json_line(raw: bytes) -> Any:
-    """Bytes of one line -> JSON value; every failure becomes a ``DataError``."""
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise DataError("invalid UTF-8") from None
-    try:
-        return json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"invalid JSON ({exc.msg})") from None
-    except (ValueError, RecursionError) as exc:  # e.g. huge integers, absurd nesting
-        raise DataError(f"invalid JSON ({_one_line(str(exc)) or type(exc).__name__})") from None
-
-
-def _read_bytes(path: Path) -> bytes:
-    """Read a whole file, turning OS errors into ``DataError`` naming the path."""
-    try:
-        return path.read_bytes()
-    except FileNotFoundError:
-        raise DataError(f"{path}: file not found") from None
-    except IsADirectoryError:
-        raise DataError(f"{path}: is a directory, expected a file") from None
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror or exc})") from None
-
-
-def _skip(path: Path, line: int, err: DataError, skipped: int, quiet: bool = False) -> int:
-    """Log (the first few) skipped lines so that skipping is never silent (``quiet``: a check that
-    reads the file again later, which logs them then -- each line is reported once)."""
-    if skipped < _MAX_LOGGED_SKIPS and not quiet:
-        log.warning("skipping %s:%d: %s", path, line, err)
-    return skipped + 1
-
-
-def read_jsonl(path: str | os.PathLike[str], *,
-               skip_bad_lines: bool = False, quiet: bool = False) -> tuple[Format, list[Example], int]:
-    """Read a JSON Lines file into validated examples.
-
-    Returns ``(format, examples, bad_lines_skipped)``. Blank lines are ignored.
-    A bad line raises ``DataError("file:line: why")`` unless ``skip_bad_lines``;
-    a record of a different format than the file's is always an error, since
-    that means the file is not what the user thinks it is.
-    """
-    path = Path(path)
-    data = _read_bytes(path)
-    if data.startswith(b"\xef\xbb\xbf"):  # UTF-8 BOM written by some editors
-        data = data[3:]
-    fmt: Format | None = None
-    fmt_line = 0
-    examples: list[Example] = []
-    skipped = 0
-    for line_no, raw in enumerate(data.split(b"\n"), start=1):
-        if not raw.strip():
-            continue
-        try:
-            record = _decode_json_line(raw)
-            if not isinstance(record, dict):
-                raise DataError(f"expected a JSON object, got {_type_name(record)}")
-            record_fmt = detect_format(record)
-            if fmt is not None and record_fmt != fmt:
-                raise _MixedFormats(
-                    f"{path}:{line_no}: record is {record_fmt!r} but the file is {fmt!r} "
-                    f"(from line {fmt_line}); one format per file"
-                )
-            example = _parse_example(record, record_fmt, line_no)
-        except _MixedFormats:
-            raise
-        except DataError as err:
-            if not skip_bad_lines:
-                raise DataError(f"{path}:{line_no}: {err}") from None
-            skipped = _skip(path, line_no, err, skipped, quiet)
-            continue
-        if fmt is None:
-            fmt, fmt_line = record_fmt, line_no
-        examples.append(example)
-    if fmt is None:
-        extra = f" ({skipped} bad lines skipped)" if skipped else ""
-        raise DataError(f"{path}: no usable records{extra}")
-    return fmt, examples, skipped
-
-
-def read_text_file(path: str | os.PathLike[str]) -> str:
-    """Read a ``.txt`` file as one document (UTF-8; a BOM is dropped)."""
-    path = Path(path)
-    data = _read_bytes(path)
-    try:
-        text = data.decode("utf-8-sig")
-    except UnicodeDecodeError as exc:
-        line = data.count(b"\n", 0, exc.start) + 1
-        raise DataError(f"{path}:{line}: invalid UTF-8") from None
-    if not text.strip():
-        raise DataError(f"{path}: file is empty")
-    return text
-
-
-def read_records(path: str | os.PathLike[str], *, skip_bad_lines: bool = False,
-                 quiet: bool = False) -> tuple[Format, list[Example], int]:
-    """Read any supported file, dispatching on its extension (``quiet``: skipped lines not logged)."""
-    path = Path(path)
-    suffix = path.suffix.lower()
-    if suffix in JSONL_SUFFIXES:
-        return read_jsonl(path, skip_bad_lines=skip_bad_lines, quiet=quiet)
-    if suffix in TEXT_SUFFIXES:
-        return "txt", [Example(1, text=read_text_file(path))], 0
-    if not path.exists():
-        raise DataError(f"{path}: file not found")
-    accepted = ", ".join(JSONL_SUFFIXES + TEXT_SUFFIXES)
-    raise DataError(f"{path}: unsupported file type {suffix or '(no extension)'!r}; expected one of "
-                    f"{accepted}")
-
-
-# --------------------------------------------------------------------------- tokenizing
-
-
-def _encode(tokenizer: PreTrainedTokenizerBase, texts: Sequence[str], special: bool) -> list[list[int]]:
-    """Batch-encode with the tokenizer's normal special-token behaviour (e.g. BOS)."""
-    if not texts:
-        return []
-    out = tokenizer(list(texts), add_special_tokens=special, verbose=False)["input_ids"]
-    return [list(ids) for ids in out]
-
-
-def _eos_id(tokenizer: PreTrainedTokenizerBase) -> int:
-    """Documents are separated by EOS, so a tokenizer without one cannot be used."""
-    eos = tokenizer.eos_token_id
-    if eos is None:
-        raise DataError("the tokenizer has no EOS token; set tokenizer.eos_token")
-    return int(eos)
-
-
-def _strip_eos(ids: list[int], eos: int) -> list[int]:
-    """Drop an EOS the tokenizer appended itself, so that a prompt does not end the document."""
-    return ids[:-1] if ids and ids[-1] == eos else ids
-
-
-def _tokenize_text(tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example],
-                   eos: int) -> list[tuple[list[int], list[int]]]:
-    """Plain text: every token, EOS included, is a training target."""
-    out = []
-    for ids in _encode(tokenizer, [e.text for e in examples], special=True):
-        ids = _strip_eos(ids, eos) + [eos]
-        out.append((ids, list(ids)))
-    return out
-
-
-def _tokenize_prompt_completion(
-    tokenizer: PreTrainedTokenizerBase, examples: Sequence[Example], eos: int
-) -> list[tuple[list[int], list[int]]]:
-    """Prompt and completion are tokenized apart so the mask boundary is exact."""
-    prompts = _encode(tokenizer, [e.prompt for e in examples], special=True)
-    completions = _encode(tokenizer, [e.completion for e in examples], special=False)
-    out = []
-    for p, c in zip(prompts, completions):
-        p = _strip_eos(p, eos)
-        c = c + [eos]  # the model must learn to stop after the completion
-        out.append((p + c, [IGNORE_INDEX] * len(p) + c))
-    return out
-
-
-def _render(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]],
-            generation_prompt: bool) -> str:
-    """Render messages with the chat template; template failures become ``DataError``."""
-    try:
-        rendered = tokenizer.apply_chat_template(
-            list(messages), tokenize=False, add_generation_prompt=generation_prompt
-        )
-    except Exception as exc:  # user-supplied Jinja can raise anything
-        raise DataError(f"chat template failed: {type(exc).__name__}: {_one_line(str(exc))}") from None
-    if not isinstance(rendered, str):
-        raise DataError(f"chat template returned {type(rendered).__name__}, expected a string")
-    return rendered
-
-
-def _find_content(full: str, content: str, cursor: int, index: int) -> tuple[int, int]:
-    """Fallback: locate an assistant message's text verbatim in the rendering."""
-    for needle in (content, content.strip()):
-        pos = full.find(needle, cursor)
-        if pos >= 0:
-            return pos, pos + len(needle)
-    raise DataError(f"chat template does not render messages[{index}] verbatim; cannot find the assistant "
-                    "tokens")
-
-
-def _assistant_spans(tokenizer: PreTrainedTokenizerBase, messages: Sequence[dict[str, str]],
-                     full: str) -> list[tuple[int, int]]:
-    """Character spans of ``full`` that belong to assistant turns.
-
-    The span of assistant message ``i`` runs from the end of the rendering of
-    ``messages[:i]`` plus the generation prompt to the end of the rendering of
-    ``messages[:i+1]``, so it covers the content and the template's
-    end-of-turn marker (the model must learn to stop). Where a template does
-    not render prefixes consistently (or the turn is first), that boundary
-    falls back to where the content appears verbatim.
-    """
-    spans: list[tuple[int, int]] = []
-    cursor = 0
-    for i, message in enumerate(messages):
-        if message["role"] != "assistant":
-            continue
-        content = message["content"]
-        start_text = _render(tokenizer, messages[:i], generation_prompt=True) if i else ""
-        end_text = _render(tokenizer, messages[: i + 1], generation_prompt=False)
-        if i and cursor <= len(start_text) and full.startswith(start_text):
-            start = len(start_text)
-        elif content.strip():
-            start = _find_content(full, content, cursor, i)[0]
-        else:  # an empty reply with no usable prefix: nothing to locate or learn
-            continue
-        if full.startswith(end_text) and len(end_text) >= start:
-            end = len(end_text)
-        elif content.strip():
-            end = _find_content(full, content, start, i)[1]
-        else:
-            end = start
-        spans.append((start, end))
-        cursor = end
-    return spans
-
-
-def _tokenize_chat(tokenizer: PreTrainedTokenizerBase, example: Example,
-                   eos: int) -> tuple[list[int], list[int]]:
-    """Render with the chat template; label only tokens inside assistant spans.
-
-    Segments are tokenized separately (without extra special tokens, as
-    ``apply_chat_template`` does: templates insert BOS themselves) so every
-    token belongs wholly to one side of the mask.
-    """
-    messages = example.messages
-    full = _render(tokenizer, messages, generation_prompt=False)
-    ids: list[int] = []
-    labels: list[int] = []
-    cursor = 0
-    for start, end in _assistant_spans(tokenizer, messages, full) + [(len(full), len(full))]:
-        for text, trained in ((full[cursor:start], False), (full[start:end], True)):
-            if text:
-                seg = _encode(tokenizer, [text], special=False)[0]
-                ids += seg
-                labels += seg if trained else [IGNORE_INDEX] * len(seg)
-        cursor = end
-    if not ids or ids[-1] != eos:
-        ids.append(eos)
-        labels.append(eos if messages[-1]["role"] == "assistant" else IGNORE_INDEX)
-    return ids, labels
-
-
-def tokenize_examples(
-    examples: Sequence[Example],
-    fmt: Format,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    source: str = "<data>",
-    skip_bad_lines: bool = False,
-) -> tuple[list[tuple[list[int], list[int]]], int]:
-    """Tokenize examples into ``(input_ids, labels)`` pairs, each ending in EOS.
-
-    Returns the pairs and how many chat records were skipped because the
-    template failed on them (only with ``skip_bad_lines``; otherwise
-    ``DataError("source:line: ...")``).
-    """
-    eos = _eos_id(tokenizer)
-    if fmt in ("text", "txt"):
-        return _tokenize_text(tokenizer, examples, eos), 0
-    if fmt == "prompt_completion":
-        return _tokenize_prompt_completion(tokenizer, examples, eos), 0
-    if not getattr(tokenizer, "chat_template", None):
-        raise DataError(f"{source}: chat-format data needs a tokenizer with a chat template, and this one "
-                        "has none")
-    out, skipped = [], 0
-    for example in examples:
-        try:
-            out.append(_tokenize_chat(tokenizer, example, eos))
-        except DataError as err:
-            if not skip_bad_lines:
-                raise DataError(f"{source}:{example.line}: {err}") from None
-            skipped = _skip(Path(source), example.line, err, skipped)
-    return out, skipped
-
-
-# --------------------------------------------------------------------------- packing
 
 
 class PackedDataset:
@@ -650,9 +212,6 @@ def pack(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], seq_len: int, *, 
     return dataset, stats
 
 
-# --------------------------------------------------------------------------- entry point
-
-
 def load_dataset(
     path: str | os.PathLike[str],
     tokenizer: PreTrainedTokenizerBase,
@@ -669,7 +228,7 @@ def load_dataset(
                                              skip_bad_lines=skip_bad_lines)
     if not pairs:
         raise DataError(f"{path}: no usable records ({bad + bad_tokenized} bad lines skipped)")
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else _eos_id(tokenizer)
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_id(tokenizer)
     try:
         dataset, stats = pack(pairs, seq_len, packing=packing, pad_id=int(pad))
     except DataError as err:

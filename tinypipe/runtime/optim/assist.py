@@ -3,8 +3,8 @@
 When global-norm clipping triggers (or a step does not speculate), every host-stepped layer's
 update waits for the global norm and runs after the backward, on the host, in the next step's
 upload order; each upload of the next forward waits for its layer's update
-(:mod:`tinypipe.runtime.optim.background`). On an H200 the 16 cores step ~3.7 G params/s while the
-link idles: W1 (3B) clipped ran 0.87x its unclipped speed, W3 (7B) 0.78x (bench/results/s7_*).
+(:mod:`tinypipe.runtime.optim.background`). Meanwhile the link idles, and the host pass bounds the
+step: with 16 cores a clipped step ran 0.78-0.87x its unclipped speed (docs/measured.md).
 
 For the layers in ``Plan.assisted`` the host skips that update. The layer's first upload of the
 next step does it instead (:meth:`AssistedUpdates.run`): chunk by chunk, the fp32 master, both
@@ -15,8 +15,8 @@ this is also the layer's weight upload -- and master and moments come back on th
 chooses the layers (:mod:`tinypipe.planner.assist`).
 
 Without clipping (and ``nonfinite="raise"``) no update waits for the norm, and the host AdamW
-running beside the backward is what bounds the step of a large model (W3: the backward phase took
-2.68 s for 1.45 s of compute, bench/results/s7_w3_final.json). There an assisted layer is stepped
+running beside the backward is what bounds the step of a large model (its backward phase can take
+nearly twice its compute, docs/measured.md). There an assisted layer is stepped
 on the device right after its backward (:meth:`AssistedUpdates.step_after_backward`): master and
 moments go up (12 B/param) and come back (12 B/param, instead of its 4 B/param fp32 gradient),
 and the host steps only the other layers.

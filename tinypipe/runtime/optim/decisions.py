@@ -184,10 +184,9 @@ class StepDecisions:
         about one float32 rounding of the gradient; bench/archive/clip_bench.py times both.
 
         Without an undo the layer is stepped in one fused call, which the kernel parallelises over
-        the whole layer: 4.40 G params/s against 3.89 in 16 MiB chunks on the H200's 16 cores
-        (bench/archive/adamw_split_bench.py, bench/results/s7_adamw_whole_after.json); W1's clipped step
-        went from 2.21 to 2.01 s. Fewer calls also mean fewer GIL retakes for the background lane
-        while the next step's lanes launch kernels."""
+        the whole layer: measured 13 % faster than in 16 MiB chunks on 16 cores
+        (bench/archive/adamw_split_bench.py, docs/measured.md). Fewer calls also mean fewer GIL
+        retakes for the background lane while the next step's lanes launch kernels."""
         state, grad = self._views(layer)
         scale = None
         if coef != 1.0:

@@ -1,4 +1,8 @@
-"""What a device shell (:class:`tinypipe.models.decompose.Shell`) needs for bitsandbytes modules.
+"""What the model layer needs for bitsandbytes modules, handed to it as :data:`HOOKS`
+(:class:`tinypipe.models.quant_hooks.QuantHooks`: the model layer never imports this one).
+
+The decomposition lays a quantized weight out by its payload (:func:`packed_layouts`). A device
+shell (:class:`tinypipe.models.shell.Shell`) needs the rest.
 
 A shell is a parameter-less deep copy of the model; its parameters are bound to views of device
 slots per task. bitsandbytes modules carry quantization state outside their parameters
@@ -14,7 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from tinypipe.quant.model import quantized_modules
+from tinypipe.models.quant_hooks import QuantHooks
+from tinypipe.quant.model import packed_layouts, quantized_modules
 from tinypipe.quant.spec import check_device
 
 
@@ -51,3 +56,8 @@ def freeze_quantized_modes(shell_model: nn.Module) -> None:
     bitsandbytes on a frozen base) use; dropout lives in the LoRA wrappers, which follow the shell."""
     for _, m in quantized_modules(shell_model):
         m.eval()
+
+
+#: what the runtime passes to :class:`~tinypipe.models.decompose.Decomposition` (``quant=HOOKS``)
+HOOKS = QuantHooks(packed_layouts=packed_layouts, shell_memo=shell_memo, prepare_shell=prepare_shell,
+                   freeze_modes=freeze_quantized_modes)
