@@ -141,7 +141,7 @@ def test_merged_documents_fail_these_tolerances(monkeypatch: pytest.MonkeyPatch)
     def merged(input_ids, attention_mask, position_ids):  # type: ignore[no-untyped-def]
         return real(input_ids, attention_mask, None)
 
-    monkeypatch.setattr("tinypipe.models.decompose.segment_starts", merged)
+    monkeypatch.setattr("tinypipe.models.shell.segment_starts", merged)
     model = make_model("llama")
     randomize_biases(model)
     init = {k: v.clone() for k, v in model.state_dict().items()}
