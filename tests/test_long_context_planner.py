@@ -88,3 +88,26 @@ def test_plan_command_prints_the_chunk_and_refuses_in_one_line(capsys: pytest.Ca
     assert len(err.splitlines()) == 1 and "needs" in err and "GiB GPU memory" in err
     assert main([*args, "--seq-len", "65536", "--mlp-chunk-tokens", "4096"]) == EXIT_OK
     assert "chunks of 4,096 tokens" in capsys.readouterr().out
+
+
+def test_the_time_model_counts_the_chunks_recompute() -> None:
+    """8B, 2 x 65536 tokens, pack 1, micro-batch 1, host stash, on the H200 preset: with MLPs in
+    chunks of 8192 the backward recomputes every block's matmuls but o_proj's once more (norms,
+    q/k/v, MLP under the chunks' checkpoints) at the recompute rate -- the backward is the step's
+    critical path there -- and the boundary gradients cross the host link; a micro-batch within
+    one chunk prices exactly as unchunked."""
+    from tinypipe.planner.cost import predict_step_time
+    from tinypipe.planner.hardware import load_hardware
+    from tinypipe.planner.work import rates_for
+
+    s, hw = _sizes(), load_hardware("h200-pcie5")
+    plan = make_plan(s.num_blocks, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1,
+                     num_devices=1, prefetch_window=1, stash="host", tied=s.tied)
+    kw = dict(batch=2, seq=65536, precision="bf16")
+    base = predict_step_time(s, plan, hw, **kw).step_s
+    chunked = predict_step_time(s, plan, hw, mlp_chunk=8192, **kw).step_s
+    o_proj = s.hidden * s.num_heads * s.head_dim
+    again = sum(2.0 * (s.block_params[b] - o_proj) for b in range(s.num_blocks)) * 2 * 65536
+    rate = rates_for(hw, "bf16", 65536, tf=65536, tb=65536).recompute
+    assert chunked - base >= 0.99 * again / rate, (chunked - base, again / rate)
+    assert predict_step_time(s, plan, hw, mlp_chunk=131072, **kw).step_s == base

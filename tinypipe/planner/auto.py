@@ -365,7 +365,8 @@ def _check_fits(model: nn.Module, config: Config, plan: Plan) -> Plan:
             "knobs unset to let the planner choose, or lower micro_batch_size / pack_size")
     if c.host_need <= host:
         return plan
-    spill = Spill(sizes, ssd, host, precision=config.precision, retain_grads=config.max_grad_norm is not None)
+    spill = Spill(sizes, ssd, host, precision=config.precision, retain_grads=config.max_grad_norm is not None,
+                  mlp_chunk=mlp_chunk)
     settled = spill.settle(c, ev)
     if settled is not None:
         return settled.plan

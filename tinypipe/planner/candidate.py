@@ -94,7 +94,7 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     need = gpu_need(mem)
     room = assist and need + 4 * assist_scratch_numel(True) <= assist_within  # type: ignore[operator]
     t = predict_step_time(sizes, plan, hardware, batch=global_batch, seq=seq, precision=precision,
-                          clipping=clipping, assist=bool(room))
+                          clipping=clipping, assist=bool(room), mlp_chunk=mlp_chunk)
     if t.assisted != plan.assisted:  # chosen here: the same plan, with the scratch
         plan = dataclasses.replace(plan, assisted=t.assisted)
         mem = memory(plan, [cats["activations_peak"] for cats in mem.devices.values()])

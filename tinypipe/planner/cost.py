@@ -110,6 +110,7 @@ from tinypipe.planner.work import (
     Lanes,
     Rates,
     Work,
+    add_host_gradient_traffic,
     add_host_kept_traffic,
     add_stash_traffic,
     backward_terms,
@@ -183,25 +184,29 @@ class StepTime:
 
 
 def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
-                      precision: str = "bf16", clipping: bool = True, assist: bool = False) -> StepTime:
+                      precision: str = "bf16", clipping: bool = True, assist: bool = False,
+                      mlp_chunk: int = 0) -> StepTime:
     """Seconds per optimizer step of ``plan`` for ``batch`` sequences of ``seq`` tokens (``clipping``:
     also of a step where global-norm clipping triggers, ``StepTime.clipped_step_s``, with
     ``plan.assisted``; without ``clipping`` the assisted layers are stepped after their backward).
     ``assist``: choose the layers to assist instead (``plan.assisted`` is ignored) -- under
     ``clipping`` those whose clipped step raced with them is shorter
     (:func:`tinypipe.planner.assist.choose_assisted`), without it those that shorten the backward
-    and tail (:func:`choose_backward_assist`): ``StepTime.assisted``."""
+    and tail (:func:`choose_backward_assist`): ``StepTime.assisted``. ``mlp_chunk`` (tokens per
+    MLP chunk, 0: unchunked): a backward micro-batch of more tokens recomputes its chunks' matmuls
+    once more, and host-stashed boundaries' gradients travel through host memory."""
     if assist and plan.assisted:
         plan = dataclasses.replace(plan, assisted=())
     P, R = plan.num_packs, plan.resident_packs
     tokens = batch * seq
-    w = Work.of(sizes, plan, hw, batch=batch, seq=seq, precision=precision)
+    w = Work.of(sizes, plan, hw, batch=batch, seq=seq, precision=precision, mlp_chunk=mlp_chunk)
     rates, fwd_flops, packs, dequant = w.rates, w.fwd_flops, w.packs, w.dequant
     trains = sizes.layer_train_numels
     lora = bool(sizes.frozen_total)
 
-    lanes = pack_work(packs, fwd_flops, rates, lora, dequant)
+    lanes = pack_work(packs, fwd_flops, rates, lora, dequant, w.chunk_flops)
     add_stash_traffic(lanes, plan, stash_bytes=w.stash_bytes)
+    add_host_gradient_traffic(lanes, plan, w.stash_bytes, mlp_chunk > 0)
     if plan.kept_on_host:
         held = [kept_bytes(sizes, plan, q, batch=batch, seq=seq, precision=precision)
                 if plan.on_host(q) else 0 for q in range(P)]

@@ -313,7 +313,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                      assist_within=assist, mlp_chunk=mlp_chunk)
         return c if host_shards == 1 else sharded_candidate(c, sizes, host_shards, max_grad_norm is not None)
 
-    spill = Spill(sizes, ssd, cpu_memory_bytes, precision=precision, retain_grads=max_grad_norm is not None)
+    spill = Spill(sizes, ssd, cpu_memory_bytes, precision=precision, retain_grads=max_grad_norm is not None,
+                  mlp_chunk=mlp_chunk)
 
     def settle(c: Candidate) -> Candidate | None:
         return spill.settle(c, ev)
@@ -401,7 +402,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     hiding = None
     if ssd is not None and best.plan.offload and hiding_search:
         fresh = Spill(sizes, ssd, cpu_memory_bytes, precision=precision,
-                      retain_grads=max_grad_norm is not None)
+                      retain_grads=max_grad_norm is not None, mlp_chunk=mlp_chunk)
         hiding = hiding_batch(sizes, hw, best.plan, lambda p, b: ev(p, None, b), fresh, seq=seq,
                               precision=precision, gpu_mem=gpu_mem)
         if hiding.batch is None or not hiding.fits_gpu:  # these knobs cannot get there: re-plan
@@ -416,7 +417,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                 assist_updates=assist_updates, turn_packs=turn_packs,
                                 mlp_chunk_tokens=mlp_chunk).best
 
-            hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision)
+            hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision,
+                                      mlp_chunk=mlp_chunk)
     return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
                       gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq,
                       global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,

@@ -44,9 +44,10 @@ class Spill:
     """Offload decisions for one search (``ssd`` None: DRAM only, plans that do not fit are refused)."""
 
     def __init__(self, sizes: ModelSizes, ssd: SsdSpec | None, cpu_mem: int, *, precision: str,
-                 retain_grads: bool) -> None:
+                 retain_grads: bool, mlp_chunk: int = 0) -> None:
         self.sizes, self.ssd, self.cpu_mem = sizes, ssd, cpu_mem
         self.precision, self.retain_grads = precision, retain_grads
+        self.mlp_chunk = mlp_chunk  # the blocks' MLP chunk the plans run with (0: unchunked)
         self.least_host: Candidate | None = None  # refused: DRAM too small even with the SSD
         self.least_host_need = 0
         self.least_disk: int | None = None  # refused: the disk too small (bytes the smallest one needed)
@@ -133,7 +134,8 @@ def hiding_batch(sizes: ModelSizes, hw: HardwareSpec, plan: Plan,
         settled = spill.settle(c, lambda p, peaks: evaluate_at(p, batch))
         if settled is None:
             return False, None
-        ideal = predict_step_time(sizes, settled.plan, fast, batch=batch, seq=seq, precision=precision)
+        ideal = predict_step_time(sizes, settled.plan, fast, batch=batch, seq=seq, precision=precision,
+                                  mlp_chunk=spill.mlp_chunk)
         return settled.time.step_s <= ideal.step_s * (1 + HIDDEN_SHARE), settled
 
     found, stop = _first_hidden(at, 0, 1, MAX_HIDING_BATCH, lambda hi: 1)
@@ -175,7 +177,8 @@ def _first_hidden(at: Callable[[int], tuple[bool, Candidate | None]], lo: int, h
 
 
 def replanned_hiding(best_at: Callable[[int], Candidate], sizes: ModelSizes, hw: HardwareSpec, *,
-                     start: int, seq: int, precision: str, max_batch: int = MAX_HIDING_BATCH) -> IoHiding:
+                     start: int, seq: int, precision: str, max_batch: int = MAX_HIDING_BATCH,
+                     mlp_chunk: int = 0) -> IoHiding:
     """When the chosen plan's knobs cannot reach a hiding batch (its host stash outgrows DRAM, or
     its activations the GPU): the planner's best plan at 2, 4, 8... times ``start`` sequences
     (``best_at(batch)``, raising PlanDoesNotFitError), the first that hides the I/O, narrowed down by
@@ -191,7 +194,8 @@ def replanned_hiding(best_at: Callable[[int], Candidate], sizes: ModelSizes, hw:
         except PlanDoesNotFitError as exc:
             why[0] = " ".join(str(exc).split(";")[0].split())  # what it needs, not the advice
             return False, None
-        ideal = predict_step_time(sizes, c.plan, fast, batch=batch, seq=seq, precision=precision)
+        ideal = predict_step_time(sizes, c.plan, fast, batch=batch, seq=seq, precision=precision,
+                                  mlp_chunk=mlp_chunk)
         tried.append((c.tokens_per_s, batch, c.time.step_s / ideal.step_s - 1))
         return c.time.step_s <= ideal.step_s * (1 + HIDDEN_SHARE), c
 

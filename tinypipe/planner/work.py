@@ -17,7 +17,7 @@ from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.host_lane import Arrival, BackwardOrder
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.quant.cost import dequant_seconds, passes_per_step
-from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.plan import Plan, host_gradient_boundaries
 
 
 #: Tokens at which a micro-batch runs at half its asymptotic rate (fitted on two micro-batch sizes,
@@ -173,26 +173,36 @@ class Work:
     dequant: list[tuple[float, float]]
     stash_bytes: int
     slowdown: float
+    #: per pack, FLOPs the backward runs again for token-chunked blocks (models/chunked_mlp.py: each
+    #: chunk's norms, q/k/v projections and MLP are recomputed under its checkpoint); 0 unchunked
+    chunk_flops: list[float] = field(default_factory=list)
 
     @staticmethod
-    def of(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int, precision: str) -> Work:
+    def of(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int, precision: str,
+           mlp_chunk: int = 0) -> Work:
         tokens = batch * seq
         rates = rates_for(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
                        tb=min(plan.backward_micro_batch_size, batch) * seq)
         attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim  # causal QK^T + AV, forward
         stats = pack_stats(sizes, plan.packs)
         fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
+        chunked = mlp_chunk > 0 and min(plan.backward_micro_batch_size, batch) * seq > mlp_chunk
+        if chunked:  # the backward recomputes each token chunk: its blocks' matmuls but o_proj's again
+            o_proj = sizes.hidden * sizes.num_heads * sizes.head_dim
+            fwd_flops_again = [2.0 * (st[2] - o_proj * len(p)) * tokens for st, p in zip(stats, plan.packs)]
+        else:
+            fwd_flops_again = [0.0] * len(plan.packs)
         elem = 2 if precision == "bf16" else 4
         packs = Packs(sizes, plan, stats, frozen_bytes=elem)
         n = plan.num_devices
         # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
         slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
         return Work(rates, fwd_flops, packs, _dequant_work(sizes, plan, batch, hw),
-                     tokens * sizes.hidden * elem, slowdown)
+                     tokens * sizes.hidden * elem, slowdown, fwd_flops_again)
 
 
 def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
-               dequant: list[tuple[float, float]]) -> Lanes:
+               dequant: list[tuple[float, float]], chunk_flops: Sequence[float] = ()) -> Lanes:
     """Each pack's compute on its forward and backward device (``dequant``: QLoRA's dequantization
     seconds per pack, forward and backward), and the uploads and gradient downloads of the packs
     that move (resident packs never do)."""
@@ -212,6 +222,8 @@ def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
             pass_s = bwd_mult * fwd_flops[q] / rates.kept_backward
         else:
             pass_s = fwd_flops[q] / rates.recompute + bwd_mult * fwd_flops[q] / rates.backward
+        if chunk_flops:
+            pass_s += chunk_flops[q] / rates.recompute
         b_s = pass_s + PACK_OVERHEAD_S + dequant[q][1] + (
             packs.exposed(q, rates.h2d) if q not in carried and not res else 0.0)
         lanes.b_comp[db] += b_s
@@ -251,6 +263,16 @@ def add_stash_traffic(lanes: Lanes, plan: Plan, stash_bytes: int) -> None:
             lanes.f_up[reader] += stash_bytes
             if q < P and not plan.kept(q):  # a kept pack's backward reads no stash
                 lanes.b_up[plan.bwd_device[q]] += stash_bytes
+
+
+def add_host_gradient_traffic(lanes: Lanes, plan: Plan, stash_bytes: int, long_sequences: bool) -> None:
+    """Boundary gradients in their host stash's rows (long sequences,
+    :func:`~tinypipe.schedule.plan.host_gradient_boundaries`): written down by the pack whose
+    input it is, read up by the pack before it, both in the backward."""
+    for q, on_host in enumerate(host_gradient_boundaries(plan, long_sequences)):
+        if on_host:
+            lanes.down[plan.bwd_device[q]] += stash_bytes
+            lanes.b_up[plan.bwd_device[q - 1]] += stash_bytes
 
 
 def add_host_kept_traffic(lanes: Lanes, plan: Plan, held: Sequence[int]) -> None:
