@@ -1,4 +1,5 @@
-"""``finetune --output`` (and ``demo --output``): refuse, before the model loads, to write where it would destroy what is there.
+"""``finetune --output`` and ``demo --output``: refuse, before the model loads, to write where it would
+destroy what is there.
 
 A fresh run (no ``--resume``) into a directory holding a tinypipe checkpoint or a saved model would
 replace them (the first checkpoint rotates the old one away, the final save overwrites the model):

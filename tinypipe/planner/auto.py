@@ -398,7 +398,8 @@ def lora_settings_of(model: nn.Module):  # -> LoraSettings | None
 
     active = getattr(model, "active_adapter", None)
     pc = getattr(model, "peft_config", {}).get(active) if isinstance(active, str) else None
-    if pc is None or getattr(pc, "peft_type", None) is None or str(getattr(pc.peft_type, "value", pc.peft_type)) != "LORA":
+    kind = getattr(pc, "peft_type", None)
+    if pc is None or kind is None or str(getattr(kind, "value", kind)) != "LORA":
         raise refuse(f"the active adapter {active!r} is not a LoRA adapter")
     adapted = {name.rsplit(".", 1)[-1]: module for name, module in model.named_modules()
                if active in getattr(module, "lora_A", {})}
