@@ -23,6 +23,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import ExitStack, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -32,9 +33,10 @@ from safetensors.torch import load_file, save_file
 from tinypipe.distributed.group import Replicas
 from tinypipe.errors import ConfigError
 from tinypipe.memory.host_store import HostStore
-from tinypipe.runtime.checkpoint import (CheckpointWriteError, describe_os_error, find_checkpoint,
-                                         load_checkpoint, save_checkpoint, swap_in)
+from tinypipe.runtime.checkpoint import (CheckpointWriteError, committing, describe_os_error, find_checkpoint,
+                                         load_checkpoint, phase, save_checkpoint, swap_in, writing)
 from tinypipe.runtime.checksums import BackgroundHasher, verify
+from tinypipe.runtime.exit_guard import ExitGuard
 from tinypipe.runtime.optim.path import OptimizerPath
 from tinypipe.runtime.optim.sharded import ShardedOptimizerPath
 from tinypipe.write_errors import os_errors
@@ -48,36 +50,40 @@ def rank_dir(rank: int, world: int) -> str:
 
 
 def save_sharded(store: HostStore, optimizer: ShardedOptimizerPath, replicas: Replicas,
-                 path: str | os.PathLike, extra: dict[str, Any]) -> Path:
-    """Write this rank's shard; rank 0 commits the manifest once every rank has (collective)."""
+                 path: str | os.PathLike, extra: dict[str, Any], guard: ExitGuard | None = None) -> Path:
+    """Write this rank's shard; rank 0 commits the manifest once every rank has (collective).
+
+    ``guard``: a process exit meanwhile removes the temporary directory -- rank 0's from its
+    creation to its swap, another rank's while it writes its shard (rank 0 cannot be swapping then:
+    it waits for that rank's vote) -- or waits for rank 0's swap."""
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     rank, world = replicas.rank, replicas.size
     failed = ""
-    if rank == 0:
-        try:
-            final.parent.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir()
-        except OSError as exc:
-            failed = describe_os_error(exc)
-    replicas.host.barrier()  # the temporary directory exists
-    digests: dict[str, str] = {}
-    if not failed:
-        try:
-            with os_errors():
-                digests = _write_shard(store, optimizer, tmp / rank_dir(rank, world))
-        except OSError as exc:
-            failed = describe_os_error(exc)
-    if replicas.host.any_flag(bool(failed)):  # every rank wrote its shard, or none commits
+    with ExitStack() as held:
         if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise CheckpointWriteError(f"cannot write checkpoint {final}: "
-                                   f"{failed or 'another rank could not write its shard'}")
-    every = replicas.host.all_gather_object(digests)  # each rank's file -> sha256, for the manifest
-    if rank == 0:
-        sha256 = {name: digest for per_rank in every for name, digest in dict(per_rank).items()}
-        _commit(store, optimizer, replicas, final, tmp, dict(extra), sha256)
+            try:
+                final.parent.mkdir(parents=True, exist_ok=True)
+                held.enter_context(writing(guard, tmp, create=True))
+            except OSError as exc:
+                failed = describe_os_error(exc)
+        replicas.host.barrier()  # the temporary directory exists
+        digests: dict[str, str] = {}
+        if not failed:
+            try:
+                with os_errors(), writing(guard, tmp, create=False) if rank else nullcontext():
+                    digests = _write_shard(store, optimizer, tmp / rank_dir(rank, world))
+            except OSError as exc:
+                failed = describe_os_error(exc)
+        if replicas.host.any_flag(bool(failed)):  # every rank wrote its shard, or none commits
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointWriteError(f"cannot write checkpoint {final}: "
+                                       f"{failed or 'another rank could not write its shard'}")
+        every = replicas.host.all_gather_object(digests)  # each rank's file -> sha256, for the manifest
+        if rank == 0:
+            sha256 = {name: digest for per_rank in every for name, digest in dict(per_rank).items()}
+            _commit(store, optimizer, replicas, final, tmp, dict(extra), sha256, guard)
     replicas.host.barrier()  # the checkpoint is in place before any rank goes on
     return final
 
@@ -99,6 +105,7 @@ def _write_shard(store: HostStore, optimizer: ShardedOptimizerPath, where: Path)
             with open(name, "rb+") as f:
                 os.fsync(f.fileno())
             hasher.submit(name)
+            phase("layer")
         digests = hasher.digests()
     _fsync_dir(where)
     return {f"{where.name}/{name}": digest for name, digest in digests.items()}
@@ -109,7 +116,7 @@ def _layer_file(i: int) -> str:
 
 
 def _commit(store: HostStore, optimizer: ShardedOptimizerPath, replicas: Replicas, final: Path, tmp: Path,
-            extra: dict[str, Any], sha256: dict[str, str]) -> None:
+            extra: dict[str, Any], sha256: dict[str, str], guard: ExitGuard | None) -> None:
     view = optimizer.view
     layers = [{"name": s.spec.name, "numel": s.spec.numel, "train_numel": s.spec.train_numel,
                "sharded": i in view.shards, "step": view.layers[i].step}
@@ -121,7 +128,8 @@ def _commit(store: HostStore, optimizer: ShardedOptimizerPath, replicas: Replica
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    swap_in(tmp, final)  # the swap of runtime/checkpoint.py (same invariant)
+    with committing(guard, tmp):
+        swap_in(tmp, final)  # the swap of runtime/checkpoint.py (same invariant)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -205,15 +213,15 @@ def _load_shard(optimizer: ShardedOptimizerPath, where: Path, entries: list[dict
 
 
 def save_replicas(store: HostStore, optimizer: OptimizerPath, replicas: Replicas, step_count: int,
-                  path: str | os.PathLike, extra: dict[str, Any]) -> Path:
+                  path: str | os.PathLike, extra: dict[str, Any], guard: ExitGuard | None = None) -> Path:
     """A replicas' checkpoint (every rank calls it): sharded, or rank 0's replicated state."""
     if isinstance(optimizer, ShardedOptimizerPath):
-        return save_sharded(store, optimizer, replicas, path, extra)
+        return save_sharded(store, optimizer, replicas, path, extra, guard)
     replicas.host.barrier()
     failed: OSError | None = None
     if replicas.is_main:
         try:
-            save_checkpoint(store, step_count, path, extra)
+            save_checkpoint(store, step_count, path, extra, guard)
         except OSError as exc:
             failed = exc
     if replicas.host.any_flag(failed is not None):  # raised on every rank
