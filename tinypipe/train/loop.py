@@ -150,8 +150,8 @@ def _term_at_once(engine: Engine, checkpoint_dir: str | os.PathLike[str] | None,
 
     def stop(signum: int) -> None:
         name = signal.Signals(signum).name
-        guard.exit_now(f"tinypipe: rank {replicas.rank} got {name} in step {where['step']} (torchrun's signal "
-                       "to every rank when one fails) and stops at once", TERM_EXIT_CODE)
+        guard.exit_now(f"tinypipe: rank {replicas.rank} got {name} in step {where['step']} (torchrun's "
+                       "signal to every rank when one fails) and stops at once", TERM_EXIT_CODE)
 
     return on_signals((signal.SIGTERM,), stop)
 
