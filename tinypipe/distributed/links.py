@@ -10,7 +10,7 @@ signal ends it; its own line says which), so only a silent end-of-file means it 
 :mod:`~tinypipe.distributed.watchdog` names it after its timeout.
 
 The mesh costs ``world_size - 1`` sockets per rank. Each rank listens on the address it reaches the
-rendezvous store from and publishes it in the store (``tinypipe/link/<rank>``); a rank connects to
+rendezvous store from and publishes it in the store (``tinypipe/link/<n>/<rank>``); a rank connects to
 every higher rank and accepts the lower ones. Where no address can be found (a store without a
 host) or a peer cannot be reached, that pair is left to the heartbeat.
 """
@@ -30,8 +30,8 @@ _WORDS: dict[int, Event] = {LEAVING[0]: "left", STOPPING[0]: "stopped"}
 _HELLO = struct.Struct("!I")  # the connecting rank's number
 
 
-def _key(rank: int) -> str:
-    return f"tinypipe/link/{rank}"
+def _key(generation: int, rank: int) -> str:
+    return f"tinypipe/link/{generation}/{rank}"
 
 
 def store_host(store: object) -> tuple[str, int] | None:
@@ -73,6 +73,9 @@ class PeerLinks:
     def connect(cls, store: object, rank: int, world_size: int, timeout_s: float = 30.0) -> PeerLinks:
         """Build the mesh (every rank calls this at the same point of start-up; the store's ``get``
         waits for a peer's address)."""
+        # the n-th mesh of this process group (an engine per mesh): a later one never reads an
+        # earlier one's addresses (every rank builds its meshes in the same order)
+        generation = int(store.add(f"tinypipe/link-meshes/{rank}", 1))  # type: ignore[attr-defined]
         address = local_address(store)
         listener = None
         if address is not None:
@@ -81,10 +84,10 @@ class PeerLinks:
             except OSError:
                 listener = None
         published = [address, listener.getsockname()[1]] if listener is not None else None
-        store.set(_key(rank), json.dumps(published))  # type: ignore[attr-defined]
+        store.set(_key(generation, rank), json.dumps(published))  # type: ignore[attr-defined]
         peers: dict[int, socket.socket] = {}
         for peer in range(rank + 1, world_size):  # connect up: accepted by the peer below
-            where = json.loads(store.get(_key(peer)))  # type: ignore[attr-defined]
+            where = json.loads(store.get(_key(generation, peer)))  # type: ignore[attr-defined]
             if where is None:
                 continue
             try:
@@ -94,7 +97,8 @@ class PeerLinks:
             except OSError:
                 continue
         if listener is not None:  # the ranks below that listen connect to this one
-            lower = sum(json.loads(store.get(_key(p))) is not None for p in range(rank))  # type: ignore
+            lower = sum(json.loads(store.get(_key(generation, p))) is not None  # type: ignore[attr-defined]
+                        for p in range(rank))
             peers.update(_accept_lower(listener, rank, lower, timeout_s))
         return cls(peers)
 
