@@ -80,6 +80,11 @@ class Replicas:
             return None
         return self.watchdog.await_verdict()
 
+    def ending(self) -> None:
+        """This rank is ending on its own (its engine closes): see :meth:`Watchdog.ending`."""
+        if self.watchdog is not None:
+            self.watchdog.ending()
+
     def close(self, failed: bool | None = None) -> None:
         """Leave the replicas, telling the peers whether this rank's run ended well (they stop
         watching it) or ``failed`` (they stop too; None: failed when an exception is on its way

@@ -90,6 +90,13 @@ class Watchdog:
         except Exception:  # noqa: BLE001 - the store's host left first: nobody is watching
             pass
 
+    def ending(self) -> None:
+        """This rank is ending on its own (closing its engine, maybe after the same error its peers
+        met): a peer that says it stops no longer ends it after the short grace -- the teardown
+        (unpinning a large host copy) may take longer, and this rank's own line must come out --
+        only after the heartbeat's timeout (a teardown hung on a gone peer); a death still at once."""
+        self.grace_s = max(self.grace_s, self.timeout_s)
+
     def say_stopping(self) -> None:
         """Tell the peers this rank stops now (an error, a signal, a dead peer): from any thread, on
         the way out (no store write: the store's host may be the peer that hangs)."""

@@ -520,6 +520,8 @@ class Engine:
     def close(self) -> None:
         """Stop the lane threads, remove the SSD tier's scratch files and unpin host memory; the
         engine is unusable afterwards."""
+        if self.replicas is not None:  # ending on its own: a peer that stops too is no reason to exit
+            self.replicas.ending()
         try:
             self.synchronize()  # the model's parameters (views of the host copy) stay usable
         except (WorkerError, StorageError):
