@@ -39,7 +39,8 @@ def _default_exit(message: str) -> None:
 
 
 class Watchdog:
-    """The heartbeat thread of one rank (:meth:`start` once every rank has written its key)."""
+    """The watching thread of one rank: its peers' connections (``links``) and heartbeats
+    (:meth:`start` once every rank has written its heartbeat key)."""
 
     def __init__(self, store: object, rank: int, world_size: int, *, timeout_s: float = 30.0,
                  interval_s: float = 1.0, on_dead: Callable[[str], None] = _default_exit,
