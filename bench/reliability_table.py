@@ -1,13 +1,16 @@
-"""Issue #34's cases through the real ``tinypipe`` command (one process each): the exit status, the
-one line it printed, and whether anything was lost. Builds a 2-layer Llama in a temporary directory;
-the disk-full case mounts a small tmpfs where it may (root), else it is left out.
-Run: ``python bench/reliability_table.py`` (about a minute on 2 cores)."""
+"""Issue #34's cases through the real ``tinypipe`` command (one process each; the rank cases two
+gloo ranks, under ``torchrun`` or started as it starts them): the exit status, the one line it
+printed, and whether anything was lost. Builds a 2-layer Llama in a temporary directory; the
+disk-full case mounts a small tmpfs where it may (root), else it is left out.
+Run: ``python bench/reliability_table.py`` (about two minutes on 2 cores)."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import resource
+import signal
 import shutil
 import subprocess
 import sys
@@ -20,10 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+import psutil  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 
 from _data_helpers import CORPUS, make_tokenizer, write_jsonl  # noqa: E402
+from _dist_worker import free_port  # noqa: E402
 
 COMMON = ["--seq-len", "16", "--global-batch", "4", "--micro-batch", "2", "--lr", "1e-3", "--devices", "cpu",
           "--no-progress", "--steps", "2"]
@@ -41,6 +46,55 @@ def tinypipe(*argv: object, limit_file: int | None = None, env: dict | None = No
     if "Traceback" in proc.stderr:
         shown = "TRACEBACK " + shown
     return proc.returncode, shown
+
+
+def rank_env() -> dict[str, str]:
+    return dict(os.environ, HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1",
+                PYTHONPATH=os.pathsep.join([str(ROOT), str(ROOT / "tests")]))
+
+
+def torchrun(logs: Path, *argv: object) -> subprocess.Popen:
+    """``torchrun --nproc-per-node 2 -m tinypipe.cli ARGV``, each rank's output in its file under ``logs``."""
+    return subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                             "--master-addr", "127.0.0.1", "--master-port", str(free_port()), "--log-dir",
+                             str(logs), "-r", "3", "-m", "tinypipe.cli", *map(str, argv)], cwd=ROOT,
+                            env=rank_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+
+def rank_line(logs: Path, rank: int) -> str:
+    """What rank ``rank`` printed (its ``tinypipe`` lines; TRACEBACK first when there was one)."""
+    err = next(logs.rglob(f"attempt_0/{rank}/stderr.log")).read_text()
+    lines = [line for line in err.splitlines() if line.startswith("tinypipe")]
+    return ("TRACEBACK " if "Traceback" in err else "") + (" / ".join(lines) or "(none)")
+
+
+def rank_status(report: str, rank: int) -> int | None:
+    """Rank ``rank``'s exit status in torchrun's failure summary."""
+    found = re.search(rf"rank\s*:\s*{rank} \(local_rank: {rank}\)\s*\n\s*exitcode\s*:\s*(-?\d+)", report)
+    return int(found.group(1)) if found else None
+
+
+def intact(ckpt: Path) -> str:
+    """Whether ``ckpt`` is a complete checkpoint whose files match their sha256, and what else is there."""
+    from tinypipe.runtime.checksums import sha256_file
+
+    if (ckpt / "manifest.json").is_file():
+        record = json.loads((ckpt / "manifest.json").read_text())
+        sums = record["sha256"]
+    else:
+        record = json.loads((ckpt / "state.json").read_text())
+        sums = {layer["file"]: layer["sha256"] for layer in record["layers"]}
+    ok = all(sha256_file(ckpt / name) == digest for name, digest in sums.items())
+    return (f"checkpoint step {record['extra']['step']}, checksums match: {ok}, checkpoint.tmp left: "
+            f"{ckpt.with_name('checkpoint.tmp').exists()}")
+
+
+def wait_until(check: Callable[[], bool], timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            raise TimeoutError
+        time.sleep(0.1)
 
 
 def snapshot(folder: Path) -> dict[str, bytes]:
@@ -182,6 +236,69 @@ def main() -> None:
         code, line = tinypipe(*base(out, "--checkpoint-every", "1", "--resume"))
         return code, line, "yes (nothing read outside)"
     case("state.json naming ../ file", outside_path)
+
+    case("demo into an output holding a model and a checkpoint",
+         lambda: (*tinypipe("demo", "--device", "cpu", "--output", done, "--no-progress"), "yes (untouched)"))
+
+    def killed_rank() -> tuple[int, str, str]:
+        out, logs = root / "killed", root / "killed_logs"
+        run = torchrun(logs, *base(out, "--checkpoint-every", "2", "--steps", "100000"))
+        metrics = out / "metrics.jsonl"
+        wait_until(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 5)
+        ranks = {int(p.environ()["RANK"]): p for p in psutil.Process(run.pid).children(recursive=True)
+                 if "RANK" in p.environ()}
+        t0 = time.monotonic()
+        ranks[1].kill()
+        psutil.wait_procs([ranks[0]], timeout=60)
+        took = time.monotonic() - t0
+        report, _ = run.communicate(timeout=60)
+        return (rank_status(report, 0) or -1, rank_line(logs, 0),
+                f"rank 0 gone {took:.2f} s after the kill; {intact(out / 'checkpoint')}")
+    case("torchrun: rank 1 killed (SIGKILL) mid-run", killed_rank)
+
+    def sigterm_mid_checkpoint() -> tuple[int, str, str]:
+        out, ready, port = root / "term", root / "term_ready", free_port()
+        argv = [*base(out, "--checkpoint-every", "1", "--steps", "100000")]
+        procs, logs = [], [root / "term0.log", root / "term1.log"]
+        for r in range(2):  # as torchrun starts them; rank 0 pauses in its 3rd checkpoint's 2nd file
+            env = dict(rank_env(), RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE="2", LOCAL_WORLD_SIZE="2",
+                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+            if r == 0:
+                env["TINYPIPE_TEST_PAUSE"] = f"layer:10:{ready}"
+            with open(logs[r], "w") as f:
+                procs.append(subprocess.Popen([sys.executable, str(ROOT / "tests" / "_rank_cli.py"),
+                                               *map(str, argv)], env=env, cwd=ROOT, stdout=f,
+                                              stderr=subprocess.STDOUT))
+        wait_until(ready.exists)
+        half = (out / "checkpoint.tmp").is_dir()
+        t0 = time.monotonic()
+        os.kill(procs[0].pid, signal.SIGTERM)
+        code = procs[0].wait(timeout=60)
+        took = time.monotonic() - t0
+        procs[1].wait(timeout=60)
+        text = logs[0].read_text()
+        line = ("TRACEBACK " if "Traceback" in text else "") + " / ".join(
+            x for x in text.splitlines() if x.startswith("tinypipe"))
+        return code, line, (f"rank 0 gone {took:.2f} s after SIGTERM (checkpoint.tmp half-written then: {half}), "
+                            f"rank 1 status {procs[1].returncode}; {intact(out / 'checkpoint')}")
+    case("SIGTERM to rank 0 of 2 while it writes a checkpoint", sigterm_mid_checkpoint)
+
+    def flipped_shard() -> tuple[int, str, str]:
+        out = root / "sharded"
+        saved = torchrun(root / "sharded_logs", *base(out, "--checkpoint-every", "1", "--optimizer-sharding",
+                                                      "shard"))
+        saved.communicate(timeout=300)
+        victim = out / "checkpoint" / "rank-00001-of-00002" / "layer-0001.safetensors"
+        raw = bytearray(victim.read_bytes())
+        raw[-9] ^= 0x5A
+        victim.write_bytes(bytes(raw))
+        logs = root / "sharded_resume_logs"
+        report, _ = torchrun(logs, *base(out, "--checkpoint-every", "1", "--optimizer-sharding", "shard",
+                                         "--resume")).communicate(timeout=300)
+        same = rank_line(logs, 0) == rank_line(logs, 1)
+        return (rank_status(report, 0) or -1, rank_line(logs, 0),
+                f"yes (nothing trained on the damaged shard; rank 1 printed the same line: {same})")
+    case("a flipped byte in one rank's shard of a sharded checkpoint (torchrun --resume)", flipped_shard)
 
     print("| case | rc | the line printed | nothing lost? |")
     print("|---|---|---|---|")

@@ -89,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--output", default="runs/demo", metavar="DIR",
                       help="where to write the model, metrics.jsonl, loss.png and timeline.png "
                            "(default: runs/demo)")
+    demo.add_argument("--overwrite", action="store_true",
+                      help="replace the model and checkpoint an earlier run left in --output (without it "
+                           "such a directory is refused)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
     demo.set_defaults(func=cmd_demo)
 

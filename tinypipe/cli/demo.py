@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from tinypipe.cli.options import check_at_least as _positive
@@ -72,6 +73,20 @@ def _indent(text: str) -> str:
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
+    """Check the output (:mod:`~tinypipe.cli.output_guard`: nothing there is destroyed without
+    ``--overwrite``; one run at a time), then run the demo under the output's lock."""
+    from tinypipe.cli.output_guard import check_output
+    from tinypipe.cli.output_lock import output_lock
+
+    _positive("steps", args.steps)
+    out = _prepare_output(args.output)
+    with output_lock(out):
+        check_output(out, resume=False, overwrite=bool(getattr(args, "overwrite", False)), resumable=False)
+        return _demo(args, out)
+
+
+def _demo(args: argparse.Namespace, out: Path) -> int:
+    """Load the model and corpus, sample, train, sample again, save (the output checked and locked)."""
     # the demo settings as tinypipe.cli holds them now (it re-exports them; overrides take effect)
     pkg = sys.modules.get("tinypipe.cli")
     demo_eval_rows = getattr(pkg, "DEMO_EVAL_ROWS", DEMO_EVAL_ROWS)
@@ -81,7 +96,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
     demo_prompt = getattr(pkg, "DEMO_PROMPT", DEMO_PROMPT)
     demo_seq_len = getattr(pkg, "DEMO_SEQ_LEN", DEMO_SEQ_LEN)
     demo_warmup = getattr(pkg, "DEMO_WARMUP", DEMO_WARMUP)
-    _positive("steps", args.steps)
     device = args.device or _default_device()
     from tinypipe.config import Config
 
@@ -98,7 +112,6 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     gguf = smollm2_path()
     corpus = demo_corpus_path()
-    out = _prepare_output(args.output)
 
     import torch
 

@@ -78,8 +78,10 @@ def _finetune(args: argparse.Namespace, s: FinetuneSettings, config: Config, aut
         except WriteError as failed:  # disk full, ulimit -f: the trained model is saved elsewhere
             from tinypipe.cli.rescue import rescue
             from tinypipe.runtime.checkpoint import find_checkpoint
+            from tinypipe.runtime.checkpoint_sharded import find_sharded
 
-            raise rescue(engine, tokenizer, failed, find_checkpoint(out / "checkpoint")) from failed
+            kept = find_checkpoint(out / "checkpoint") or find_sharded(out / "checkpoint")
+            raise rescue(engine, tokenizer, failed, kept) from failed
     finally:
         engine.close()
         shutdown()
@@ -257,10 +259,13 @@ def _resume(engine: Any, s: FinetuneSettings, ckpt_dir: Path, metrics: Path, run
     overrides, saying what it overrides) -- and drop the metrics lines of steps after it (they
     will be redone); returns the step to continue from."""
     from tinypipe.runtime.checkpoint import read_extra
+    from tinypipe.runtime.checkpoint_sharded import sharded_extra
     from tinypipe.train.loop import read_metrics
 
     differences = engine.checkpoint_differences(ckpt_dir)  # another model or LoRA: ConfigError here
-    differences = resume_differences(read_extra(ckpt_dir), run, s.seed, s.global_batch) + differences
+    recorded = sharded_extra(ckpt_dir)  # a sharded checkpoint's manifest, else state.json
+    recorded = read_extra(ckpt_dir) if recorded is None else recorded
+    differences = resume_differences(recorded, run, s.seed, s.global_batch) + differences
     override = refuse_or_override(ckpt_dir, differences, s.force)
     if override is not None:
         say(override)

@@ -1,4 +1,5 @@
-"""``finetune --output``: refuse, before the model loads, to write where it would destroy what is there.
+"""``finetune --output`` and ``demo --output``: refuse, before the model loads, to write where it would
+destroy what is there.
 
 A fresh run (no ``--resume``) into a directory holding a tinypipe checkpoint or a saved model would
 replace them (the first checkpoint rotates the old one away, the final save overwrites the model):
@@ -29,8 +30,9 @@ def refuse_model_dir(out: Path, model: Path) -> None:
                           "weights; choose another --output")
 
 
-def check_output(out: Path, *, resume: bool, overwrite: bool) -> None:
-    """One-line ConfigError if writing a run into ``out`` would lose something."""
+def check_output(out: Path, *, resume: bool, overwrite: bool, resumable: bool = True) -> None:
+    """One-line ConfigError if writing a run into ``out`` would lose something. ``resumable``: the
+    command has ``--resume`` to offer (``tinypipe demo`` has not: its refusal names --overwrite only)."""
     if resume and overwrite:
         raise ConfigError("give --resume (continue the checkpoint) or --overwrite (start over), not both")
     for name in (CHECKPOINT, CHECKPOINT + ".old"):
@@ -43,8 +45,9 @@ def check_output(out: Path, *, resume: bool, overwrite: bool) -> None:
         return
     step = _checkpoint_step(out)
     if step is not None:
-        raise ConfigError(f"--output {out} holds the checkpoint of a run (step {step}): --resume continues "
-                          "it, --overwrite starts a new run over it")
+        way = ("--resume continues it, --overwrite starts a new run over it" if resumable else
+               "--overwrite starts a new run over it, or choose another --output")
+        raise ConfigError(f"--output {out} holds the checkpoint of a run (step {step}): {way}")
     found = [name for name in MODEL_FILES if (out / name).exists()]
     if found:
         raise ConfigError(f"--output {out} holds the output of an earlier run ({', '.join(found)}): "

@@ -12,6 +12,7 @@ gradient reduction and, sharded, its norm; NCCL for CUDA tensors, gloo for CPU t
 from __future__ import annotations
 
 import datetime
+import sys
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -19,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tinypipe.distributed.collectives import Collectives
+from tinypipe.distributed.links import PeerLinks
 from tinypipe.distributed.shards import Shard
 from tinypipe.distributed.topology import Topology
 from tinypipe.distributed.watchdog import Watchdog
@@ -78,9 +80,19 @@ class Replicas:
             return None
         return self.watchdog.await_verdict()
 
-    def close(self) -> None:
+    def ending(self) -> None:
+        """This rank is ending on its own (its engine closes): see :meth:`Watchdog.ending`."""
         if self.watchdog is not None:
-            self.watchdog.stop()
+            self.watchdog.ending()
+
+    def close(self, failed: bool | None = None) -> None:
+        """Leave the replicas, telling the peers whether this rank's run ended well (they stop
+        watching it) or ``failed`` (they stop too; None: failed when an exception is on its way
+        out, as in a ``finally`` after an error)."""
+        if failed is None:
+            failed = sys.exc_info()[0] is not None
+        if self.watchdog is not None:
+            self.watchdog.stop(leaving=not failed)
 
 
 def is_collective_error(exc: BaseException) -> bool:
@@ -108,7 +120,8 @@ def replicas_from_environment(devices: list[str], *, sharding: Sharding, share: 
 
     Every rank must call this in the same order with the same ``devices`` (new groups are
     collective). ``timeout_s``: every collective's timeout; ``heartbeat_s``: a peer silent for this
-    long ends this process (None: no watchdog)."""
+    long ends this process (None: no watchdog); a peer whose process ended ends it at once (the
+    watchdog's links, :mod:`~tinypipe.distributed.links`)."""
     topo = Topology.from_process_group(single_rank)
     if topo is None:
         return None
@@ -122,7 +135,8 @@ def replicas_from_environment(devices: list[str], *, sharding: Sharding, share: 
     watchdog = None
     if heartbeat_s is not None:
         store = dist.distributed_c10d._get_default_store()  # torchrun's rendezvous store
-        watchdog = Watchdog(store, topo.rank, topo.world_size, timeout_s=heartbeat_s)
+        links = PeerLinks.connect(store, topo.rank, topo.world_size) if topo.world_size > 1 else None
+        watchdog = Watchdog(store, topo.rank, topo.world_size, timeout_s=heartbeat_s, links=links)
         watchdog.beat()
         host.barrier()  # every rank's key exists before anyone reads it
         watchdog.start()

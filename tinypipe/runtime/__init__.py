@@ -8,6 +8,7 @@
   ``stash_io``: host-stashed activations (host buffers, side-stream writes, read-ahead);
   ``buffers``: pack-boundary row buffers; ``device``: one device's streams, shell and pools.
 - ``optim/``: the optimizer path (decisions, host and device AdamW, background leftovers).
-- ``inputs``: batch validation; ``checkpoint``; ``traffic``: link bytes per step;
+- ``inputs``: batch validation; ``checkpoint`` (``checksums``, ``exit_guard``: an exit from
+  another thread never leaves a half-written one); ``traffic``: link bytes per step;
   ``observability``: memory report and timelines.
 """

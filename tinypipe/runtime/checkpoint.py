@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
 from typing import Any, Callable
 
@@ -22,13 +23,15 @@ from safetensors.torch import load_file, save_file
 from tinypipe.errors import ConfigError, WriteError
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.checksums import BackgroundHasher, verify
+from tinypipe.runtime.exit_guard import ExitGuard
 from tinypipe.safe_paths import inside
 from tinypipe.write_errors import describe as describe_os_error  # noqa: F401 - its old home
 from tinypipe.write_errors import os_errors
 
 FORMAT = 1
 
-# Test hook: called with the phase name at each step of a save ("layer" after each layer file,
+# Test hook: called with the phase name at each step of a save ("layer" after each layer file -- a
+# sharded save's shard files too --
 # "written" when the temporary directory is complete, "moved-old" between moving the previous
 # checkpoint aside and moving the new one in, "swapped" after that, "done" at the end). Tests use
 # it to pause the writer (so a SIGKILL lands mid-write) or to raise OSError(ENOSPC).
@@ -39,7 +42,8 @@ class CheckpointWriteError(WriteError):
     """Writing a checkpoint failed (disk full, permissions); the previous checkpoint is intact."""
 
 
-def _phase(name: str) -> None:
+def phase(name: str) -> None:
+    """Call :data:`FAULT_HOOK` (tests) at the save phase ``name``."""
     if FAULT_HOOK is not None:
         FAULT_HOOK(name)
 
@@ -56,16 +60,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike,
-                    extra: dict[str, Any] | None = None) -> Path:
+                    extra: dict[str, Any] | None = None, guard: ExitGuard | None = None) -> Path:
     """Write the training state of ``store`` to directory ``path`` atomically.
 
     Raises :class:`CheckpointWriteError` when the write fails; the previous checkpoint survives.
+    ``guard``: a process exit from another thread meanwhile removes the partial write, or waits
+    for the swap (:mod:`~tinypipe.runtime.exit_guard`).
     """
     final = Path(path)
     tmp = final.with_name(final.name + ".tmp")
     try:
         with os_errors():  # safetensors' full disk is an OSError here
-            return _save(store, step_count, final, tmp, extra)
+            return _save(store, step_count, final, tmp, extra, guard)
     except OSError as exc:
         if isinstance(exc, CheckpointWriteError):
             raise
@@ -76,11 +82,34 @@ def save_checkpoint(store: HostStore, step_count: int, path: str | os.PathLike,
                                    f"{survivor}") from exc
 
 
-def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict[str, Any] | None) -> Path:
+def writing(guard: ExitGuard | None, tmp: Path, create: bool) -> AbstractContextManager[None]:
+    """``guard.writing`` (without a guard: make ``tmp`` as asked, nothing else)."""
+    if guard is not None:
+        return guard.writing(tmp, create)
+    if create:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+    return nullcontext()
+
+
+def committing(guard: ExitGuard | None, tmp: Path) -> AbstractContextManager[None]:
+    return guard.committing(tmp) if guard is not None else nullcontext()
+
+
+def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict[str, Any] | None,
+          guard: ExitGuard | None) -> Path:
     final.parent.mkdir(parents=True, exist_ok=True)
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
+    with writing(guard, tmp, create=True):
+        _write(store, step_count, tmp, extra)
+        with committing(guard, tmp):
+            swap_in(tmp, final)
+    phase("done")
+    return final
+
+
+def _write(store: HostStore, step_count: int, tmp: Path, extra: dict[str, Any] | None) -> None:
+    """The layer files and state.json of a checkpoint, into the (existing, empty) ``tmp``."""
     layers = []
     with BackgroundHasher() as hasher:  # each file hashed while the next is written
         for i, s in enumerate(store.iter_layers()):  # state on the SSD: read one layer at a time
@@ -97,7 +126,7 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
             hasher.submit(tmp / name)
             layers.append({"name": s.spec.name, "numel": s.spec.numel, "train_numel": s.spec.train_numel,
                            "step": s.step, "file": name})
-            _phase("layer")
+            phase("layer")
         digests = hasher.digests()
     for entry in layers:
         entry["sha256"] = digests[entry["file"]]
@@ -107,10 +136,7 @@ def _save(store: HostStore, step_count: int, final: Path, tmp: Path, extra: dict
         f.flush()
         os.fsync(f.fileno())
     _fsync_dir(tmp)
-    _phase("written")
-    swap_in(tmp, final)
-    _phase("done")
-    return final
+    phase("written")
 
 
 def swap_in(tmp: Path, final: Path) -> None:
@@ -133,10 +159,10 @@ def swap_in(tmp: Path, final: Path) -> None:
             shutil.rmtree(old)
         os.replace(final, old)
         _fsync_dir(final.parent)
-    _phase("moved-old")
+    phase("moved-old")
     os.replace(tmp, final)
     _fsync_dir(final.parent)
-    _phase("swapped")
+    phase("swapped")
     if old.exists():
         shutil.rmtree(old)
 

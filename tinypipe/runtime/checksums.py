@@ -43,9 +43,9 @@ class BackgroundHasher:
         self._pool.shutdown(wait=True, cancel_futures=True)
 
 
-def verify(path: Path, expected: str | None) -> None:
+def verify(path: Path, expected: str | None, record: str = "state.json") -> None:
     """One-line ConfigError when ``path``'s sha256 is not ``expected`` (None: a checkpoint written
-    before checksums were recorded, not checked)."""
+    before checksums were recorded, not checked); ``record``: the file that lists the checksum."""
     if expected is None:
         return
     try:
@@ -53,6 +53,6 @@ def verify(path: Path, expected: str | None) -> None:
     except OSError as exc:
         raise ConfigError(f"{path}: unreadable checkpoint file ({exc.strerror or exc})") from exc
     if got != expected:
-        raise ConfigError(f"{path}: checksum mismatch (sha256 {got[:12]}..., state.json records "
+        raise ConfigError(f"{path}: checksum mismatch (sha256 {got[:12]}..., {record} records "
                           f"{expected[:12]}...): the file changed after it was written (a damaged disk "
                           "or copy); restore the checkpoint from a copy or start over with --overwrite")

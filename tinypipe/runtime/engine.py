@@ -16,12 +16,13 @@ Construction builds, in order: the host store (one copy of the training state; w
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -44,13 +45,14 @@ from tinypipe.runtime.checkpoint import check_layout, load_checkpoint, save_chec
 from tinypipe.runtime.checkpoint_sharded import find_sharded, load_replicas, save_replicas, sharded_extra
 from tinypipe.runtime.context import TaskTiming
 from tinypipe.runtime.evaluate import EvalResult, Evaluator
+from tinypipe.runtime.exit_guard import ExitGuard
 from tinypipe.runtime.inputs import StepInputs, prepare_inputs
 from tinypipe.runtime.observability import RssPeak, StepTimeline, memory_report, ssd_timings, timeline_events
 from tinypipe.runtime.optim.background import BackgroundUpdates
 from tinypipe.runtime.optim.decisions import StepOutcome
 from tinypipe.runtime.optim.path import retains_gradients
-from tinypipe.runtime.replica_setup import (check_replicas_agree, join_replicas, local_batch, local_devices,
-                                            replica_plan, resolve_replica_plan)
+from tinypipe.runtime.replica_setup import (check_replicas_agree, guard_exits, join_replicas, local_batch,
+                                            local_devices, replica_plan, resolve_replica_plan)
 from tinypipe.runtime.step import StepRunner
 from tinypipe.runtime.traffic import Traffic, step_traffic
 from tinypipe.runtime.workers import LaneWorkers
@@ -147,6 +149,20 @@ class Engine:
         # data-parallel replicas (torch.distributed initialised with several ranks): every rank runs
         # this engine on its rows of each global batch; None alone
         self.replicas = join_replicas(cfg)
+        #: ends the process from another thread without a half-written checkpoint (a dead peer)
+        self.exit_guard = ExitGuard()
+        guard_exits(self.replicas, self.exit_guard)
+        try:
+            self._assemble(given, model, cfg, dec, plan)
+        except BaseException:  # the peers stop too, now, instead of waiting in a collective
+            if self.replicas is not None:
+                self.replicas.close(failed=True)
+            raise
+
+    def _assemble(self, given: nn.Module, model: nn.Module, cfg: Config, dec: Decomposition,
+                  plan: Plan | None) -> None:
+        """The rest of construction, once the replicas are joined: the plan, the host store, the
+        devices, the optimizer and the lanes."""
         self.plan, self.plan_result = resolve_replica_plan(
             given, cfg, self.replicas, num_blocks=dec.num_blocks, tied=dec.tied, plan=plan)
         self.plan = replica_plan(self.plan, self.replicas, adopt_rank0=plan is None)
@@ -210,11 +226,20 @@ class Engine:
         """One optimizer step over the global ``batch`` (dict with input_ids, optional
         attention_mask and labels; labels default to input_ids with padding ignored). With
         replicas, every rank passes the same global batch and trains its rows of it."""
+        with self._peers_explained():
+            return self._step(batch, lr)
+
+    @contextlib.contextmanager
+    def _peers_explained(self) -> Iterator[None]:
+        """With replicas: a collective that fails in the body (a peer died, stopped or hangs) is
+        explained by the watchdog -- by default it ends this process with its one line; else a
+        WorkerError with that line."""
         if self.replicas is None:
-            return self._step(batch, lr)
+            yield
+            return
         try:
-            return self._step(batch, lr)
-        except Exception as exc:  # a collective failed: a peer died or hangs -- the watchdog names it
+            yield
+        except Exception as exc:
             verdict = self.replicas.explain_failure(exc)
             if verdict is None:
                 raise
@@ -413,8 +438,10 @@ class Engine:
         own = {"last_clipped": self.optimizer.last_clipped, "settings": self.checkpoint_settings()}
         meta = dict(extra or {}, **{_ENGINE_KEY: own})
         if self.replicas is not None:  # every rank calls this: its shard, or rank 0 the replicated state
-            return save_replicas(self.store, self.optimizer, self.replicas, self.step_count, path, meta)
-        return save_checkpoint(self.store, self.step_count, path, meta)
+            with self._peers_explained():
+                return save_replicas(self.store, self.optimizer, self.replicas, self.step_count, path, meta,
+                                     self.exit_guard)
+        return save_checkpoint(self.store, self.step_count, path, meta, guard=self.exit_guard)
 
     def checkpoint_settings(self) -> dict[str, object]:
         """What a checkpoint records of how this engine steps (compared on load): precision, AdamW's
@@ -447,7 +474,9 @@ class Engine:
                               "(force=True / --force to load it anyway)")
         self.synchronize()  # the next step loads any device-side state from the checkpoint
         if self.replicas is not None:
-            self.optimizer.step_count, extra = load_replicas(self.store, self.optimizer, self.replicas, path)
+            with self._peers_explained():
+                loaded = load_replicas(self.store, self.optimizer, self.replicas, path)
+            self.optimizer.step_count, extra = loaded
         else:
             self.optimizer.step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
@@ -462,14 +491,15 @@ class Engine:
         (``PeftModel.from_pretrained(base, out_dir)`` loads it); merged weights:
         :func:`tinypipe.lora.save_merged`."""
         self.synchronize()
-        if self.replicas is not None and not self.replicas.is_main:  # every rank's masters are whole:
-            self.replicas.host.barrier()  # rank 0 writes them; the others wait until it has
-            return Path(out_dir)
-        try:
-            return self._save_pretrained(out_dir, dtype)
-        finally:
-            if self.replicas is not None:
-                self.replicas.host.barrier()
+        with self._peers_explained():
+            if self.replicas is not None and not self.replicas.is_main:  # every rank's masters are whole:
+                self.replicas.host.barrier()  # rank 0 writes them; the others wait until it has
+                return Path(out_dir)
+            try:
+                return self._save_pretrained(out_dir, dtype)
+            finally:
+                if self.replicas is not None:
+                    self.replicas.host.barrier()
 
     def _save_pretrained(self, out_dir: str | os.PathLike, dtype: torch.dtype | None) -> Path:
         def tensors():
@@ -492,6 +522,8 @@ class Engine:
     def close(self) -> None:
         """Stop the lane threads, remove the SSD tier's scratch files and unpin host memory; the
         engine is unusable afterwards."""
+        if self.replicas is not None:  # ending on its own: a peer that stops too is no reason to exit
+            self.replicas.ending()
         try:
             self.synchronize()  # the model's parameters (views of the host copy) stay usable
         except (WorkerError, StorageError):

@@ -14,9 +14,11 @@ from tinypipe.config import Config
 from tinypipe.distributed.consistency import check_consistent, fingerprint, weights_checksum
 from tinypipe.distributed.group import Replicas, replicas_from_environment, resolve_sharding
 from tinypipe.distributed.topology import Topology
+from tinypipe.distributed.watchdog import EXIT_CODE
 from tinypipe.errors import ConfigError
 from tinypipe.planner.auto import resolve_plan
 from tinypipe.planner.search import PlanResult
+from tinypipe.runtime.exit_guard import ExitGuard
 from tinypipe.schedule.plan import Plan
 
 #: ``Config.extra`` knobs of the replicas (see :func:`join_replicas`)
@@ -44,6 +46,20 @@ def join_replicas(config: Config) -> Replicas | None:
                                      sharding=resolve_sharding(config.optimizer_sharding),
                                      timeout_s=float(extra.get(TIMEOUT_KEY, 1800.0)),
                                      heartbeat_s=heartbeat if heartbeat > 0 else None, single_rank=single)
+
+
+def guard_exits(replicas: Replicas | None, guard: ExitGuard) -> None:
+    """A failed peer ends this rank through ``guard`` (exit 75, no half-written checkpoint), and
+    any exit through ``guard`` -- a dead peer, SIGTERM -- first tells the peers this rank stops."""
+    watchdog = replicas.watchdog if replicas is not None else None
+    if watchdog is None:
+        return
+
+    def stop(line: str) -> None:
+        guard.exit_now(line, EXIT_CODE)
+
+    watchdog.on_dead = stop
+    guard.on_exit(watchdog.say_stopping)
 
 
 def local_devices(config: Config, topo: Topology | None) -> list[str]:

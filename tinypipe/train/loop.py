@@ -20,7 +20,8 @@ from typing import IO, TYPE_CHECKING, Any, Literal, Protocol
 
 import psutil
 
-from tinypipe.errors import ConfigError, WriteError
+from tinypipe.errors import ConfigError, WorkerError, WriteError
+from tinypipe.train.at_once import TERM_EXIT_CODE, on_signals
 from tinypipe.train.plots import plot_metrics  # noqa: F401 - re-exported
 from tinypipe.train.stall import check_progress
 
@@ -116,7 +117,8 @@ def _stop_requests() -> Iterator[dict[str, bool]]:
     """SIGINT/SIGTERM request a clean stop after the current step; a second SIGINT stops at once.
 
     Interrupting inside a step would leave layers half updated; finishing the step and writing a
-    checkpoint loses nothing.
+    checkpoint loses nothing. (A rank of a multi-rank run stops at once on SIGTERM instead:
+    :func:`_term_at_once`.)
     """
     flag = {"stop": False}
     if threading.current_thread() is not threading.main_thread():
@@ -134,6 +136,43 @@ def _stop_requests() -> Iterator[dict[str, bool]]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _term_at_once(engine: Engine, checkpoint_dir: str | os.PathLike[str] | None,
+                  where: dict[str, int]) -> contextlib.AbstractContextManager[None]:
+    """SIGTERM ends a rank of a multi-rank run at once (:mod:`tinypipe.train.at_once`), in one line
+    naming the step it was in (``where``) and the checkpoint left intact; a lone process finishes
+    its step and checkpoints instead (:func:`_stop_requests`)."""
+    replicas, guard = engine.replicas, getattr(engine, "exit_guard", None)
+    if replicas is None or guard is None:
+        return contextlib.nullcontext()
+    guard.describe = lambda: _checkpoint_note(checkpoint_dir)
+
+    def stop(signum: int) -> None:
+        name = signal.Signals(signum).name
+        guard.exit_now(f"tinypipe: rank {replicas.rank} got {name} in step {where['step']} (torchrun's "
+                       "signal to every rank when one fails) and stops at once", TERM_EXIT_CODE)
+
+    return on_signals((signal.SIGTERM,), stop)
+
+
+def _checkpoint_note(checkpoint_dir: str | os.PathLike[str] | None) -> str:
+    """``; the checkpoint of step N in DIR is intact ...`` (read from the directory as it is now)."""
+    if checkpoint_dir is None:
+        return ""
+    from tinypipe.runtime.checkpoint import find_checkpoint, read_extra
+    from tinypipe.runtime.checkpoint_sharded import sharded_extra
+
+    try:
+        extra = sharded_extra(checkpoint_dir)
+        if extra is None and find_checkpoint(checkpoint_dir) is not None:
+            extra = read_extra(checkpoint_dir)
+    except (OSError, ConfigError):
+        extra = None
+    if not extra:
+        return f"; no checkpoint in {checkpoint_dir} yet"
+    return (f"; the checkpoint of step {extra.get('step', '?')} in {checkpoint_dir} is intact "
+            "(the same command plus --resume continues from it)")
 
 
 def _fmt_bytes(n: float) -> str:
@@ -203,9 +242,11 @@ def train(
     proc = psutil.Process()
     records: list[dict] = []
     last_eval: float | None = None  # the latest held-out loss, kept on the progress line
+    where = {"step": start_step + 1}  # the step under way, for a line on SIGTERM
     try:
-        with _stop_requests() as stop:
+        with _stop_requests() as stop, _term_at_once(engine, checkpoint_dir, where):
             for i in range(start_step, steps):
+                where["step"] = i + 1
                 epoch, batch = next(batches)
                 step_lr = lr_at(i, lr=lr, total_steps=steps, warmup_steps=warmup_steps,
                                 schedule=schedule, min_lr_ratio=min_lr_ratio)
@@ -226,7 +267,7 @@ def train(
                 check_progress(record, vocab, lr)  # a wrecked model: stop before its checkpoint
                 due = checkpoint_every > 0 and ((i + 1) % checkpoint_every == 0 or i + 1 == steps)
                 if replicas is not None:  # one stop decision for every rank (the checkpoint is collective)
-                    stop["stop"] = replicas.host.any_flag(stop["stop"])
+                    stop["stop"] = _any_rank(replicas, stop["stop"])
                 if checkpoint_dir is not None and (due or stop["stop"]):
                     extra = dict(checkpoint_extra or {}, step=i + 1, seed=seed, global_batch=global_batch)
                     engine.save_checkpoint(checkpoint_dir, extra=extra)
@@ -239,6 +280,18 @@ def train(
             reporter.close()
     engine.synchronize()  # the model the caller holds reflects every step
     return records
+
+
+def _any_rank(replicas: Any, flag: bool) -> bool:
+    """Whether any rank asks to stop (collective); a peer that failed meanwhile is named by the
+    watchdog (which, by default, ends this process with that line)."""
+    try:
+        return bool(replicas.host.any_flag(flag))
+    except Exception as exc:
+        verdict = replicas.explain_failure(exc)
+        if verdict is None:
+            raise
+        raise WorkerError(verdict) from exc
 
 
 def _open_log(path: Path, append: bool) -> IO[str]:
