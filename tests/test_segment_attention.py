@@ -13,26 +13,15 @@ import torch
 import tinypipe
 from model_zoo import make_batch, make_model
 from reference import compare, randomize_biases, train_both
+from test_long_context import BATCH, SEQ, _packed_batches
 from tinypipe.models import segment_attention as sa
 from tinypipe.models.decompose import Decomposition
 from tinypipe.models.shell import Shell
-from tinypipe.train.data import pack
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
-BATCH, SEQ, STEPS = 5, 16, 3
-
-
-def _packed_batches() -> list[dict[str, torch.Tensor]]:
-    from test_packing import random_docs
-
-    out = []
-    for i in range(STEPS):
-        ds, _ = pack(random_docs(12, seed=20 + i, longest=12), SEQ)
-        assert ds.position_ids is not None and int((ds.position_ids[:BATCH] == 0).sum()) > BATCH
-        out.append(ds.row_batch(slice(0, BATCH)))
-    return out
+STEPS = 3
 
 
 def _batches(kind: str) -> list[dict[str, torch.Tensor]]:
