@@ -172,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_OK
         from tinypipe.planner.hardware import load_hardware, parse_bytes
         from tinypipe.planner.format import format_plan
-        from tinypipe.planner.search import plan_for
+        from tinypipe.planner.request import PlanRequest
+        from tinypipe.planner.search import plan
 
         gpus = _positive_int("--gpus", args.gpus)
         seq = _positive_int("--seq-len", args.seq_len)
@@ -228,14 +229,15 @@ def run(args: argparse.Namespace) -> int:
             from tinypipe.cli.options import read_plan_file
 
             given = read_plan_file(args.evaluate, gpus, "--gpus is")
-        result = plan_for(args.model, hardware, gpus=gpus, gpu_memory_bytes=gpu_mem,
-                          cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
-                          max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
-                          resident_packs=None if args.resident_packs is None else _nonnegative_int(
-                              "--resident-packs", args.resident_packs), ssd=ssd,
-                          assist_updates=not getattr(args, "no_assist", False),
-                          mlp_chunk_tokens=None if getattr(args, "mlp_chunk_tokens", None) is None
-                          else _nonnegative_int("--mlp-chunk-tokens", args.mlp_chunk_tokens))
+        request = PlanRequest(model_config=args.model, gpus=gpus, gpu_memory_bytes=gpu_mem or None,
+                              cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
+                              max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
+                              resident_packs=None if args.resident_packs is None else _nonnegative_int(
+                                  "--resident-packs", args.resident_packs), ssd=ssd,
+                              assist_updates=not getattr(args, "no_assist", False),
+                              mlp_chunk_tokens=None if getattr(args, "mlp_chunk_tokens", None) is None
+                              else _nonnegative_int("--mlp-chunk-tokens", args.mlp_chunk_tokens))
+        result = plan(request, hardware)
         if given is not None:  # a plan the user has, priced like the search's
             from tinypipe.planner.given import with_given_plan
 

@@ -4,9 +4,10 @@ prefetch windows and stash placements (``tinypipe plan``). No GPU, no weights.
 
 Public API::
 
-    from tinypipe.planner import plan_for, format_plan
-    result = plan_for("llama-3.1-8b", "rtx4090-pcie4", gpus=2, gpu_memory_bytes=24 * 2**30,
-                      cpu_memory_bytes=128 * 2**30, seq=4096, global_batch=16)
+    from tinypipe.planner import PlanRequest, format_plan, plan
+    request = PlanRequest(model_config="llama-3.1-8b", gpus=2, gpu_memory_bytes=24 * 2**30,
+                          cpu_memory_bytes=128 * 2**30, seq=4096, global_batch=16)
+    result = plan(request, "rtx4090-pcie4")  # or plan_for(model, hardware, **the same fields)
     print(format_plan(result))
     engine = tinypipe.Engine(model, tinypipe.Config(**result.config_kwargs()))
 
@@ -20,7 +21,8 @@ from tinypipe.planner.estimate import activation_peaks, device_static_bytes, est
 from tinypipe.planner.hardware import HARDWARE, HardwareSpec, load_hardware, parse_bytes
 from tinypipe.planner.presets import PRESETS, load_model_config, preset_names
 from tinypipe.planner.format import format_plan
-from tinypipe.planner.search import Candidate, PlanResult, evaluate, plan_for
+from tinypipe.planner.request import PlanRequest
+from tinypipe.planner.search import Candidate, PlanResult, evaluate, plan, plan_for
 from tinypipe.planner.sizes import ModelSizes, model_sizes
 from tinypipe.planner.ssd import SsdSpec, ssd_spec
 
@@ -30,6 +32,7 @@ __all__ = [
     "Candidate",
     "HardwareSpec",
     "ModelSizes",
+    "PlanRequest",
     "PlanResult",
     "SsdSpec",
     "StepTime",
@@ -43,6 +46,7 @@ __all__ = [
     "load_model_config",
     "model_sizes",
     "parse_bytes",
+    "plan",
     "plan_for",
     "predict_step_time",
     "preset_names",

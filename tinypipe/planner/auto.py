@@ -1,7 +1,8 @@
 """The engine plans for itself: when no packing knob is set in :class:`~tinypipe.Config`, choose
-them with :func:`~tinypipe.planner.search.plan_for` for the model, the devices and the memory
-budgets; refuse to start (one line) when nothing fits. A hand-set plan is kept as is, and checked
-against the budgets when the workload (``seq_len``, ``global_batch``) is given.
+them with :func:`~tinypipe.planner.search.plan` on the one request :func:`request_for` builds for
+the model, the devices and the memory budgets; refuse to start (one line) when nothing fits. A
+hand-set plan is kept as is, and checked against the budgets when the workload (``seq_len``,
+``global_batch``) is given.
 
 Budgets: ``Config.gpu_memory_bytes`` or, per CUDA device, its capacity under the per-process
 memory cap (``torch.cuda.set_per_process_memory_fraction``), or its free memory plus what this
@@ -41,6 +42,7 @@ from tinypipe.planner.sizes import dtype_bytes
 from tinypipe.schedule.plan import Plan, make_plan
 
 if TYPE_CHECKING:
+    from tinypipe.planner.request import PlanRequest
     from tinypipe.planner.search import PlanResult
 
 GiB = 1024**3
@@ -262,18 +264,29 @@ def _choose(model: nn.Module, config: Config, *, num_blocks: int,
 
 def _search(model: nn.Module, config: Config) -> PlanResult:
     """The planner's answer for ``model`` on ``config``'s devices, budgets and workload."""
-    from tinypipe.planner.search import plan_for
+    from tinypipe.planner.search import plan
 
-    gpu, host = budgets(config)
     hw = hardware_for(config)
-    return plan_for(model.config, hw, gpus=len(config.devices), gpu_memory_bytes=gpu,
-                    cpu_memory_bytes=host, seq=config.seq_len, global_batch=config.global_batch,
-                    precision=config.precision, max_grad_norm=config.max_grad_norm,
-                    host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
-                    device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
-                    ssd=_ssd_of(config, hw), keep_activations=config.keep_activations,
-                    assist_updates=config.assist_updates, turn_packs=config.turn_packs,
-                    mlp_chunk_tokens=config.mlp_chunk_tokens)
+    return plan(request_for(config, model, hw), hw)
+
+
+def request_for(config: Config, model: nn.Module, hw: HardwareSpec) -> PlanRequest:
+    """The one planning request the engine makes for ``model`` on ``config`` timed on ``hw``
+    (:func:`hardware_for`): the workload and budgets (:func:`budgets`), precision and clipping, the
+    adapters as the loader attached them (:func:`lora_settings_of`: unreadable ones are an error,
+    never a full fine-tuning plan), the SSD of ``offload_dir`` and the knobs ``config`` fixes."""
+    from tinypipe.planner.request import PlanRequest
+
+    assert config.seq_len is not None and config.global_batch is not None  # the caller checked
+    gpu, host = budgets(config)
+    return PlanRequest(model_config=model.config, gpus=len(config.devices), gpu_memory_bytes=gpu or None,
+                       cpu_memory_bytes=host, seq=config.seq_len, global_batch=config.global_batch,
+                       precision=config.precision, max_grad_norm=config.max_grad_norm,
+                       host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
+                       device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
+                       ssd=_ssd_of(config, hw), keep_activations=config.keep_activations,
+                       assist_updates=config.assist_updates, turn_packs=config.turn_packs,
+                       mlp_chunk_tokens=config.mlp_chunk_tokens)
 
 
 def quantized_base(model: nn.Module) -> bool:

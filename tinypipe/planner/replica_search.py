@@ -1,5 +1,5 @@
 """Plans for data-parallel layouts: for each way to cut N x P GPUs into R replicas of G GPUs, the
-fastest per-replica plan (:func:`~tinypipe.planner.search.plan_for` on G GPUs and 1/R of the batch)
+fastest per-replica plan (:func:`~tinypipe.planner.search.plan` on G GPUs and 1/R of the batch)
 under each optimizer sharding, its host memory per node and step time
 (:mod:`tinypipe.planner.replicas`), the sharding chosen, and the fastest layout that fits.
 
@@ -38,7 +38,8 @@ from tinypipe.planner.replicas import (
     split_batch,
     time_option,
 )
-from tinypipe.planner.search import PlanResult, plan_for
+from tinypipe.planner.request import PlanRequest
+from tinypipe.planner.search import PlanResult, plan
 from tinypipe.planner.sharded_host import shard_numel, sharded_host
 from tinypipe.planner.sizes import ModelSizes, lora_sizes, model_sizes
 from tinypipe.schedule.plan import Plan
@@ -70,7 +71,7 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
                 sharding: ShardingChoice = "auto", gpu_memory_bytes: int | None = None,
                 **search: object) -> LayoutPlan:
     """``layout``'s per-replica plan under each sharding ``sharding`` allows, and the one chosen.
-    ``search``: the rest of :func:`plan_for`'s keywords (precision, max_grad_norm, lora, ...).
+    ``search``: the rest of the :class:`PlanRequest` fields (precision, max_grad_norm, lora, ...).
     A global batch the replicas do not divide gives a refused row (``refused``: the line why)."""
     hw = load_hardware(hardware)
     try:
@@ -101,10 +102,12 @@ def plan_layout(config: transformers.PretrainedConfig | str, hardware: HardwareS
         # replicas assist no clipped update (Plan.assisted is for one pipeline)
         kw = dict(search, assist_updates=layout.replicas == 1 and bool(search.get("assist_updates", True)))
         try:
-            result = plan_for(cfg, replica_hardware(hw, layout, opt.sharding), gpus=layout.gpus_per_replica,
-                              gpu_memory_bytes=gpu_memory_bytes, cpu_memory_bytes=budget // layout.per_node,
-                              host_shards=1 if name == "replicate" else layout.replicas,
-                              seq=seq, global_batch=batch, **kw)  # type: ignore[arg-type]
+            request = PlanRequest(model_config=cfg, gpus=layout.gpus_per_replica,
+                                  gpu_memory_bytes=gpu_memory_bytes or None,
+                                  cpu_memory_bytes=budget // layout.per_node,
+                                  host_shards=1 if name == "replicate" else layout.replicas,
+                                  seq=seq, global_batch=batch, **kw)  # type: ignore[arg-type]
+            result = plan(request, replica_hardware(hw, layout, opt.sharding))
         except PlanDoesNotFitError as exc:
             opt.why_not = f"{held}: one replica {' '.join(str(exc).split())}"
             continue

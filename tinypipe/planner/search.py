@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Sequence
 
 import transformers
 
-from tinypipe.config import PRECISIONS, Precision
+from tinypipe.config import Precision
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
 from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search's public names
@@ -57,11 +57,11 @@ from tinypipe.planner.options import (
     stash_options,
     useful_micro_batches,
 )
-from tinypipe.planner.presets import load_model_config
+from tinypipe.planner.request import PlanRequest
 from tinypipe.planner.sharded_host import sharded_candidate
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes, lora_sizes, model_sizes
 from tinypipe.planner.spill import IoHiding, Spill, hiding_batch, replanned_hiding
-from tinypipe.planner.ssd import SsdSpec, sharded_ssd_refusal
+from tinypipe.planner.ssd import SsdSpec
 from tinypipe.planner.work import REFERENCE_TOKENS, recompute_seconds
 from tinypipe.schedule.plan import DeviceOptimizer, Plan, make_plan
 from tinypipe.units import gib_pair, gib_text
@@ -202,12 +202,6 @@ def _pareto(cands: list[Candidate], clipping: bool = False) -> list[Candidate]:
     return front
 
 
-def _resolve(config: transformers.PretrainedConfig | str) -> tuple[transformers.PretrainedConfig, str]:
-    if isinstance(config, transformers.PretrainedConfig):
-        return config, getattr(config, "name_or_path", "") or getattr(config, "model_type", "")
-    return load_model_config(str(config)), str(config)
-
-
 def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec | str, *, gpus: int,
              gpu_memory_bytes: int | None = None, cpu_memory_bytes: int, seq: int, global_batch: int,
              precision: Precision = "bf16", max_grad_norm: float | None = None,
@@ -217,64 +211,56 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              hiding_search: bool = True, keep_activations: bool | None = None,
              host_shards: int = 1, assist_updates: bool = True, turn_packs: int | None = None,
              mlp_chunk_tokens: int | None = None) -> PlanResult:
-    """The fastest plan that fits ``gpus`` GPUs of ``gpu_memory_bytes`` (default: the hardware's)
-    and ``cpu_memory_bytes`` of host memory, plus the time-memory Pareto front. With ``lora`` the
-    model is sized with those adapters (only they train; the base is frozen at compute precision).
-    ``device_optimizer`` fixes that choice (default: searched, see :func:`device_optimizer_options`);
-    ``resident_packs`` likewise (default: searched, see
-    :func:`~tinypipe.planner.grow.with_resident_packs`), and ``keep_activations`` (default:
-    searched, :func:`~tinypipe.planner.grow.with_kept_activations`; True: every plan keeps
-    them for all its keepable packs; False: none), and with it searched a micro-batch-wise turn
-    (``turn_packs``: default searched, :func:`~tinypipe.planner.grow.with_turn`; 0: none). ``ssd``
-    (an offload directory and its rates): host memory becomes a real limit with the SSD as the
-    overflow (:class:`~tinypipe.planner.spill.Spill`); without it, nothing changes. With state on
-    the SSD the result says from which global batch its I/O is hidden (``hiding_search=False``
-    skips that: the re-plans of that search itself). ``host_shards``: the plan is one rank of that
-    many data-parallel replicas that shard the host AdamW state (``optimizer_sharding="shard"``):
-    each plan's host need is that rank's (:func:`~tinypipe.planner.sharded_host.sharded_candidate`:
-    moments and retained gradients 1/R for host-stepped layers, whole for layers stepped on the
-    device), against ``cpu_memory_bytes``, one replica's budget. ``assist_updates``
-    (``Config.assist_updates``): under ``max_grad_norm`` each plan that fits gets the layers whose
-    clipped updates its GPU steps on their way up (``Plan.assisted``, :mod:`tinypipe.planner.assist`)
-    where that is faster in a step where clipping triggers; never for sharded replicas.
-    ``mlp_chunk_tokens`` (``Config.mlp_chunk_tokens``; None: the engine's automatic choice for
-    ``seq``, :func:`~tinypipe.models.chunked_mlp.mlp_chunk_tokens_for`): the blocks' MLPs run in
-    chunks of that many tokens, which bounds their intermediates in every plan's activation
-    estimate; the result's ``mlp_chunk_tokens`` says what was planned with.
+    """:func:`plan` with the request's fields as keywords (each documented on
+    :class:`~tinypipe.planner.request.PlanRequest`), kept for scripts, benches and tests that call
+    the planner directly; tinypipe's own entries (the engine, ``tinypipe plan``, the replica
+    search) build a :class:`PlanRequest`. ``gpu_memory_bytes`` 0 or None: the hardware's.
 
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
-    if gpus < 1:
-        raise ConfigError(f"--gpus must be >= 1, got {gpus}")
-    if seq < 2:
-        raise ConfigError(f"sequence length must be >= 2, got {seq}")
-    if global_batch < 1:
-        raise ConfigError(f"global batch must be >= 1, got {global_batch}")
-    if precision not in PRECISIONS:
-        raise ConfigError(f"precision must be one of {', '.join(PRECISIONS)}, got {precision!r}")
-    if keep_activations is not None and not isinstance(keep_activations, bool):
-        raise ConfigError("the planner chooses the packing: keep_activations must be true, false or unset "
-                          f"(a per-pack list needs a hand-set packing), got {keep_activations!r}")
-    if max_grad_norm is not None and not max_grad_norm > 0:
-        raise ConfigError(f"max_grad_norm must be > 0, got {max_grad_norm}")
-    if turn_packs not in (None, 0):
-        raise ConfigError("the planner chooses the packing: turn_packs must be 0 (no turn) or unset "
-                          f"(searched), got {turn_packs!r}")
+    request = PlanRequest(model_config=config, gpus=gpus, gpu_memory_bytes=gpu_memory_bytes or None,
+                          cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=global_batch,
+                          precision=precision, max_grad_norm=max_grad_norm,
+                          host_grad_buffers=host_grad_buffers, max_pareto=max_pareto, lora=lora,
+                          device_optimizer=device_optimizer, resident_packs=resident_packs, ssd=ssd,
+                          hiding_search=hiding_search, keep_activations=keep_activations,
+                          host_shards=host_shards, assist_updates=assist_updates, turn_packs=turn_packs,
+                          mlp_chunk_tokens=mlp_chunk_tokens)
+    return plan(request, hardware)
+
+
+def plan(request: PlanRequest, hardware: HardwareSpec | str) -> PlanResult:
+    """The fastest plan for ``request`` that fits its budgets on ``hardware`` (a preset name, a
+    profile file or a spec), plus the time-memory Pareto front. The request was validated when it
+    was built; what each field does is documented on :class:`PlanRequest`. In short: with ``lora``
+    the model is sized with those adapters (only they train; the base is frozen at compute
+    precision); ``device_optimizer``, ``resident_packs``, ``keep_activations`` and ``turn_packs``
+    fix those choices (None: searched, :func:`device_optimizer_options`,
+    :func:`~tinypipe.planner.grow.with_resident_packs`,
+    :func:`~tinypipe.planner.grow.with_kept_activations`, :func:`~tinypipe.planner.grow.with_turn`).
+    ``ssd``: host memory becomes a real limit with the SSD as the overflow
+    (:class:`~tinypipe.planner.spill.Spill`), and the result says from which global batch its I/O
+    is hidden (unless ``hiding_search`` is off). ``host_shards`` > 1: each plan's host need is one
+    sharded rank's (:func:`~tinypipe.planner.sharded_host.sharded_candidate`) against
+    ``cpu_memory_bytes``, one replica's budget. ``assist_updates``: under clipping each fitting plan
+    gets the layers whose clipped updates its GPU steps on their way up (``Plan.assisted``), never
+    for sharded replicas. ``mlp_chunk_tokens`` (None: the engine's automatic choice,
+    :func:`~tinypipe.models.chunked_mlp.mlp_chunk_tokens_for`) bounds the MLP intermediates in every
+    plan's activation estimate; the result says what was planned with.
+
+    Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
+    """
+    r = request
+    cfg, name = r.config, r.model_name
+    gpus, seq, global_batch, precision = r.gpus, r.seq, r.global_batch, r.precision
+    max_grad_norm, lora, ssd, host_shards = r.max_grad_norm, r.lora, r.ssd, r.host_shards
+    cpu_memory_bytes = r.cpu_memory_bytes
+    resident_packs, keep_activations = r.resident_packs, r.keep_activations
     hw = load_hardware(hardware)
     if ssd is not None:
         hw = ssd.apply(hw)
-    gpu_mem = int(gpu_memory_bytes) if gpu_memory_bytes else hw.gpu_memory_bytes
-    if cpu_memory_bytes <= 0:
-        raise ConfigError("host memory budget must be positive")
-    if host_shards < 1:
-        raise ConfigError(f"host_shards must be >= 1, got {host_shards}")
-    if host_shards > 1 and ssd is not None:
-        raise sharded_ssd_refusal()
-    cfg, name = _resolve(config)
-    max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
+    gpu_mem = int(r.gpu_memory_bytes) if r.gpu_memory_bytes else hw.gpu_memory_bytes
     notes = []
-    if isinstance(max_pos, int) and seq > max_pos:
-        raise ConfigError(f"sequence length {seq} exceeds the model's max_position_embeddings {max_pos}")
     sizes = lora_sizes(cfg, lora) if lora is not None else model_sizes(cfg)
     if lora is not None:
         notes.append(f"{sizes.lora}: {sizes.train_total / 1e6:.1f} M trainable elements, "
@@ -296,20 +282,20 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     if hw.layer_profile is not None and hw.layer_profile.precision == precision:
         plateau = max(plateau, max(p.tokens for p in hw.layer_profile.points))
     # which resident layers keep their AdamW on the GPU: a tied head owns only its final norm
-    dopts = device_optimizer_options(sizes) if device_optimizer is None else (device_optimizer,)
+    dopts = device_optimizer_options(sizes) if r.device_optimizer is None else (r.device_optimizer,)
 
     # each plan gets the assisted layers that shorten its (clipped) step, where it can hold their
     # scratch (not for sharded replicas: they step their shards, and their leftover work is theirs)
-    assist = gpu_mem if assist_updates and host_shards == 1 else None
+    assist = gpu_mem if r.assist_updates and host_shards == 1 else None
 
-    mlp_chunk = mlp_chunk_tokens_for(mlp_chunk_tokens, sizes.intermediate, dtype_bytes(precision), seq)
+    mlp_chunk = mlp_chunk_tokens_for(r.mlp_chunk_tokens, sizes.intermediate, dtype_bytes(precision), seq)
     if mlp_chunk:
         notes.append(f"MLPs in chunks of {mlp_chunk} tokens "
                      "(a block's MLP intermediates bounded by a chunk's)")
 
     def ev(plan: Plan, peaks: Sequence[int] | None = None, batch: int = global_batch) -> Candidate:
         c = evaluate(sizes, hw, plan, seq=seq, global_batch=batch, precision=precision,
-                     max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers, peaks=peaks,
+                     max_grad_norm=max_grad_norm, host_grad_buffers=r.host_grad_buffers, peaks=peaks,
                      assist_within=assist, mlp_chunk=mlp_chunk)
         return c if host_shards == 1 else sharded_candidate(c, sizes, host_shards, max_grad_norm is not None)
 
@@ -335,15 +321,15 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                     for w in windows:
                         for dopt in dopts:
                             try:
-                                plan = make_plan(sizes.num_blocks, pack_size=pack, micro_batch_size=f,
-                                                 backward_micro_batch_size=b, num_devices=gpus,
-                                                 prefetch_window=w, stash=stash, tied=sizes.tied,
-                                                 device_optimizer=dopt, resident_packs=resident_packs or 0)
+                                option = make_plan(sizes.num_blocks, pack_size=pack, micro_batch_size=f,
+                                                   backward_micro_batch_size=b, num_devices=gpus,
+                                                   prefetch_window=w, stash=stash, tied=sizes.tied,
+                                                   device_optimizer=dopt, resident_packs=resident_packs or 0)
                             except ConfigError:  # fixed resident packs this placement splits across devices
                                 if not resident_packs:
                                     raise
                                 continue
-                            c = ev(plan, peaks)
+                            c = ev(option, peaks)
                             peaks = [c.memory.devices[k]["activations_peak"] for k in c.memory.devices]
                             cands.append(c)
                             settled = settle(c) if c.gpu_need <= gpu_mem else None
@@ -376,7 +362,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                                                 streamed=not sizes.quantize)
         cands += more
         fits += more_fits
-        if turn_packs is None:
+        if r.turn_packs is None:
             turned, turned_fits = with_turn(_pareto(fits, clipping)[:TURN_SEEDS], ev, settle, gpu_mem,
                                             saved_per_byte, streamed=not sizes.quantize)
             cands += turned
@@ -400,7 +386,7 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
     if best.plan.assisted:
         notes.append(PLAN_ONLY_NOTE.format(what="assisted layers"))
     hiding = None
-    if ssd is not None and best.plan.offload and hiding_search:
+    if ssd is not None and best.plan.offload and r.hiding_search:
         fresh = Spill(sizes, ssd, cpu_memory_bytes, precision=precision,
                       retain_grads=max_grad_norm is not None, mlp_chunk=mlp_chunk)
         hiding = hiding_batch(sizes, hw, best.plan, lambda p, b: ev(p, None, b), fresh, seq=seq,
@@ -408,18 +394,13 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
         if hiding.batch is None or not hiding.fits_gpu:  # these knobs cannot get there: re-plan
 
             def best_at(batch: int) -> Candidate:
-                return plan_for(cfg, hw, gpus=gpus, gpu_memory_bytes=gpu_mem,
-                                cpu_memory_bytes=cpu_memory_bytes, seq=seq, global_batch=batch,
-                                precision=precision, max_grad_norm=max_grad_norm,
-                                host_grad_buffers=host_grad_buffers, lora=lora,
-                                device_optimizer=device_optimizer, resident_packs=resident_packs,
-                                ssd=ssd, hiding_search=False, keep_activations=keep_activations,
-                                assist_updates=assist_updates, turn_packs=turn_packs,
-                                mlp_chunk_tokens=mlp_chunk).best
+                return plan(dataclasses.replace(r, model_config=cfg, gpu_memory_bytes=gpu_mem,
+                                                global_batch=batch, hiding_search=False, host_shards=1,
+                                                max_pareto=8, mlp_chunk_tokens=mlp_chunk), hw).best
 
             hiding = replanned_hiding(best_at, sizes, hw, start=global_batch, seq=seq, precision=precision,
                                       mlp_chunk=mlp_chunk)
-    return PlanResult(best=best, pareto=front[:max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
+    return PlanResult(best=best, pareto=front[:r.max_pareto], sizes=sizes, hardware=hw, gpus=gpus,
                       gpu_memory_bytes=gpu_mem, cpu_memory_bytes=cpu_memory_bytes, seq=seq,
                       global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
                       considered=len(cands), fitting=len(fits), model_name=name, notes=notes, ssd=ssd,
