@@ -67,7 +67,7 @@ SSD_TIER = Section("SSD tier", """
 PLAN = Section("The plan: packing, micro-batches, placement", """
     Memory/speed knobs. Leave all of ``pack_size``, ``micro_batch_size``,
     ``backward_micro_batch_size``, ``prefetch_window`` and ``stash`` unset (None) and the engine
-    chooses them with the planner (:func:`tinypipe.planner.plan_for`) for the model, the devices,
+    chooses them with the planner (:func:`tinypipe.planner.plan`) for the model, the devices,
     the workload and the budgets, and refuses to start (:class:`PlanDoesNotFitError`, one line) when
     no plan fits. Set any of them and the plan is yours: unset ones take 1, the forward size, 1 and
     ``"device"``. ``device_optimizer`` / ``resident_packs`` / ``keep_activations`` / ``turn_packs``

@@ -1,4 +1,4 @@
-"""The search's second passes (:func:`tinypipe.planner.search.plan_for`): its fastest plans grown
+"""The search's second passes (:func:`tinypipe.planner.search.plan`): its fastest plans grown
 with resident packs (:func:`with_resident_packs`), kept activations (:func:`with_kept_activations`,
 :func:`keep_all`) and a micro-batch-wise turn (:func:`with_turn`), each variant kept while it fits.
 """
