@@ -14,12 +14,10 @@ documentation, a field the page lacks or lists after it left ``Config``, else th
 
 from __future__ import annotations
 
-import argparse
 import re
 import sys
 import textwrap
 import typing
-from pathlib import Path
 from typing import Sequence
 
 from tinypipe.documented import DocumentedField, UndocumentedError, documented_fields, paragraphs, sections
@@ -148,24 +146,10 @@ def differences(page: str, cls: type | None = None, flags: dict[str, list[str]] 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tinypipe.config_reference", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    group = ap.add_mutually_exclusive_group(required=True)
-    group.add_argument("--write", metavar="FILE", help="write the reference to FILE")
-    group.add_argument("--check", metavar="FILE", help="exit 1 when FILE differs from Config")
-    a = ap.parse_args(argv)
-    if a.write:
-        try:
-            text = reference_markdown()
-        except UndocumentedError as exc:
-            print("\n".join(str(exc).split("; ")), file=sys.stderr)
-            return 1
-        Path(a.write).write_text(text)
-        return 0
-    problems = differences(Path(a.check).read_text())
-    for line in problems:
-        print(line, file=sys.stderr)
-    return 1 if problems else 0
+    from tinypipe.cli.reference import write_or_check
+
+    return write_or_check(argv, prog="python -m tinypipe.config_reference", doc=__doc__, source="Config",
+                          render=reference_markdown, drift=differences, refusals=(UndocumentedError,))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 HEADER = """# Command-line reference
 
@@ -101,20 +101,35 @@ def differences(page: str, parser: argparse.ArgumentParser | None = None) -> lis
     return out
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tinypipe.cli.reference", description=__doc__,
+def write_or_check(argv: Sequence[str] | None, *, prog: str, doc: str | None, source: str,
+                   render: Callable[[], str], drift: Callable[[str], list[str]],
+                   refusals: tuple[type[Exception], ...] = ()) -> int:
+    """The command line of a generated reference page: ``--write FILE`` renders it (an error of a
+    ``refusals`` type: its "; "-separated problems, one per line, exit 1), ``--check FILE`` prints
+    what ``drift`` finds between FILE and ``source`` and exits 1 if anything."""
+    ap = argparse.ArgumentParser(prog=prog, description=doc,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     group = ap.add_mutually_exclusive_group(required=True)
     group.add_argument("--write", metavar="FILE", help="write the reference to FILE")
-    group.add_argument("--check", metavar="FILE", help="exit 1 when FILE differs from the parser")
+    group.add_argument("--check", metavar="FILE", help=f"exit 1 when FILE differs from {source}")
     a = ap.parse_args(argv)
     if a.write:
-        Path(a.write).write_text(reference_markdown())
+        try:
+            text = render()
+        except refusals as exc:
+            print("\n".join(str(exc).split("; ")), file=sys.stderr)
+            return 1
+        Path(a.write).write_text(text)
         return 0
-    problems = differences(Path(a.check).read_text())
+    problems = drift(Path(a.check).read_text())
     for line in problems:
         print(line, file=sys.stderr)
     return 1 if problems else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return write_or_check(argv, prog="python -m tinypipe.cli.reference", doc=__doc__, source="the parser",
+                          render=reference_markdown, drift=differences)
 
 
 if __name__ == "__main__":
