@@ -441,14 +441,18 @@ def test_cli_profile_rates_and_errors(tmp_path, capsys: pytest.CaptureFixture[st
         assert len(err) == 1 and "--ssd-bytes must be" in err[0], err
     hw = load_hardware(str(prof))
     assert hw.ssd_read_gbps == d["ssd_read_gbps"]
+    assert d["ssd_mixed_gbps"] > 0 and hw.ssd_mixed_gbps == d["ssd_mixed_gbps"]  # both at once, measured
     capsys.readouterr()
     args = PLAN_13B + ["--hardware", str(prof), "--gpu-memory", "24GiB", "--offload-dir", str(tmp_path)]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert f"SSD tier ({tmp_path}; read {d['ssd_read_gbps']:.2f} GB/s" in out and "hardware file" in out
+    assert f"both at once {d['ssd_mixed_gbps']:.2f} GB/s" in out
     assert "scratch file" in out and "free" in out
     assert cli_main(args + ["--ssd-write-gbps", "5"]) == 0
-    assert "write 5.00 GB/s: stated, hardware file" in capsys.readouterr().out
+    # a stated rate was not measured with the file's mixed rate: reads and writes planned serially
+    assert "write 5.00 GB/s, reads and writes planned one after the other: stated, hardware file" in (
+        capsys.readouterr().out)
     for bad in (["--ssd-read-gbps", "0"], ["--ssd-write-gbps", "many"]):
         assert cli_main(PLAN_13B + bad) == 2
         err = capsys.readouterr().err.strip().splitlines()
