@@ -138,10 +138,10 @@ def _measured_ssd_hardware(directory: Path, scratch: Path, device: str) -> tuple
     rates = ssd_rates([str(directory)], 4 << 30)
     spec = hardware_for(Config(devices=[device])).as_dict()
     spec.update(name=f"{spec['name']} (disk measured)", ssd_read_gbps=rates["ssd_read_gbps"],
-                ssd_write_gbps=rates["ssd_write_gbps"])
+                ssd_write_gbps=rates["ssd_write_gbps"], ssd_mixed_gbps=rates["ssd_mixed_gbps"])
     path = scratch / "hardware.json"
     path.write_text(json.dumps(spec))
-    return str(path), {k: rates[k] for k in ("ssd_read_gbps", "ssd_write_gbps")}
+    return str(path), {k: rates[k] for k in ("ssd_read_gbps", "ssd_write_gbps", "ssd_mixed_gbps")}
 
 
 def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, Any]:
@@ -215,6 +215,10 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
         "mlp_chunk_tokens": engine.mlp_chunk,
         "segment_attention": all(d.shell.segment_attention for d in engine.devices),
         "ssd_rates": ssd,
+        # what the SSD tier moved in each step, measured by the engine (bytes; GB/s while in flight)
+        "ssd_io": [{"read_bytes": r.ssd_read_bytes, "write_bytes": r.ssd_write_bytes,
+                    "read_gbps": r.ssd_read_gbps, "write_gbps": r.ssd_write_gbps} for r in results]
+        if row.offload else None,
         "memory_report": report.as_dict(),
         "torch": torch.__version__,
         "gpu_name": torch.cuda.get_device_name(torch.device(row.devices[0])) if cuda else "cpu",

@@ -261,6 +261,53 @@ def test_ssd_traffic_and_lanes() -> None:
         predict_step_time(sizes, p, dataclasses.replace(hw, ssd_read_gbps=None), batch=16, seq=2048)
 
 
+def test_a_measured_mixed_rate_lets_reads_and_writes_overlap() -> None:
+    """Unknown overlap: the SSD lane of a phase that reads and writes is the serial time. A mixed
+    rate measured with the two solo rates bounds it instead: no faster than either direction
+    alone nor than both at the mixed rate, and never slower than serial (a mixed rate below the
+    serial one changes nothing)."""
+    from tinypipe.planner.ssd_lanes import SsdLanes
+
+    sizes = model_sizes(transformers.LlamaConfig(**dict(W3, num_hidden_layers=6)))
+    p = dataclasses.replace(_plan(sizes, pack_size=2), offload=tuple((x, "moments") for x in range(8)))
+    hw = dataclasses.replace(load_hardware("h200-pcie5"), ssd_read_gbps=1.6, ssd_write_gbps=2.4)
+    lanes = SsdLanes(ssd_traffic(sizes, p, "bf16"), hw)
+    r, w = 4e9, 4e9
+    assert lanes.both(r, w) == pytest.approx(r / 1.6e9 + w / 2.4e9)  # serial: 4.17 s
+    duplex = SsdLanes(lanes.t, dataclasses.replace(hw, ssd_mixed_gbps=2.5))
+    assert duplex.both(r, w) == pytest.approx((r + w) / 2.5e9)  # 3.2 s: the mixed rate bounds it
+    assert duplex.both(r, 0.0) == pytest.approx(r / 1.6e9)  # reads alone: the read rate
+    full = SsdLanes(lanes.t, dataclasses.replace(hw, ssd_mixed_gbps=100.0))
+    assert full.both(r, w) == pytest.approx(max(r / 1.6e9, w / 2.4e9))  # 2.5 s: each direction's own floor
+    shared = SsdLanes(lanes.t, dataclasses.replace(hw, ssd_mixed_gbps=1.0))
+    assert shared.both(r, w) == pytest.approx(lanes.both(r, w))  # worse than serial: serial
+    # the step: an I/O-bound plan gets faster with a mixed rate, by the lanes' difference
+    slow_hw = dataclasses.replace(hw, ssd_read_gbps=0.05, ssd_write_gbps=0.05)
+    serial = predict_step_time(sizes, p, slow_hw, batch=16, seq=2048)
+    overlap = predict_step_time(sizes, p, dataclasses.replace(slow_hw, ssd_mixed_gbps=0.1), batch=16, seq=2048)
+    same = predict_step_time(sizes, p, dataclasses.replace(slow_hw, ssd_mixed_gbps=0.025), batch=16, seq=2048)
+    assert serial.limit == "ssd" and overlap.step_s < 0.8 * serial.step_s
+    assert same.step_s == pytest.approx(serial.step_s)
+    tr = ssd_traffic(sizes, p, "bf16")  # every byte is read once and written once per step
+    assert overlap.step_s >= (tr.read_bytes + tr.write_bytes) / 0.1e9 * 0.99
+
+
+def test_the_mixed_rate_travels_with_its_measurement(tmp_path) -> None:
+    """A hardware file's mixed rate reaches the plan with its two rates; a stated rate drops it
+    (it was not measured with the stated one); ``--offload-dir`` measures it."""
+    f = tmp_path / "box.json"
+    f.write_text(json.dumps(dict(gpu_memory="24GiB", h2d_gbs=25, d2h_gbs=25, bidir_gbs=45, bf16_tflops=90,
+                                 cpu_adamw_gparams_s=2, ssd_read_gbps=1.6, ssd_write_gbps=2.5,
+                                 ssd_mixed_gbps=2.6)))
+    box = load_hardware(str(f))
+    s = ssd_spec(box)
+    assert s.mixed_gbps == 2.6 and s.apply(load_hardware("rtx4090-pcie4")).ssd_mixed_gbps == 2.6
+    assert ssd_spec(box, write_gbps=3.0).mixed_gbps is None
+    assert ssd_spec(load_hardware("rtx4090-pcie4")).mixed_gbps is None  # a preset: serial
+    measured = ssd_spec(load_hardware("rtx4090-pcie4"), directory=tmp_path, measure=True)
+    assert measured.mixed_gbps is not None and measured.mixed_gbps > 0
+
+
 def test_the_hiding_batch_hides_the_io() -> None:
     """W3 (7B) on 24 GiB + 48 GiB at 1.6 / 2.4 GB/s: at 16 sequences the SSD bounds the step and
     these knobs cannot grow the batch on 24 GiB (a device stash), so the planner re-plans; the
@@ -358,7 +405,8 @@ def test_cli_says_what_goes_where(capsys: pytest.CaptureFixture[str]) -> None:
     assert len(err) == 1 and "host memory" in err[0]
     assert cli_main(PLAN_13B + ["--ssd-read-gbps", "1.6", "--ssd-write-gbps", "2.4"]) == 0
     out = capsys.readouterr().out
-    assert "SSD tier (read 1.60 GB/s, write 2.40 GB/s: stated)" in out
+    assert ("SSD tier (read 1.60 GB/s, write 2.40 GB/s, reads and writes planned one after the other: "
+            "stated)") in out
     assert "offload: moments of" in out and "ssd_staging" in out
     assert " moments " in out and " master " in out and "per step: read" in out
     assert "the step is bound by" in out and "I/O hidden (adds < 5% to the step) from a global batch of" in out
@@ -393,14 +441,18 @@ def test_cli_profile_rates_and_errors(tmp_path, capsys: pytest.CaptureFixture[st
         assert len(err) == 1 and "--ssd-bytes must be" in err[0], err
     hw = load_hardware(str(prof))
     assert hw.ssd_read_gbps == d["ssd_read_gbps"]
+    assert d["ssd_mixed_gbps"] > 0 and hw.ssd_mixed_gbps == d["ssd_mixed_gbps"]  # both at once, measured
     capsys.readouterr()
     args = PLAN_13B + ["--hardware", str(prof), "--gpu-memory", "24GiB", "--offload-dir", str(tmp_path)]
     assert cli_main(args) == 0
     out = capsys.readouterr().out
     assert f"SSD tier ({tmp_path}; read {d['ssd_read_gbps']:.2f} GB/s" in out and "hardware file" in out
+    assert f"both at once {d['ssd_mixed_gbps']:.2f} GB/s" in out
     assert "scratch file" in out and "free" in out
     assert cli_main(args + ["--ssd-write-gbps", "5"]) == 0
-    assert "write 5.00 GB/s: stated, hardware file" in capsys.readouterr().out
+    # a stated rate was not measured with the file's mixed rate: reads and writes planned serially
+    assert "write 5.00 GB/s, reads and writes planned one after the other: stated, hardware file" in (
+        capsys.readouterr().out)
     for bad in (["--ssd-read-gbps", "0"], ["--ssd-write-gbps", "many"]):
         assert cli_main(PLAN_13B + bad) == 2
         err = capsys.readouterr().err.strip().splitlines()

@@ -148,7 +148,8 @@ def ssd_rates(dirs: str | Sequence[str], nbytes: int = SSD_BYTES) -> dict:
     from tinypipe.storage import measure_directories
 
     ssd = measure_directories(dirs, nbytes, mixed=True, log=lambda line: print(line, flush=True))
-    return {"ssd_read_gbps": float(ssd["read_gbps"]), "ssd_write_gbps": float(ssd["write_gbps"]), "ssd": ssd}
+    return {"ssd_read_gbps": float(ssd["read_gbps"]), "ssd_write_gbps": float(ssd["write_gbps"]),
+            "ssd_mixed_gbps": float(ssd["mixed_gbps"]), "ssd": ssd}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -228,7 +228,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     if ssd.on:  # state on the SSD: read/write lanes beside every phase (see SsdLanes)
         fill += ssd.t.fill_read / ssd.read
         # one disk: its reads and the previous step's tail writes, still landing, share it
-        f_terms["ssd"] = ssd.t.forward_read / ssd.read + ssd.t.carry_write / ssd.write
+        f_terms["ssd"] = ssd.both(ssd.t.forward_read, ssd.t.carry_write)
         forward = max(f_terms.values())
     # deferred layers (Plan.deferred) are stepped in the next forward instead: off the backward's
     # host lane, racing that forward below
@@ -246,7 +246,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
             a_lanes, tail_link, launch_s = bwd.apply(lanes, layers, rates, prefixes)
         terms = backward_terms(a_lanes, slowdown, rates)
         if ssd.on:
-            terms["ssd"] = ssd.t.backward_read / ssd.read + ssd.t.backward_write / ssd.write
+            terms["ssd"] = ssd.both(ssd.t.backward_read, ssd.t.backward_write)
         b = max(terms.values()) + launch_s
         work = host_lane_arrivals(packs, order, dev, b, deferred | frozenset(layers), last_chunk)
         work.sort(key=ARRIVAL_TIME)  # stable, as lane_end_s's own: both calls below then sort in one pass

@@ -104,7 +104,10 @@ def ssd_lines(result: PlanResult) -> list[str]:
     assert ssd is not None
     where = f"{ssd.directory}; " if ssd.directory else ""
     source = f": {ssd.source}" if ssd.source else ""
-    head = f"SSD tier ({where}read {ssd.read_gbps:.2f} GB/s, write {ssd.write_gbps:.2f} GB/s{source}):"
+    both = (f", both at once {ssd.mixed_gbps:.2f} GB/s" if ssd.mixed_gbps
+            else ", reads and writes planned one after the other")
+    head = (f"SSD tier ({where}read {ssd.read_gbps:.2f} GB/s, write {ssd.write_gbps:.2f} GB/s{both}"
+            f"{source}):")
     if not b.plan.offload:
         return [head, "  nothing on the SSD: the training state fits in host memory"]
     lines = [head, f"  {'state':<9} {'layers on SSD':>14} {'on SSD':>12} {'in DRAM':>12}"]

@@ -55,6 +55,9 @@ class HardwareSpec:
     layer_profile: LayerProfile | None = None  # measured per-layer times (tinypipe profile)
     ssd_read_gbps: float | None = None  # the offload directory's direct-I/O read rate, GB/s
     ssd_write_gbps: float | None = None  # ... and write rate (None: unknown)
+    #: read + written bytes per second with both in flight together (``tinypipe profile`` measures
+    #: it); None: unknown, and a phase that reads and writes is planned at the serial time
+    ssd_mixed_gbps: float | None = None
     #: host memory bandwidth the CPU and the DMA engines share, GB/s (None: unknown, no floor):
     #: the forward after a clipped step moves every host-held layer's AdamW state through it
     #: (:mod:`tinypipe.planner.dram`)
@@ -111,7 +114,7 @@ HARDWARE: dict[str, HardwareSpec] = {
 }
 
 _OPTIONAL = ("fp32_tflops", "description", "layer_profile", "ssd_read_gbps", "ssd_write_gbps",
-             "host_dram_gbs", "stages_per_gpu", "device_kind")
+             "ssd_mixed_gbps", "host_dram_gbs", "stages_per_gpu", "device_kind")
 
 
 def _from_dict(d: dict, default_name: str) -> HardwareSpec:
@@ -147,7 +150,7 @@ def _from_dict(d: dict, default_name: str) -> HardwareSpec:
             d[k] = float(d[k])
             if not d[k] > 0:
                 raise ConfigError(f"hardware file: {k} must be > 0, got {d[k]}")
-        for k in ("fp32_tflops", "ssd_read_gbps", "ssd_write_gbps", "host_dram_gbs"):
+        for k in ("fp32_tflops", "ssd_read_gbps", "ssd_write_gbps", "ssd_mixed_gbps", "host_dram_gbs"):
             if d.get(k) is not None:
                 d[k] = float(d[k])
                 if not d[k] > 0:

@@ -332,12 +332,13 @@ def run_profile(device: str = "cpu", model: str | transformers.PretrainedConfig 
     if offload_dir is not None:
         from tinypipe.storage import check_directory, measure_rates
 
-        ssd = measure_rates(check_directory(offload_dir), ssd_bytes)
+        ssd = measure_rates(check_directory(offload_dir), ssd_bytes, mixed=True)
         out["ssd_read_gbps"], out["ssd_write_gbps"] = float(ssd["read_gbps"]), float(ssd["write_gbps"])
+        out["ssd_mixed_gbps"] = float(ssd["mixed_gbps"])
         out["ssd"] = dict(ssd, directory=str(offload_dir))
         if log:
             log(f"{offload_dir}: SSD read {out['ssd_read_gbps']:.2f} GB/s, "
-                f"write {out['ssd_write_gbps']:.2f} GB/s"
+                f"write {out['ssd_write_gbps']:.2f} GB/s, both at once {out['ssd_mixed_gbps']:.2f} GB/s"
                 + ("" if ssd["direct"] else " (buffered: the filesystem refused O_DIRECT)"))
     out["seconds"] = time.perf_counter() - t0
     return out

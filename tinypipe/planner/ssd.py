@@ -46,13 +46,17 @@ class SsdSpec:
     directory: str | tuple[str, ...] | None = None
     free_bytes: int | None = None  # what the directories can hold (:func:`free_space`) when they exist
     source: str = ""  # where the rates come from, for the printed plan
+    #: read + written GB/s with both in flight, when measured with the two rates (None: the time
+    #: model takes the serial time, :class:`~tinypipe.planner.ssd_lanes.SsdLanes`)
+    mixed_gbps: float | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
 
     def apply(self, hw: HardwareSpec) -> HardwareSpec:
         """``hw`` with these SSD rates (what the cost model reads)."""
-        return replace(hw, ssd_read_gbps=self.read_gbps, ssd_write_gbps=self.write_gbps)
+        return replace(hw, ssd_read_gbps=self.read_gbps, ssd_write_gbps=self.write_gbps,
+                       ssd_mixed_gbps=self.mixed_gbps)
 
 
 def free_space(directory: str | Sequence[str] | None) -> int | None:
@@ -100,18 +104,23 @@ def ssd_spec(hw: HardwareSpec, *, directory: str | os.PathLike | Sequence[str | 
     directory = directories_of(directory)
     several = isinstance(directory, tuple)
     read, write = _rate("--ssd-read-gbps", read_gbps), _rate("--ssd-write-gbps", write_gbps)
+    mixed = None  # only with both rates from one measurement (a stated rate is not measured with it)
     sources = []
     if read is not None or write is not None:
         sources.append("stated")
     if read is None or write is None:
         preset = HARDWARE.get(hw.name) is hw
         if not preset and hw.ssd_read_gbps and hw.ssd_write_gbps:
+            if read is None and write is None:
+                mixed = hw.ssd_mixed_gbps
             read, write = read or hw.ssd_read_gbps, write or hw.ssd_write_gbps
             sources.append(f"hardware file {hw.name}")
         elif measure and directory is not None and free_space(directory) is not None:
             from tinypipe.storage import measure_rates
 
-            got = measure_rates(directory, MEASURE_BYTES * (len(directory) if several else 1))
+            got = measure_rates(directory, MEASURE_BYTES * (len(directory) if several else 1),
+                                mixed=read is None and write is None)
+            mixed = float(got["mixed_gbps"]) if "mixed_gbps" in got else None
             read, write = read or float(got["read_gbps"]), write or float(got["write_gbps"])
             sources.append(f"measured on {directory}" + (" (striped)" if several else "")
                            + ("" if got["direct"] else " (buffered I/O)"))
@@ -123,4 +132,4 @@ def ssd_spec(hw: HardwareSpec, *, directory: str | os.PathLike | Sequence[str | 
             read, write = read or TYPICAL_NVME_GEN4[0], write or TYPICAL_NVME_GEN4[1]
             sources.append("a typical NVMe Gen4 drive (not measured)")
     return SsdSpec(read_gbps=read, write_gbps=write, directory=directory, free_bytes=free_space(directory),
-                   source=", ".join(sources))
+                   source=", ".join(sources), mixed_gbps=mixed)

@@ -7,9 +7,11 @@ from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import SsdTraffic
 
 
-#: Why the SSD's reads and writes are one lane, not two: a disk shares its bandwidth between the two
-#: directions. Measured, a step that read and wrote took the serial time, not the longer of the two
-#: (docs/measured.md).
+#: Why the SSD's reads and writes share one lane unless the disk's mixed rate says otherwise: a disk
+#: shares its bandwidth between the two directions. Measured on the H200 box in session 4, a step
+#: that read and wrote took the serial time, not the longer of the two (docs/measured.md); at
+#: 214e2e1 the same kind of step on a lent machine's disk moved both in less than the serial time
+#: (bench/results/acceptance/214e2e1/ssd-w3.json): how far they overlap is the disk's, measured.
 SSD_SHARED_NOTE = "one disk serves reads and writes"
 
 
@@ -33,13 +35,28 @@ class SsdLanes:
                               "ssd_read_gbps / ssd_write_gbps (tinypipe profile --offload-dir measures them)")
         self.read = (hw.ssd_read_gbps or 1.0) * 1e9
         self.write = (hw.ssd_write_gbps or 1.0) * 1e9
+        self.mixed = hw.ssd_mixed_gbps * 1e9 if hw.ssd_mixed_gbps else None
+
+    def both(self, read_bytes: float, write_bytes: float) -> float:
+        """Seconds to read and write these bytes with both in flight (one phase's SSD lane).
+
+        With the disk's mixed rate measured: :meth:`overlapped`, never above the serial time.
+        Unknown: the serial time (one direction after the other), what a disk that shares its
+        bandwidth between them takes -- never an optimistic guess."""
+        serial = read_bytes / self.read + write_bytes / self.write
+        return serial if self.mixed is None else min(serial, self.overlapped(read_bytes, write_bytes))
+
+    def overlapped(self, read_bytes: float, write_bytes: float) -> float:
+        """No faster than either direction alone, nor (mixed rate measured) than their sum at it."""
+        floor = max(read_bytes / self.read, write_bytes / self.write)
+        return floor if self.mixed is None else max(floor, (read_bytes + write_bytes) / self.mixed)
 
     def clipped(self, no_opt: float, host_pass: float, f_terms: dict[str, float]) -> tuple[float, float]:
         """(backward, background pass) of a step where clipping triggers, with the SSD's share."""
         t = self.t
         upload_reads = t.backward_read - t.step_read
-        backward = max(no_opt, upload_reads / self.read, t.grad_bytes / self.write)
+        backward = max(no_opt, self.overlapped(upload_reads, t.grad_bytes))
         redo_read = t.step_read + t.grad_bytes + t.master_bytes
         redo_write = t.step_write
-        pass_s = max(host_pass, (t.forward_read + redo_read) / self.read, redo_write / self.write)
+        pass_s = max(host_pass, self.overlapped(t.forward_read + redo_read, redo_write))
         return backward, max(pass_s, max(f_terms.values()))
