@@ -510,11 +510,8 @@ class TaskHandlers:
         n = self._spec(layer).train_numel
         acc = dev.pool.grads(layer, task.grad_slots[0] if task.grad_slots else None)[:n]
         stream = self.ctx.grad_streams[layer]
-        on_device = self.optim.on_device(layer)
-        after_backward = n > 0 and self.optim.steps_after_backward(layer)  # assisted: stepped right here
-        # the retained buffer (clipping / skip) is created here, before the norm tells the update
-        # task to look for it: created by both lanes at once, the chunks would land in the other one
-        keep = None if on_device else self.optim.retain_buffer(layer)
+        route = self.optim.download_route(layer)  # before the norm is sent: it may create the host copy
+        keep = route.keep
         # replicas: the summed gradient (or this rank's shard); left in the context until the step
         # ends, so its norm tensor outlives the reads queued on this stream
         red = self.ctx.reductions.get(layer)
@@ -527,13 +524,11 @@ class TaskHandlers:
             norm = _chunked_norm(acc)
         d2h = dev.streams["d2h"]
         stream.put(GradNorm(norm, dev.backend.record_event(d2h), dev.backend))
-        if on_device:  # stepped where it is: only the norm leaves the device
+        if route.norm_only:  # stepped where it is: only the norm leaves the device
             stream.put(GradEnd())
             return
-        if after_backward:  # master and moments make the round trip instead of the gradient
-            step = self.store.layers[layer].step + 1  # this step's update of the layer has not run yet
-            self.optim.assist.step_after_backward(layer, dev, acc, norm, step,  # type: ignore[union-attr]
-                                                  self.optim.step_lr())
+        if route.round_trip:  # master and moments make the round trip instead of the gradient
+            self.optim.step_on_download(layer, dev, acc, norm)
             stream.put(GradEnd())
             return
         pool = dev.grad_pool
