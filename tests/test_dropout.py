@@ -212,7 +212,7 @@ def test_compiled_blocks_draw_the_same_masks() -> None:
 def test_a_wrong_replay_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """Replaying the neighbouring micro-batch's masks leaves the forward (and the loss) alone but
     changes the gradients: the reference comparison must fail."""
-    import tinypipe.runtime.handlers as handlers
+    import tinypipe.runtime.compute_handlers as handlers
 
     real = handlers.replay_pieces
 

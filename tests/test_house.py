@@ -4,6 +4,9 @@
   on which benchmark run) lives in ``bench/RESULTS.md`` and ``docs/measured.md`` with the raw files.
 - A module has one job: over :data:`MAX_MODULE_LINES` lines it says at its top why it is one module,
   in a docstring line starting with :data:`ONE_MODULE_BECAUSE`.
+- The optimizer's step counters (a layer state's ``step``, the optimizer path's ``step_count`` and
+  ``last_clipped``) are set only in :data:`COUNTER_HOMES`; a checkpoint loader restores them through
+  ``runtime/optim/counters.py: set_layer_step`` and ``OptimizerPath.restore_counters``.
 """
 
 from __future__ import annotations
@@ -17,6 +20,9 @@ PACKAGE = REPO / "tinypipe"
 SESSION = re.compile(r"\bsessions?\s+\d+", re.IGNORECASE)
 MAX_MODULE_LINES = 600
 ONE_MODULE_BECAUSE = "One module because"
+COUNTER_HOMES = ("runtime/optim/",)  # package-relative folders where the step counters may be set
+ENGINE_COUNTERS = frozenset({"step_count", "last_clipped"})
+LAYER_STATE_CLASSES = frozenset({"LayerState", "SliceState"})  # ``self.step`` in these is the counter
 
 
 def session_references(root: Path) -> list[str]:
@@ -44,6 +50,84 @@ def long_modules(root: Path, limit: int = MAX_MODULE_LINES) -> list[str]:
     return found
 
 
+class _CounterWrites(ast.NodeVisitor):
+    """Assignments (plain, augmented, annotated, tuple targets, ``setattr`` with a constant name) to
+    a step counter: ``<x>.step`` unless ``x`` is ``self`` of a class other than a layer state (its own
+    attribute, e.g. a training record's step), and ``<x>.step_count`` / ``<x>.last_clipped``."""
+
+    def __init__(self) -> None:
+        self.lines: list[int] = []
+        self._classes: list[str] = []
+
+    def visit_ClassDef(self, node: ast.ClassDef) -> None:
+        self._classes.append(node.name)
+        self.generic_visit(node)
+        self._classes.pop()
+
+    def _counter(self, owner: ast.expr, attr: str) -> bool:
+        if attr in ENGINE_COUNTERS:
+            return True
+        if attr != "step":
+            return False
+        own = isinstance(owner, ast.Name) and owner.id == "self"
+        return not own or bool(self._classes and self._classes[-1] in LAYER_STATE_CLASSES)
+
+    def _target(self, node: ast.expr) -> None:
+        if isinstance(node, (ast.Tuple, ast.List)):
+            for elt in node.elts:
+                self._target(elt)
+        elif isinstance(node, ast.Starred):
+            self._target(node.value)
+        elif isinstance(node, ast.Attribute) and self._counter(node.value, node.attr):
+            self.lines.append(node.lineno)
+
+    def visit_Assign(self, node: ast.Assign) -> None:
+        for target in node.targets:
+            self._target(target)
+        self.generic_visit(node)
+
+    def visit_AugAssign(self, node: ast.AugAssign) -> None:
+        self._target(node.target)
+        self.generic_visit(node)
+
+    def visit_AnnAssign(self, node: ast.AnnAssign) -> None:
+        if node.value is not None:
+            self._target(node.target)
+        self.generic_visit(node)
+
+    def visit_Call(self, node: ast.Call) -> None:
+        func, args = node.func, node.args
+        if (isinstance(func, ast.Name) and func.id == "setattr" and len(args) == 3
+                and isinstance(args[1], ast.Constant) and isinstance(args[1].value, str)
+                and self._counter(args[0], args[1].value)):
+            self.lines.append(node.lineno)
+        self.generic_visit(node)
+
+
+def counter_writes(root: Path, homes: tuple[str, ...] = COUNTER_HOMES) -> list[str]:
+    """``path:line: text`` of every assignment to a step counter in a module under ``root`` outside
+    ``homes`` (folders relative to ``root``, with a trailing slash)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        rel = path.relative_to(root).as_posix()
+        if any(rel.startswith(home) for home in homes):
+            continue
+        text = path.read_text(encoding="utf-8")
+        visitor = _CounterWrites()
+        visitor.visit(ast.parse(text, filename=str(path)))
+        lines = text.splitlines()
+        for n in visitor.lines:
+            found.append(f"{path.relative_to(root.parent).as_posix()}:{n}: {lines[n - 1].strip()}")
+    return found
+
+
+def test_step_counters_change_only_in_the_optimizer() -> None:
+    found = counter_writes(PACKAGE)
+    assert not found, ("the optimizer's step counters change only in tinypipe/runtime/optim (a checkpoint "
+                       "restores them through set_layer_step / OptimizerPath.restore_counters):\n"
+                       + "\n".join(found))
+
+
 def test_no_session_history_in_the_package() -> None:
     found = session_references(PACKAGE)
     assert not found, ("measurement history belongs in bench/RESULTS.md or docs/measured.md (with its "
@@ -69,3 +153,23 @@ def test_checkers_find_what_they_look_for(tmp_path: Path) -> None:
     assert session_references(pkg) == ["pkg/a.py:1: \"\"\"Fitted in Session 14 on W1.\"\"\"",
                                         "pkg/a.py:2: X = 1  # sessions 7-9"]
     assert long_modules(pkg, limit=5) == ["pkg/long.py: 11 lines"]
+
+
+def test_counter_checker_finds_every_kind_of_write(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "runtime" / "optim").mkdir(parents=True)
+    (pkg / "runtime" / "optim" / "ok.py").write_text("state.step += 1\npath.step_count = 0\n")
+    (pkg / "loader.py").write_text(
+        "s.step = int(e['step'])  # s.step = 1 in a comment is no write\n"
+        "engine.optimizer.step_count, extra = loaded\n"
+        "opt.last_clipped: bool = False\n"
+        "setattr(s, 'step', 3)\n"
+        "layers[0].step -= 1\n"
+        "n = s.step + 1\n"
+        "class Record:\n"
+        "    def __init__(self, step):\n"
+        "        self.step = step\n"
+        "class LayerState:\n"
+        "    def bump(self):\n"
+        "        self.step += 1\n")
+    assert [line.split(":")[1] for line in counter_writes(pkg)] == ["1", "2", "3", "4", "5", "12"]

@@ -12,8 +12,8 @@ planner's host need includes the process itself).
 
 ``Config.offload_dir``: the host budget becomes a real limit with the SSD as the overflow -- the
 automatic plan and a hand-set one alike get the offload set (``Plan.offload``) that fits them into
-it, chosen by :class:`~tinypipe.planner.spill.Spill` at the hardware's SSD rates (never measured
-here: the set depends on the budget, the rates only rank plans).
+it, chosen by :func:`~tinypipe.planner.spill.choose_spill` at the hardware's SSD rates (never
+measured here: the set depends on the budget, the rates only rank plans).
 
 ``Config.assist_updates`` (the default): the automatic plan carries the layers whose AdamW the GPU
 steps (``Plan.assisted``, :mod:`tinypipe.planner.assist`) -- with ``max_grad_norm`` their clipped
@@ -182,10 +182,11 @@ def _resolve_replicas(model: nn.Module, config: Config, *, num_blocks: int, tied
     from tinypipe.planner.hardware import interconnect_gbs, node_link_for
     from tinypipe.planner.replica_search import plan_layout, weigh_plan
     from tinypipe.planner.replicas import Cluster, Layout, split_batch
+    from tinypipe.planner.spill import ssd_tier_on
 
     if replicas_per_node < 1 or replicas % replicas_per_node:
         raise ConfigError(f"{replicas} replicas do not spread evenly over nodes of {replicas_per_node}")
-    if config.offload_dir is not None:
+    if ssd_tier_on(config):
         raise ConfigError("the SSD tier (offload_dir) is not planned for data-parallel replicas yet")
     if config.global_batch is not None:
         split_batch(config.global_batch, replicas)  # refuse an uneven split (one line) before planning
@@ -235,6 +236,8 @@ def _resolve_replicas(model: nn.Module, config: Config, *, num_blocks: int, tied
 def _choose(model: nn.Module, config: Config, *, num_blocks: int,
             tied: bool) -> tuple[Plan, PlanResult | None]:
     """The hand-set knobs' plan (checked when the workload is given), or the planner's."""
+    from tinypipe.planner.spill import ssd_tier_on
+
     have_workload = config.seq_len is not None and config.global_batch is not None
     cuda = any(d.startswith("cuda") for d in config.devices)
     streamed = not quantized_base(model)
@@ -244,13 +247,13 @@ def _choose(model: nn.Module, config: Config, *, num_blocks: int,
         own = manual_plan(config, num_blocks=num_blocks, tied=tied, keep_streamed=streamed)
         if have_workload:
             own = _check_fits(model, config, own)
-        elif config.offload_dir is not None:
+        elif ssd_tier_on(config):
             own = _offload_without_workload(model, config, own)
         return own, None
     if not have_workload:
         if not cuda:
             own = manual_plan(config, num_blocks=num_blocks, tied=tied, keep_streamed=streamed)
-            if config.offload_dir is not None:
+            if ssd_tier_on(config):
                 own = _offload_without_workload(model, config, own)
             return own, None
         raise ConfigError("the automatic plan needs the workload: set Config(seq_len=..., global_batch=...) "
@@ -276,6 +279,7 @@ def request_for(config: Config, model: nn.Module, hw: HardwareSpec) -> PlanReque
     adapters as the loader attached them (:func:`lora_settings_of`: unreadable ones are an error,
     never a full fine-tuning plan), the SSD of ``offload_dir`` and the knobs ``config`` fixes."""
     from tinypipe.planner.request import PlanRequest
+    from tinypipe.planner.spill import ssd_for
 
     assert config.seq_len is not None and config.global_batch is not None  # the caller checked
     gpu, host = budgets(config)
@@ -284,7 +288,7 @@ def request_for(config: Config, model: nn.Module, hw: HardwareSpec) -> PlanReque
                        precision=config.precision, max_grad_norm=config.max_grad_norm,
                        host_grad_buffers=config.host_grad_buffers, lora=lora_settings_of(model),
                        device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
-                       ssd=_ssd_of(config, hw), keep_activations=config.keep_activations,
+                       ssd=ssd_for(config, hw), keep_activations=config.keep_activations,
                        assist_updates=config.assist_updates, turn_packs=config.turn_packs,
                        mlp_chunk_tokens=config.mlp_chunk_tokens)
 
@@ -308,15 +312,6 @@ def check_keepable(plan: Plan, model: nn.Module) -> None:
                           "re-reads; keep only resident packs and the last pack")
 
 
-def _ssd_of(config: Config, hw: HardwareSpec):  # -> SsdSpec | None
-    """The SSD the plan may use: ``Config.offload_dir`` at the hardware's rates (None: DRAM only)."""
-    if config.offload_dir is None:
-        return None
-    from tinypipe.planner.ssd import ssd_spec
-
-    return ssd_spec(hw, directory=config.offload_dir)
-
-
 def _sizes_of(model: nn.Module):  # -> ModelSizes
     from tinypipe.planner.sizes import lora_sizes, model_sizes
 
@@ -329,7 +324,7 @@ def _offload_without_workload(model: nn.Module, config: Config, plan: Plan) -> P
     budget, counting no stashed activations (their size needs the workload)."""
     from tinypipe.planner.candidate import HOST_BASELINE_BYTES
     from tinypipe.planner.estimate import cpu_pool_bytes, host_bytes
-    from tinypipe.planner.offload import choose_offload, least_host_need
+    from tinypipe.planner.spill import choose_spill
 
     _, host = budgets(config)
     sizes = _sizes_of(model)
@@ -339,10 +334,9 @@ def _offload_without_workload(model: nn.Module, config: Config, plan: Plan) -> P
                       host_grad_buffers=config.host_grad_buffers, retain_grads=retain)
     # (no workload: no activations; CPU entries' pools stay beside what an offload moves)
     beside = HOST_BASELINE_BYTES + cpu_pool_bytes(sizes, plan, config.devices, config.precision)
-    kw = dict(precision=config.precision, retain_grads=retain)
-    offload = choose_offload(sizes, plan, cats, host - beside, **kw)
+    offload, need = choose_spill(sizes, plan, cats, beside, host, precision=config.precision,
+                                 retain_grads=retain)
     if offload is None:
-        need = least_host_need(sizes, plan, cats, **kw) + beside
         raise PlanDoesNotFitError(
             f"this plan ({plan.describe()}) needs {need / GiB:.1f} GiB host memory even with its training "
             f"state on the SSD, have {host / GiB:.1f} GiB; add RAM or use LoRA")
@@ -354,12 +348,12 @@ def _check_fits(model: nn.Module, config: Config, plan: Plan) -> Plan:
     budget; raise :class:`PlanDoesNotFitError` (one line) when it needs more device or host memory
     than the budgets hold for the workload."""
     from tinypipe.planner.search import evaluate
-    from tinypipe.planner.spill import Spill
+    from tinypipe.planner.spill import Spill, ssd_for
 
     gpu, host = budgets(config)
     sizes = _sizes_of(model)
     hw = hardware_for(config)
-    ssd = _ssd_of(config, hw)
+    ssd = ssd_for(config, hw)
     if ssd is not None:
         hw = ssd.apply(hw)
     mlp_chunk = mlp_chunk_tokens_for(config.mlp_chunk_tokens, sizes.intermediate,

@@ -171,7 +171,7 @@ class ModelSizes:
     def kept_block_bytes(self, precision: str) -> float:
         """Bytes per token one block of a kept pack holds from its forward to its backward: the
         compact set (models/compact.py), or the full graph with dropout or a QLoRA base (the
-        runtime's choice, runtime/handlers.py)."""
+        runtime's choice, runtime/compute_handlers.py)."""
         full = self.block_act_bytes(precision)
         if self.draws or self.quantize or precision not in self.kept_bytes_per_token:
             return full

@@ -1,5 +1,10 @@
 """Fitting a plan into host memory with the SSD, and the global batch that hides the SSD's I/O.
 
+The SSD tier's two decisions are made here only: whether it is on (:func:`ssd_tier_on`, and the
+SSD planned for, :func:`ssd_for`) and which state of which layer goes to it (:func:`choose_spill`)
+-- for the search's plans, a hand-set plan checked against the workload (both through
+:class:`Spill`) and a hand-set plan without a workload (:mod:`tinypipe.planner.auto`).
+
 :class:`Spill` takes each evaluated plan that fits the GPUs but not the host, moves state to the SSD
 in the planner's order (:func:`tinypipe.planner.offload.choose_offload`) until the host need fits,
 re-evaluates it (the step time then has the SSD lanes), and remembers why plans were refused --
@@ -19,6 +24,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from tinypipe.config import Config
 from tinypipe.errors import PlanDoesNotFitError
 from tinypipe.planner.candidate import HOST_BASELINE_BYTES, Candidate
 from tinypipe.planner.cost import predict_step_time
@@ -26,7 +32,7 @@ from tinypipe.planner.estimate import store_and_beside
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import choose_offload, disk_bytes, least_host_need
 from tinypipe.planner.sizes import ModelSizes
-from tinypipe.planner.ssd import SsdSpec
+from tinypipe.planner.ssd import SsdSpec, ssd_spec
 from tinypipe.schedule.plan import Plan
 from tinypipe.units import gib_text
 
@@ -38,6 +44,34 @@ MAX_HIDING_BATCH = 1 << 14
 
 #: ``evaluate(plan, peaks)``: a plan's Candidate at the workload being planned.
 Evaluate = Callable[[Plan, Sequence[int] | None], Candidate]
+#: ``Plan.offload``: (layer, kind of state) on the SSD.
+Offload = tuple[tuple[int, str], ...]
+
+
+def ssd_tier_on(config: Config) -> bool:
+    """Whether the plan may put training state on the SSD: an offload directory was given."""
+    return config.offload_dir is not None
+
+
+def ssd_for(config: Config, hw: HardwareSpec) -> SsdSpec | None:
+    """The SSD the plan may use: ``Config.offload_dir`` at the hardware's rates (None: DRAM only;
+    the engine never measures: the rates only rank plans, the offload set depends on the budget)."""
+    if not ssd_tier_on(config):
+        return None
+    return ssd_spec(hw, directory=config.offload_dir)
+
+
+def choose_spill(sizes: ModelSizes, plan: Plan, cats: dict[str, int], beside: int, cpu_mem: int, *,
+                 precision: str, retain_grads: bool) -> tuple[Offload | None, int]:
+    """Which state goes to the SSD so that ``plan`` fits ``cpu_mem`` of host memory: its DRAM-only
+    host categories ``cats`` (those an offload moves) plus ``beside`` bytes that stay whatever moves.
+    Returns ``(offload, 0)``, or ``(None, need)`` when even everything on the SSD leaves it ``need``
+    bytes of host memory, more than it has."""
+    kw = dict(precision=precision, retain_grads=retain_grads)
+    offload = choose_offload(sizes, plan, cats, cpu_mem - beside, **kw)
+    if offload is None:
+        return None, least_host_need(sizes, plan, cats, **kw) + beside
+    return offload, 0
 
 
 class Spill:
@@ -64,11 +98,9 @@ class Spill:
             c = evaluate(dataclasses.replace(c.plan, offload=()), peaks)
         cats, fixed = store_and_beside(c.memory)
         beside = HOST_BASELINE_BYTES + fixed  # host need beyond the categories an offload moves
-        budget = self.cpu_mem - beside
-        kw = dict(precision=self.precision, retain_grads=self.retain_grads)
-        offload = choose_offload(self.sizes, c.plan, cats, budget, **kw)
+        offload, need = choose_spill(self.sizes, c.plan, cats, beside, self.cpu_mem, precision=self.precision,
+                                     retain_grads=self.retain_grads)
         if offload is None:
-            need = least_host_need(self.sizes, c.plan, cats, **kw) + beside
             if self.least_host is None or need < self.least_host_need:
                 self.least_host, self.least_host_need = c, need
             return None

@@ -24,6 +24,7 @@ from tinypipe.errors import ConfigError, WriteError
 from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.checksums import BackgroundHasher, verify
 from tinypipe.runtime.exit_guard import ExitGuard
+from tinypipe.runtime.optim.counters import set_layer_step
 from tinypipe.safe_paths import inside
 from tinypipe.write_errors import describe as describe_os_error  # noqa: F401 - its old home
 from tinypipe.write_errors import os_errors
@@ -229,7 +230,7 @@ def load_checkpoint(store: HostStore, path: str | os.PathLike) -> tuple[int, dic
                                      "exp_avg_sq": s.spec.train_numel})
         # into DRAM, or written to the SSD where the state lives there (scratch is never a checkpoint)
         store.restore_layer(i, tensors["master"], tensors["exp_avg"], tensors["exp_avg_sq"])
-        s.step = int(entry["step"])
+        set_layer_step(s, int(entry["step"]))
     return int(state["step_count"]), dict(state.get("extra", {}))
 
 

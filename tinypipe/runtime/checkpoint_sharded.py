@@ -37,6 +37,7 @@ from tinypipe.runtime.checkpoint import (CheckpointWriteError, committing, descr
                                          load_checkpoint, phase, save_checkpoint, swap_in, writing)
 from tinypipe.runtime.checksums import BackgroundHasher, verify
 from tinypipe.runtime.exit_guard import ExitGuard
+from tinypipe.runtime.optim.counters import set_layer_step
 from tinypipe.runtime.optim.path import OptimizerPath
 from tinypipe.runtime.optim.sharded import ShardedOptimizerPath
 from tinypipe.write_errors import os_errors
@@ -209,7 +210,7 @@ def _load_shard(optimizer: ShardedOptimizerPath, where: Path, entries: list[dict
             s.master.copy_(tensors["master"])
             s.exp_avg.copy_(tensors["exp_avg"])
             s.exp_avg_sq.copy_(tensors["exp_avg_sq"])
-        s.step = int(entry["step"])
+        set_layer_step(s, int(entry["step"]))
 
 
 def save_replicas(store: HostStore, optimizer: OptimizerPath, replicas: Replicas, step_count: int,

@@ -476,11 +476,12 @@ class Engine:
         if self.replicas is not None:
             with self._peers_explained():
                 loaded = load_replicas(self.store, self.optimizer, self.replicas, path)
-            self.optimizer.step_count, extra = loaded
+            step_count, extra = loaded
         else:
-            self.optimizer.step_count, extra = load_checkpoint(self.store, path)
+            step_count, extra = load_checkpoint(self.store, path)
         extra = dict(extra)
-        self.optimizer.last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
+        last_clipped = bool(extra.pop(_ENGINE_KEY, {}).get("last_clipped", False))
+        self.optimizer.restore_counters(step_count, last_clipped)
         self._mixed = None  # the state is the checkpoint's, consistent again
         return extra
 

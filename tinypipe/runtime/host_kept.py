@@ -21,7 +21,7 @@ before its backward, over the host-to-device direction beside the weight uploads
 The host buffers are reused step after step (the same shapes each step), so a step pins nothing.
 Only tensors that go through autograd's saved-tensor hooks move: full graphs and compiled compact
 ones (an eager compact graph keeps its cache outside the hooks, so a host-kept pack runs eager
-graphs in full, runtime/handlers.py).
+graphs in full, runtime/compute_handlers.py).
 """
 
 from __future__ import annotations

@@ -6,13 +6,16 @@ chunks as they land, or keep them for later); :meth:`OptimizerPath.finish_step` 
 or rollback once the global norm is known, leaves what still has to be stepped on the host to the
 background lane (it overlaps the next step; uploads wait per layer in :meth:`wait_layer`) and
 queues the steps of the layers whose state lives on their device. :meth:`synchronize` makes the
-host copy final. The per-layer step counts (``LayerState.step``) and the engine's ``step_count``
-change here only.
+host copy final. The engine's ``step_count`` and ``last_clipped`` change here only (a checkpoint
+restores them through :meth:`OptimizerPath.restore_counters`); the per-layer step counts
+(``LayerState.step``) change only in this package (:mod:`~tinypipe.runtime.optim.counters`). The
+download task asks :meth:`OptimizerPath.download_route` where a gradient goes.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -23,11 +26,13 @@ from tinypipe.memory.host_store import HostStore, LayerState
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.assist import AssistedUpdate, AssistedUpdates
 from tinypipe.runtime.optim.background import BackgroundUpdates
+from tinypipe.runtime.optim.counters import set_layer_step
 from tinypipe.runtime.optim.decisions import StepDecisions, StepOutcome
 from tinypipe.runtime.optim.device_state import DeviceOptimizerState
 from tinypipe.runtime.optim.messages import GradEnd, GradNorm, GradStream
 from tinypipe.runtime.signals import Abort
 from tinypipe.runtime.optim.ssd_tier import SsdTier
+from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.tasks import Schedule
 
@@ -36,6 +41,19 @@ def retains_gradients(max_grad_norm: float | None, nonfinite: str) -> bool:
     """Whether each step keeps a full fp32 copy of every gradient on the host (4 B/param): to
     redo speculative steps with the clipped gradient, or to undo them after a non-finite one."""
     return max_grad_norm is not None or nonfinite == "skip"
+
+
+@dataclass(frozen=True)
+class DownloadRoute:
+    """Where a layer's download sends its gradient after the norm, decided by the optimizer path:
+    nowhere (``norm_only``: its state lives on its device), nowhere either but the layer is stepped
+    on its device by the download (``round_trip``: an assisted layer whose master and moments
+    travel instead), else to the host in chunks -- into ``keep``, the retained host copy, when
+    there is one, else through the device's gradient pool."""
+
+    norm_only: bool
+    round_trip: bool
+    keep: torch.Tensor | None
 
 
 class OptimizerPath:
@@ -140,7 +158,7 @@ class OptimizerPath:
                 dec.stepped.append(layer)  # (a non-finite step then reports it as kept)
                 decision = "step"
             if decision == "step":
-                state.step = step_no
+                set_layer_step(state, step_no)
             return
         staged = self.tier.for_update(layer) if self.tier is not None else None
         if staged is not None:  # state on the SSD: step the staging buffers instead
@@ -151,7 +169,7 @@ class OptimizerPath:
             keep = self.retain_buffer(layer) if decision != "device" else None  # holds the chunks already
             self._consume_chunks(layer, stream, abort, decision, state, step_no, dec.lr, keep)
         if decision == "step":
-            state.step = step_no
+            set_layer_step(state, step_no)
 
     def _consume_chunks(self, layer: int, stream: GradStream, abort: Abort, decision: str, state: LayerState,
                         step_no: int, lr: float, keep: torch.Tensor | None) -> None:
@@ -233,6 +251,29 @@ class OptimizerPath:
         """Whether ``layer``'s download steps it on the device (an assisted layer in a run whose
         updates never wait for the global norm) instead of sending its gradient to the host."""
         return self._assist_after_backward and layer in self.assist.layers  # type: ignore[union-attr]
+
+    def download_route(self, layer: int) -> DownloadRoute:
+        """How ``layer``'s download sends its gradient (:class:`DownloadRoute`). The retained buffer
+        (clipping / skip) is created here, by the download, before the norm tells the update task
+        to look for it: created by both lanes at once, the chunks would land in the other one."""
+        on_device = self.on_device(layer)
+        round_trip = self.store.layers[layer].spec.train_numel > 0 and self.steps_after_backward(layer)
+        keep = None if on_device else self.retain_buffer(layer)
+        return DownloadRoute(norm_only=on_device, round_trip=round_trip, keep=keep)
+
+    def step_on_download(self, layer: int, dev: DeviceRuntime, grad: torch.Tensor,
+                         norm: torch.Tensor) -> None:
+        """Step ``layer`` on ``dev`` right after its backward (:attr:`DownloadRoute.round_trip`);
+        its count moves when its update task sees the decision (:meth:`consume`)."""
+        assert self.assist is not None, "a round trip without assisted layers"
+        step = self.store.layers[layer].step + 1  # this step's update of the layer has not run yet
+        self.assist.step_after_backward(layer, dev, grad, norm, step, self.step_lr())
+
+    def restore_counters(self, step_count: int, last_clipped: bool) -> None:
+        """Set the engine's step count and whether the last step clipped to a checkpoint's (the
+        per-layer counts were restored with the layers' state, :func:`~.counters.set_layer_step`)."""
+        self.step_count = step_count
+        self.last_clipped = last_clipped
 
     def step_lr(self) -> float:
         """The learning rate of the step in progress."""
