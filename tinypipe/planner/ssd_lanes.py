@@ -8,10 +8,9 @@ from tinypipe.planner.offload import SsdTraffic
 
 
 #: Why the SSD's reads and writes share one lane unless the disk's mixed rate says otherwise: a disk
-#: shares its bandwidth between the two directions. Measured on the H200 box in session 4, a step
-#: that read and wrote took the serial time, not the longer of the two (docs/measured.md); at
-#: 214e2e1 the same kind of step on a lent machine's disk moved both in less than the serial time
-#: (bench/results/acceptance/214e2e1/ssd-w3.json): how far they overlap is the disk's, measured.
+#: shares its bandwidth between the two directions, and how far they overlap differs from disk to
+#: disk -- measured, one lent machine's disk took the serial time, another's moved both in less
+#: (docs/measured.md). Only a measured mixed rate lets the plan count on overlap.
 SSD_SHARED_NOTE = "one disk serves reads and writes"
 
 
