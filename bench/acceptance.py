@@ -19,8 +19,9 @@ process of its own and writes one raw JSON ``<out>/<row>.json``; then every row 
 * host: the process's RSS peak (children included) <= the planner's ``host_need`` + 10 % + 2 GiB
   (the random model is built on the host before the engine adopts it, and the interpreter,
   libraries and compiler are not in the estimate's categories);
-* tokens/s >= 0.9 x the row's baseline (``bench/acceptance_baseline.json``: the last accepted run;
-  a row without a baseline passes this check and says so);
+* tokens/s >= 0.9 x the row's baseline on the same GPU model (``bench/acceptance_baseline.json``:
+  the last accepted run per ``gpu_name``, as the raw record names it -- an H100 row is never held to
+  an H200 number; a row without a baseline on its GPU passes this check and says so);
 * the planner's tokens/s within +-15 % of the measured;
 * CLI: SIGKILL + ``--resume`` ends bit-identical to an uninterrupted run, the LoRA output loads
   in PEFT with trained adapters; tests: no failure.
@@ -34,6 +35,7 @@ import argparse
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -138,7 +140,8 @@ def _commit(given: str | None) -> str:
 
 
 def check(name: str, rec: dict[str, Any], baseline: dict[str, Any]) -> list[tuple[str, bool, str]]:
-    """(check, passed, detail) for one row's record."""
+    """(check, passed, detail) for one row's record; ``baseline``: the accepted rows of the record's
+    GPU model (``load_baseline(gpu_of(rec))``)."""
     out: list[tuple[str, bool, str]] = []
     if rec.get("error"):
         return [("runs", False, rec["error"])]
@@ -181,10 +184,11 @@ def check(name: str, rec: dict[str, Any], baseline: dict[str, Any]) -> list[tupl
     tps = rec["tokens_per_s"]
     base = baseline.get(name)
     if base is None:
-        out.append(("speed >= 0.9 x baseline", True, f"{tps:,.0f} tok/s (no baseline yet)"))
+        out.append(("speed >= 0.9 x baseline", True, f"{tps:,.0f} tok/s (no baseline yet on {gpu_of(rec)})"))
     else:
         out.append(("speed >= 0.9 x baseline", tps >= SPEED_FLOOR * base["tokens_per_s"],
-                    f"{tps:,.0f} vs {base['tokens_per_s']:,.0f} ({base['commit']})"))
+                    f"{tps:,.0f} vs {base['tokens_per_s']:,.0f} "
+                    f"({base['commit']}, {short_gpu(gpu_of(rec))})"))
     pred = rec.get("predicted_tokens_per_s")
     if pred is None:
         out.append(("prediction +-15 %", False, "no planner prediction"))
@@ -216,33 +220,73 @@ def table(results: dict[str, dict[str, Any]], checks: dict[str, list[tuple[str, 
     return "\n".join(lines)
 
 
-def load_baseline() -> dict[str, Any]:
-    return json.loads(BASELINE.read_text()).get("rows", {}) if BASELINE.exists() else {}
+UNKNOWN_GPU = "unknown GPU"
+
+
+def gpu_of(rec: dict[str, Any]) -> str:
+    """The GPU model a record ran on (``torch.cuda.get_device_name``; "cpu" on the CPU)."""
+    return rec.get("gpu_name") or UNKNOWN_GPU
+
+
+def short_gpu(gpu_name: str) -> str:
+    """"NVIDIA H100 80GB HBM3" -> "H100", "NVIDIA H200" -> "H200"."""
+    return re.sub(r"\s+\d+GB\b.*$", "", gpu_name.removeprefix("NVIDIA ").strip()) or gpu_name
+
+
+def load_baselines() -> dict[str, dict[str, Any]]:
+    """GPU model -> its accepted rows. The file is ``{"gpus": {gpu_name: {"rows": {row: entry}}}}``;
+    the older ``{"rows": {...}}`` is read with each row under the GPU its raw file records."""
+    if not BASELINE.exists():
+        return {}
+    data = json.loads(BASELINE.read_text())
+    if "gpus" in data:
+        return {gpu: dict(entry.get("rows", {})) for gpu, entry in data["gpus"].items()}
+    gpus: dict[str, dict[str, Any]] = {}
+    for name, entry in data.get("rows", {}).items():
+        gpu = gpu_of(json.loads((ROOT / entry["raw"]).read_text()))
+        gpus.setdefault(gpu, {})[name] = entry
+    return gpus
+
+
+def load_baseline(gpu_name: str) -> dict[str, Any]:
+    """One GPU model's accepted rows (empty when it has none)."""
+    return load_baselines().get(gpu_name, {})
+
+
+def save_baselines(gpus: dict[str, dict[str, Any]]) -> None:
+    data = {"gpus": {gpu: {"rows": rows} for gpu, rows in gpus.items()}}
+    BASELINE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 def check_dir(directory: Path) -> tuple[dict, dict, str]:
     results = {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
     order = [n for n in ROWS if n in results]
     results = {n: results[n] for n in order}
-    baseline = load_baseline()
-    checks = {n: check(n, r, baseline) for n, r in results.items()}
+    gpus = load_baselines()
+    checks = {n: check(n, r, gpus.get(gpu_of(r), {})) for n, r in results.items()}
     commit = next((r.get("commit") for r in results.values() if r.get("commit")), directory.name)
     return results, checks, commit
 
 
 def accept(directory: Path, note: str) -> int:
+    """Each passing engine row (speed aside) becomes the baseline of its record's GPU model; the
+    other GPUs' rows are kept."""
     results, checks, commit = check_dir(directory)
-    data = json.loads(BASELINE.read_text()) if BASELINE.exists() else {"rows": {}}
+    gpus = load_baselines()
     taken = []
     for name, rec in results.items():
         if rec.get("kind") != "engine" or rec.get("error"):
             continue
+        if "gpu_name" not in rec:
+            print(f"baseline: {name} not taken: its record names no gpu_name")
+            continue
         non_speed = [p for c, p, _ in checks[name] if not c.startswith("speed")]
         if all(non_speed):
-            data["rows"][name] = {"tokens_per_s": round(rec["tokens_per_s"], 1), "commit": commit,
-                                  "raw": str(directory.relative_to(ROOT) / f"{name}.json"), "note": note}
-            taken.append(name)
-    BASELINE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+            gpus.setdefault(rec["gpu_name"], {})[name] = {
+                "tokens_per_s": round(rec["tokens_per_s"], 1), "commit": commit,
+                "raw": str(directory.relative_to(ROOT) / f"{name}.json"), "note": note}
+            taken.append(f"{name} ({short_gpu(rec['gpu_name'])})")
+    save_baselines(gpus)
     print(f"baseline: {', '.join(taken) or 'nothing'} from {commit}")
     return 0
 
@@ -263,19 +307,20 @@ DESCRIBE = {
 
 
 def readme_table() -> str:
-    """The accepted rows as a markdown table: every number from the raw file the baseline names."""
-    lines = ["| row | workload (16 x 2048 tokens/step, 24 GiB cap, the planner's own plan) | tokens/s | "
-             "planner | GPU peak | host peak | raw |", "|---|---|---|---|---|---|---|"]
-    for name, entry in load_baseline().items():
-        if name not in DESCRIBE:
-            continue
-        rec = json.loads((ROOT / entry["raw"]).read_text())
-        lines.append(f"| {name} | {DESCRIBE[name]} | **{rec['tokens_per_s']:,.0f}** | "
-                     f"{rec['predicted_tokens_per_s']:,.0f} | {rec['gpu_peak_reserved'] / GiB:.1f} GiB | "
-                     f"{rec['host_peak'] / GiB:.1f} GiB | `{entry['raw']}` |")
-    order = {n: i for i, n in enumerate(ROWS)}
-    head, rows = lines[:2], sorted(lines[2:], key=lambda line: order[line.split(" | ")[0][2:]])
-    return "\n".join(head + rows)
+    """The accepted rows of every GPU model as one markdown table (by GPU, then :data:`ROWS`' order):
+    every number from the raw file the baseline names."""
+    lines = ["| GPU | row | workload (16 x 2048 tokens/step, 24 GiB cap, the planner's own plan) | "
+             "tokens/s | planner | GPU peak | host peak | raw |", "|---|---|---|---|---|---|---|---|"]
+    for gpu, rows in sorted(load_baselines().items()):
+        for name in ROWS:
+            if name not in rows or name not in DESCRIBE:
+                continue
+            entry = rows[name]
+            rec = json.loads((ROOT / entry["raw"]).read_text())
+            lines.append(f"| {short_gpu(gpu)} | {name} | {DESCRIBE[name]} | **{rec['tokens_per_s']:,.0f}** | "
+                         f"{rec['predicted_tokens_per_s']:,.0f} | {rec['gpu_peak_reserved'] / GiB:.1f} GiB | "
+                         f"{rec['host_peak'] / GiB:.1f} GiB | `{entry['raw']}` |")
+    return "\n".join(lines)
 
 
 def write_readme() -> int:
@@ -313,8 +358,8 @@ def main(argv: list[str] | None = None) -> int:
         return child(a)
     names = selected(a)
     planned = sum(ROWS[n].seconds for n in names)
-    print(f"acceptance at {a.commit}: {len(names)} rows, ~{planned} s on an H200: {', '.join(names)}", flush=True)
-    baseline = load_baseline()
+    print(f"acceptance at {a.commit}: {len(names)} rows, ~{planned} s (row estimates): {', '.join(names)}",
+          flush=True)
     results, checks = {}, {}
     start = time.perf_counter()
     for name in names:
@@ -324,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
         if left is not None and left < row.seconds:
             rec = {"kind": row.kind, "commit": a.commit, "error": f"skipped: {left:.0f} s left of the deadline, "
                                                                   f"the row takes ~{row.seconds} s"}
-            results[name], checks[name] = rec, check(name, rec, baseline)
+            results[name], checks[name] = rec, check(name, rec, {})  # an error: no speed check
             print(f"== {name}: {rec['error']}", flush=True)
             continue
         print(f"== {name} ({row.kind}, ~{row.seconds} s)", flush=True)
@@ -346,7 +391,8 @@ def main(argv: list[str] | None = None) -> int:
             path.write_text(json.dumps(rec, indent=1))
         rec["wall_s"] = time.perf_counter() - t0
         path.write_text(json.dumps(rec, indent=1, default=str))
-        results[name], checks[name] = rec, check(name, rec, baseline)
+        # the baseline of the GPU model this row ran on (the machine may be an H100 or an H200)
+        results[name], checks[name] = rec, check(name, rec, load_baseline(gpu_of(rec)))
         for c, p, d in checks[name]:
             print(f"   {'ok ' if p else 'FAIL'} {c}: {d}", flush=True)
         print(f"   ({rec['wall_s']:.0f} s)", flush=True)

@@ -16,12 +16,14 @@ sys.path.insert(0, str(ROOT / "bench"))
 import acceptance  # noqa: E402
 
 GiB = 1024**3
+H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
 
 
 def _engine_record(**over: object) -> dict:
     rec = {"kind": "engine", "row": {"devices": ["cuda:0"]}, "plan": "pack 1", "losses": [12.0, 11.5, 11.0],
            "gpu_peak_reserved": 18 * GiB, "gpu_cap": 24 * GiB, "gpu_need": 20 * GiB, "host_peak": 40 * GiB,
-           "host_need": 40 * GiB, "tokens_per_s": 20_000.0, "predicted_tokens_per_s": 21_000.0}
+           "host_need": 40 * GiB, "tokens_per_s": 20_000.0, "predicted_tokens_per_s": 21_000.0,
+           "gpu_name": H200}
     rec.update(over)
     return rec
 
@@ -76,17 +78,86 @@ def test_saved_runs_recheck_and_the_baseline_takes_only_passing_rows(tmp_path: P
     monkeypatch.setattr(acceptance, "BASELINE", tmp_path / "baseline.json")
     assert acceptance.main(["--check", str(run)]) == 1
     acceptance.main(["--accept", str(run), "--note", "test"])
-    rows = json.loads((tmp_path / "baseline.json").read_text())["rows"]
+    gpus = json.loads((tmp_path / "baseline.json").read_text())["gpus"]
+    assert list(gpus) == [H200]
+    rows = gpus[H200]["rows"]
     assert list(rows) == ["w1"] and rows["w1"]["commit"] == "abc" and rows["w1"]["tokens_per_s"] == 20_000.0
+    assert acceptance.load_baseline(H200) == rows and acceptance.load_baseline(H100) == {}
+
+
+def _speed(rec: dict, baseline: dict) -> tuple[bool, str]:
+    [(ok, detail)] = [(ok, d) for c, ok, d in acceptance.check("w1", rec, baseline) if c.startswith("speed")]
+    return ok, detail
+
+
+def test_the_speed_baseline_is_the_records_own_gpu(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An H100 row is not held to the H200's number: with no H100 baseline it passes and says so;
+    a slow row on the H200 itself fails -- one record at a time and through ``check_dir`` (``--check``)."""
+    monkeypatch.setattr(acceptance, "ROOT", tmp_path)
+    monkeypatch.setattr(acceptance, "BASELINE", tmp_path / "baseline.json")
+    base = {"tokens_per_s": 40_000.0, "commit": "old", "raw": "x/w1.json", "note": ""}
+    acceptance.save_baselines({H200: {"w1": base}})
+    slow_h100 = _engine_record(gpu_name=H100)  # 20,000 tok/s: half the H200's
+    assert acceptance.load_baseline(H100) == {}
+    assert _speed(slow_h100, acceptance.load_baseline(H100)) == (True,
+                                                                 f"20,000 tok/s (no baseline yet on {H100})")
+    slow_h200 = _engine_record()
+    ok, detail = _speed(slow_h200, acceptance.load_baseline(H200))
+    assert not ok and detail == "20,000 vs 40,000 (old, H200)"
+
+    for gpu in (H100, H200):
+        run = tmp_path / gpu.replace(" ", "_")
+        run.mkdir()
+        (run / "w1.json").write_text(json.dumps(_engine_record(commit="new", gpu_name=gpu)))
+        _, checks, _ = acceptance.check_dir(run)
+        failed = [c for c, ok, _ in checks["w1"] if not ok]
+        assert failed == ([] if gpu == H100 else ["speed >= 0.9 x baseline"]), gpu
+
+
+def test_accept_writes_under_the_records_gpu_and_keeps_the_others(tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(acceptance, "ROOT", tmp_path)
+    monkeypatch.setattr(acceptance, "BASELINE", tmp_path / "baseline.json")
+    h200_rows = {"w1": {"tokens_per_s": 40_000.0, "commit": "old", "raw": "x/w1.json", "note": "h200"},
+                 "w3": {"tokens_per_s": 10_000.0, "commit": "old", "raw": "x/w3.json", "note": "h200"}}
+    acceptance.save_baselines({H200: h200_rows})
+    run = tmp_path / "bench" / "results" / "acceptance" / "def"
+    run.mkdir(parents=True)
+    (run / "w1.json").write_text(json.dumps(_engine_record(commit="def", gpu_name=H100)))
+    assert acceptance.accept(run, "first H100 run") == 0
+    gpus = json.loads((tmp_path / "baseline.json").read_text())["gpus"]
+    assert gpus[H200]["rows"] == h200_rows  # untouched
+    assert gpus[H100]["rows"] == {"w1": {"tokens_per_s": 20_000.0, "commit": "def", "note": "first H100 run",
+                                         "raw": "bench/results/acceptance/def/w1.json"}}
+
+
+def test_an_old_format_baseline_reads_each_row_under_its_raw_files_gpu(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(acceptance, "ROOT", tmp_path)
+    monkeypatch.setattr(acceptance, "BASELINE", tmp_path / "baseline.json")
+    for name, gpu in (("w1", H200), ("w3", H100)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(_engine_record(gpu_name=gpu)))
+    rows = {n: {"tokens_per_s": 1.0, "commit": "c", "raw": f"{n}.json", "note": ""} for n in ("w1", "w3")}
+    (tmp_path / "baseline.json").write_text(json.dumps({"rows": rows}))
+    assert acceptance.load_baselines() == {H200: {"w1": rows["w1"]}, H100: {"w3": rows["w3"]}}
+
+
+def test_short_gpu_names() -> None:
+    assert acceptance.short_gpu(H200) == "H200"
+    assert acceptance.short_gpu(H100) == "H100"
+    assert acceptance.short_gpu("NVIDIA GeForce RTX 4090") == "GeForce RTX 4090"
+    assert acceptance.short_gpu("cpu") == "cpu"
 
 
 def test_the_repositorys_baseline_names_raw_files_that_exist() -> None:
     data = json.loads(acceptance.BASELINE.read_text())
-    assert data["rows"]
-    for name, entry in data["rows"].items():
-        assert name in acceptance.ROWS
-        raw = json.loads((ROOT / entry["raw"]).read_text())
-        assert raw["tokens_per_s"] == pytest.approx(entry["tokens_per_s"], abs=0.1)
+    assert data["gpus"] and data["gpus"].get(H200, {}).get("rows")
+    for gpu, entry in data["gpus"].items():
+        for name, row in entry["rows"].items():
+            assert name in acceptance.ROWS
+            raw = json.loads((ROOT / row["raw"]).read_text())
+            assert raw["gpu_name"] == gpu, row["raw"]
+            assert raw["tokens_per_s"] == pytest.approx(row["tokens_per_s"], abs=0.1)
 
 
 def test_a_row_runs_in_a_child_and_is_checked(tmp_path: Path) -> None:
