@@ -80,11 +80,17 @@ class Row:
     steps: int = 1
     overhead_s: float = 100.0
     docs: int = 1  # documents packed per row (position ids restart): segment attention, no mask
+    #: the SSD tier (``--offload-dir``, rates measured in the call) with at most ``cpu_gib`` of
+    #: host memory: where the full fine-tuning's optimizer state and the host-stashed block inputs
+    #: together exceed the host's RAM (8B at 2 x 128K: ~157 GiB)
+    offload: bool = False
+    cpu_gib: float | None = None
 
 
 #: name -> row, in the default order: most important first (the planner's refusals cost nothing)
 ROWS: dict[str, Row] = {
     "8b-full-128k": Row("8b", 128 * K),
+    "8b-full-128k-ssd": Row("8b", 128 * K, offload=True, cpu_gib=120.0, overhead_s=140.0),
     "8b-full-64k": Row("8b", 64 * K),
     "8b-qlora-128k": Row("8b", 128 * K, lora="nf4", overhead_s=80.0),
     "8b-full-8k": Row("8b", 8 * K),
@@ -157,9 +163,9 @@ def plan_row(row: Row, seq: int, a: argparse.Namespace) -> dict[str, Any]:
 
     try:
         r = plan_for(_config(row, seq, a.tiny), a.hardware, gpus=1, gpu_memory_bytes=int(a.cap_gib * GiB),
-                     cpu_memory_bytes=int(a.cpu_gib * GiB), seq=seq, global_batch=row.batch,
+                     cpu_memory_bytes=int(_host_gib(row, a) * GiB), seq=seq, global_batch=row.batch,
                      precision="fp32" if a.tiny else "bf16", lora=_lora_settings(row, a.tiny),
-                     mlp_chunk_tokens=TINY_MLP_CHUNK if a.tiny else None)
+                     mlp_chunk_tokens=TINY_MLP_CHUNK if a.tiny else None, ssd=_ssd_spec(row, a))
     except PlanDoesNotFitError as exc:
         return {"fits": False, "reason": " ".join(str(exc).split())}
     b = r.best
@@ -167,6 +173,40 @@ def plan_row(row: Row, seq: int, a: argparse.Namespace) -> dict[str, Any]:
             "gpu_need": b.gpu_need, "host_need": b.host_need, "mlp_chunk_tokens": r.mlp_chunk_tokens,
             "activations_peak": max(c.get("activations_peak", 0) for c in b.memory.devices.values()),
             "host": dict(b.memory.host)}
+
+
+def _host_gib(row: Row, a: argparse.Namespace) -> float:
+    """The host memory the row plans and runs with: the machine's (``--cpu-gib``), or less."""
+    return a.cpu_gib if row.cpu_gib is None else min(a.cpu_gib, row.cpu_gib)
+
+
+def _ssd_spec(row: Row, a: argparse.Namespace):  # -> SsdSpec | None
+    """The SSD tier an offload row plans with: the rates of ``--hardware`` (measured by
+    :func:`ssd_hardware` before a real run; the preset's stated ones for ``--plan-only``)."""
+    if not row.offload:
+        return None
+    from tinypipe.planner.hardware import load_hardware
+    from tinypipe.planner.ssd import SsdSpec
+
+    hw = load_hardware(a.hardware)
+    return SsdSpec(read_gbps=hw.ssd_read_gbps, write_gbps=hw.ssd_write_gbps, mixed_gbps=hw.ssd_mixed_gbps,
+                   directory=a.offload_dir if os.path.isdir(a.offload_dir) else None, source=hw.name)
+
+
+def ssd_hardware(a: argparse.Namespace, out_dir: Path) -> str:
+    """A hardware file: ``--hardware`` with ``--offload-dir``'s direct-I/O rates measured now (4 GiB
+    written and read back, and both together), so the plans of the SSD rows price this disk."""
+    from tinypipe.cli.profile import ssd_rates
+    from tinypipe.planner.hardware import load_hardware
+
+    os.makedirs(a.offload_dir, exist_ok=True)
+    rates = ssd_rates([a.offload_dir], 4 << 30)
+    spec = load_hardware(a.hardware).as_dict()
+    spec.update(name=f"{spec['name']} (disk measured)", ssd_read_gbps=rates["ssd_read_gbps"],
+                ssd_write_gbps=rates["ssd_write_gbps"], ssd_mixed_gbps=rates["ssd_mixed_gbps"])
+    path = out_dir / "hardware.json"
+    path.write_text(json.dumps(spec, indent=1))
+    return str(path)
 
 
 def longest(row: Row, a: argparse.Namespace, lo: int = 16 * K, hi: int = 128 * K,
@@ -251,8 +291,12 @@ def run_row(name: str, row: Row, seq: int, a: argparse.Namespace) -> dict[str, A
                                      mlp_chunk_tokens=TINY_MLP_CHUNK, compile_blocks="off",
                                      segment_attention=row.docs > 1 or None)
         else:
+            ssd: dict[str, Any] = {}
+            if row.offload:
+                ssd = dict(offload_dir=a.offload_dir, cpu_memory_bytes=int(_host_gib(row, a) * GiB),
+                           hardware=a.hardware)
             config = tinypipe.Config(devices=[device], precision="bf16", lr=1e-5, seq_len=seq,
-                                     global_batch=row.batch, gpu_memory_bytes=cap)
+                                     global_batch=row.batch, gpu_memory_bytes=cap, **ssd)
         t1 = time.perf_counter()
         engine = tinypipe.Engine(model, config)
         engine_s = time.perf_counter() - t1
@@ -286,6 +330,7 @@ def run_row(name: str, row: Row, seq: int, a: argparse.Namespace) -> dict[str, A
         "gpu_need": best.gpu_need if best is not None else None,
         "host_need": best.host_need if best is not None else None,
         "memory_report": engine.memory_report().as_dict(),
+        "offload_dir": a.offload_dir if row.offload else None, "hardware": a.hardware,
         "torch": torch.__version__, "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
     }
     engine.close()
@@ -306,6 +351,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--cpu-gib", type=float, default=None,
                     help="host memory to plan with (default: this machine's available RAM)")
     ap.add_argument("--hardware", default="h200-pcie5", help="the planner's hardware preset or file")
+    ap.add_argument("--offload-dir", default="/tmp/tinypipe-long-context-ssd",
+                    help="the SSD rows' offload directory (its rates are measured before they plan)")
     ap.add_argument("--budget-s", type=float, default=530.0,
                     help="wall seconds for everything: rows whose estimate does not fit what is left are skipped")
     ap.add_argument("--plan-only", action="store_true", help="print the planner's table; run nothing")
@@ -349,6 +396,7 @@ def estimate_s(row: Row, plan: dict[str, Any], tiny: bool) -> float:
 def _run_child(name: str, seq: int, out: Path, timeout: float, a: argparse.Namespace) -> dict[str, Any]:
     argv = [sys.executable, os.path.abspath(__file__), "--child", f"{name}:{seq}:{out}",
             "--cap-gib", str(a.cap_gib), "--cpu-gib", str(a.cpu_gib), "--hardware", a.hardware,
+            "--offload-dir", a.offload_dir,
             *(["--tiny"] if a.tiny else [])]
     try:
         proc = subprocess.run(argv, timeout=max(1.0, timeout), capture_output=True, text=True)
@@ -401,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     commit = _commit(a.commit)
     out_dir = Path(a.out) if a.out else ROOT / "bench" / "results" / "long_context" / commit
     out_dir.mkdir(parents=True, exist_ok=True)
+    if not (a.plan_only or a.tiny) and any(ROWS[n].offload for n in a.names):
+        a.hardware = ssd_hardware(a, out_dir)
     planned: dict[str, tuple[int, dict[str, Any]]] = {}
     for name in a.names:
         row = ROWS[name]
