@@ -554,9 +554,9 @@ def host_stashed_inputs(plan: Plan, long_sequences: bool) -> tuple[bool, ...]:
     output adopted in place, no copy). The embedding's forward writes it down micro-batch by
     micro-batch through the stash's side streams, pack 0 reads it back as other packs read their
     stash; the embedding's backward recomputes its output and needs none of it."""
-    P = plan.num_packs
-    host = tuple(q > 0 and bool(plan.stash_on_host[q]) for q in range(P + 1))
-    embed = long_sequences and P > 1 and bool(plan.stash_on_host[1]) and not plan.kept(0)
+    P, stash = plan.num_packs, plan.stash_on_host
+    host = tuple(0 < q < len(stash) and bool(stash[q]) for q in range(P + 1))
+    embed = long_sequences and P > 1 and host[1] and not plan.kept(0)
     return (embed,) + host[1:]
 
 
