@@ -215,7 +215,8 @@ def race_forward_end(uploads: Sequence[RaceUpload], pack_forward_s: Sequence[flo
 def race_choosing(uploads: Sequence[RaceUpload], assisted: Sequence[RaceUpload | None],
                   pack_forward_s: Sequence[float], *, slots: int, devices: int, h2d: float,
                   adamw_rate: float, d2h: float | None = None, bidir: float | None = None,
-                  stash_reads: Sequence[StashMoves | None] = (), stash_writes: Sequence[StashMoves | None] = (),
+                  stash_reads: Sequence[StashMoves | None] = (),
+                  stash_writes: Sequence[StashMoves | None] = (),
                   chunk_down_bytes: int = 0) -> tuple[tuple[bool, ...], RaceResult]:
     """The race of :func:`race_forward_end`, choosing at each upload ``i`` with an alternative
     ``assisted[i]`` (None: none) the one after which the next upload can be done sooner (ties:

@@ -84,7 +84,8 @@ def long_context_lines(result: PlanResult) -> list[str]:
     return [f"long context: MLPs in chunks of {n:,} tokens (one intermediate {fmt_bytes(one)}), head and "
             f"loss in chunks of {head_chunk_tokens(s.vocab):,} tokens; micro-batch "
             f"{plan.micro_batch_size} x {result.seq:,} tokens, "
-            f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs{embed} stashed in host memory; "
+            f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs{embed} stashed in host "
+            "memory; "
             f"{_attention_text(s.model_type, result.seq)}"]
 
 

@@ -147,7 +147,8 @@ class StashIO:
                 return
             lo, hi = rows[task.mb + 1]
             frows = sched.fwd_rows()
-            prods = list(dict.fromkeys(_producer(q, m) for m, (a, b) in enumerate(frows) if a < hi and b > lo))
+            prods = list(dict.fromkeys(_producer(q, m) for m, (a, b) in enumerate(frows)
+                                       if a < hi and b > lo))
             self._read_ahead(self.ctx.acts[q], lo, hi, dev, prods)
 
     def read_ahead_gradient(self, lo: int, hi: int, dev: DeviceRuntime) -> None:
