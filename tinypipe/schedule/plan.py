@@ -490,7 +490,8 @@ def make_plan(
         if s not in STASH_PLACES:
             raise ConfigError(f"stash must be one of {', '.join(STASH_PLACES)}, got {s!r}")
     if isinstance(stash, str):
-        # the embedding's output and the head's input are consumed on the spot: never host-stashed
+        # the head's input is consumed on the spot: never host-stashed; nor is the embedding's output
+        # here (only at long sequences, where pack 1's input is: host_stashed_inputs)
         stash_host = tuple(stash == "host" and 0 < q < len(packs) for q in range(len(packs) + 1))
     else:
         stash_host = tuple(s == "host" for s in stash)
