@@ -298,3 +298,28 @@ def test_the_estimate_moves_both_buffers_to_the_host(monkeypatch: pytest.MonkeyP
     assert moved.host["stashed_activations"] - kept.host["stashed_activations"] == bsh
     assert moved.host["stashed_activations"] == 32 * bsh  # boundaries 0..31 of 32 packs
     assert short_now.host == short_before.host and short_now.devices == short_before.devices
+
+
+# ---------------------------------------------------------------- on CUDA (skipped without a GPU)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family,cfg", [
+    ("llama", dict(devices=["cuda:0"], pack_size=1, micro_batch_size=2, backward_micro_batch_size=2,
+                   compile_blocks="off")),
+    ("qwen2", dict(devices=["cuda:0"], pack_size=2, micro_batch_size=1, backward_micro_batch_size=2,
+                   max_grad_norm=0.5)),
+    ("llama", dict(devices=["cuda:0", "cuda:0"], pack_size=[1, 3], micro_batch_size=2,
+                   backward_micro_batch_size=2, compile_blocks="off")),
+], ids=["1dev_eager", "tied_compiled_clip", "2x_same_gpu"])
+def test_cuda_training_matches_pytorch(family: str, cfg: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The side streams: the embedding's output copied down on ``stash_out``, pack 0's rows and the
+    embedding's gradient rows read ahead on ``stash_in``; fp32 without TF32, plain PyTorch's
+    tolerances."""
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    seen = _spy(monkeypatch)
+    _train_and_compare(family, cfg)
+    assert seen["inputs"] == [True] * STEPS and seen["grads"] == [True] * STEPS
+    per_step = 1 + -(-BATCH // cfg["micro_batch_size"])
+    assert len(seen["embed_rows"]) == STEPS * per_step
