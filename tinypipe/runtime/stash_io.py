@@ -98,7 +98,9 @@ class StashIO:
             with dev.backend.use_stream(side):
                 buf.tensor[lo:hi].copy_(src, non_blocking=True)  # type: ignore[index]
             src.record_stream(side)  # type: ignore[arg-type]
-            self.ctx.side_streams[dev.compute_lane].append(side)
+            sides = self.ctx.side_streams[dev.compute_lane]
+            if side not in sides:  # a task may write several row ranges (the embedding's forward)
+                sides.append(side)
         else:
             buf.write(lo, hi, src)
 
