@@ -120,6 +120,12 @@ def test_the_buffers_live_on_the_host_and_are_counted(monkeypatch: pytest.Monkey
     stashed = host_stashed_inputs(engine.plan, True)
     assert sum(stashed) == sum(engine.plan.stash_on_host) + 1
     assert engine.memory_report().host["stashed_activations"] == sum(stashed) * bsh
+    from tinypipe.planner.estimate import host_bytes
+    from tinypipe.planner.sizes import model_sizes
+
+    est = host_bytes(model_sizes(model.config), engine.plan, batch=BATCH, seq=SEQ, precision="fp32",
+                     num_devices=1, mlp_chunk=CHUNK)
+    assert est["stashed_activations"] == sum(stashed) * bsh  # the planner counts the same buffer
     sched = engine.schedule_for(BATCH)
     short = step_traffic(sched, engine.store, SEQ, H, 4, 4)
     long = step_traffic(sched, engine.store, SEQ, H, 4, 4, long_sequences=True)
