@@ -40,7 +40,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL
-from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_choosing
+from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMoves, race_choosing
 from tinypipe.schedule.plan import Plan
 
 #: An assisted layer's first upload after a clipped step (runtime/optim/assist.py): fp32 master, both
@@ -76,8 +76,8 @@ def assisted_upload(u: RaceUpload, numel: int, frozen_bytes: int, device_s_per_p
 
 def choose_assisted(uploads: Sequence[RaceUpload], alternatives: Sequence[RaceUpload | None],
                     pack_forward_s: Sequence[float], *, slots: int, devices: int, h2d: float,
-                    adamw_rate: float, d2h: float, bidir: float, stash_reads: Sequence[StashMove | None],
-                    stash_writes: Sequence[StashMove | None],
+                    adamw_rate: float, d2h: float, bidir: float, stash_reads: Sequence[StashMoves | None],
+                    stash_writes: Sequence[StashMoves | None],
                     chunk_down_bytes: int) -> tuple[tuple[int, ...], RaceResult]:
     """The layers to assist among those with an alternative (module docstring) and the race run
     with them; the keywords are the race's (:func:`~tinypipe.planner.clipped.race_forward_end`)."""

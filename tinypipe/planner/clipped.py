@@ -74,6 +74,9 @@ class RaceResult:
 
 #: (device, bytes) of one pack's forward: its host-stashed input read up, or its output written down.
 StashMove = tuple[int, int]
+#: A pack's moves of one direction: one, or several on different devices (pack 0's writes at long
+#: sequences: the embedding's host-stashed output beside pack 0's own).
+StashMoves = StashMove | tuple[StashMove, ...]
 
 
 class _Race:
@@ -84,7 +87,7 @@ class _Race:
 
     def __init__(self, uploads: Sequence[RaceUpload], pack_forward_s: Sequence[float], *, slots: int,
                  devices: int, h2d: float, d2h: float | None, bidir: float | None, adamw_rate: float,
-                 stash_reads: Sequence[StashMove | None], stash_writes: Sequence[StashMove | None],
+                 stash_reads: Sequence[StashMoves | None], stash_writes: Sequence[StashMoves | None],
                  chunk_down_bytes: int) -> None:
         num_packs = len(pack_forward_s)
         self.fwd_s = pack_forward_s
@@ -112,8 +115,11 @@ class _Race:
         start = max(self.forward, self.ready[q], self.first_ready)
         for moves, lanes, rate in ((self.reads, self.link, self.h2d), (self.writes, self.down, self.d2h)):
             move = moves[q] if q < len(moves) else None
-            if move is not None and move[1]:
-                lanes[move[0]] = max(lanes[move[0]], start) + move[1] / rate
+            if move is None:
+                continue
+            for dev, nbytes in ((move,) if isinstance(move[0], int) else move):
+                if nbytes:
+                    lanes[dev] = max(lanes[dev], start) + nbytes / rate
         self.forward = start + self.fwd_s[q]
         for d in self.held[q]:
             self.ring[d].append(self.forward)
@@ -187,8 +193,8 @@ class _Race:
 
 def race_forward_end(uploads: Sequence[RaceUpload], pack_forward_s: Sequence[float], *, slots: int,
                      devices: int, h2d: float, adamw_rate: float, d2h: float | None = None,
-                     bidir: float | None = None, stash_reads: Sequence[StashMove | None] = (),
-                     stash_writes: Sequence[StashMove | None] = (), chunk_down_bytes: int = 0) -> RaceResult:
+                     bidir: float | None = None, stash_reads: Sequence[StashMoves | None] = (),
+                     stash_writes: Sequence[StashMoves | None] = (), chunk_down_bytes: int = 0) -> RaceResult:
     """Simulate the race (module docstring). ``uploads`` in upload order, ``pack_forward_s[q]`` the
     forward compute of pack ``q`` (all its micro-batches), ``h2d`` / ``d2h`` / ``bidir`` bytes/s
     per device link (each way, both at once; default: ``h2d`` each way, no shared limit),
@@ -209,7 +215,8 @@ def race_forward_end(uploads: Sequence[RaceUpload], pack_forward_s: Sequence[flo
 def race_choosing(uploads: Sequence[RaceUpload], assisted: Sequence[RaceUpload | None],
                   pack_forward_s: Sequence[float], *, slots: int, devices: int, h2d: float,
                   adamw_rate: float, d2h: float | None = None, bidir: float | None = None,
-                  stash_reads: Sequence[StashMove | None] = (), stash_writes: Sequence[StashMove | None] = (),
+                  stash_reads: Sequence[StashMoves | None] = (),
+                  stash_writes: Sequence[StashMoves | None] = (),
                   chunk_down_bytes: int = 0) -> tuple[tuple[bool, ...], RaceResult]:
     """The race of :func:`race_forward_end`, choosing at each upload ``i`` with an alternative
     ``assisted[i]`` (None: none) the one after which the next upload can be done sooner (ties:

@@ -15,7 +15,7 @@ from functools import lru_cache
 
 from tinypipe.memory.device_pool import ASSIST_CHUNK_NUMEL
 from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES, assisted_upload
-from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, race_forward_end
+from tinypipe.planner.clipped import RaceResult, RaceUpload, StashMove, StashMoves, race_forward_end
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.planner.work import (
@@ -30,7 +30,7 @@ from tinypipe.planner.work import (
     layer_devices,
     on_device,
 )
-from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.plan import Plan, host_stashed_inputs
 
 
 #: Host AdamW rate of a clipped step's leftover pass (every host-stepped layer waits for the global
@@ -124,11 +124,16 @@ def race_of(w: Work, dev: OnDevice) -> ClippedRace:
                         for u, a in zip(plain, alternatives))
     P, n = plan.num_packs, plan.num_devices
     reads: list[StashMove | None] = [None] * P
-    writes: list[StashMove | None] = [None] * P
+    writes: list[StashMoves | None] = [None] * P
+    stashed = host_stashed_inputs(plan, w.long_sequences)
     for q in range(1, P):  # pack q's host-stashed input: written by pack q - 1's forward, read by q's
-        if q < len(plan.stash_on_host) and plan.stash_on_host[q]:
+        if stashed[q]:
             writes[q - 1] = (plan.fwd_device[q - 1], w.stash_bytes)
             reads[q] = (plan.fwd_device[q], w.stash_bytes)
+    if P and stashed[0]:  # the embedding's output (long sequences): written down as pack 0 starts,
+        reads[0] = (plan.fwd_device[0], w.stash_bytes)  # read up by its forward
+        embed: StashMove = (plan.embed_device, w.stash_bytes)
+        writes[0] = embed if writes[0] is None else (embed, writes[0])
     # each pack's forward compute, the N devices' share of it as in the forward phase
     pack_fwd = tuple((w.fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + w.dequant[q][0]) * w.slowdown / n
                      for q in range(P))

@@ -205,7 +205,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     lora = bool(sizes.frozen_total)
 
     lanes = pack_work(packs, fwd_flops, rates, lora, dequant, w.chunk_flops)
-    add_stash_traffic(lanes, plan, stash_bytes=w.stash_bytes)
+    add_stash_traffic(lanes, plan, stash_bytes=w.stash_bytes, long_sequences=w.long_sequences)
     add_host_gradient_traffic(lanes, plan, w.stash_bytes, mlp_chunk > 0)
     if plan.kept_on_host:
         held = [kept_bytes(sizes, plan, q, batch=batch, seq=seq, precision=precision)
@@ -306,7 +306,8 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
         if not hw.host_dram_gbs:
             return 0.0
         win = clipped_forward_dram(sizes, plan, stash_bytes=w.stash_bytes, upload_bytes=UPLOAD_BYTES,
-                                   frozen_bytes=packs.frozen_bytes, assisted=layers)
+                                   frozen_bytes=packs.frozen_bytes, assisted=layers,
+                                   long_sequences=w.long_sequences)
         return win.seconds(hw.host_dram_gbs)
 
     def raced(layers: tuple[int, ...], race: RaceResult) -> float:

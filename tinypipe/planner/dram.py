@@ -23,7 +23,7 @@ from typing import Iterable
 
 from tinypipe.planner.assist import ASSIST_DOWN_BYTES, ASSIST_UP_BYTES
 from tinypipe.planner.sizes import ModelSizes
-from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.plan import Plan, host_stashed_inputs
 
 #: Host memory one fused AdamW step on fp32 moves per parameter: master, both moments and the
 #: gradient read (16 B), master and moments written (12 B).
@@ -46,13 +46,15 @@ class DramWindow:
 
 
 def clipped_forward_dram(sizes: ModelSizes, plan: Plan, *, stash_bytes: int, upload_bytes: int,
-                         frozen_bytes: int = 2, assisted: Iterable[int] | None = None) -> DramWindow:
+                         frozen_bytes: int = 2, assisted: Iterable[int] | None = None,
+                         long_sequences: bool = False) -> DramWindow:
     """The DRAM window of ``plan`` (module docstring): layers stepped on their device (resident
     packs, ``device_optimizer``) move nothing; a host-stepped layer's trainable elements go up at
     ``upload_bytes`` each (the cost model's ``UPLOAD_BYTES``), frozen ones at ``frozen_bytes``;
     ``stash_bytes``: one host-stashed pack input (tokens x hidden x the compute element size);
     ``assisted``: the layers stepped on their device instead of ``plan.assisted`` (a chooser's
-    candidate set, without a copy of the plan)."""
+    candidate set, without a copy of the plan); ``long_sequences``: the MLPs run in chunks (the
+    embedding's output may be host-stashed too, :func:`~tinypipe.schedule.plan.host_stashed_inputs`)."""
     on_device = set().union(*(plan.device_optimized(d) for d in range(plan.num_devices)))
     assisted = set(plan.assisted if assisted is None else assisted)
     host = dev = total = 0
@@ -66,7 +68,6 @@ def clipped_forward_dram(sizes: ModelSizes, plan: Plan, *, stash_bytes: int, upl
         else:
             host += train
             total += train * (ADAMW_DRAM_BYTES + upload_bytes)
-    stashed = sum(1 for q in range(1, plan.num_packs + 1)
-                  if q < len(plan.stash_on_host) and plan.stash_on_host[q])
+    stashed = sum(host_stashed_inputs(plan, long_sequences))
     total += stashed * 2 * stash_bytes  # written down, read back up
     return DramWindow(host_stepped=host, assisted=dev, bytes=total)

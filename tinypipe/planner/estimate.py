@@ -10,7 +10,8 @@ host
     ``gradient_buffers`` 4 B per flat element when gradients are retained (``max_grad_norm`` set
     or the non-finite policy ``"skip"``), else 4 B per element of the deferred layers
     (``Plan.deferred``); ``stashed_activations`` one ``[B, S, H]`` buffer in the compute dtype per
-    host-stashed pack input. With ``plan.offload`` each offloaded region's bytes
+    host-stashed pack input (at long sequences the embedding's output too:
+    :func:`~tinypipe.schedule.plan.host_stashed_inputs`). With ``plan.offload`` each offloaded region's bytes
     leave its category and ``ssd_staging`` holds the staging pool (:mod:`tinypipe.planner.offload`).
 device
     ``resident_layers`` embedding / head in the compute dtype where they live; ``layer_slots``
@@ -66,7 +67,7 @@ from tinypipe.planner.offload import apply_offload
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes
 from tinypipe.planner.work import pack_stats
-from tinypipe.schedule.plan import Plan, host_gradient_boundaries
+from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
 STAGING_MAX = 32 * 1024 * 1024
@@ -90,13 +91,14 @@ def head_chunk_tokens(vocab: int, budget_bytes: int = 512 * 1024**2) -> int:
 
 def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str, num_devices: int,
                host_grad_buffers: int | None = None, retain_grads: bool = False,
-               hidden: int | None = None) -> dict[str, int]:
-    """Host memory by category (``Engine.memory_report().host`` after a step)."""
+               hidden: int | None = None, mlp_chunk: int = 0) -> dict[str, int]:
+    """Host memory by category (``Engine.memory_report().host`` after a step; ``mlp_chunk`` > 0:
+    long sequences, the embedding's output may be host-stashed too)."""
     hidden = hidden or sizes.hidden
     train = sizes.train_total  # every element, except under LoRA (the adapters only)
     grad = max(1, sizes.grad_slot_numel)
     chunk = chunk_numel(grad)
-    stashed = sum(1 for q, on_host in enumerate(plan.stash_on_host) if on_host and q > 0)
+    stashed = sum(host_stashed_inputs(plan, mlp_chunk > 0))
     cats = {
         "master_weights": 4 * train,
         "optimizer_state": 8 * train,
@@ -208,10 +210,11 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         delta[dev][lo] += nbytes
         delta[dev][hi + 1] -= nbytes
 
-    # activation buffers: acts[q] is the input of pack q (q == P: the head's)
+    # activation buffers: acts[q] is the input of pack q (q == P: the head's); in host memory where
+    # host_stashed_inputs says so (at long sequences the embedding's output too)
+    stashed = host_stashed_inputs(plan, mlp_chunk > 0)
     for q in range(P + 1):
-        on_host = q > 0 and plan.stash_on_host[q]
-        if on_host:
+        if stashed[q]:
             continue
         owner = plan.embed_device if q == 0 else (plan.fwd_device[q] if q < P else plan.head_device)
         if q == 0:
@@ -222,11 +225,13 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
             alive(owner, F(P - 1), HEAD, bsh)
     # gradient buffers: grads[q] is d loss / d (input of pack q), written by pack q's backward;
     # at long sequences a host-stashed boundary's lives in its stash's rows (host_gradient_boundaries):
-    # the reading backward holds one micro-batch's rows of it instead
+    # the reading backward holds one micro-batch's rows of it instead (boundary 0's reader, the
+    # embedding's backward, is counted with it below)
     host_grads = host_gradient_boundaries(plan, mlp_chunk > 0)
     for q in range(P + 1):
         if host_grads[q]:
-            work[plan.bwd_device[q - 1]][Bk(q - 1)] += tb * H * a
+            if q > 0:
+                work[plan.bwd_device[q - 1]][Bk(q - 1)] += tb * H * a
             continue
         owner = plan.embed_device if q == 0 else plan.bwd_device[q - 1]
         start = HEAD if q == P else Bk(q)
@@ -235,13 +240,13 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
 
     def remote_rows(q: int, dev: int, tokens: int) -> int:
         """A micro-batch's input rows copied onto ``dev`` when the pack input lives elsewhere."""
-        on_host = q > 0 and plan.stash_on_host[q]
         owner = plan.embed_device if q == 0 else (plan.fwd_device[q] if q < P else plan.head_device)
-        return tokens * H * a if (on_host or owner != dev) else 0
+        return tokens * H * a if (stashed[q] or owner != dev) else 0
 
     e, h = plan.embed_device, plan.head_device
-    # embedding forward: the trunk's own temporaries beside its output (acts[0], counted above)
-    work[e][EF] += bsh
+    # embedding forward: the trunk's own temporaries beside its output (acts[0], counted above; in
+    # host memory, the output is on the device until its micro-batches are copied down)
+    work[e][EF] += bsh * (2 if stashed[0] else 1)
     def mlp_rows(tokens: int) -> int:
         """Tokens whose MLP intermediates exist at once: a chunk's, when the MLP is chunked."""
         return min(tokens, mlp_chunk) if mlp_chunk > 0 else tokens
@@ -292,10 +297,15 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
                 continue
             alive(plan.fwd_device[q], F(q), Bk(q), held)
     # embedding backward: recomputed output, dense weight gradient, CUDA fp32 partial sums, and
-    # the downloads of pack 0's layers beside it
-    partials = min(B * S, V) * H * 4 if cuda[e] else 0
+    # the downloads of pack 0's layers beside it -- with its input gradient in host memory one
+    # forward micro-batch at a time (its rows and its recomputed output), unless dropout may draw
+    # in the embedding's forward (the runtime then replays the whole batch: its gradient copied up)
+    by_rows = host_grads[0] and not sizes.draws
+    rows = tf if by_rows else B * S
+    partials = min(rows, V) * H * 4 if cuda[e] else 0
     beside0 = pack_stats(sizes, plan.packs)[0][1] if plan.bwd_device[0] == e else 0
-    work[e][EB] += bsh + sizes.embed_numel * a + partials + norm_copy * beside0
+    gout = rows * H * a if host_grads[0] else 0
+    work[e][EB] += rows * H * a + gout + sizes.embed_numel * a + partials + norm_copy * beside0
     # the embedding's own gradient download (after everything else)
     work[e][DLE] += norm_copy * sizes.embed_numel
 
@@ -308,8 +318,8 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         k = max(range(nphase), key=totals.__getitem__)
         const = 0
         if cuda[d]:
-            reads_host = any(plan.stash_on_host[q] and (plan.fwd_device[q] == d or plan.bwd_device[q] == d)
-                             for q in range(1, P))
+            reads_host = any(stashed[q] and (plan.fwd_device[q] == d or plan.bwd_device[q] == d)
+                             for q in range(P)) or (by_rows and d == e)
             if reads_host and (B > plan.micro_batch_size or B > plan.backward_micro_batch_size):
                 const += 2 * max(tf, tb) * H * a
             const += CUDA_WORKSPACE_BYTES
@@ -350,7 +360,8 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
         raise ConfigError(f"plan covers {plan.num_blocks} blocks, the model has {sizes.num_blocks}")
     retain = (max_grad_norm is not None) if retain_grads is None else retain_grads
     host = host_bytes(sizes, plan, batch=batch, seq=seq, precision=precision, num_devices=len(devices),
-                      host_grad_buffers=host_grad_buffers, retain_grads=retain, hidden=hidden)
+                      host_grad_buffers=host_grad_buffers, retain_grads=retain, hidden=hidden,
+                      mlp_chunk=mlp_chunk)
     if peaks is None:
         peaks = activation_peaks(sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices,
                                  hidden=hidden, vocab=vocab, head_chunk=head_chunk,

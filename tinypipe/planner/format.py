@@ -7,6 +7,7 @@ from __future__ import annotations
 from tinypipe.planner.offload import disk_bytes, staging_shape, summary
 from tinypipe.planner.search import HOST_BASELINE_BYTES, PlanResult
 from tinypipe.planner.spill import HIDDEN_SHARE
+from tinypipe.schedule.plan import host_stashed_inputs
 from tinypipe.units import fmt_bytes, gib_text
 
 
@@ -79,10 +80,12 @@ def long_context_lines(result: PlanResult) -> list[str]:
 
     s, n, plan = result.sizes, result.mlp_chunk_tokens, result.best.plan
     one = n * s.intermediate * dtype_bytes(result.precision)
+    embed = " and the embedding's output" if host_stashed_inputs(plan, True)[0] else ""
     return [f"long context: MLPs in chunks of {n:,} tokens (one intermediate {fmt_bytes(one)}), head and "
             f"loss in chunks of {head_chunk_tokens(s.vocab):,} tokens; micro-batch "
             f"{plan.micro_batch_size} x {result.seq:,} tokens, "
-            f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs stashed in host memory; "
+            f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs{embed} stashed in host "
+            "memory; "
             f"{_attention_text(s.model_type, result.seq)}"]
 
 

@@ -17,7 +17,7 @@ from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.host_lane import Arrival, BackwardOrder
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.quant.cost import dequant_seconds, passes_per_step
-from tinypipe.schedule.plan import Plan, host_gradient_boundaries
+from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
 
 
 #: Tokens at which a micro-batch runs at half its asymptotic rate (fitted on two micro-batch sizes,
@@ -176,6 +176,9 @@ class Work:
     #: per pack, FLOPs the backward runs again for token-chunked blocks (models/chunked_mlp.py: each
     #: chunk's norms, q/k/v projections and MLP are recomputed under its checkpoint); 0 unchunked
     chunk_flops: list[float] = field(default_factory=list)
+    #: the MLPs run in chunks (long sequences): the embedding's output may be host-stashed too
+    #: (:func:`~tinypipe.schedule.plan.host_stashed_inputs`)
+    long_sequences: bool = False
 
     @staticmethod
     def of(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int, precision: str,
@@ -198,7 +201,7 @@ class Work:
         # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
         slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
         return Work(rates, fwd_flops, packs, _dequant_work(sizes, plan, batch, hw),
-                     tokens * sizes.hidden * elem, slowdown, fwd_flops_again)
+                     tokens * sizes.hidden * elem, slowdown, fwd_flops_again, long_sequences=mlp_chunk > 0)
 
 
 def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
@@ -252,13 +255,15 @@ def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec) -
     return out
 
 
-def add_stash_traffic(lanes: Lanes, plan: Plan, stash_bytes: int) -> None:
-    """Host-stashed pack inputs: written down and read back up in the forward, read up in the
-    backward (unless the pack keeps its activations)."""
+def add_stash_traffic(lanes: Lanes, plan: Plan, stash_bytes: int, long_sequences: bool = False) -> None:
+    """Host-stashed pack inputs (:func:`~tinypipe.schedule.plan.host_stashed_inputs`; at long
+    sequences the embedding's output too, written down by the embedding's forward): written down
+    and read back up in the forward, read up in the backward (unless the pack keeps its
+    activations)."""
     P = plan.num_packs
-    for q in range(1, P + 1):
-        if q < len(plan.stash_on_host) and plan.stash_on_host[q]:
-            lanes.f_down[plan.fwd_device[q - 1]] += stash_bytes
+    for q, on_host in enumerate(host_stashed_inputs(plan, long_sequences)):
+        if on_host:
+            lanes.f_down[plan.embed_device if q == 0 else plan.fwd_device[q - 1]] += stash_bytes
             reader = plan.fwd_device[q] if q < P else plan.head_device
             lanes.f_up[reader] += stash_bytes
             if q < P and not plan.kept(q):  # a kept pack's backward reads no stash
@@ -268,11 +273,12 @@ def add_stash_traffic(lanes: Lanes, plan: Plan, stash_bytes: int) -> None:
 def add_host_gradient_traffic(lanes: Lanes, plan: Plan, stash_bytes: int, long_sequences: bool) -> None:
     """Boundary gradients in their host stash's rows (long sequences,
     :func:`~tinypipe.schedule.plan.host_gradient_boundaries`): written down by the pack whose
-    input it is, read up by the pack before it, both in the backward."""
+    input it is, read up by the pack before it (boundary 0: by the embedding's backward), both in
+    the backward."""
     for q, on_host in enumerate(host_gradient_boundaries(plan, long_sequences)):
         if on_host:
             lanes.down[plan.bwd_device[q]] += stash_bytes
-            lanes.b_up[plan.bwd_device[q - 1]] += stash_bytes
+            lanes.b_up[plan.bwd_device[q - 1] if q > 0 else plan.embed_device] += stash_bytes
 
 
 def add_host_kept_traffic(lanes: Lanes, plan: Plan, held: Sequence[int]) -> None:

@@ -46,6 +46,7 @@ class ComputeHandlers(HandlerBase):
         super().__init__(res, ctx)
         self.stash = StashIO(ctx, res.read_ahead)
         self._drew: dict[tuple[int, int], bool] = {}  # (pack, forward micro-batch) -> its forward drew
+        self._embed_drew = False  # the embedding's forward drew random numbers (dropout after it)
         # (kept pack, forward micro-batch) -> its forward's graph, until its backward differentiates it
         self._kept: dict[tuple[int, int], KeptGraph] = {}
         # compute task -> the host-kept graphs it starts copying back when done (runtime/host_kept.py)
@@ -78,11 +79,21 @@ class ComputeHandlers(HandlerBase):
             hidden, calls = dev.shell.embed_forward(ids, mask, self._positions(dev))
         with self.ctx.block_calls_lock:
             self.ctx.block_calls[dev.index] = calls
+        self._embed_drew = self._drew_now(dev)
         buf = self.ctx.acts[0]
-        if buf.device == dev.device and buf.owner is not None:
+        if buf.owner is None:  # in host memory (long sequences): one forward micro-batch at a time
+            out = hidden.to(self.dtype)
+            for lo, hi in self.ctx.schedule.fwd_rows():
+                self.stash.write_rows(buf, lo, hi, out[lo:hi], dev)
+        elif buf.device == dev.device:
             buf.adopt(hidden.to(self.dtype))
         else:
             buf.write(0, inp.batch, hidden.to(self.dtype))
+
+    def _drew_now(self, dev: DeviceRuntime) -> bool:
+        """Whether ``dev``'s running compute task drew random numbers since its last seed."""
+        held = self._rng.get(dev.index)
+        return held is not None and held.drew()
 
     def _positions(self, dev: DeviceRuntime) -> torch.Tensor | None:
         pos = self.ctx.inputs.position_ids
@@ -127,8 +138,7 @@ class ComputeHandlers(HandlerBase):
             dev.shell.compiled or not self.ctx.schedule.plan.on_host(task.pack))
         with torch.enable_grad() if record else torch.no_grad():
             y = self._run_pack(task, dev, x, compact=compact)
-        held = self._rng.get(dev.index)
-        drew = held is not None and held.drew()
+        drew = self._drew_now(dev)
         if compact and drew:  # its recompute could not replay the masks: record it in full, same masks
             self.res.kept_saving.compact = False
             del y
@@ -386,14 +396,28 @@ class ComputeHandlers(HandlerBase):
             ctx.acts[0].free()
             return
         params = self._bind(dev, 0, None, grad=True)
-        ids = inp.input_ids.to(dev.device, non_blocking=True)
-        mask = inp.attention_mask
-        mask = mask.to(dev.device, non_blocking=True) if mask is not None else None
-        gout = ctx.grads[0].read(0, inp.batch, dev.device)
-        self._seed(dev, EMBED)
-        with torch.enable_grad():
-            hidden, _ = dev.shell.embed_forward(ids, mask, self._positions(dev))
-        grads = torch.autograd.grad(hidden.to(self.dtype), params, gout, allow_unused=True)
-        self._accumulate(dev, 0, None, list(grads))
+        # the input gradient in host memory (long sequences): one forward micro-batch's rows at a
+        # time, the next one's read ahead -- unless the forward drew random numbers (dropout after
+        # the embedding), whose masks only a recompute of the whole batch replays
+        if ctx.grads[0].owner is None and not self._embed_drew:
+            rows = ctx.schedule.fwd_rows()
+        else:
+            rows = [(0, inp.batch)]
+        for i, (lo, hi) in enumerate(rows):
+            gout = self.stash.read_rows(ctx.grads[0], lo, hi, dev)
+            if i + 1 < len(rows):
+                self.stash.read_ahead_gradient(*rows[i + 1], dev)
+            self._check(task, "output gradient", gout)
+            ids = inp.input_ids[lo:hi].to(dev.device, non_blocking=True)
+            mask = inp.attention_mask
+            mask = mask[lo:hi].to(dev.device, non_blocking=True) if mask is not None else None
+            pos = inp.position_ids
+            pos = pos[lo:hi].to(dev.device, non_blocking=True) if pos is not None else None
+            self._seed(dev, EMBED)
+            with torch.enable_grad():
+                hidden, _ = dev.shell.embed_forward(ids, mask, pos)
+            grads = torch.autograd.grad(hidden.to(self.dtype), params, gout, allow_unused=True)
+            self._accumulate(dev, 0, None, list(grads))
+            del hidden, grads, gout
         ctx.grads[0].free()
         ctx.acts[0].free()

@@ -253,7 +253,8 @@ class Engine:
         if self.replicas is not None:  # the loss is normalised by the whole global batch's tokens
             inputs.denom = self.replicas.total_tokens(inputs.denom)
         sched = self.schedule_for(inputs.batch)
-        self.resources.host_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype)
+        self.resources.host_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype,
+                                          self.resources.long_sequences)
         lr = self.config.lr if lr is None else float(lr)
         self.optimizer.begin_step(lr, sched.upload_order())
         for d in self.devices:
@@ -372,7 +373,8 @@ class Engine:
         if key not in self._traffic_cache:
             esize = torch.empty((), dtype=self.dtype).element_size()
             self._traffic_cache[key] = step_traffic(sched, self.store, seq, self.hidden_size, esize, esize,
-                                                    on_device=self.optimizer.device_layers)
+                                                    on_device=self.optimizer.device_layers,
+                                                    long_sequences=self.resources.long_sequences)
         return self._traffic_cache[key]
 
     # ------------------------------------------------------------------ observability

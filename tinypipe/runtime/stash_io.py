@@ -15,8 +15,8 @@ from tinypipe.devices.host_buffers import aligned_empty, registrable
 from tinypipe.runtime.buffers import RowBuffer
 from tinypipe.runtime.context import StepContext
 from tinypipe.runtime.device import DeviceRuntime
-from tinypipe.schedule.ids import Kind, fwd_id
-from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.ids import EMBED_FWD_ID, Kind, bwd_id, fwd_id
+from tinypipe.schedule.plan import Plan, host_stashed_inputs
 from tinypipe.schedule.tasks import Task
 
 
@@ -28,11 +28,14 @@ class HostStash:
         self._pinner = pinner
         self._buffers: dict[int, torch.Tensor] = {}
 
-    def prepare(self, plan: Plan, batch: int, seq: int, hidden: int, dtype: torch.dtype) -> None:
-        """Buffers of shape ``[batch, seq, hidden]`` for every host-stashed pack input."""
+    def prepare(self, plan: Plan, batch: int, seq: int, hidden: int, dtype: torch.dtype,
+                long_sequences: bool = False) -> None:
+        """Buffers of shape ``[batch, seq, hidden]`` for every host-stashed pack input
+        (:func:`~tinypipe.schedule.plan.host_stashed_inputs`: at long sequences the embedding's
+        output too)."""
         shape = (batch, seq, hidden)
-        for q, on_host in enumerate(plan.stash_on_host):
-            if not on_host or q == 0:
+        for q, on_host in enumerate(host_stashed_inputs(plan, long_sequences)):
+            if not on_host:
                 continue
             t = self._buffers.get(q)
             if t is None or t.shape != shape:
@@ -95,7 +98,9 @@ class StashIO:
             with dev.backend.use_stream(side):
                 buf.tensor[lo:hi].copy_(src, non_blocking=True)  # type: ignore[index]
             src.record_stream(side)  # type: ignore[arg-type]
-            self.ctx.side_streams[dev.compute_lane].append(side)
+            sides = self.ctx.side_streams[dev.compute_lane]
+            if side not in sides:  # a task may write several row ranges (the embedding's forward)
+                sides.append(side)
         else:
             buf.write(lo, hi, src)
 
@@ -128,20 +133,35 @@ class StashIO:
         self._ahead[key] = (out, dev.backend.record_event(side))
 
     def read_ahead_next(self, task: Task, dev: DeviceRuntime) -> None:
-        """Read ahead the host-stashed input rows of this pack's next micro-batch."""
+        """Read ahead the host-stashed input rows of this pack's next micro-batch (pack 0's: the
+        embedding's output, host-stashed at long sequences, written by the embedding's forward)."""
         q = task.pack
         sched = self.ctx.schedule
         if task.kind is Kind.FWD:
             rows = sched.fwd_rows()
-            if task.mb + 1 >= len(rows) or q == 0:
+            if task.mb + 1 >= len(rows):
                 return
             lo, hi = rows[task.mb + 1]
-            self._read_ahead(self.ctx.acts[q], lo, hi, dev, [fwd_id(q - 1, task.mb + 1)])
+            self._read_ahead(self.ctx.acts[q], lo, hi, dev, [_producer(q, task.mb + 1)])
         elif task.kind is Kind.BWD:
             rows = sched.bwd_rows()
-            if task.mb + 1 >= len(rows) or q == 0:
+            if task.mb + 1 >= len(rows):
                 return
             lo, hi = rows[task.mb + 1]
             frows = sched.fwd_rows()
-            prods = [fwd_id(q - 1, m) for m, (a, b) in enumerate(frows) if a < hi and b > lo]
+            prods = list(dict.fromkeys(_producer(q, m) for m, (a, b) in enumerate(frows)
+                                       if a < hi and b > lo))
             self._read_ahead(self.ctx.acts[q], lo, hi, dev, prods)
+
+    def read_ahead_gradient(self, lo: int, hi: int, dev: DeviceRuntime) -> None:
+        """Read ahead rows ``lo:hi`` of the embedding's input gradient (boundary 0) when they live
+        in host memory: the embedding's backward reads them one forward micro-batch at a time,
+        after pack 0's backward wrote them (every one of its tasks is done by then)."""
+        prods = [bwd_id(0, m) for m in range(len(self.ctx.schedule.bwd_rows()))]
+        self._read_ahead(self.ctx.grads[0], lo, hi, dev, prods)
+
+
+def _producer(q: int, mb: int) -> str:
+    """The task that writes forward micro-batch ``mb``'s rows of pack ``q``'s input: the previous
+    pack's forward, or (pack 0) the embedding's forward, which writes the whole batch."""
+    return EMBED_FWD_ID if q == 0 else fwd_id(q - 1, mb)

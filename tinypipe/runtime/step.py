@@ -25,7 +25,7 @@ from tinypipe.runtime.optim.messages import GradStream
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.signals import Aborted, Signal
 from tinypipe.schedule.ids import OPTIMIZER_LANE, Lane
-from tinypipe.schedule.plan import host_gradient_boundaries
+from tinypipe.schedule.plan import host_gradient_boundaries, host_stashed_inputs
 from tinypipe.schedule.tasks import STREAMING_KINDS, Schedule, Task
 
 ABORT_GRACE_S = 2.0  # after an abort, how long lanes get to notice before the step gives up on them
@@ -50,8 +50,10 @@ class StepRunner:
             return RowBuffer(shape, res.compute_dtype, d.backend, d.streams["compute"])
 
         acts = []
+        # host-stashed pack inputs; at long sequences the embedding's output too (host_stashed_inputs)
+        on_host = host_stashed_inputs(plan, res.long_sequences)
         for q in range(P + 1):
-            if q > 0 and plan.stash_on_host[q]:
+            if on_host[q]:
                 host = res.host_stash.buffer(q, shape, res.compute_dtype)
                 acts.append(RowBuffer(shape, res.compute_dtype, None, host=host))
             else:

@@ -490,7 +490,8 @@ def make_plan(
         if s not in STASH_PLACES:
             raise ConfigError(f"stash must be one of {', '.join(STASH_PLACES)}, got {s!r}")
     if isinstance(stash, str):
-        # the embedding's output and the head's input are consumed on the spot: never host-stashed
+        # the head's input is consumed on the spot: never host-stashed; nor is the embedding's output
+        # here (only at long sequences, where pack 1's input is: host_stashed_inputs)
         stash_host = tuple(stash == "host" and 0 < q < len(packs) for q in range(len(packs) + 1))
     else:
         stash_host = tuple(s == "host" for s in stash)
@@ -539,10 +540,33 @@ def make_plan(
     return replace(plan, keep_activations=keep, turn_packs=turn_packs)
 
 
+def host_stashed_inputs(plan: Plan, long_sequences: bool) -> tuple[bool, ...]:
+    """Per pack boundary ``q`` (0..P): whether pack ``q``'s input lives in host memory for the
+    step -- ``stash_on_host[q]`` for ``q > 0``; for ``q == 0``, the embedding's output (the whole
+    global batch, ``[batch, seq, hidden]``), only at long sequences (``long_sequences``: the MLPs
+    run in chunks) and only where the plan puts the embedding on the host-stash path: the input
+    after it, pack 1's, is stashed on the host (the planner stashes the first, longest-lived pack
+    inputs there first; the embedding's output lives longer still: from the embedding's forward
+    to pack 0's backward) and pack 0 does not keep its activations (a kept pack's graphs hold
+    their inputs on the device; its backward reads no stash).
+
+    Why only at long sequences: there the embedding's output is 2 GiB for two 128K-token rows of
+    an 8B model, alive on the device the whole step, while a short run keeps what it did (the
+    output adopted in place, no copy). The embedding's forward writes it down micro-batch by
+    micro-batch through the stash's side streams, pack 0 reads it back as other packs read their
+    stash; the embedding's backward recomputes its output and needs none of it."""
+    P, stash = plan.num_packs, plan.stash_on_host
+    host = tuple(0 < q < len(stash) and bool(stash[q]) for q in range(P + 1))
+    embed = long_sequences and P > 1 and host[1] and not plan.kept(0)
+    return (embed,) + host[1:]
+
+
 def host_gradient_boundaries(plan: Plan, long_sequences: bool) -> tuple[bool, ...]:
     """Per pack boundary ``q`` (0..P): whether the gradient of pack ``q``'s input lives in host
-    memory, in the rows of that input's host stash -- rows nothing reads once pack ``q``'s
-    backward has recomputed from them -- instead of a ``[batch, seq, hidden]`` device buffer.
+    memory, in the rows of that input's host stash (:func:`host_stashed_inputs`) -- rows nothing
+    reads once pack ``q``'s backward has recomputed from them -- instead of a ``[batch, seq,
+    hidden]`` device buffer. Boundary 0's is the gradient the embedding's backward reads: one
+    forward micro-batch's rows at a time.
 
     Why: at long sequences two such device buffers (the gradient a backward reads and the one it
     writes) are 2 GiB each for two 128K-token rows of an 8B model, and they hold the whole global
@@ -555,4 +579,5 @@ def host_gradient_boundaries(plan: Plan, long_sequences: bool) -> tuple[bool, ..
     P = plan.num_packs
     aligned = plan.backward_micro_batch_size % plan.micro_batch_size == 0
     on = long_sequences and aligned
-    return tuple(on and 0 < q < P and bool(plan.stash_on_host[q]) for q in range(P + 1))
+    stashed = host_stashed_inputs(plan, long_sequences)
+    return tuple(on and q < P and stashed[q] for q in range(P + 1))
