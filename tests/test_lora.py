@@ -120,6 +120,17 @@ def test_default_targets_are_the_block_projections() -> None:
     assert sorted(default_targets(make_model("gpt2", layers=1))) == ["c_attn", "c_fc", "c_proj"]
 
 
+
+def test_wrapping_warns_nothing() -> None:
+    """peft reads transformers' deprecated gradient-checkpointing alias; the user sees no
+    FutureWarning for it on every wrap (every LoRA plan)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        wrapped = apply_lora(make_model("llama"), LoraSettings(rank=4))
+    assert isinstance(wrapped, peft.PeftModel)
+
 def test_bf16_host_memory_frozen_base_two_bytes_per_param() -> None:
     pm = lora_model("llama")
     inner = pm.base_model.model

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -139,7 +140,11 @@ def apply_lora(model: nn.Module, settings: LoraSettings | None = None):  # -> pe
         task_type="CAUSAL_LM",
         fan_in_fan_out=fan_in_fan_out,
     )
-    wrapped = peft.get_peft_model(model, config)
+    with warnings.catch_warnings():
+        # peft reads transformers' deprecated ``is_gradient_checkpointing`` alias: a FutureWarning
+        # on every wrap (every plan with --lora) that the user can do nothing about
+        warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing.*", category=FutureWarning)
+        wrapped = peft.get_peft_model(model, config)
     from peft.tuners.lora import LoraLayer
 
     outside = [n for n, m in wrapped.base_model.model.named_modules()
