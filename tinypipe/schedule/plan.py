@@ -84,6 +84,10 @@ class Plan:
     # host memory meanwhile): the host is idle in the forward, and the last packs' layers -- a
     # turn's -- are uploaded last
     deferred: tuple[int, ...] = ()
+    # pack boundaries (1..P-1, sorted) whose host stash lives in files of the offload directory
+    # instead of host memory (runtime/ssd_stash.py; at long sequences, when host memory is short):
+    # the forward writes their rows there, the backward reads them back ahead of need
+    stash_on_ssd: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +113,21 @@ class Plan:
         object.__setattr__(self, "assisted", self._checked_assisted())
         object.__setattr__(self, "deferred", self._checked_deferred())
         self._check_turn()
+        object.__setattr__(self, "stash_on_ssd", self._checked_stash_on_ssd())
+
+    def _checked_stash_on_ssd(self) -> tuple[int, ...]:
+        """``stash_on_ssd`` sorted, without duplicates: each a host-stashed input of a pack
+        1..P-1 that keeps no graph (boundary 0, the embedding's output, and the head's input stay
+        where they are); ConfigError otherwise."""
+        out = set()
+        for q in self.stash_on_ssd:
+            if isinstance(q, bool) or not isinstance(q, int) or not 0 < q < len(self.packs):
+                raise ConfigError(f"plan: stash_on_ssd boundaries must be in 1..{len(self.packs) - 1}, got {q!r}")
+            if not (q < len(self.stash_on_host) and self.stash_on_host[q]) or self.kept(q):
+                raise ConfigError(f"plan: stash_on_ssd boundary {q} must be a host-stashed input of a pack "
+                                  "that keeps no activations")
+            out.add(q)
+        return tuple(sorted(out))
 
     def _checked_deferred(self) -> tuple[int, ...]:
         """``deferred`` sorted, without duplicates; ConfigError for a layer out of range, stepped on
@@ -333,6 +352,9 @@ class Plan:
                 + ("" if not self.deferred else f", {len(self.deferred)} layers' AdamW deferred to the next "
                    "forward")
                 + self._describe_offload(ssd_bytes)
+                + ("" if not self.stash_on_ssd else
+                   f", {len(self.stash_on_ssd)} pack input{'s' * (len(self.stash_on_ssd) > 1)} on the SSD "
+                   f"({','.join(map(str, self.stash_on_ssd))})")
                 + ("" if self.replicas == 1 else
                    f", {self.replicas} replicas (optimizer state "
                    f"{'sharded' if self.optimizer_sharding == 'shard' else 'replicated'})"))
@@ -423,7 +445,7 @@ class Plan:
         for key in ("packs",):
             d[key] = tuple(tuple(p) for p in d[key])
         for key in ("stash_on_host", "fwd_device", "bwd_device", "keep_activations", "kept_on_host",
-                    "assisted", "deferred"):
+                    "assisted", "deferred", "stash_on_ssd"):
             d[key] = tuple(d.get(key, ()))
         d["offload"] = tuple(tuple(p) for p in d.get("offload", ()))  # older files: nothing offloaded
         return Plan(**d)
@@ -581,3 +603,18 @@ def host_gradient_boundaries(plan: Plan, long_sequences: bool) -> tuple[bool, ..
     on = long_sequences and aligned
     stashed = host_stashed_inputs(plan, long_sequences)
     return tuple(on and q < P and stashed[q] for q in range(P + 1))
+
+
+def ssd_stashed_inputs(plan: Plan) -> tuple[bool, ...]:
+    """Per pack boundary ``q`` (0..P): whether pack ``q``'s host-stashed input lives in the offload
+    directory's files instead of host memory (``Plan.stash_on_ssd``; a subset of
+    :func:`host_stashed_inputs`' boundaries, never 0 nor P)."""
+    on = set(plan.stash_on_ssd)
+    return tuple(q in on for q in range(plan.num_packs + 1))
+
+
+def host_memory_stashes(plan: Plan, long_sequences: bool) -> tuple[bool, ...]:
+    """Per pack boundary: whether a ``[B, S, H]`` host-memory buffer holds pack ``q``'s input:
+    :func:`host_stashed_inputs` less the SSD's (:func:`ssd_stashed_inputs`)."""
+    ssd = ssd_stashed_inputs(plan)
+    return tuple(h and not s for h, s in zip(host_stashed_inputs(plan, long_sequences), ssd))
