@@ -255,6 +255,8 @@ class Engine:
         sched = self.schedule_for(inputs.batch)
         self.resources.host_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype,
                                           self.resources.long_sequences)
+        if self.resources.ssd_stash is not None:  # pack inputs on the SSD (Plan.stash_on_ssd)
+            self.resources.ssd_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype)
         lr = self.config.lr if lr is None else float(lr)
         self.optimizer.begin_step(lr, sched.upload_order())
         for d in self.devices:
@@ -277,6 +279,8 @@ class Engine:
             if isinstance(exc.__cause__, NonFiniteError):  # check_finite located a NaN/inf
                 raise NonFiniteError(str(exc.__cause__)) from exc
             raise
+        if self.resources.ssd_stash is not None:
+            self.resources.ssd_stash.end_step()
         try:
             outcome = self.optimizer.finish_step(self.resources.workers)
         except StorageError:
@@ -532,6 +536,8 @@ class Engine:
         except (WorkerError, StorageError):
             pass  # the failure was raised by step() already, or is the background work's
         self.resources.workers.shutdown()
+        if self.resources.ssd_stash is not None:  # the stashed pack inputs' scratch files
+            self.resources.ssd_stash.close()
         if self.optimizer.tier is not None:
             self.optimizer.tier.close()
         self.store.close()  # the SSD tier's scratch files
