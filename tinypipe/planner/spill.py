@@ -161,8 +161,10 @@ class Spill:
                     "or add RAM")
         if self.least_host is not None:
             host = self.least_host.memory.host
-            return (f"needs {gib_text(self.least_host_need)} host memory even with its training state on "
-                    f"the SSD{where}, have {gib_text(self.cpu_mem)} (what stays: the staging pool, "
+            n = len(self.least_host.plan.stash_on_ssd)
+            inputs = "" if not n else f" and {n} pack input{'s' * (n > 1)}"
+            return (f"needs {gib_text(self.least_host_need)} host memory even with its training state{inputs} "
+                    f"on the SSD{where}, have {gib_text(self.cpu_mem)} (what stays: the staging pool, "
                     f"gradient pools, {gib_text(host.get('stashed_activations', 0))} of stashed activations "
                     "and the process); add RAM, try --lora or a smaller --global-batch")
         return None
