@@ -28,15 +28,15 @@ BATCH, SEQ, STEPS = 5, 16, 3
 CHUNK = 5
 
 
-def _config(tmp_path, **kw) -> tinypipe.Config:  # type: ignore[no-untyped-def]
+def _config(tmp_path, devices: int = 1, **kw) -> tinypipe.Config:  # type: ignore[no-untyped-def]
     tmp_path.mkdir(parents=True, exist_ok=True)
-    return tinypipe.Config(devices=["cpu"], lr=1e-3, eps=1e-6, weight_decay=0.1, head_chunk_tokens=7,
+    return tinypipe.Config(devices=["cpu"] * devices, lr=1e-3, eps=1e-6, weight_decay=0.1, head_chunk_tokens=7,
                            mlp_chunk_tokens=CHUNK, offload_dir=str(tmp_path), **kw)
 
 
-def _plan(model, pack, fwd: int, bwd: int, ssd: tuple[int, ...], keep=False) -> Plan:  # type: ignore[no-untyped-def]
+def _plan(model, pack, fwd: int, bwd: int, ssd: tuple[int, ...], keep=False, devices: int = 1) -> Plan:  # type: ignore[no-untyped-def]
     n = int(model.config.num_hidden_layers)
-    plan = make_plan(n, pack_size=pack, micro_batch_size=fwd, backward_micro_batch_size=bwd, num_devices=1,
+    plan = make_plan(n, pack_size=pack, micro_batch_size=fwd, backward_micro_batch_size=bwd, num_devices=devices,
                      prefetch_window=1, stash="host", tied=bool(model.config.tie_word_embeddings),
                      keep_activations=keep)
     return dataclasses.replace(plan, stash_on_ssd=ssd)
@@ -50,7 +50,7 @@ def _host_run(family: str, plan: Plan, tmp_path) -> dict[str, torch.Tensor]:  # 
     model = make_model(family)
     torch.manual_seed(0)
     randomize_biases(model)
-    engine = tinypipe.Engine(model, _config(tmp_path), plan=dataclasses.replace(plan, stash_on_ssd=()))
+    engine = tinypipe.Engine(model, _config(tmp_path, plan.num_devices), plan=dataclasses.replace(plan, stash_on_ssd=()))
     for b in _batches():
         engine.step(b)
     state = {k: v.clone() for k, v in engine.state_dict().items()}
@@ -65,16 +65,19 @@ CASES = {
     "qwen2_mb2-1_all": ("qwen2", 1, 2, 1, (1, 2, 3), False),  # bwd splits fwd: gradients on the device
     "llama_pack2": ("llama", 2, 1, 1, (1,), False),  # two packs of 2 blocks
     "qwen2_kept": ("qwen2", 1, 1, 1, (1,), [False, False, True, False]),  # a kept pack among them
+    "llama_2dev": ("llama", 1, 1, 2, (1, 2), False),  # two devices: written on one, read on another
 }
+DEVICES = {"llama_2dev": 2}
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_training_matches_host_stashes_and_pytorch(case: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
     family, pack, fwd, bwd, ssd, keep = CASES[case]
     model = make_model(family)
-    plan = _plan(model, pack, fwd, bwd, ssd, keep)
+    n = DEVICES.get(case, 1)
+    plan = _plan(model, pack, fwd, bwd, ssd, keep, n)
     assert plan.stash_on_ssd == ssd
-    engine, _ = train_plan_against_reference(model, plan, _batches(), _config(tmp_path / "ssd"))
+    engine, _ = train_plan_against_reference(model, plan, _batches(), _config(tmp_path / "ssd", n))
     stash = engine.resources.ssd_stash
     assert stash is not None and stash.store is not None
     # the files exist under the offload directory while the engine runs, and the bytes went through them

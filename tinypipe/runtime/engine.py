@@ -269,6 +269,8 @@ class Engine:
         except (WorkerError, StorageError) as exc:
             # no lane thread outlives a failed step (a stuck one is abandoned)
             self.resources.workers.shutdown()
+            if self.resources.ssd_stash is not None:  # read-aheads nobody will consume
+                self.resources.ssd_stash.end_step()
             self.optimizer.abandon_step(self._sync_devices)
             if ctx.stuck:
                 self._broken = f"a worker is still stuck in {ctx.stuck}"

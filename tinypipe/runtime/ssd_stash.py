@@ -177,10 +177,11 @@ class SsdRows(RowBuffer):
             for i, v in enumerate(views):
                 v.copy_(src[i])
         store, q = stash.store, self.q
+        backend = dev.backend if dev is not None else None
 
         def issue() -> list[IoHandle]:
-            if event is not None:
-                event.synchronize()  # type: ignore[attr-defined]
+            if event is not None and backend is not None:
+                backend.sync_event(event)  # the rows are in the slot
             handles = [store.write_async((q, r), slot.data[i * self.row:]) for i, r in enumerate(range(lo, hi))]
             left = [len(handles)]
             lock = threading.Lock()
@@ -260,8 +261,10 @@ class SsdRows(RowBuffer):
             dev.backend.wait_event(dev.streams["compute"], event)
             slot = pending.slot
 
+            backend = dev.backend
+
             def release() -> None:
-                event.synchronize()  # type: ignore[attr-defined]
+                backend.sync_event(event)  # the copy up has read the slot
                 pool.release(slot)
 
             self.stash._io.submit(release)
