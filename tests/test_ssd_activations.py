@@ -99,35 +99,27 @@ def test_training_matches_host_stashes_and_pytorch(case: str, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("wrong", ["micro_batch", "boundary"])
-def test_reading_other_rows_fails(wrong: str, tmp_path) -> None:  # type: ignore[no-untyped-def]
+def test_reading_other_rows_fails(wrong: str, tmp_path, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
     """The same run with reads of another micro-batch's row (the next one) or another boundary's
-    regions: the weights leave both the host-stash run and PyTorch's tolerances."""
-    model = make_model("qwen2")
-    plan = _plan(model, 1, 1, 2, (1, 2))
-    engine = tinypipe.Engine(model, _config(tmp_path / "ssd"), plan=plan)
-    stash = engine.resources.ssd_stash
+    (boundary 2 reads boundary 1's rows, both written by then): PyTorch's tolerances fail."""
+    from tinypipe.runtime import ssd_stash as module
+
     if wrong == "micro_batch":
-        stash.read_region = lambda q, r: (q, (r + 1) % BATCH)
+        def region(q: int, r: int) -> tuple[int, int]:
+            return q, (r + 1) % BATCH
     else:
-        stash.read_region = lambda q, r: (1, r)  # boundary 2 reads boundary 1's rows (both written)
-    torch.manual_seed(0)
-    randomize_biases(model)
+        def region(q: int, r: int) -> tuple[int, int]:
+            return 1, r
+    real = module.SsdStash.__init__
+
+    def sabotaged(self, *a, **k):  # type: ignore[no-untyped-def]
+        real(self, *a, **k)
+        self.read_region = region
+
+    monkeypatch.setattr(module.SsdStash, "__init__", sabotaged)
+    model = make_model("qwen2")
     with pytest.raises(AssertionError):
-        # (train_plan_against_reference builds its own engine: patch the class's default instead)
-        from tinypipe.runtime import ssd_stash as module
-
-        real = module.SsdStash.__init__
-
-        def sabotaged(self, *a, **k):  # type: ignore[no-untyped-def]
-            real(self, *a, **k)
-            self.read_region = stash.read_region
-
-        module.SsdStash.__init__ = sabotaged
-        try:
-            train_plan_against_reference(make_model("qwen2"), plan, _batches(), _config(tmp_path / "ssd2"))
-        finally:
-            module.SsdStash.__init__ = real
-    engine.close()
+        train_plan_against_reference(model, _plan(model, 1, 1, 2, (1, 2)), _batches(), _config(tmp_path))
 
 
 def test_memory_report_counts_the_staging_pool(tmp_path) -> None:  # type: ignore[no-untyped-def]
