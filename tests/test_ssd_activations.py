@@ -77,7 +77,7 @@ def test_training_matches_host_stashes_and_pytorch(case: str, tmp_path) -> None:
     n = DEVICES.get(case, 1)
     plan = _plan(model, pack, fwd, bwd, ssd, keep, n)
     assert plan.stash_on_ssd == ssd
-    engine, _ = train_plan_against_reference(model, plan, _batches(), _config(tmp_path / "ssd", n))
+    engine, results = train_plan_against_reference(model, plan, _batches(), _config(tmp_path / "ssd", n))
     stash = engine.resources.ssd_stash
     assert stash is not None and stash.store is not None
     # the files exist under the offload directory while the engine runs, and the bytes went through them
@@ -90,6 +90,9 @@ def test_training_matches_host_stashes_and_pytorch(case: str, tmp_path) -> None:
     assert stash.write_bytes == STEPS * (len(ssd) + grads) * bsh
     assert stash.read_bytes == STEPS * (2 * len(ssd) + grads) * bsh
     assert stash.store.stats.totals().read_bytes >= stash.read_bytes
+    # the step's result reports them as SSD traffic
+    assert all(r.ssd_write_bytes == (len(ssd) + grads) * bsh for r in results)
+    assert all(r.ssd_read_bytes == (2 * len(ssd) + grads) * bsh for r in results)
     state = {k: v.clone() for k, v in engine.state_dict().items()}
     paths = stash.store.paths
     engine.close()

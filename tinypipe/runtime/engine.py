@@ -360,6 +360,7 @@ class Engine:
         stats = [d.backend.memory_stats() for d in self.devices]
         tier = self.optimizer.tier
         io = tier.last_io if tier is not None else IoTotals()
+        stash_read, stash_write = (0, 0) if self.resources.ssd_stash is None else self.resources.ssd_stash.step_bytes()
         return StepResult(
             loss=loss, grad_norm=outcome.grad_norm, clipped=outcome.clipped, skipped=outcome.skipped,
             tokens=int(inputs.batch * inputs.seq) * (1 if self.replicas is None else self.replicas.size),
@@ -368,7 +369,9 @@ class Engine:
             h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
             device_peak_allocated=max((st.get("peak_allocated", 0) for st in stats), default=0),
             device_peak_reserved=max((st.get("peak_reserved", 0) for st in stats), default=0),
-            ssd_read_bytes=io.read_bytes, ssd_write_bytes=io.write_bytes, ssd_read_gbps=io.read_gbps,
+            # (plus the pack inputs stashed on the SSD, Plan.stash_on_ssd; the rates are the state's)
+            ssd_read_bytes=io.read_bytes + stash_read, ssd_write_bytes=io.write_bytes + stash_write,
+            ssd_read_gbps=io.read_gbps,
             ssd_write_gbps=io.write_gbps,
         )
 

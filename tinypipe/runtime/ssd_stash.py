@@ -54,6 +54,7 @@ class SsdStash:
         self._rows: dict[int, SsdRows] = {}
         self.read_bytes = 0  # bytes read back / written since the engine started (tests, metrics)
         self.write_bytes = 0
+        self._mark = (0, 0)  # the counters when this step began (prepare)
         self._lock = threading.Lock()
         #: test hook: maps (boundary, row) to the region a read really reads (sabotage tests)
         self.read_region: Callable[[int, int], tuple[int, int]] = lambda q, r: (q, r)
@@ -61,6 +62,7 @@ class SsdStash:
     def prepare(self, plan: Plan, batch: int, seq: int, hidden: int, dtype: torch.dtype) -> None:
         """The store's regions and the staging pool for this batch shape (nothing without SSD
         boundaries)."""
+        self._mark = (self.read_bytes, self.write_bytes)
         if not plan.stash_on_ssd:
             return
         if self._directory is None:
@@ -79,6 +81,10 @@ class SsdStash:
         self.pool = StagingPool(stash_layout.STASH_SLOTS, key[-1] * row, self._pinner)
         self._rows = {q: SsdRows(self, q, (batch, seq, hidden), dtype, row) for q in plan.stash_on_ssd}
         self._key = key
+
+    def step_bytes(self) -> tuple[int, int]:
+        """(read, written) bytes since this step's :meth:`prepare`."""
+        return self.read_bytes - self._mark[0], self.write_bytes - self._mark[1]
 
     def rows(self, q: int) -> SsdRows:
         return self._rows[q]
