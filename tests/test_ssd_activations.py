@@ -247,3 +247,22 @@ def test_short_sequences_never_stash_on_the_ssd() -> None:
     """Without chunked MLPs the SSD takes only optimizer state, as before."""
     _, settled, spill, _ = _settle(2048, 4, lora=False)
     assert settled is None or not settled.plan.stash_on_ssd
+
+
+def test_a_write_that_cannot_be_issued_stops_the_step(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A write the I/O thread could not issue would leave the last step's rows in the file: the
+    step stops (one line naming the stash) instead of reading them."""
+    from tinypipe.errors import WorkerError
+
+    model = make_model("llama")
+    engine = tinypipe.Engine(model, _config(tmp_path), plan=_plan(model, 1, 1, 1, (1,)))
+    engine.step(make_batch(BATCH, SEQ))
+    store = engine.resources.ssd_stash.store
+
+    def broken(*a, **k):  # type: ignore[no-untyped-def]
+        raise OSError("disk gone")
+
+    store.write_async = broken
+    with pytest.raises((WorkerError, RuntimeError), match="SSD stash write could not be issued"):
+        engine.step(make_batch(BATCH, SEQ, seed=1))
+    engine.close()

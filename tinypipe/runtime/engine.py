@@ -270,7 +270,7 @@ class Engine:
             # no lane thread outlives a failed step (a stuck one is abandoned)
             self.resources.workers.shutdown()
             if self.resources.ssd_stash is not None:  # read-aheads nobody will consume
-                self.resources.ssd_stash.end_step()
+                self.resources.ssd_stash.end_step(failed=True)
             self.optimizer.abandon_step(self._sync_devices)
             if ctx.stuck:
                 self._broken = f"a worker is still stuck in {ctx.stuck}"

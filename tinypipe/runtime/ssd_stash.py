@@ -55,6 +55,7 @@ class SsdStash:
         self.read_bytes = 0  # bytes read back / written since the engine started (tests, metrics)
         self.write_bytes = 0
         self._mark = (0, 0)  # the counters when this step began (prepare)
+        self.failure: BaseException | None = None  # a write that could not be issued (raised on)
         self._lock = threading.Lock()
         #: test hook: maps (boundary, row) to the region a read really reads (sabotage tests)
         self.read_region: Callable[[int, int], tuple[int, int]] = lambda q, r: (q, r)
@@ -96,12 +97,15 @@ class SsdStash:
             return 0
         return self.pool.nbytes + self.store.host_bytes
 
-    def end_step(self) -> None:
+    def end_step(self, failed: bool = False) -> None:
         """Hand back slots of read-aheads nobody consumed (an aborted step) and wait for the I/O
         thread's queue (the next step's writes go after this step's reads)."""
         self._io.submit(lambda: None).result()
         for rows in self._rows.values():
             rows.drop_ahead()
+        if failed:  # the step's own error is the one to raise; the rows are rewritten next step
+            self.failure = None
+        self.raise_failure()
 
     def close_store(self) -> None:
         for rows in self._rows.values():
@@ -118,6 +122,21 @@ class SsdStash:
     def close(self) -> None:
         self._io.shutdown(wait=True)
         self.close_store()
+
+    def _submit_write(self, issue: Callable[[], list[IoHandle]]) -> None:
+        """Queue a write's issue on the I/O thread; a failure to issue it (never a silent skip: the
+        region would still hold the last step's rows) is raised by the next read or :meth:`end_step`."""
+        def run() -> list[IoHandle]:
+            try:
+                return issue()
+            except BaseException as e:
+                self.failure = self.failure or e
+                raise
+        self._io.submit(run)
+
+    def raise_failure(self) -> None:
+        if self.failure is not None:
+            raise RuntimeError(f"an SSD stash write could not be issued: {self.failure}") from self.failure
 
     def _count(self, op: str, nbytes: int) -> None:
         with self._lock:
@@ -155,6 +174,14 @@ class SsdRows(RowBuffer):
         return [slot.data[i * self.row: i * self.row + nbytes].view(self.dtype).view(self.shape[1:])
                 for i in range(n)]
 
+    def _checker(self, check: Callable[[], None] | None) -> Callable[[], None]:
+        """``check`` (the step's abort) and the stash's own failure, for a wait on a slot."""
+        def both() -> None:
+            if check is not None:
+                check()
+            self.stash.raise_failure()
+        return both
+
     def _check_rows(self, lo: int, hi: int) -> None:
         pool = self.stash.pool
         assert pool is not None
@@ -168,7 +195,7 @@ class SsdRows(RowBuffer):
         self._check_rows(lo, hi)
         stash, pool = self.stash, self.stash.pool
         assert pool is not None and stash.store is not None
-        slot = pool.acquire(1, check)[0]
+        slot = pool.acquire(1, self._checker(check))[0]
         views = self._views(slot, hi - lo)
         event = None
         if dev is not None and dev.backend.is_cuda and src.is_cuda:
@@ -188,7 +215,15 @@ class SsdRows(RowBuffer):
         def issue() -> list[IoHandle]:
             if event is not None and backend is not None:
                 backend.sync_event(event)  # the rows are in the slot
-            handles = [store.write_async((q, r), slot.data[i * self.row:]) for i, r in enumerate(range(lo, hi))]
+            handles: list[IoHandle] = []
+            try:
+                for i, r in enumerate(range(lo, hi)):
+                    handles.append(store.write_async((q, r), slot.data[i * self.row:]))
+            except BaseException:
+                if handles:  # the slot is free once the writes already out are done
+                    SsdStateStore.wait(handles)
+                pool.release(slot)
+                raise
             left = [len(handles)]
             lock = threading.Lock()
 
@@ -204,7 +239,7 @@ class SsdRows(RowBuffer):
             stash._count("write", (hi - lo) * self.row_numel * views[0].element_size())
             return handles
 
-        stash._io.submit(issue)
+        stash._submit_write(issue)
 
     # RowBuffer's interface (the CPU path of StashIO.write_rows / the head's direct writes)
     def write(self, lo: int, hi: int, src: torch.Tensor) -> None:
@@ -248,9 +283,10 @@ class SsdRows(RowBuffer):
         assert pool is not None
         if pending is None:
             self._check_rows(lo, hi)
-            pending = self._issue_read(lo, hi, pool.acquire(1, check)[0])
+            pending = self._issue_read(lo, hi, pool.acquire(1, self._checker(check))[0])
         try:
             pending.wait(check)
+            self.stash.raise_failure()  # a write of these rows that never went out
         except BaseException:
             pool.release(pending.slot)
             raise
