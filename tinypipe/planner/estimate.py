@@ -68,7 +68,8 @@ from tinypipe.planner.offload import apply_offload
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes
 from tinypipe.planner.work import pack_stats
-from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_memory_stashes, host_stashed_inputs
+from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
+from tinypipe.schedule.stash_places import host_memory_stashes
 from tinypipe.storage import stash_layout
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).

@@ -33,7 +33,8 @@ from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.offload import choose_offload, disk_bytes, least_host_need
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.planner.ssd import SsdSpec, ssd_spec
-from tinypipe.schedule.plan import Plan, host_memory_stashes
+from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.stash_places import host_memory_stashes
 from tinypipe.units import gib_text
 
 #: The SSD counts as hidden when the step is at most this much slower than with an infinitely fast one

@@ -17,7 +17,8 @@ from tinypipe.runtime.context import StepContext
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.schedule.ids import EMBED_FWD_ID, Kind, bwd_id, fwd_id
 from tinypipe.runtime.ssd_stash import SsdRows
-from tinypipe.schedule.plan import Plan, host_memory_stashes
+from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.stash_places import host_memory_stashes
 from tinypipe.schedule.tasks import Task
 
 

@@ -84,9 +84,8 @@ class Plan:
     # host memory meanwhile): the host is idle in the forward, and the last packs' layers -- a
     # turn's -- are uploaded last
     deferred: tuple[int, ...] = ()
-    # pack boundaries (1..P-1, sorted) whose host stash lives in files of the offload directory
-    # instead of host memory (runtime/ssd_stash.py; at long sequences, when host memory is short):
-    # the forward writes their rows there, the backward reads them back ahead of need
+    # pack boundaries (1..P-1, sorted) whose host stash lives in the offload directory's files
+    # instead of host memory (runtime/ssd_stash.py; long sequences with host memory short)
     stash_on_ssd: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
@@ -116,18 +115,14 @@ class Plan:
         object.__setattr__(self, "stash_on_ssd", self._checked_stash_on_ssd())
 
     def _checked_stash_on_ssd(self) -> tuple[int, ...]:
-        """``stash_on_ssd`` sorted, without duplicates: each a host-stashed input of a pack
-        1..P-1 that keeps no graph (boundary 0, the embedding's output, and the head's input stay
-        where they are); ConfigError otherwise."""
-        out = set()
+        """``stash_on_ssd`` sorted, unique, each the host-stashed input of a pack 1..P-1 that keeps
+        no graph (not the embedding's output nor the head's input); ConfigError otherwise."""
         for q in self.stash_on_ssd:
-            if isinstance(q, bool) or not isinstance(q, int) or not 0 < q < len(self.packs):
-                raise ConfigError(f"plan: stash_on_ssd boundaries must be in 1..{len(self.packs) - 1}, got {q!r}")
-            if not (q < len(self.stash_on_host) and self.stash_on_host[q]) or self.kept(q):
-                raise ConfigError(f"plan: stash_on_ssd boundary {q} must be a host-stashed input of a pack "
-                                  "that keeps no activations")
-            out.add(q)
-        return tuple(sorted(out))
+            if isinstance(q, bool) or not isinstance(q, int) or not 0 < q < len(self.packs) or \
+                    q >= len(self.stash_on_host) or not self.stash_on_host[q] or self.kept(q):
+                raise ConfigError(f"plan: stash_on_ssd boundary {q!r} must be the host-stashed input of a pack "
+                                  f"1..{len(self.packs) - 1} that keeps no activations")
+        return tuple(sorted(set(self.stash_on_ssd)))
 
     def _checked_deferred(self) -> tuple[int, ...]:
         """``deferred`` sorted, without duplicates; ConfigError for a layer out of range, stepped on
@@ -603,18 +598,3 @@ def host_gradient_boundaries(plan: Plan, long_sequences: bool) -> tuple[bool, ..
     on = long_sequences and aligned
     stashed = host_stashed_inputs(plan, long_sequences)
     return tuple(on and q < P and stashed[q] for q in range(P + 1))
-
-
-def ssd_stashed_inputs(plan: Plan) -> tuple[bool, ...]:
-    """Per pack boundary ``q`` (0..P): whether pack ``q``'s host-stashed input lives in the offload
-    directory's files instead of host memory (``Plan.stash_on_ssd``; a subset of
-    :func:`host_stashed_inputs`' boundaries, never 0 nor P)."""
-    on = set(plan.stash_on_ssd)
-    return tuple(q in on for q in range(plan.num_packs + 1))
-
-
-def host_memory_stashes(plan: Plan, long_sequences: bool) -> tuple[bool, ...]:
-    """Per pack boundary: whether a ``[B, S, H]`` host-memory buffer holds pack ``q``'s input:
-    :func:`host_stashed_inputs` less the SSD's (:func:`ssd_stashed_inputs`)."""
-    ssd = ssd_stashed_inputs(plan)
-    return tuple(h and not s for h, s in zip(host_stashed_inputs(plan, long_sequences), ssd))
