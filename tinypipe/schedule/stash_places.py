@@ -5,11 +5,13 @@ host-memory buffers the engine allocates and the planner counts are
 
 from __future__ import annotations
 
-from tinypipe.schedule.plan import Plan, host_stashed_inputs
+from tinypipe.schedule import plan as plan_rules
+from tinypipe.schedule.plan import Plan
 
 
 def host_memory_stashes(plan: Plan, long_sequences: bool) -> tuple[bool, ...]:
     """Per pack boundary ``q`` (0..P): whether a ``[B, S, H]`` host-memory buffer holds pack
     ``q``'s input: :func:`~tinypipe.schedule.plan.host_stashed_inputs` less ``Plan.stash_on_ssd``."""
     on_ssd = set(plan.stash_on_ssd)
-    return tuple(h and q not in on_ssd for q, h in enumerate(host_stashed_inputs(plan, long_sequences)))
+    # (looked up on the module: one rule, wherever a caller or a test replaces it)
+    return tuple(h and q not in on_ssd for q, h in enumerate(plan_rules.host_stashed_inputs(plan, long_sequences)))
