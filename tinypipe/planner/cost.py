@@ -225,7 +225,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     b_terms = backward_terms(lanes, slowdown, rates)
     no_opt = max(b_terms.values())
     traffic = ssd_traffic(sizes, plan, precision)
-    if plan.stash_on_ssd:  # pack inputs stashed on the SSD: written and read back in the forward, read in the backward
+    if plan.stash_on_ssd:  # pack inputs on the SSD: written, read back in the forward, read in the backward
         traffic = with_stash_traffic(traffic, plan, w.stash_bytes,
                                      host_gradient_boundaries(plan, mlp_chunk > 0))
     ssd = SsdLanes(traffic, hw)

@@ -12,7 +12,8 @@ host
     (``Plan.deferred``); ``stashed_activations`` one ``[B, S, H]`` buffer in the compute dtype per
     host-stashed pack input (at long sequences the embedding's output too:
     :func:`~tinypipe.schedule.plan.host_stashed_inputs`) but those on the SSD (``Plan.stash_on_ssd``),
-    which ``ssd_stash_staging`` replaces by a staging pool (:mod:`tinypipe.storage.stash_layout`). With ``plan.offload`` each offloaded region's bytes
+    which ``ssd_stash_staging`` replaces by a staging pool (:mod:`tinypipe.storage.stash_layout`).
+    With ``plan.offload`` each offloaded region's bytes
     leave its category and ``ssd_staging`` holds the staging pool (:mod:`tinypipe.planner.offload`).
 device
     ``resident_layers`` embedding / head in the compute dtype where they live; ``layer_slots``

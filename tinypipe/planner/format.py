@@ -118,12 +118,15 @@ def stash_ssd_lines(result: PlanResult) -> list[str]:
     each = B * S * H * a
     grads = sum(host_gradient_boundaries(plan, long)[q] for q in plan.stash_on_ssd)
     disk = stash_layout.disk_bytes(n, batch=B, seq=S, hidden=H, itemsize=a)
-    pool = stash_layout.staging_bytes(n, batch=B, seq=S, hidden=H, itemsize=a, micro_batch_size=plan.micro_batch_size,
+    pool = stash_layout.staging_bytes(n, batch=B, seq=S, hidden=H, itemsize=a,
+                                      micro_batch_size=plan.micro_batch_size,
                                       backward_micro_batch_size=plan.backward_micro_batch_size)
     return [f"  pack inputs: {n} of {sum(host_stashed_inputs(plan, long))} host-stashed ones on the SSD "
             f"(boundaries {','.join(map(str, plan.stash_on_ssd))}, {gib_text(each)} each; {grads} with their "
-            f"gradient in the same rows), scratch {gib_text(disk)}; per step write {gib_text((n + grads) * each)}, "
-            f"read {gib_text((2 * n + grads) * each)}; staging pool {gib_text(pool)} (host memory, counted above)"]
+            f"gradient in the same rows), scratch {gib_text(disk)}; per step write "
+            f"{gib_text((n + grads) * each)}, "
+            f"read {gib_text((2 * n + grads) * each)}; staging pool {gib_text(pool)} "
+            "(host memory, counted above)"]
 
 
 def ssd_lines(result: PlanResult) -> list[str]:

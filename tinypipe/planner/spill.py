@@ -128,7 +128,8 @@ class Spill:
         ``(candidate with every such input on the SSD, None, its least host need)``, each with the
         bytes of one input (``[B, S, H]``: its scratch space; the rows' page rounding aside)."""
         plan = c.plan
-        movable = [q for q, on in enumerate(host_memory_stashes(plan, True)) if on and q > 0 and not plan.kept(q)]
+        movable = [q for q, on in enumerate(host_memory_stashes(plan, True))
+                   if on and q > 0 and not plan.kept(q)]
         host = c.memory.host
         held = sum(host_memory_stashes(plan, True))
         if not movable or not held:
@@ -140,7 +141,8 @@ class Spill:
             moved = evaluate(dataclasses.replace(plan, stash_on_ssd=tuple(movable[:k]), offload=(),
                                                  assisted=()), peaks)
             cats, fixed = store_and_beside(moved.memory)
-            offload, need = choose_spill(self.sizes, moved.plan, cats, HOST_BASELINE_BYTES + fixed, self.cpu_mem,
+            offload, need = choose_spill(self.sizes, moved.plan, cats, HOST_BASELINE_BYTES + fixed,
+                                         self.cpu_mem,
                                          precision=self.precision, retain_grads=self.retain_grads)
             if offload is not None or k == len(movable):
                 return moved, offload, need, each
@@ -164,7 +166,8 @@ class Spill:
             host = self.least_host.memory.host
             n = len(self.least_host.plan.stash_on_ssd)
             inputs = "" if not n else f" and {n} pack input{'s' * (n > 1)}"
-            return (f"needs {gib_text(self.least_host_need)} host memory even with its training state{inputs} "
+            return (f"needs {gib_text(self.least_host_need)} host memory even with its training "
+                    f"state{inputs} "
                     f"on the SSD{where}, have {gib_text(self.cpu_mem)} (what stays: the staging pool, "
                     f"gradient pools, {gib_text(host.get('stashed_activations', 0))} of stashed activations "
                     "and the process); add RAM, try --lora or a smaller --global-batch")

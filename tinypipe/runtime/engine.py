@@ -256,7 +256,8 @@ class Engine:
         self.resources.host_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype,
                                           self.resources.long_sequences)
         if self.resources.ssd_stash is not None:  # pack inputs on the SSD (Plan.stash_on_ssd)
-            self.resources.ssd_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype)
+            self.resources.ssd_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size,
+                                             self.dtype)
         lr = self.config.lr if lr is None else float(lr)
         self.optimizer.begin_step(lr, sched.upload_order())
         for d in self.devices:
@@ -360,7 +361,8 @@ class Engine:
         stats = [d.backend.memory_stats() for d in self.devices]
         tier = self.optimizer.tier
         io = tier.last_io if tier is not None else IoTotals()
-        stash_read, stash_write = (0, 0) if self.resources.ssd_stash is None else self.resources.ssd_stash.step_bytes()
+        stash = self.resources.ssd_stash
+        stash_read, stash_write = (0, 0) if stash is None else stash.step_bytes()
         return StepResult(
             loss=loss, grad_norm=outcome.grad_norm, clipped=outcome.clipped, skipped=outcome.skipped,
             tokens=int(inputs.batch * inputs.seq) * (1 if self.replicas is None else self.replicas.size),

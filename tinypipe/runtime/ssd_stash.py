@@ -257,7 +257,8 @@ class SsdRows(RowBuffer):
             for i, r in enumerate(range(lo, hi)):
                 key = stash.read_region(q, r)
                 handles.append(store.read_async(key, slot.data[i * self.row:(i + 1) * self.row]))
-            stash._count("read", (hi - lo) * self.row_numel * torch.empty((), dtype=self.dtype).element_size())
+            itemsize = torch.empty((), dtype=self.dtype).element_size()
+            stash._count("read", (hi - lo) * self.row_numel * itemsize)
             return handles
 
         return _Pending(slot, stash._io.submit(issue))

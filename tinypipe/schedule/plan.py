@@ -120,8 +120,8 @@ class Plan:
         for q in self.stash_on_ssd:
             if isinstance(q, bool) or not isinstance(q, int) or not 0 < q < len(self.packs) or \
                     q >= len(self.stash_on_host) or not self.stash_on_host[q] or self.kept(q):
-                raise ConfigError(f"plan: stash_on_ssd boundary {q!r} must be the host-stashed input of a pack "
-                                  f"1..{len(self.packs) - 1} that keeps no activations")
+                raise ConfigError(f"plan: stash_on_ssd boundary {q!r} must be the host-stashed input of "
+                                  f"a pack 1..{len(self.packs) - 1} that keeps no activations")
         return tuple(sorted(set(self.stash_on_ssd)))
 
     def _checked_deferred(self) -> tuple[int, ...]:

@@ -14,4 +14,5 @@ def host_memory_stashes(plan: Plan, long_sequences: bool) -> tuple[bool, ...]:
     ``q``'s input: :func:`~tinypipe.schedule.plan.host_stashed_inputs` less ``Plan.stash_on_ssd``."""
     on_ssd = set(plan.stash_on_ssd)
     # (looked up on the module: one rule, wherever a caller or a test replaces it)
-    return tuple(h and q not in on_ssd for q, h in enumerate(plan_rules.host_stashed_inputs(plan, long_sequences)))
+    stashed = plan_rules.host_stashed_inputs(plan, long_sequences)
+    return tuple(h and q not in on_ssd for q, h in enumerate(stashed))
