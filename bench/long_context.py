@@ -99,6 +99,7 @@ ROWS: dict[str, Row] = {
     "8b-qlora-64k": Row("8b", 64 * K, lora="nf4", overhead_s=80.0),
     "8b-full-32k": Row("8b", 32 * K),
     "8b-qlora-256k": Row("8b", 256 * K, lora="nf4", overhead_s=80.0),
+    "8b-qlora-256k-ssd": Row("8b", 256 * K, lora="nf4", offload=True, overhead_s=120.0),
     # one sequence, as Unsloth's published 24 GB figure (78K tokens) is measured
     "8b-qlora-256k-b1": Row("8b", 256 * K, batch=1, lora="nf4", overhead_s=80.0),
     "8b-full-2k": Row("8b", 2 * K, batch=16, warmup=1, steps=2),

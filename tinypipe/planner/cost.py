@@ -100,7 +100,7 @@ from tinypipe.planner.dram import clipped_forward_dram
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.host_lane import ARRIVAL_TIME, BackwardOrder, lane_end_s
 from tinypipe.planner.kept import kept_bytes
-from tinypipe.planner.offload import ssd_traffic
+from tinypipe.planner.offload import ssd_traffic, with_stash_traffic
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.planner.ssd_lanes import SsdLanes
 from tinypipe.planner.work import (
@@ -120,7 +120,7 @@ from tinypipe.planner.work import (
     on_device,
     pack_work,
 )
-from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.plan import Plan, host_gradient_boundaries
 
 
 @dataclass
@@ -224,11 +224,15 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     last_chunk = sizes.grad_slot_numel * DOWNLOAD_BYTES / rates.d2h
     b_terms = backward_terms(lanes, slowdown, rates)
     no_opt = max(b_terms.values())
-    ssd = SsdLanes(ssd_traffic(sizes, plan, precision), hw)
+    traffic = ssd_traffic(sizes, plan, precision)
+    if plan.stash_on_ssd:  # pack inputs on the SSD: written, read back in the forward, read in the backward
+        traffic = with_stash_traffic(traffic, plan, w.stash_bytes,
+                                     host_gradient_boundaries(plan, mlp_chunk > 0))
+    ssd = SsdLanes(traffic, hw)
     if ssd.on:  # state on the SSD: read/write lanes beside every phase (see SsdLanes)
         fill += ssd.t.fill_read / ssd.read
         # one disk: its reads and the previous step's tail writes, still landing, share it
-        f_terms["ssd"] = ssd.both(ssd.t.forward_read, ssd.t.carry_write)
+        f_terms["ssd"] = ssd.both(ssd.t.forward_read, ssd.t.carry_write + ssd.t.forward_write)
         forward = max(f_terms.values())
     # deferred layers (Plan.deferred) are stepped in the next forward instead: off the backward's
     # host lane, racing that forward below

@@ -11,7 +11,9 @@ host
     or the non-finite policy ``"skip"``), else 4 B per element of the deferred layers
     (``Plan.deferred``); ``stashed_activations`` one ``[B, S, H]`` buffer in the compute dtype per
     host-stashed pack input (at long sequences the embedding's output too:
-    :func:`~tinypipe.schedule.plan.host_stashed_inputs`). With ``plan.offload`` each offloaded region's bytes
+    :func:`~tinypipe.schedule.plan.host_stashed_inputs`) but those on the SSD (``Plan.stash_on_ssd``),
+    which ``ssd_stash_staging`` replaces by a staging pool (:mod:`tinypipe.storage.stash_layout`).
+    With ``plan.offload`` each offloaded region's bytes
     leave its category and ``ssd_staging`` holds the staging pool (:mod:`tinypipe.planner.offload`).
 device
     ``resident_layers`` embedding / head in the compute dtype where they live; ``layer_slots``
@@ -68,6 +70,8 @@ from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes
 from tinypipe.planner.work import pack_stats
 from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
+from tinypipe.schedule.stash_places import host_memory_stashes
+from tinypipe.storage import stash_layout
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
 STAGING_MAX = 32 * 1024 * 1024
@@ -98,7 +102,7 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
     train = sizes.train_total  # every element, except under LoRA (the adapters only)
     grad = max(1, sizes.grad_slot_numel)
     chunk = chunk_numel(grad)
-    stashed = sum(host_stashed_inputs(plan, mlp_chunk > 0))
+    stashed = sum(host_memory_stashes(plan, mlp_chunk > 0))  # those on the SSD: a staging pool (below)
     cats = {
         "master_weights": 4 * train,
         "optimizer_state": 8 * train,
@@ -111,6 +115,10 @@ def host_bytes(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision
             4 * sum(sizes.layer_train_numels[layer] for layer in plan.deferred)),
         "stashed_activations": stashed * batch * seq * hidden * dtype_bytes(precision),
     }
+    if plan.stash_on_ssd:  # pack inputs in the offload directory's files (runtime/ssd_stash.py)
+        cats[stash_layout.STASH_STAGING_CATEGORY] = stash_layout.staging_bytes(
+            len(plan.stash_on_ssd), batch=batch, seq=seq, hidden=hidden, itemsize=dtype_bytes(precision),
+            micro_batch_size=plan.micro_batch_size, backward_micro_batch_size=plan.backward_micro_batch_size)
     on_host = [q for q in range(plan.num_packs) if plan.on_host(q)]
     if on_host:  # kept graphs waiting in host memory (runtime/host_kept.py)
         cats["kept_activations"] = sum(kept_bytes(sizes, plan, q, batch=batch, seq=seq, precision=precision,

@@ -85,7 +85,8 @@ def long_context_lines(result: PlanResult) -> list[str]:
             f"loss in chunks of {head_chunk_tokens(s.vocab):,} tokens; micro-batch "
             f"{plan.micro_batch_size} x {result.seq:,} tokens, "
             f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs{embed} stashed in host "
-            "memory; "
+            "memory"
+            + ("" if not plan.stash_on_ssd else f" ({len(plan.stash_on_ssd)} of them on the SSD)") + "; "
             f"{_attention_text(s.model_type, result.seq)}"]
 
 
@@ -100,6 +101,34 @@ def _attention_text(model_type: str, seq: int) -> str:
     return f"packed documents or padding add a {fmt_bytes(mask)} mask per row (not in the estimate)"
 
 
+def stash_ssd_lines(result: PlanResult) -> list[str]:
+    """Pack inputs stashed on the SSD (``Plan.stash_on_ssd``): how many, their scratch space, their
+    bytes per step and their staging pool (nothing without)."""
+    from tinypipe.planner.sizes import dtype_bytes
+    from tinypipe.schedule.plan import host_gradient_boundaries, host_stashed_inputs
+    from tinypipe.storage import stash_layout
+
+    plan = result.best.plan
+    n = len(plan.stash_on_ssd)
+    if not n:
+        return []
+    long = bool(result.mlp_chunk_tokens)
+    a = dtype_bytes(result.precision)
+    B, S, H = result.global_batch, result.seq, result.sizes.hidden
+    each = B * S * H * a
+    grads = sum(host_gradient_boundaries(plan, long)[q] for q in plan.stash_on_ssd)
+    disk = stash_layout.disk_bytes(n, batch=B, seq=S, hidden=H, itemsize=a)
+    pool = stash_layout.staging_bytes(n, batch=B, seq=S, hidden=H, itemsize=a,
+                                      micro_batch_size=plan.micro_batch_size,
+                                      backward_micro_batch_size=plan.backward_micro_batch_size)
+    return [f"  pack inputs: {n} of {sum(host_stashed_inputs(plan, long))} host-stashed ones on the SSD "
+            f"(boundaries {','.join(map(str, plan.stash_on_ssd))}, {gib_text(each)} each; {grads} with their "
+            f"gradient in the same rows), scratch {gib_text(disk)}; per step write "
+            f"{gib_text((n + grads) * each)}, "
+            f"read {gib_text((2 * n + grads) * each)}; staging pool {gib_text(pool)} "
+            "(host memory, counted above)"]
+
+
 def ssd_lines(result: PlanResult) -> list[str]:
     """The SSD tier: per kind what is where, the staging pool, the scratch file, the bytes per step
     and what bounds the step, and the global batch that hides the I/O."""
@@ -111,8 +140,12 @@ def ssd_lines(result: PlanResult) -> list[str]:
             else ", reads and writes planned one after the other")
     head = (f"SSD tier ({where}read {ssd.read_gbps:.2f} GB/s, write {ssd.write_gbps:.2f} GB/s{both}"
             f"{source}):")
-    if not b.plan.offload:
+    if not b.plan.offload and not b.plan.stash_on_ssd:
         return [head, "  nothing on the SSD: the training state fits in host memory"]
+    if not b.plan.offload:
+        return [head, *stash_ssd_lines(result)] + [
+            f"  per step: read {gib_text(t.ssd_read_bytes)} ({t.ssd_read_s:.1f} s), write "
+            f"{gib_text(t.ssd_write_bytes)} ({t.ssd_write_s:.1f} s); the step is bound by {t.limit}"]
     lines = [head, f"  {'state':<9} {'layers on SSD':>14} {'on SSD':>12} {'in DRAM':>12}"]
     for k in summary(result.sizes, b.plan, result.precision, retain_grads=result.retain_grads):
         lines.append(f"  {k.kind:<9} {f'{k.on_ssd} of {k.layers}':>14} {gib_text(k.ssd_bytes):>12} "
@@ -125,6 +158,7 @@ def ssd_lines(result: PlanResult) -> list[str]:
         (pools.update_slots, pools.update_slot_bytes, "optimizer steps")) if n]
     lines.append(f"  staging pools {' + '.join(parts)} = {gib_text(pools.nbytes)} (host memory, "
                  f"counted above); scratch file {gib_text(disk)}{free}")
+    lines += stash_ssd_lines(result)
     lines.append(f"  per step: read {gib_text(t.ssd_read_bytes)} ({t.ssd_read_s:.1f} s), write "
                  f"{gib_text(t.ssd_write_bytes)} ({t.ssd_write_s:.1f} s); the step is bound by {t.limit}")
     h = result.hiding

@@ -49,8 +49,8 @@ reads those before that layer's next optimizer step.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 
 from tinypipe.devices.host_buffers import PAGE
 from tinypipe.errors import ConfigError
@@ -304,6 +304,7 @@ class SsdTraffic:
     step_write: int = 0  # moment and master write-backs
     grad_bytes: int = 0  # offloaded gradients: written in every step, read back when a clipped step redoes
     master_bytes: int = 0  # offloaded master weights (a redo reads them once more)
+    forward_write: int = 0  # pack inputs stashed on the SSD (Plan.stash_on_ssd), written in the forward
 
     @property
     def read_bytes(self) -> int:
@@ -311,7 +312,22 @@ class SsdTraffic:
 
     @property
     def write_bytes(self) -> int:
-        return self.backward_write + self.tail_write + self.carry_write
+        return self.backward_write + self.tail_write + self.carry_write + self.forward_write
+
+
+def with_stash_traffic(t: SsdTraffic, plan: Plan, stash_bytes: int, host_grads: Sequence[bool]) -> SsdTraffic:
+    """``t`` plus what the pack inputs stashed on the SSD (``Plan.stash_on_ssd``, ``stash_bytes``
+    each) move per step, as :mod:`tinypipe.runtime.ssd_stash` moves them: written by the forward of
+    the pack before, read back by the forward of the pack they feed and again by its backward; where
+    the boundary's gradient lives in the stash's rows (``host_grads``: host_gradient_boundaries),
+    written there by that backward and read by the previous pack's."""
+    if not plan.stash_on_ssd:
+        return t
+    n = len(plan.stash_on_ssd)
+    g = sum(1 for q in plan.stash_on_ssd if host_grads[q])
+    return replace(t, forward_read=t.forward_read + n * stash_bytes, forward_write=n * stash_bytes,
+                   backward_read=t.backward_read + (n + g) * stash_bytes,
+                   backward_write=t.backward_write + g * stash_bytes)
 
 
 def ssd_traffic(sizes: ModelSizes, plan: Plan, precision: str) -> SsdTraffic:

@@ -34,6 +34,7 @@ from tinypipe.planner.offload import choose_offload, disk_bytes, least_host_need
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.planner.ssd import SsdSpec, ssd_spec
 from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.stash_places import host_memory_stashes
 from tinypipe.units import gib_text
 
 #: The SSD counts as hidden when the step is at most this much slower than with an infinitely fast one
@@ -93,18 +94,22 @@ class Spill:
             return c
         if self.ssd is None:
             return None
-        if c.plan.offload:  # choose from the DRAM-only categories (an offloaded plan's have moved already)
-            peaks = [cats["activations_peak"] for cats in c.memory.devices.values()]
-            c = evaluate(dataclasses.replace(c.plan, offload=()), peaks)
+        if c.plan.offload or c.plan.stash_on_ssd:  # choose from the DRAM-only categories (an offloaded
+            peaks = [cats["activations_peak"] for cats in c.memory.devices.values()]  # plan's have moved)
+            c = evaluate(dataclasses.replace(c.plan, offload=(), stash_on_ssd=()), peaks)
         cats, fixed = store_and_beside(c.memory)
         beside = HOST_BASELINE_BYTES + fixed  # host need beyond the categories an offload moves
         offload, need = choose_spill(self.sizes, c.plan, cats, beside, self.cpu_mem, precision=self.precision,
                                      retain_grads=self.retain_grads)
+        each = 0  # bytes of one pack input stashed on the SSD (its scratch space)
+        if offload is None and self.mlp_chunk > 0:  # long sequences: pack inputs to the SSD too
+            c, offload, need, each = self._stash_to_ssd(c, evaluate, need)
+            cats, fixed = store_and_beside(c.memory)
         if offload is None:
             if self.least_host is None or need < self.least_host_need:
                 self.least_host, self.least_host_need = c, need
             return None
-        disk = disk_bytes(self.sizes, offload, self.precision)
+        disk = disk_bytes(self.sizes, offload, self.precision) + len(c.plan.stash_on_ssd) * each
         if self.ssd.free_bytes is not None and disk > self.ssd.free_bytes:
             self.least_disk = disk if self.least_disk is None else min(self.least_disk, disk)
             return None
@@ -113,6 +118,35 @@ class Spill:
         out = evaluate(dataclasses.replace(c.plan, offload=offload, assisted=()), peaks)
         assert out.host_need <= self.cpu_mem, "choose_offload and host_bytes disagree"
         return out
+
+    def _stash_to_ssd(self, c: Candidate, evaluate: Evaluate,
+                      need: int) -> tuple[Candidate, Offload | None, int, int]:
+        """When even all training state on the SSD leaves ``c`` ``need`` bytes of host memory: its
+        host-stashed pack inputs to the SSD as well (``Plan.stash_on_ssd``), the earliest packs'
+        first -- their backward comes last, so their read-back has the most time -- as few as make
+        the rest fit (the state's offload re-chosen). Returns ``(candidate, offload, 0)``, or
+        ``(candidate with every such input on the SSD, None, its least host need)``, each with the
+        bytes of one input (``[B, S, H]``: its scratch space; the rows' page rounding aside)."""
+        plan = c.plan
+        movable = [q for q, on in enumerate(host_memory_stashes(plan, True))
+                   if on and q > 0 and not plan.kept(q)]
+        host = c.memory.host
+        held = sum(host_memory_stashes(plan, True))
+        if not movable or not held:
+            return c, None, need, 0
+        each = host.get("stashed_activations", 0) // held
+        peaks = [cats["activations_peak"] for cats in c.memory.devices.values()]
+        k = max(1, min(len(movable), -(-(need - self.cpu_mem) // max(1, each))))
+        while True:
+            moved = evaluate(dataclasses.replace(plan, stash_on_ssd=tuple(movable[:k]), offload=(),
+                                                 assisted=()), peaks)
+            cats, fixed = store_and_beside(moved.memory)
+            offload, need = choose_spill(self.sizes, moved.plan, cats, HOST_BASELINE_BYTES + fixed,
+                                         self.cpu_mem,
+                                         precision=self.precision, retain_grads=self.retain_grads)
+            if offload is not None or k == len(movable):
+                return moved, offload, need, each
+            k += 1
 
     def why_not(self) -> str | None:
         """One line for a search whose plans fit the GPUs but none fit host memory (None: no
@@ -130,8 +164,11 @@ class Spill:
                     "or add RAM")
         if self.least_host is not None:
             host = self.least_host.memory.host
-            return (f"needs {gib_text(self.least_host_need)} host memory even with its training state on "
-                    f"the SSD{where}, have {gib_text(self.cpu_mem)} (what stays: the staging pool, "
+            n = len(self.least_host.plan.stash_on_ssd)
+            inputs = "" if not n else f" and {n} pack input{'s' * (n > 1)}"
+            return (f"needs {gib_text(self.least_host_need)} host memory even with its training "
+                    f"state{inputs} "
+                    f"on the SSD{where}, have {gib_text(self.cpu_mem)} (what stays: the staging pool, "
                     f"gradient pools, {gib_text(host.get('stashed_activations', 0))} of stashed activations "
                     "and the process); add RAM, try --lora or a smaller --global-batch")
         return None

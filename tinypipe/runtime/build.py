@@ -36,6 +36,7 @@ from tinypipe.runtime.optim.ssd_tier import SsdTier
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.rng import DropoutRng
 from tinypipe.runtime.signals import POLL_S
+from tinypipe.runtime.ssd_stash import SsdStash
 from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.plan import Plan
@@ -244,6 +245,7 @@ class EngineBuilder:
             rng=DropoutRng.from_seed(cfg.dropout_seed) if cfg.dropout else None,
             replicas=self.replicas, head_loss=HeadLoss(self.compile_backend()),
             long_sequences=self.mlp_chunk_tokens > 0,
+            ssd_stash=SsdStash(self.pinner, cfg.offload_dir) if self.plan.stash_on_ssd else None,
         )
 
 

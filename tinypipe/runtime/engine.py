@@ -255,6 +255,9 @@ class Engine:
         sched = self.schedule_for(inputs.batch)
         self.resources.host_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size, self.dtype,
                                           self.resources.long_sequences)
+        if self.resources.ssd_stash is not None:  # pack inputs on the SSD (Plan.stash_on_ssd)
+            self.resources.ssd_stash.prepare(self.plan, inputs.batch, inputs.seq, self.hidden_size,
+                                             self.dtype)
         lr = self.config.lr if lr is None else float(lr)
         self.optimizer.begin_step(lr, sched.upload_order())
         for d in self.devices:
@@ -267,6 +270,8 @@ class Engine:
         except (WorkerError, StorageError) as exc:
             # no lane thread outlives a failed step (a stuck one is abandoned)
             self.resources.workers.shutdown()
+            if self.resources.ssd_stash is not None:  # read-aheads nobody will consume
+                self.resources.ssd_stash.end_step(failed=True)
             self.optimizer.abandon_step(self._sync_devices)
             if ctx.stuck:
                 self._broken = f"a worker is still stuck in {ctx.stuck}"
@@ -277,6 +282,8 @@ class Engine:
             if isinstance(exc.__cause__, NonFiniteError):  # check_finite located a NaN/inf
                 raise NonFiniteError(str(exc.__cause__)) from exc
             raise
+        if self.resources.ssd_stash is not None:
+            self.resources.ssd_stash.end_step()
         try:
             outcome = self.optimizer.finish_step(self.resources.workers)
         except StorageError:
@@ -354,6 +361,8 @@ class Engine:
         stats = [d.backend.memory_stats() for d in self.devices]
         tier = self.optimizer.tier
         io = tier.last_io if tier is not None else IoTotals()
+        stash = self.resources.ssd_stash
+        stash_read, stash_write = (0, 0) if stash is None else stash.step_bytes()
         return StepResult(
             loss=loss, grad_norm=outcome.grad_norm, clipped=outcome.clipped, skipped=outcome.skipped,
             tokens=int(inputs.batch * inputs.seq) * (1 if self.replicas is None else self.replicas.size),
@@ -362,7 +371,9 @@ class Engine:
             h2d_bytes=traffic.h2d_bytes, d2h_bytes=traffic.d2h_bytes,
             device_peak_allocated=max((st.get("peak_allocated", 0) for st in stats), default=0),
             device_peak_reserved=max((st.get("peak_reserved", 0) for st in stats), default=0),
-            ssd_read_bytes=io.read_bytes, ssd_write_bytes=io.write_bytes, ssd_read_gbps=io.read_gbps,
+            # (plus the pack inputs stashed on the SSD, Plan.stash_on_ssd; the rates are the state's)
+            ssd_read_bytes=io.read_bytes + stash_read, ssd_write_bytes=io.write_bytes + stash_write,
+            ssd_read_gbps=io.read_gbps,
             ssd_write_gbps=io.write_gbps,
         )
 
@@ -532,6 +543,8 @@ class Engine:
         except (WorkerError, StorageError):
             pass  # the failure was raised by step() already, or is the background work's
         self.resources.workers.shutdown()
+        if self.resources.ssd_stash is not None:  # the stashed pack inputs' scratch files
+            self.resources.ssd_stash.close()
         if self.optimizer.tier is not None:
             self.optimizer.tier.close()
         self.store.close()  # the SSD tier's scratch files

@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import psutil
 
+from tinypipe.storage.stash_layout import STASH_STAGING_CATEGORY
 from tinypipe.memory.report import CPU_DEVICE_POOLS, MemoryReport
 from tinypipe.runtime.context import TaskTiming
 from tinypipe.runtime.resources import EngineResources
@@ -45,6 +46,8 @@ def memory_report(res: EngineResources, rss: RssPeak) -> MemoryReport:
         "gradient_buffers": res.optimizer.retained_bytes,
         "stashed_activations": res.host_stash.nbytes,
     }
+    if res.ssd_stash is not None and res.ssd_stash.nbytes:  # pack inputs on the SSD: their staging pool
+        host[STASH_STAGING_CATEGORY] = res.ssd_stash.nbytes
     if res.host_kept.nbytes:  # kept graphs waiting in host memory (Plan.kept_on_host)
         host["kept_activations"] = res.host_kept.nbytes
     tier = res.optimizer.tier

@@ -17,6 +17,7 @@ from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.path import OptimizerPath
 from tinypipe.runtime.host_kept import HostKeptBuffers
 from tinypipe.runtime.rng import DropoutRng
+from tinypipe.runtime.ssd_stash import SsdStash
 from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
 
@@ -56,3 +57,5 @@ class EngineResources:
     kept_saving: KeptSaving = field(default_factory=lambda: KeptSaving())
     # host buffers of kept graphs in host memory (Plan.kept_on_host), reused step after step
     host_kept: HostKeptBuffers = field(default_factory=lambda: HostKeptBuffers())
+    # pack inputs stashed in the offload directory's files (Plan.stash_on_ssd; None: never built)
+    ssd_stash: SsdStash | None = None

@@ -16,7 +16,9 @@ from tinypipe.runtime.buffers import RowBuffer
 from tinypipe.runtime.context import StepContext
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.schedule.ids import EMBED_FWD_ID, Kind, bwd_id, fwd_id
-from tinypipe.schedule.plan import Plan, host_stashed_inputs
+from tinypipe.runtime.ssd_stash import SsdRows
+from tinypipe.schedule.plan import Plan
+from tinypipe.schedule.stash_places import host_memory_stashes
 from tinypipe.schedule.tasks import Task
 
 
@@ -32,9 +34,9 @@ class HostStash:
                 long_sequences: bool = False) -> None:
         """Buffers of shape ``[batch, seq, hidden]`` for every host-stashed pack input
         (:func:`~tinypipe.schedule.plan.host_stashed_inputs`: at long sequences the embedding's
-        output too)."""
+        output too) but those on the SSD (``Plan.stash_on_ssd``: :mod:`tinypipe.runtime.ssd_stash`)."""
         shape = (batch, seq, hidden)
-        for q, on_host in enumerate(host_stashed_inputs(plan, long_sequences)):
+        for q, on_host in enumerate(host_memory_stashes(plan, long_sequences)):
             if not on_host:
                 continue
             t = self._buffers.get(q)
@@ -92,6 +94,14 @@ class StashIO:
 
     def write_rows(self, buf: RowBuffer, lo: int, hi: int, src: torch.Tensor, dev: DeviceRuntime) -> None:
         """Write rows; a device-to-host stash copy goes on a side stream so compute never waits."""
+        if isinstance(buf, SsdRows):  # through a staging slot to the SSD (runtime/ssd_stash.py)
+            buf.write_rows(lo, hi, src, dev, self.ctx.abort.check)
+            if dev.backend.is_cuda:
+                side = dev.streams["stash_out"]
+                sides = self.ctx.side_streams[dev.compute_lane]
+                if side not in sides:
+                    sides.append(side)
+            return
         if buf.owner is None and dev.backend.is_cuda:
             side = dev.streams["stash_out"]
             dev.backend.wait_event(side, dev.backend.record_event(dev.streams["compute"]))
@@ -106,6 +116,8 @@ class StashIO:
 
     def read_rows(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime) -> torch.Tensor:
         """Rows on ``dev``: the read-ahead copy, a view, or a fresh copy."""
+        if isinstance(buf, SsdRows):  # read back from the SSD (read ahead where it could be)
+            return buf.read_rows(lo, hi, dev, dev.device, self.ctx.abort.check)
         hit = self._ahead.pop((id(buf), lo, hi, dev.index), None)
         if hit is not None:
             tensor, event = hit
@@ -114,7 +126,12 @@ class StashIO:
         return buf.read(lo, hi, dev.device)
 
     def _read_ahead(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime, producers: list[str]) -> None:
-        """Start copying host-stashed rows to ``dev`` on a side stream, if their producers are done."""
+        """Start copying host-stashed rows to ``dev`` on a side stream, if their producers are done
+        (rows on the SSD: start reading them into a staging slot, on every backend)."""
+        if isinstance(buf, SsdRows):
+            if all(self.ctx.signals[p].is_set for p in producers):
+                buf.prefetch(lo, hi)
+            return
         if buf.owner is not None or not dev.backend.is_cuda or buf.tensor is None:
             return
         signals = self.ctx.signals

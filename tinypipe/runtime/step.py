@@ -53,7 +53,9 @@ class StepRunner:
         # host-stashed pack inputs; at long sequences the embedding's output too (host_stashed_inputs)
         on_host = host_stashed_inputs(plan, res.long_sequences)
         for q in range(P + 1):
-            if on_host[q]:
+            if q in plan.stash_on_ssd:  # in the offload directory's files (runtime/ssd_stash.py)
+                acts.append(res.ssd_stash.rows(q))
+            elif on_host[q]:
                 host = res.host_stash.buffer(q, shape, res.compute_dtype)
                 acts.append(RowBuffer(shape, res.compute_dtype, None, host=host))
             else:
@@ -61,7 +63,9 @@ class StepRunner:
                                       (plan.fwd_device[q] if q < P else plan.head_device)))
         # a host-stashed boundary's gradient may reuse its stash's rows (host_gradient_boundaries)
         host_grads = host_gradient_boundaries(plan, res.long_sequences)
-        grads = [RowBuffer(shape, res.compute_dtype, None, host=acts[q].tensor) if host_grads[q]
+        # (an SSD boundary's gradient: into the same rows of its files)
+        grads = [acts[q] if host_grads[q] and q in plan.stash_on_ssd
+                 else RowBuffer(shape, res.compute_dtype, None, host=acts[q].tensor) if host_grads[q]
                  else on_device(plan.embed_device if q == 0 else plan.bwd_device[q - 1])
                  for q in range(P + 1)]
         return StepContext(

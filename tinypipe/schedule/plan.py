@@ -84,6 +84,9 @@ class Plan:
     # host memory meanwhile): the host is idle in the forward, and the last packs' layers -- a
     # turn's -- are uploaded last
     deferred: tuple[int, ...] = ()
+    # pack boundaries (1..P-1, sorted) whose host stash lives in the offload directory's files
+    # instead of host memory (runtime/ssd_stash.py; long sequences with host memory short)
+    stash_on_ssd: tuple[int, ...] = ()
     extra: dict = field(default_factory=dict, compare=False)
 
     def __post_init__(self) -> None:
@@ -109,6 +112,17 @@ class Plan:
         object.__setattr__(self, "assisted", self._checked_assisted())
         object.__setattr__(self, "deferred", self._checked_deferred())
         self._check_turn()
+        object.__setattr__(self, "stash_on_ssd", self._checked_stash_on_ssd())
+
+    def _checked_stash_on_ssd(self) -> tuple[int, ...]:
+        """``stash_on_ssd`` sorted, unique, each the host-stashed input of a pack 1..P-1 that keeps
+        no graph (not the embedding's output nor the head's input); ConfigError otherwise."""
+        for q in self.stash_on_ssd:
+            if isinstance(q, bool) or not isinstance(q, int) or not 0 < q < len(self.packs) or \
+                    q >= len(self.stash_on_host) or not self.stash_on_host[q] or self.kept(q):
+                raise ConfigError(f"plan: stash_on_ssd boundary {q!r} must be the host-stashed input of "
+                                  f"a pack 1..{len(self.packs) - 1} that keeps no activations")
+        return tuple(sorted(set(self.stash_on_ssd)))
 
     def _checked_deferred(self) -> tuple[int, ...]:
         """``deferred`` sorted, without duplicates; ConfigError for a layer out of range, stepped on
@@ -333,6 +347,9 @@ class Plan:
                 + ("" if not self.deferred else f", {len(self.deferred)} layers' AdamW deferred to the next "
                    "forward")
                 + self._describe_offload(ssd_bytes)
+                + ("" if not self.stash_on_ssd else
+                   f", {len(self.stash_on_ssd)} pack input{'s' * (len(self.stash_on_ssd) > 1)} on the SSD "
+                   f"({','.join(map(str, self.stash_on_ssd))})")
                 + ("" if self.replicas == 1 else
                    f", {self.replicas} replicas (optimizer state "
                    f"{'sharded' if self.optimizer_sharding == 'shard' else 'replicated'})"))
@@ -423,7 +440,7 @@ class Plan:
         for key in ("packs",):
             d[key] = tuple(tuple(p) for p in d[key])
         for key in ("stash_on_host", "fwd_device", "bwd_device", "keep_activations", "kept_on_host",
-                    "assisted", "deferred"):
+                    "assisted", "deferred", "stash_on_ssd"):
             d[key] = tuple(d.get(key, ()))
         d["offload"] = tuple(tuple(p) for p in d.get("offload", ()))  # older files: nothing offloaded
         return Plan(**d)
