@@ -165,13 +165,13 @@ class SsdRows(RowBuffer):
         super().__init__(shape, dtype, None)
         self.stash, self.q, self.row = stash, q, row
         self.row_numel = shape[1] * shape[2]
+        # bytes of one row's elements (``row``: the same, rounded up to a page)
+        self.row_data = self.row_numel * torch.empty((), dtype=dtype).element_size()
         self._ahead: dict[tuple[int, int], _Pending] = {}
         self._lock = threading.Lock()
 
     def _views(self, slot: StagingSlot, n: int) -> list[torch.Tensor]:
-        itemsize = torch.empty((), dtype=self.dtype).element_size()
-        nbytes = self.row_numel * itemsize
-        return [slot.data[i * self.row: i * self.row + nbytes].view(self.dtype).view(self.shape[1:])
+        return [slot.data[i * self.row: i * self.row + self.row_data].view(self.dtype).view(self.shape[1:])
                 for i in range(n)]
 
     def _checker(self, check: Callable[[], None] | None) -> Callable[[], None]:
@@ -236,7 +236,7 @@ class SsdRows(RowBuffer):
 
             for h in handles:
                 h.add_done_callback(landed)
-            stash._count("write", (hi - lo) * self.row_numel * views[0].element_size())
+            stash._count("write", (hi - lo) * self.row_data)
             return handles
 
         stash._submit_write(issue)
@@ -257,8 +257,7 @@ class SsdRows(RowBuffer):
             for i, r in enumerate(range(lo, hi)):
                 key = stash.read_region(q, r)
                 handles.append(store.read_async(key, slot.data[i * self.row:(i + 1) * self.row]))
-            itemsize = torch.empty((), dtype=self.dtype).element_size()
-            stash._count("read", (hi - lo) * self.row_numel * itemsize)
+            stash._count("read", (hi - lo) * self.row_data)
             return handles
 
         return _Pending(slot, stash._io.submit(issue))
