@@ -97,10 +97,7 @@ class StashIO:
         if isinstance(buf, SsdRows):  # through a staging slot to the SSD (runtime/ssd_stash.py)
             buf.write_rows(lo, hi, src, dev, self.ctx.abort.check)
             if dev.backend.is_cuda:
-                side = dev.streams["stash_out"]
-                sides = self.ctx.side_streams[dev.compute_lane]
-                if side not in sides:
-                    sides.append(side)
+                self._task_uses(dev, dev.streams["stash_out"])
             return
         if buf.owner is None and dev.backend.is_cuda:
             side = dev.streams["stash_out"]
@@ -108,11 +105,16 @@ class StashIO:
             with dev.backend.use_stream(side):
                 buf.tensor[lo:hi].copy_(src, non_blocking=True)  # type: ignore[index]
             src.record_stream(side)  # type: ignore[arg-type]
-            sides = self.ctx.side_streams[dev.compute_lane]
-            if side not in sides:  # a task may write several row ranges (the embedding's forward)
-                sides.append(side)
+            self._task_uses(dev, side)
         else:
             buf.write(lo, hi, src)
+
+    def _task_uses(self, dev: DeviceRuntime, side: object) -> None:
+        """Record that the running compute task's signal must wait for ``side`` -- once, although
+        a task may write several row ranges (the embedding's forward)."""
+        sides = self.ctx.side_streams[dev.compute_lane]
+        if side not in sides:
+            sides.append(side)
 
     def read_rows(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime) -> torch.Tensor:
         """Rows on ``dev``: the read-ahead copy, a view, or a fresh copy."""
