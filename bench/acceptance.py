@@ -149,7 +149,10 @@ def check(name: str, rec: dict[str, Any], baseline: dict[str, Any]) -> list[tupl
     kind = rec["kind"]
     if kind == "tests":
         ok = rec["rc"] == 0 and rec["failed"] == 0 and rec["errors"] == 0 and rec["passed"] > 0
-        return [("runs", ok, rec["summary"] or f"rc {rec['rc']}")]
+        detail = rec["summary"] or f"rc {rec['rc']}"
+        if not ok and rec.get("failures"):  # which tests: the table says without opening the raw file
+            detail += "; " + "; ".join(f.removeprefix("FAILED ").removeprefix("ERROR ") for f in rec["failures"])
+        return [("runs", ok, detail)]
     if kind == "cli":
         rc = rec["rc"]
         out.append(("runs", rc[0] == 0 and rc[2] == 0 and rc[3] == 0, f"rc whole/killed/resumed/lora {rc}"))

@@ -343,8 +343,10 @@ def run_tests_row(row: TestsRow, scratch: Path, cap_gib: float) -> dict[str, Any
 
     # several workers: the GPU tests are short and mostly compile (CPU); each is a process of its own
     workers = ["-n", "4"] if importlib.util.find_spec("xdist") is not None else []
-    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "-p", "no:cacheprovider", *workers, "-m",
-                           "gpu", "tests"], cwd=ROOT, capture_output=True, text=True, timeout=row.seconds * 2 + 60)
+    # no:logging: a failure's captured log (torch's DEBUG trace lines) would bury its assertion
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
+                           "-p", "no:logging", *workers, "-m", "gpu", "tests"], cwd=ROOT, capture_output=True,
+                          text=True, timeout=row.seconds * 2 + 60)
     text = proc.stdout + proc.stderr
     summary = next((line for line in reversed(text.splitlines()) if " passed" in line or " failed" in line), "")
 
@@ -358,7 +360,22 @@ def run_tests_row(row: TestsRow, scratch: Path, cap_gib: float) -> dict[str, Any
     failures = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
     return {"kind": "tests", "row": dataclasses.asdict(row), "rc": proc.returncode, "summary": summary,
             "passed": count("passed"), "failed": count("failed"), "errors": count("error"),
-            "failures": failures[:20], "seconds": time.perf_counter() - t0, "log_tail": text[-4000:]}
+            "failures": failures[:20], "failure_text": failure_text(text), "seconds": time.perf_counter() - t0,
+            "log_tail": text[-4000:]}
+
+
+def failure_text(text: str, limit: int = 16000) -> str:
+    """pytest's FAILURES section (each failure's traceback and assertion), cut to ``limit``
+    characters: what a failed gpu-tests row must show without another device call."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if line.startswith("=") and " FAILURES " in line), None)
+    if start is None:
+        start = next((i for i, line in enumerate(lines) if line.startswith("=") and " ERRORS " in line), None)
+    if start is None:
+        return ""
+    end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("=")
+                and ("short test summary" in lines[i] or "warnings summary" in lines[i])), len(lines))
+    return "\n".join(lines[start:end])[:limit]
 
 
 RUNNERS: dict[str, Callable[[Any, Path, float], dict[str, Any]]] = {

@@ -64,6 +64,26 @@ def test_cli_and_tests_rows() -> None:
     tests = {"kind": "tests", "rc": 0, "passed": 30, "failed": 0, "errors": 0, "summary": "30 passed"}
     assert _failed(tests) == []
     assert _failed(dict(tests, rc=1, failed=1)) == ["runs"]
+    named = acceptance.check("gpu-tests", dict(tests, rc=1, failed=1, failures=["FAILED tests/t.py::x[a]"]), {})
+    assert named == [("runs", False, "30 passed; tests/t.py::x[a]")]
+
+
+def test_a_failed_test_row_keeps_pytest_failures_section() -> None:
+    """The gpu-tests row keeps each failure's traceback (the 6f6b4b7 row kept only the log's tail:
+    torch's DEBUG lines, no assertion), and nothing when every test passed."""
+    from acceptance_rows import failure_text
+
+    out = "\n".join([
+        "..F.", "=================================== FAILURES ===================================",
+        "_____ test_x[a] _____", "tests/t.py:7: in test_x", "    assert 1 == 2", "E   assert 1 == 2",
+        "=============================== warnings summary ===============================", "w",
+        "=========================== short test summary info ============================",
+        "FAILED tests/t.py::test_x[a] - assert 1 == 2", "1 failed, 3 passed in 1.00s"])
+    text = failure_text(out)
+    assert text.splitlines()[1] == "_____ test_x[a] _____" and "E   assert 1 == 2" in text
+    assert "warnings summary" not in text and "short test summary" not in text
+    assert failure_text("....\n4 passed in 1.00s") == ""
+    assert len(failure_text(out, limit=50)) == 50
 
 
 def test_saved_runs_recheck_and_the_baseline_takes_only_passing_rows(tmp_path: Path,

@@ -84,15 +84,30 @@ def _train(model_fn, cfg: dict, batches: list) -> tuple[list, dict, tinypipe.Eng
     return [(r.loss, r.grad_norm) for r in steps], state, engine
 
 
+#: CUDA: kept and recomputed agree to float rounding, not bit for bit (see the test's docstring):
+#: losses and grad norms to this relative error ...
+CUDA_RTOL = 1e-6
+#: ... and every adapter to this fraction of how far training moved it (a kept graph that read
+#: wrong weights or activations differs by the order of the update itself)
+CUDA_UPDATE_FRACTION = 1e-3
+
+
 @pytest.mark.parametrize("device,compile_blocks", [
     ("cpu", "off"), ("cpu", "aot_eager"),
     pytest.param("cuda:0", "auto", marks=pytest.mark.gpu),  # Inductor, as users run it
 ], ids=["eager", "compiled", "cuda_inductor"])
-def test_qlora_kept_equals_recomputed_bit_for_bit(device: str, compile_blocks: str) -> None:
+def test_qlora_kept_equals_recomputed(device: str, compile_blocks: str) -> None:
     """QLoRA (NF4, double quantization) with its fixed-slot packs kept equals the same engine
-    recomputing them, bit for bit (same losses, grad norms, adapters), and the quantized bytes
-    never change. Compiled blocks save the packed codes in the graph (a uint8 view of the layer's
-    buffer): kept, they are re-read by reference from the same bytes."""
+    recomputing them, and the quantized bytes never change. Compiled blocks save the packed codes
+    in the graph (a uint8 view of the layer's buffer): kept, they are re-read by reference from the
+    same bytes.
+
+    On the CPU (eager and aot_eager) bit for bit: the graph differentiated is the recompute's, op
+    for op. Under Inductor on CUDA to float rounding: Inductor compiles a block's no-grad forward
+    (what a recomputing pack runs first) and its training forward (a kept pack's, and every
+    recompute's) as two graphs with different fusions, so a recomputing engine's forward outputs
+    already differ from its own recompute in the last bits -- measured at 6f6b4b7 on an H100: loss
+    4.58655321598 kept vs 4.58655309677 recomputed (2.6e-8 relative)."""
     batches = [make_batch(5, 12, seed=i) for i in range(3)]
     cfg = dict(devices=[device], precision="fp32", pack_size=1, micro_batch_size=2, resident_packs=1,
                compile_blocks=compile_blocks)
@@ -104,11 +119,21 @@ def test_qlora_kept_equals_recomputed_bit_for_bit(device: str, compile_blocks: s
     kept_steps, kept_state, e2 = _train(lambda: model, dict(cfg, keep_activations=True), batches)
     assert [q for q in range(e2.plan.num_packs) if e2.plan.kept(q)] == [0, 3]
     e2.close()
-    assert kept_steps == plain_steps
     assert kept_state.keys() == plain_state.keys() and kept_state
-    for k in plain_state:
-        assert torch.equal(plain_state[k], kept_state[k]), k
     assert payloads(model.base_model.model) == before
+    if not device.startswith("cuda"):
+        assert kept_steps == plain_steps
+        for k in plain_state:
+            assert torch.equal(plain_state[k], kept_state[k]), k
+        return
+    for (kl, kn), (pl, pn) in zip(kept_steps, plain_steps, strict=True):
+        assert abs(kl - pl) <= CUDA_RTOL * abs(pl) and abs(kn - pn) <= CUDA_RTOL * abs(pn), (kept_steps, plain_steps)
+    with tinypipe.Engine(qlora_model("llama", NF4), tinypipe.Config(**dict(cfg, keep_activations=False))) as e0:
+        init = {k: v.clone() for k, v in e0.state_dict().items() if ".lora_" in k}
+    for k in plain_state:
+        moved = float((plain_state[k] - init[k]).abs().max())
+        diff = float((kept_state[k] - plain_state[k]).abs().max())
+        assert moved > 0 and diff <= CUDA_UPDATE_FRACTION * moved, (k, diff, moved)
 
 
 def _model_8b_wide(quantize: str | None) -> torch.nn.Module:
