@@ -53,6 +53,10 @@ class EngineRow:
     seq: int = 2048  # tokens per sequence (a Llama-3.1 shape's rows; W1/W3 keep their workload's)
     batch: int = 16  # sequences per step
     docs: int = 1  # documents packed per sequence (position ids restarting): segment attention
+    #: one more step after the timed ones with the CUDA allocator's history recorded: what was
+    #: alive at its peak, by the code that allocated it (benchkit/cuda_peak.py), in the raw file.
+    #: None: only when the GPU peak exceeded the planner's estimate (the check would fail)
+    memory_detail: bool | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,10 +192,21 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
             print(f"  step {i + 1}: loss {r.loss:.4f} {r.seconds:.2f} s{' clipped' if r.clipped else ''}"
                   f"{' (warm-up)' if i < row.warmup else ''}", flush=True)
         engine.synchronize()
+    gpu_peak = max((torch.cuda.max_memory_reserved(d) for d in set(row.devices)), default=0) if cuda else 0
+    best = engine.plan_result.best if engine.plan_result is not None else None
+    at_peak = None
+    # after the row's own measurements (the recording's host memory and time are not the row's)
+    if cuda and (row.memory_detail or (row.memory_detail is None and best is not None
+                                       and gpu_peak > best.gpu_need)):
+        from benchkit.cuda_peak import record_step
+
+        at_peak = record_step(lambda: engine.step(batch), row.devices[0])
+        for g in at_peak["groups"][:8]:
+            print(f"    {g['bytes'] / GiB:6.2f} GiB in {g['blocks']:4d}: {g['ours']} | {g['library']} | "
+                  f"{g['innermost']}", flush=True)
     timed = results[row.warmup:]
     seconds = sum(r.seconds for r in timed) / len(timed)
     tokens = timed[0].tokens
-    best = engine.plan_result.best if engine.plan_result is not None else None
     clipped = sum(bool(r.clipped) for r in timed)
     predicted_s = None
     if best is not None:
@@ -204,8 +219,7 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
         "plan_settings": engine.plan.as_dict(), "tokens_per_s": tokens / seconds, "seconds_per_step": seconds,
         "losses": [r.loss for r in results], "steps_s": [r.seconds for r in results], "clipped_steps": clipped,
         "timed_steps": len(timed),
-        "gpu_peak_reserved": max((torch.cuda.max_memory_reserved(d) for d in set(row.devices)), default=0)
-        if cuda else 0,
+        "gpu_peak_reserved": gpu_peak,
         "gpu_cap": budget, "host_peak": rss.peak, "build_s": build_s, "engine_s": engine_s,
         "predicted_tokens_per_s": tokens / predicted_s if predicted_s else None,
         "predicted_s": predicted_s,
@@ -220,6 +234,7 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
                     "read_gbps": r.ssd_read_gbps, "write_gbps": r.ssd_write_gbps} for r in results]
         if row.offload else None,
         "memory_report": report.as_dict(),
+        "memory_at_peak": at_peak,
         "torch": torch.__version__,
         "gpu_name": torch.cuda.get_device_name(torch.device(row.devices[0])) if cuda else "cpu",
     }
