@@ -337,7 +337,7 @@ def test_failed_step_returns_gradient_buffers() -> None:
     batch = make_batch(2, 8)
 
     def fault(t) -> None:
-        if t.id == update_id(5):  # the head's update: wait until its download holds the only buffer, then fail
+        if t.id == update_id(5):  # the head's update: wait until its download holds the only buffer, fail
             t0 = time.monotonic()
             while pool._free.qsize() and time.monotonic() - t0 < 5:
                 time.sleep(0.01)

@@ -80,7 +80,8 @@ def check_structure(sched: Schedule, tied: bool) -> None:
             assert ref.mb == t.mb, t.id
         if ref.layer is not None:
             assert (L + 1 if ref.layer == HEAD else ref.layer) == t.layers[0], t.id
-    assert set(sched.order) == set(sched.tasks) and len(set(sched.order)) == len(sched.order) == len(sched.tasks)
+    assert set(sched.order) == set(sched.tasks) and len(set(sched.order)) == len(sched.order)
+    assert len(sched.order) == len(sched.tasks)
     # slots within the configured counts; packs on their planned devices
     for t in sched.tasks.values():
         assert all(0 <= s < plan.param_slots() for s in t.slots)
@@ -328,9 +329,9 @@ ID_TEXTS = [
     (fwd_id(3, 1), "fwd/3/1"), (head_id(2), "head/2"), (bwd_id(10, 0), "bwd/10/0"), (EMBED_BWD_ID, "ebwd"),
     (reduce_id(5), "red/L5"), (download_id(0), "dl/L0"), (update_id(33), "upd/L33"),
 ]
-LANE_TEXTS = [(Lane(0, "compute"), "dev0:compute"), (Lane(12, "h2d"), "dev12:h2d"), (Lane(3, "d2h"), "dev3:d2h"),
-              (Lane(1, "collective"), "dev1:collective"), (OPTIMIZER_LANE, "host:optimizer"),
-              (Lane(None, "deferred-optimizer"), "host:deferred-optimizer")]
+LANE_TEXTS = [(Lane(0, "compute"), "dev0:compute"), (Lane(12, "h2d"), "dev12:h2d"),
+              (Lane(3, "d2h"), "dev3:d2h"), (Lane(1, "collective"), "dev1:collective"),
+              (OPTIMIZER_LANE, "host:optimizer"), (Lane(None, "deferred-optimizer"), "host:deferred-optimizer")]
 
 
 def test_ids_and_lanes_keep_their_text_and_read_back() -> None:

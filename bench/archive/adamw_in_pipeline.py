@@ -36,10 +36,12 @@ def rates(trace: Path, block_params: int) -> dict:
     """Median block-update rates (G params/s) during and after the traced step's backward."""
     events = json.loads(trace.read_text())["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    tasks = [(e, t) for e in events if e["ph"] == "X" and (t := _task(lanes[e["tid"]], e["name"])) is not None]
+    spans = [(e, _task(lanes[e["tid"]], e["name"])) for e in events if e["ph"] == "X"]
+    tasks = [(e, t) for e, t in spans if t is not None]
     bwd = [e for e, (lane, tid) in tasks if lane.name == "compute" and tid.kind is Kind.BWD]
     end = max(e["ts"] + e["dur"] for e in bwd)
-    upd = [(e, tid.layer or 0) for e, (lane, tid) in tasks if lane == OPTIMIZER_LANE and tid.kind is Kind.UPDATE]
+    upd = [(e, tid.layer or 0) for e, (lane, tid) in tasks
+           if lane == OPTIMIZER_LANE and tid.kind is Kind.UPDATE]
     last = max(layer for _, layer in upd)
     blocks = [e for e, layer in upd if 0 < layer < last]  # not the embedding, not the head
     during = [e["dur"] for e in blocks if e["ts"] + e["dur"] <= end]
