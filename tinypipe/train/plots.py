@@ -8,15 +8,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import MappingProxyType
 
 from tinypipe.schedule.ids import Lane
 
 GIB = 1024**3
 #: Colours of a schedule lane, by its ``Lane.name`` (a device stream or a host worker).
-LANE_COLOURS = {"compute": "tab:blue", "h2d": "tab:green", "d2h": "tab:orange", "optimizer": "tab:red",
-                "deferred-optimizer": "tab:red", "collective": "tab:cyan"}
+LANE_COLOURS = MappingProxyType({"compute": "tab:blue", "h2d": "tab:green", "d2h": "tab:orange",
+                                 "optimizer": "tab:red", "deferred-optimizer": "tab:red",
+                                 "collective": "tab:cyan"})
 #: Colours of the SSD tier's trace lanes (no lanes of a schedule), by their text.
-SSD_LANE_COLOURS = {"ssd:read": "tab:purple", "ssd:write": "tab:brown"}
+SSD_LANE_COLOURS = MappingProxyType({"ssd:read": "tab:purple", "ssd:write": "tab:brown"})
 
 
 def _figure(width: float, height: float):  # noqa: ANN202 - matplotlib types
