@@ -9,6 +9,12 @@ Each search's best plan, its Pareto front (plans, step times, memory by category
 counts are compared with ``==``: floats bit for bit. ``save`` also prints each search's CPU seconds
 (the best of ``--repeat`` runs; on a shared 2-core VM they vary by tens of percent from run to run,
 so compare timings of interleaved runs, not of one each).
+
+    python bench/plan_fingerprint.py schedules before.pkl old.txt   # on the old code
+    python bench/plan_fingerprint.py schedules before.pkl new.txt   # on the new code; diff the two
+
+writes the schedules of a saved fingerprint's plans as text (see :func:`schedules`), to show a
+change to the schedule's code or types leaves every schedule of those plans as it was.
 """
 
 from __future__ import annotations
@@ -98,6 +104,56 @@ def compare(a_path: str, b_path: str) -> int:
     return 1 if differ else 0
 
 
+def schedules(path: str, out: str) -> None:
+    """Every schedule of the plans in fingerprint ``path`` (each search's best and Pareto front; a
+    few batch sizes; with and without replicas' reductions; tied where the plan allows it) as text
+    into ``out``: the dump, each task's fields in the global order, each lane's list, the upload
+    order, and the SSD staging order for the plan's offload and three made-up ones."""
+    from tinypipe.schedule.builder import build_schedule
+    from tinypipe.schedule.render import to_text
+    from tinypipe.schedule.staging import staging_order
+    from tinypipe.schedule.validate import validate
+
+    with open(path, "rb") as f:
+        saved = pickle.load(f)
+    names = {"master": ["master"], "moments": ["exp_avg", "exp_avg_sq"], "grad": ["grad"],
+             "frozen": ["frozen"]}
+    count = 0
+    with open(out, "w") as f:
+        for search, (best, pareto, _, _) in saved.items():
+            for i, plan in enumerate(c[0] for c in [best, *pareto]):
+                for batch in sorted({1, 3, 2 * plan.micro_batch_size + 1, 16}):
+                    tied_ok = plan.head_device == plan.embed_device
+                    for reduce, tied in ((False, False), (True, False), (False, tied_ok)):
+                        sched = build_schedule(plan, batch, tied=tied, reduce=reduce)
+                        validate(sched)
+                        f.write(f"=== {search}[{i}] batch={batch} reduce={reduce} tied={tied}\n")
+                        f.write(to_text(sched) + "\n")
+                        for tid in sched.order:
+                            t = sched.tasks[tid]
+                            f.write(f"{t.id}|{t.kind.value}|{t.device}|{t.layers}|{t.pack}|{t.mb}|{t.rows}|"
+                                    f"{t.slots}|{t.grad_slots}|{t.first}|{t.last}|"
+                                    f"{','.join(str(d) for d in t.deps)}|{t.lane}\n")
+                        for lane, ids in sched.lanes.items():
+                            f.write(f"{lane}: {' '.join(str(x) for x in ids)}\n")
+                        f.write(f"upload order {sched.upload_order()}\n")
+                        planned: dict[int, list[str]] = {}
+                        for layer, kind in plan.offload:
+                            planned.setdefault(layer, []).extend(names[kind])
+                        every = range(sched.num_layers)
+                        for regions in (planned, {x: ["master", "exp_avg", "exp_avg_sq"] for x in every},
+                                        {x: ["master", "frozen", "grad"] for x in every if x % 2},
+                                        {x: ["exp_avg", "exp_avg_sq", "grad"] for x in every}):
+                            if regions:
+                                o = staging_order(sched, regions)
+                                for s in o.uploads + o.updates:
+                                    f.write(f"stage {s.role} {s.layer} {s.names} {s.first}\n")
+                                f.write(f"upload_of {[(str(k), v) for k, v in o.upload_of.items()]} "
+                                        f"master_of {o.master_of} state_of {o.state_of}\n")
+                        count += 1
+    print(f"{count} schedules of {sum(1 + len(p) for _, p, _, _ in saved.values())} plans -> {out}")
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -107,9 +163,15 @@ def main() -> int:
     c = sub.add_parser("compare")
     c.add_argument("a")
     c.add_argument("b")
+    d = sub.add_parser("schedules")
+    d.add_argument("path")
+    d.add_argument("out")
     args = p.parse_args()
     if args.cmd == "save":
         save(args.path, args.repeat)
+        return 0
+    if args.cmd == "schedules":
+        schedules(args.path, args.out)
         return 0
     return compare(args.a, args.b)
 

@@ -37,7 +37,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
-from benchkit.analysis import overlap_table, step_bound  # noqa: E402
+from benchkit.analysis import is_compute_lane, overlap_table, step_bound  # noqa: E402
 from benchkit.keep_limit import KeepLimit  # noqa: E402
 from benchkit.rss import RssSampler  # noqa: E402
 from benchkit.step_parts import PARTS  # noqa: E402
@@ -204,7 +204,7 @@ def _decomposition(engine: tinypipe.Engine, events: list[dict], step_s: float, c
     share = recompute_share(hw, engine.config.precision, w.seq,
                             min(plan.backward_micro_batch_size, w.batch) * w.seq)
     out = step_decomposition(events, step_s, recompute_share=share, recomputes=pack_recomputes(plan))
-    compute_busy = sum(busy for lane, busy, _ in overlap_table(events) if lane.endswith(":compute"))
+    compute_busy = sum(busy for lane, busy, _ in overlap_table(events) if is_compute_lane(lane))
     split = "measured" if out["recompute_measured"] else "modelled"
     return out | {"times": "device" if device_times else "host", "recompute_split": split,
                   "phases": phases(events, step_s), "predicted_phases": predicted_phases(cand.time),

@@ -53,13 +53,14 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 import torch  # noqa: E402
 
 import tinypipe  # noqa: E402
-from benchkit.analysis import lane_busy, step_bound  # noqa: E402
+from benchkit.analysis import is_compute_lane, lane_busy, step_bound  # noqa: E402
 from benchkit.rss import RssSampler  # noqa: E402
 from benchkit.workloads import WORKLOADS, Workload, build_model, make_batch  # noqa: E402
 from tinypipe.devices.rates import measure  # noqa: E402
 from tinypipe.planner.candidate import Candidate  # noqa: E402
 from tinypipe.planner.offload import disk_bytes  # noqa: E402
 from tinypipe.planner.ssd import SsdSpec, free_space  # noqa: E402
+from tinypipe.schedule.ids import OPTIMIZER_LANE  # noqa: E402
 from tinypipe.schedule.plan import Plan, make_plan  # noqa: E402
 
 GIB = 1024**3
@@ -225,12 +226,12 @@ def run_one(a: argparse.Namespace, batch: int, rates, disk: dict | None, read_gb
     read_b = sum(r.ssd_read_bytes for r in timed) / len(timed)
     write_b = sum(r.ssd_write_bytes for r in timed) / len(timed)
     busy = {lane: sum(b - x for x, b in iv) / 1e6 for lane, iv in lane_busy(events).items()}
-    compute_busy = sum(v for k, v in busy.items() if k.endswith(":compute"))
+    compute_busy = sum(v for k, v in busy.items() if is_compute_lane(k))
     bound = {
         "ssd_read_s": read_b / (read_gbps * 1e9) if read_gbps else None,
         "ssd_write_s": write_b / (write_gbps * 1e9) if write_gbps else None,
         "compute_busy_s": compute_busy,
-        "optimizer_busy_s": busy.get("host:optimizer", 0.0),
+        "optimizer_busy_s": busy.get(str(OPTIMIZER_LANE), 0.0),
     }
     if rates is not None:
         b = step_bound(params, sum(x.param_count for x in dec.blocks), dec.head.param_count, dec.num_blocks,

@@ -44,7 +44,9 @@ def _poison(engine: object, case: dict, replicas: bool, steps_run: list[int]) ->
     if case.get("poison") is None:
         return
     step, layer = case["poison"]
-    target = f"red/L{layer}" if replicas else f"dl/L{layer}"
+    from tinypipe.schedule.ids import download_id, reduce_id
+
+    target = reduce_id(layer) if replicas else download_id(layer)
 
     def fault(task):  # type: ignore[no-untyped-def]
         if steps_run[0] == step and task.id == target:

@@ -91,8 +91,10 @@ def train(rank: int, world: int, port: int, spec: dict, out: str) -> None:
         poison = spec.get("poison")  # (rank, step, layer): NaN into that rank's local gradient
         steps_run = [0]
         if poison is not None and poison[0] == rank:
+            from tinypipe.schedule.ids import reduce_id
+
             def fault(task):  # type: ignore[no-untyped-def]
-                if steps_run[0] == poison[1] and task.id == f"red/L{poison[2]}":
+                if steps_run[0] == poison[1] and task.id == reduce_id(poison[2]):
                     slot = task.grad_slots[0] if task.grad_slots else None
                     engine.devices[task.device].pool.grads(poison[2], slot)[:5].fill_(float("nan"))
             engine.fault = fault

@@ -21,6 +21,7 @@ from reference import assert_steps_match, compare, randomize_biases, train_refer
 from tinypipe.errors import ConfigError
 from tinypipe.runtime.optim import assist as assist_module
 from tinypipe.runtime.optim.assist import AssistedUpdates
+from tinypipe.schedule.ids import download_id
 from tinypipe.schedule.plan import Plan
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
@@ -274,7 +275,7 @@ def test_a_nonfinite_gradient_is_skipped_by_the_device_and_the_layers_it_did_ste
     before = [s.master.clone() for s in engine.store.layers]
 
     def fault(task) -> None:  # type: ignore[no-untyped-def]
-        if task.id == "dl/L2":
+        if task.id == download_id(2):
             engine.devices[0].pool.grads(2, task.grad_slots[0])[0] = float("inf")
 
     engine.fault = fault

@@ -14,6 +14,7 @@ import torch
 import tinypipe
 from model_zoo import make_batch, make_model
 from reference import compare, randomize_biases, train_both
+from tinypipe.schedule.ids import Kind
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
 
@@ -129,7 +130,7 @@ def test_resident_packs_match_pytorch(family: str, tied: bool, cfg: dict) -> Non
     engine = _run(family, dict(devices=["cpu"], **cfg), tied=tied)
     layers = engine.store.layers
     resident = engine.plan.resident_layers()
-    assert resident and all(not task.kind.name == "UPLOAD" or task.layers[0] not in resident
+    assert resident and all(task.kind is not Kind.UPLOAD or task.layers[0] not in resident
                             for task in engine.schedule_for(5).tasks.values())
     dev = engine.memory_report().devices["0:cpu"]
     stepped_here = resident + ([0] if cfg.get("device_optimizer") == "embed" else [])

@@ -13,7 +13,7 @@ from tinypipe.distributed.shards import Shard, padded_numel, shard_numel
 from tinypipe.distributed.topology import Topology
 from tinypipe.errors import BatchError
 from tinypipe.schedule.builder import build_schedule
-from tinypipe.schedule.ids import Kind, download_id, reduce_id
+from tinypipe.schedule.ids import Kind, Lane, download_id, reduce_id
 from tinypipe.schedule.plan import make_plan
 from tinypipe.schedule.validate import validate
 
@@ -58,7 +58,7 @@ def test_the_schedule_reduces_each_layer_before_its_download() -> None:
     layers = range(sched.num_layers)
     for layer in layers:
         red = sched.tasks[reduce_id(layer)]
-        assert red.lane == f"dev{red.device}:collective"
+        assert red.lane == Lane(red.device, "collective") and str(red.lane) == f"dev{red.device}:collective"
         assert sched.tasks[download_id(layer)].deps == (red.id,)
     assert len([t for t in sched.tasks.values() if t.kind is Kind.REDUCE]) == len(layers)
     one = build_schedule(plan, 3, tied=False, reduce=True)  # a one-rank group: the same reductions

@@ -17,6 +17,7 @@ import transformers
 
 import tinypipe
 from model_zoo import VOCAB, make_batch, make_model
+from tinypipe.schedule.ids import OPTIMIZER_LANE, TaskId, compute_lane, download_id, fwd_id, update_id
 from tinypipe.schedule.tasks import Kind
 
 
@@ -256,7 +257,7 @@ def _fault_engine(devices: int, **kw: object) -> tinypipe.Engine:
     return tinypipe.Engine(make_model("llama", layers=4), tinypipe.Config(**cfg))
 
 
-def _target(engine: tinypipe.Engine, batch: int, kind: Kind) -> str:
+def _target(engine: tinypipe.Engine, batch: int, kind: Kind) -> TaskId:
     """A task of ``kind``, on the last device when it has one (exercises non-zero lanes)."""
     sched = engine.schedule_for(batch)
     cands = [t for t in sched.tasks.values() if t.kind is kind]
@@ -289,7 +290,7 @@ def test_fault_in_any_task_raises_worker_error(kind: Kind, devices: int) -> None
     assert elapsed < 10.0, f"failure took {elapsed:.1f} s to surface"
     assert len(hits) == 1
     msg = one_line(info.value)
-    assert "boom" in msg and target in msg and task.lane in msg, msg
+    assert "boom" in msg and str(target) in msg and str(task.lane) in msg, msg
     assert isinstance(info.value.__cause__, RuntimeError)
     assert eng.step_count == 0
     lanes = [t for t in threading.enumerate() if t.name.startswith("tinypipe-")]
@@ -336,7 +337,7 @@ def test_failed_step_returns_gradient_buffers() -> None:
     batch = make_batch(2, 8)
 
     def fault(t) -> None:
-        if t.id == "upd/L5":  # the head's update: wait until its download holds the only buffer, then fail
+        if t.id == update_id(5):  # the head's update: wait until its download holds the only buffer, fail
             t0 = time.monotonic()
             while pool._free.qsize() and time.monotonic() - t0 < 5:
                 time.sleep(0.01)
@@ -390,7 +391,7 @@ def test_stall_is_reported_by_the_watchdog(devices: int) -> None:
     elapsed = time.monotonic() - t0
     msg = one_line(info.value)
     assert "no task finished" in msg, msg
-    assert target in msg  # the stall report names what each lane was waiting in
+    assert str(target) in msg  # the stall report names what each lane was waiting in
     assert elapsed < 10.0
     eng.fault = None
     assert eng.step(batch).step == 1
@@ -398,7 +399,7 @@ def test_stall_is_reported_by_the_watchdog(devices: int) -> None:
 
 def test_fault_hook_sees_every_task_once() -> None:
     eng = _fault_engine(2)
-    seen: list[str] = []
+    seen: list[TaskId] = []
     lock = threading.Lock()
 
     def hook(t) -> None:
@@ -408,7 +409,7 @@ def test_fault_hook_sees_every_task_once() -> None:
     eng.fault = hook
     eng.step(make_batch(5, 8))
     sched = eng.schedule_for(5)
-    assert sorted(seen) == sorted(sched.tasks)
+    assert sorted(seen, key=str) == sorted(sched.tasks, key=str)
 
 
 # ---------------------------------------------------------------------------------- observability
@@ -421,9 +422,10 @@ def test_trace_and_schedule_text_cover_every_lane(devices: int, tmp_path) -> Non
     with pytest.raises(tinypipe.ConfigError):
         eng.export_trace(tmp_path / "early.json")  # nothing has run yet
     eng.step(make_batch(5, 8))
-    lanes = set(eng.schedule_for(5).lanes)
-    assert "host:optimizer" in lanes
-    assert {f"dev{d}:compute" for d in range(devices)} <= lanes
+    typed = set(eng.schedule_for(5).lanes)
+    assert OPTIMIZER_LANE in typed
+    assert {compute_lane(d) for d in range(devices)} <= typed
+    lanes = {str(lane) for lane in typed}  # as the trace and the dump name them
 
     path = eng.export_trace(tmp_path / "trace.json")
     data = json.loads(path.read_text())
@@ -433,7 +435,7 @@ def test_trace_and_schedule_text_cover_every_lane(devices: int, tmp_path) -> Non
     spans = [e for e in events if e["ph"] == "X"]
     sched = eng.schedule_for(5)  # traced: each backward task's recompute is its own sub-span too
     subs = [f"{t}/recompute" for t, task in sched.tasks.items() if task.kind is Kind.BWD and devices > 1]
-    assert sorted(e["name"] for e in spans) == sorted([*sched.tasks, *subs])
+    assert sorted(e["name"] for e in spans) == sorted([*map(str, sched.tasks), *subs])
     assert {e["tid"] for e in spans} == set(names.values())
     assert all(e["dur"] > 0 and e["ts"] >= 0 for e in spans)
 
@@ -441,7 +443,7 @@ def test_trace_and_schedule_text_cover_every_lane(devices: int, tmp_path) -> Non
     for lane in lanes:
         assert f"[{lane}]" in text
     for tid in eng.schedule_for(5).tasks:
-        assert tid in text
+        assert str(tid) in text
 
 
 # ---------------------------------------------------------------------------------- non-finite
@@ -497,7 +499,7 @@ def _inject_grad_inf(eng: tinypipe.Engine):
     """Make only the embedding's gradient non-finite (the loss stays finite), so the head and
     every block have already been stepped when the problem shows up."""
     def fault(t) -> None:
-        if t.id == "dl/L0":
+        if t.id == download_id(0):
             eng.devices[0].pool.grads(0, None)[0] = float("inf")
     return fault
 
@@ -555,7 +557,7 @@ def test_watchdog_returns_while_a_task_is_still_stuck() -> None:
     release = threading.Event()
 
     def fault(t) -> None:
-        if t.id == "fwd/1/0":
+        if t.id == fwd_id(1, 0):
             release.wait(6.0)  # "hung" (bounded so the test itself cannot hang)
 
     eng.fault = fault

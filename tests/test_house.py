@@ -7,6 +7,8 @@
 - The optimizer's step counters (a layer state's ``step``, the optimizer path's ``step_count`` and
   ``last_clipped``) are set only in :data:`COUNTER_HOMES`; a checkpoint loader restores them through
   ``runtime/optim/counters.py: set_layer_step`` and ``OptimizerPath.restore_counters``.
+- Task ids and lanes are data (``schedule/ids.py``: ``TaskId``, ``Lane``); the package parses their
+  text back only in :data:`PARSE_HOMES` -- never on a step's path.
 """
 
 from __future__ import annotations
@@ -23,6 +25,9 @@ ONE_MODULE_BECAUSE = "One module because"
 COUNTER_HOMES = ("runtime/optim/",)  # package-relative folders where the step counters may be set
 ENGINE_COUNTERS = frozenset({"step_count", "last_clipped"})
 LAYER_STATE_CLASSES = frozenset({"LayerState", "SliceState"})  # ``self.step`` in these is the counter
+#: modules (package-relative) that may parse a task id's or a lane's text: the parser, and the plot
+#: of the last step's lanes, which reads the timeline's text
+PARSE_HOMES = ("schedule/ids.py", "train/plots.py")
 
 
 def session_references(root: Path) -> list[str]:
@@ -121,11 +126,35 @@ def counter_writes(root: Path, homes: tuple[str, ...] = COUNTER_HOMES) -> list[s
     return found
 
 
+def id_parsing(root: Path, homes: tuple[str, ...] = PARSE_HOMES) -> list[str]:
+    """``path:line: text`` of every ``TaskId.parse`` / ``Lane.parse`` call in a module under ``root``
+    other than ``homes`` (paths relative to ``root``)."""
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).as_posix() in homes:
+            continue
+        text = path.read_text(encoding="utf-8")
+        lines = text.splitlines()
+        for node in ast.walk(ast.parse(text, filename=str(path))):
+            func = node.func if isinstance(node, ast.Call) else None
+            if (isinstance(func, ast.Attribute) and func.attr == "parse" and isinstance(func.value, ast.Name)
+                    and func.value.id in ("TaskId", "Lane")):
+                found.append(f"{path.relative_to(root.parent).as_posix()}:{node.lineno}: "
+                             f"{lines[node.lineno - 1].strip()}")
+    return found
+
+
 def test_step_counters_change_only_in_the_optimizer() -> None:
     found = counter_writes(PACKAGE)
     assert not found, ("the optimizer's step counters change only in tinypipe/runtime/optim (a checkpoint "
                        "restores them through set_layer_step / OptimizerPath.restore_counters):\n"
                        + "\n".join(found))
+
+
+def test_task_ids_and_lanes_are_not_parsed_on_the_step() -> None:
+    found = id_parsing(PACKAGE)
+    assert not found, ("the schedule is keyed by TaskId / Lane: use their fields; text is parsed back only "
+                       f"in {', '.join(PARSE_HOMES)}:\n" + "\n".join(found))
 
 
 def test_no_session_history_in_the_package() -> None:
@@ -173,3 +202,13 @@ def test_counter_checker_finds_every_kind_of_write(tmp_path: Path) -> None:
         "    def bump(self):\n"
         "        self.step += 1\n")
     assert [line.split(":")[1] for line in counter_writes(pkg)] == ["1", "2", "3", "4", "5", "12"]
+
+
+def test_parse_checker_finds_calls_outside_its_homes(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    (pkg / "schedule").mkdir(parents=True)
+    (pkg / "schedule" / "ids.py").write_text("x = Lane.parse('dev0:h2d')\n")
+    (pkg / "step.py").write_text("lane = Lane.parse(name)\n# TaskId.parse(t) in a comment\n"
+                                 "kind = TaskId.parse(t).kind\nplan = Plan.parse(p)\n")
+    assert id_parsing(pkg, homes=("schedule/ids.py",)) == ["pkg/step.py:1: lane = Lane.parse(name)",
+                                                          "pkg/step.py:3: kind = TaskId.parse(t).kind"]

@@ -1,6 +1,6 @@
 """Schedules as data, without a model: the builder's output passes the validator over a grid of
 plans, the validator rejects hand-corrupted schedules, placement is round-robin, plans round-trip
-through JSON."""
+through JSON, schedules are keyed by typed ids whose text reads back to them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,23 @@ import pytest
 
 import tinypipe
 from tinypipe.schedule.builder import build_schedule
-from tinypipe.schedule.ids import HEAD, Kind, Lane, TaskId
+from tinypipe.schedule.ids import (
+    EMBED_BWD_ID,
+    EMBED_FWD_ID,
+    HEAD,
+    OPTIMIZER_LANE,
+    Kind,
+    Lane,
+    TaskId,
+    bwd_id,
+    download_id,
+    fwd_id,
+    head_id,
+    reduce_id,
+    resident_upload_id,
+    update_id,
+    upload_id,
+)
 from tinypipe.schedule.plan import Plan, make_plan, round_robin_devices, split_packs
 from tinypipe.schedule.render import to_text
 from tinypipe.schedule.tasks import Schedule, Task
@@ -51,20 +67,21 @@ def check_structure(sched: Schedule, tied: bool) -> None:
     # lanes hold only their own tasks; the global order lists every task once
     for lane, ids in sched.lanes.items():
         assert all(sched.tasks[t].lane == lane for t in ids)
-        assert str(Lane.parse(lane)) == lane
-        assert all(Lane.parse(lane).device == (None if t.kind is Kind.UPDATE else t.device)
+        assert Lane.parse(str(lane)) == lane
+        assert all(lane.device == (None if t.kind is Kind.UPDATE else t.device)
                    for t in map(sched.tasks.__getitem__, ids))
-    # every id is its task as data: built by schedule.ids, parsed back to the task's own fields
+    # every id is its task as data: built by schedule.ids, its text parsed back to the same id
     for t in sched.tasks.values():
-        ref = TaskId.parse(t.id)
-        assert str(ref) == t.id and ref.kind is t.kind, t.id
+        ref = TaskId.parse(str(t.id))
+        assert ref == t.id and ref.kind is t.kind, t.id
         if ref.pack is not None:
             assert ref.pack == t.pack, t.id
         if ref.mb is not None:
             assert ref.mb == t.mb, t.id
         if ref.layer is not None:
             assert (L + 1 if ref.layer == HEAD else ref.layer) == t.layers[0], t.id
-    assert sorted(sched.order) == sorted(sched.tasks) and len(set(sched.order)) == len(sched.order)
+    assert set(sched.order) == set(sched.tasks) and len(set(sched.order)) == len(sched.order)
+    assert len(sched.order) == len(sched.tasks)
     # slots within the configured counts; packs on their planned devices
     for t in sched.tasks.values():
         assert all(0 <= s < plan.param_slots() for s in t.slots)
@@ -132,24 +149,25 @@ def base_schedule(devices: int = 1, fwd_mb: int = 2) -> Schedule:
     return sched
 
 
-def replace_task(sched: Schedule, tid: str, **changes: object) -> None:
+def replace_task(sched: Schedule, tid: TaskId, **changes: object) -> None:
     sched.tasks[tid] = dataclasses.replace(sched.tasks[tid], **changes)
 
 
-def rejects(sched: Schedule, *needles: str) -> str:
+def rejects(sched: Schedule, *needles: str | TaskId) -> str:
+    """The validator's message: one line naming every needle (an id by its text)."""
     with pytest.raises(tinypipe.ConfigError) as info:
         validate(sched)
     msg = str(info.value)
     assert "\n" not in msg
     for n in needles:
-        assert n in msg, (n, msg)
+        assert str(n) in msg, (n, msg)
     return msg
 
 
 def test_validator_rejects_dependency_cycle() -> None:
     sched = base_schedule()
     first_up = next(t for t in sched.order if sched.tasks[t].kind is Kind.UPLOAD)
-    replace_task(sched, first_up, deps=sched.tasks[first_up].deps + ("upd/L0",))  # waits for the very end
+    replace_task(sched, first_up, deps=sched.tasks[first_up].deps + (update_id(0),))  # waits for the very end
     rejects(sched, "deadlock", first_up)
 
 
@@ -157,14 +175,15 @@ def test_validator_rejects_cross_lane_deadlock() -> None:
     """No cycle in the dependency graph, but lane order makes it unsatisfiable: the h2d lane's
     head-buffer upload waits for a forward that needs a later upload on the same lane."""
     sched = base_schedule()
-    assert sched.lanes["dev0:h2d"].index("ru/H") < sched.lanes["dev0:h2d"].index("up/f1/L2")
-    replace_task(sched, "ru/H", deps=("fwd/1/0",))
+    h2d, ru_head = Lane(0, "h2d"), resident_upload_id(HEAD)
+    assert sched.lanes[h2d].index(ru_head) < sched.lanes[h2d].index(upload_id("f", 1, 2))
+    replace_task(sched, ru_head, deps=(fwd_id(1, 0),))
     rejects(sched, "deadlock", "ru/H")
 
 
 def test_validator_rejects_two_task_cycle() -> None:
     sched = base_schedule(devices=2)
-    replace_task(sched, "fwd/0/0", deps=sched.tasks["fwd/0/0"].deps + ("fwd/1/0",))
+    replace_task(sched, fwd_id(0, 0), deps=sched.tasks[fwd_id(0, 0)].deps + (fwd_id(1, 0),))
     rejects(sched, "deadlock", "fwd/0/0")
 
 
@@ -185,9 +204,8 @@ def test_validator_rejects_upload_after_only_an_earlier_user() -> None:
     sched = base_schedule(fwd_mb=2)  # 3 forward micro-batches
     up = reusing_upload(sched)
     (releaser,) = up.deps
-    kind, q, m = releaser.split("/")
-    assert int(m) > 0
-    replace_task(sched, up.id, deps=(f"{kind}/{q}/0",))
+    assert releaser.mb is not None and releaser.mb > 0
+    replace_task(sched, up.id, deps=(releaser._replace(mb=0),))
     rejects(sched, up.id, "overwrites slot", releaser)
 
 
@@ -202,7 +220,7 @@ def test_validator_rejects_gradient_slot_reuse_without_dependency() -> None:
 
 def test_validator_rejects_wrong_layer_in_slot() -> None:
     sched = base_schedule()
-    fwd = sched.tasks["fwd/1/0"]
+    fwd = sched.tasks[fwd_id(1, 0)]
     other = 1 - fwd.slots[0]
     for tid in [t for t in sched.order if sched.tasks[t].kind is Kind.FWD and sched.tasks[t].pack == 1]:
         replace_task(sched, tid, slots=(other,))
@@ -211,14 +229,14 @@ def test_validator_rejects_wrong_layer_in_slot() -> None:
 
 def test_validator_rejects_unknown_dependency() -> None:
     sched = base_schedule()
-    replace_task(sched, "head/0", deps=sched.tasks["head/0"].deps + ("fwd/9/9",))
+    replace_task(sched, head_id(0), deps=sched.tasks[head_id(0)].deps + (fwd_id(9, 9),))
     rejects(sched, "head/0", "unknown task fwd/9/9")
 
 
 def test_validator_rejects_compute_without_upload_dependency() -> None:
     sched = base_schedule()
-    fwd = sched.tasks["fwd/2/0"]
-    replace_task(sched, fwd.id, deps=tuple(d for d in fwd.deps if not d.startswith("up/")))
+    fwd = sched.tasks[fwd_id(2, 0)]
+    replace_task(sched, fwd.id, deps=tuple(d for d in fwd.deps if d.kind is not Kind.UPLOAD))
     rejects(sched, fwd.id)
 
 
@@ -232,7 +250,7 @@ def test_to_text_lists_every_lane_and_task(devices: int) -> None:
     for lane in sched.lanes:
         assert f"[{lane}]" in text
     for tid in sched.tasks:
-        assert tid in text
+        assert str(tid) in text
     assert text.splitlines()[0].startswith("schedule: batch=5")
 
 
@@ -300,3 +318,57 @@ def test_ids_and_lanes_reject_what_no_builder_makes() -> None:
             Lane.parse(bad)
     assert Lane.parse("dev12:d2h") == Lane(12, "d2h") and str(Lane(None, "optimizer")) == "host:optimizer"
     assert str(TaskId(Kind.UPLOAD, pack=3, layer=7, phase="b")) == "up/b3/L7"
+
+
+# ---------------------------------------------------------------------------------- typed ids
+
+#: every builder of schedule.ids and the text it must keep (traces, dumps and messages show it)
+ID_TEXTS = [
+    (resident_upload_id(0), "ru/E"), (resident_upload_id(HEAD), "ru/H"), (resident_upload_id(4), "ru/L4"),
+    (upload_id("f", 3, 7), "up/f3/L7"), (upload_id("b", 0, 12), "up/b0/L12"), (EMBED_FWD_ID, "efwd"),
+    (fwd_id(3, 1), "fwd/3/1"), (head_id(2), "head/2"), (bwd_id(10, 0), "bwd/10/0"), (EMBED_BWD_ID, "ebwd"),
+    (reduce_id(5), "red/L5"), (download_id(0), "dl/L0"), (update_id(33), "upd/L33"),
+]
+LANE_TEXTS = [(Lane(0, "compute"), "dev0:compute"), (Lane(12, "h2d"), "dev12:h2d"),
+              (Lane(3, "d2h"), "dev3:d2h"), (Lane(1, "collective"), "dev1:collective"),
+              (OPTIMIZER_LANE, "host:optimizer"), (Lane(None, "deferred-optimizer"), "host:deferred-optimizer")]
+
+
+def test_ids_and_lanes_keep_their_text_and_read_back() -> None:
+    for tid, text in ID_TEXTS:
+        assert str(tid) == text and f"{tid}" == text
+        assert TaskId.parse(text) == tid and hash(TaskId.parse(text)) == hash(tid)
+    assert len({tid for tid, _ in ID_TEXTS}) == len(ID_TEXTS)
+    for lane, text in LANE_TEXTS:
+        assert str(lane) == text and Lane.parse(text) == lane and hash(Lane.parse(text)) == hash(lane)
+
+
+@pytest.mark.parametrize("devices, turn", [(1, 0), (3, 0), (1, 1)])
+def test_schedule_is_keyed_by_typed_ids(devices: int, turn: int) -> None:
+    """Tasks, deps, lanes and the order are TaskId / Lane, never their text: a str key would
+    never equal the typed id the step looks up. Every key's text reads back to the key."""
+    plan = make_plan(BLOCKS, pack_size=[1, 3, 2], micro_batch_size=1, backward_micro_batch_size=2,
+                     num_devices=devices, prefetch_window=1, stash="device", tied=False, turn_packs=turn)
+    sched = build_schedule(plan, BATCH, tied=False, reduce=True)
+    validate(sched)
+    assert all(type(k) is TaskId and type(t.id) is TaskId and k == t.id for k, t in sched.tasks.items())
+    assert all(type(d) is TaskId for t in sched.tasks.values() for d in t.deps)
+    assert all(type(k) is Lane for k in sched.lanes)
+    assert all(type(i) is TaskId for ids in sched.lanes.values() for i in ids)
+    assert all(type(i) is TaskId for i in sched.order)
+    assert {t.kind for t in sched.tasks.values()} == set(Kind)  # every kind, reductions included
+    for tid in sched.tasks:
+        assert TaskId.parse(str(tid)) == tid
+    for lane in sched.lanes:
+        assert Lane.parse(str(lane)) == lane
+    assert "fwd/0/0" not in sched.tasks and fwd_id(0, 0) in sched.tasks  # text finds nothing
+    assert "dev0:compute" not in sched.lanes and Lane(0, "compute") in sched.lanes
+
+
+def test_schedule_refuses_text_ids() -> None:
+    sched = build_schedule(plan_for(1, 2, 2, 2, 1, tied=False), BATCH, tied=False)
+    with pytest.raises(TypeError, match="TaskId"):
+        sched.add(Task("fwd/9/0", Kind.FWD, 0))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="TaskId"):
+        sched.add(Task(fwd_id(9, 0), Kind.FWD, 0, deps=("fwd/8/0",)))  # type: ignore[arg-type]
+    assert fwd_id(9, 0) not in sched.tasks

@@ -15,6 +15,7 @@ import tinypipe
 from model_zoo import make_batch, make_model
 from tinypipe.errors import ConfigError
 from tinypipe.planner.auto import manual_plan
+from tinypipe.schedule.ids import download_id
 from tinypipe.schedule.plan import Plan
 
 LR = 1e-2
@@ -123,7 +124,7 @@ def _inf_in_embedding_grad(at_step: int):
             return None
 
         def fault(task) -> None:
-            if task.id == "dl/L0":
+            if task.id == download_id(0):
                 engine.devices[0].pool.grads(0, None)[0] = float("inf")
         return fault
     return make

@@ -54,8 +54,9 @@ def _step(trace: bool, devices: list[str], **cfg) -> tuple[tinypipe.Engine, tiny
 
 
 def _recomputing_bwd(eng: tinypipe.Engine, batch: int) -> list[str]:
+    """The recomputing backward tasks' ids as the timeline names them."""
     sched = eng.schedule_for(batch)
-    return sorted(t for t, task in sched.tasks.items()
+    return sorted(str(t) for t, task in sched.tasks.items()
                   if task.kind is Kind.BWD and not eng.plan.kept(task.pack))
 
 
@@ -79,7 +80,8 @@ def test_traced_cpu_step_records_one_sub_span_per_recomputing_backward() -> None
         recomputing = _recomputing_bwd(eng, 5)
         assert recomputing and all(t.startswith("bwd/1/") for t in recomputing)  # none of the kept packs
         _check_nested(events, recomputing)
-        assert sorted(e["name"] for e in events if "parent" not in e) == sorted(eng.schedule_for(5).tasks)
+        names = sorted(e["name"] for e in events if "parent" not in e)
+        assert names == sorted(map(str, eng.schedule_for(5).tasks))
         assert sum(t.parent is not None for t in r.timings) == len(recomputing)
 
         d = DEC.step_decomposition(events, r.seconds, recompute_share=0.9,

@@ -32,6 +32,7 @@ from tinypipe.models.decompose import Decomposition
 from tinypipe.planner.auto import manual_plan
 from tinypipe.runtime.optim.adamw import ChunkedAdamW
 from tinypipe.runtime.optim.decay import DecayGroups, hf_decay_names
+from tinypipe.schedule.ids import download_id
 
 LR, EPS, WD = 1e-3, 1e-6, 0.1
 BATCH, SEQ, STEPS = 5, 12, 3
@@ -296,7 +297,7 @@ def _embedding_grad_inf(engine: tinypipe.Engine):  # type: ignore[no-untyped-def
     """Only the embedding's gradient becomes non-finite (the loss stays finite): the head and every
     block have been stepped by the time it shows up."""
     def fault(t) -> None:  # type: ignore[no-untyped-def]
-        if t.id == "dl/L0":
+        if t.id == download_id(0):
             engine.devices[0].pool.grads(0, None)[0] = float("inf")
     return fault
 

@@ -27,7 +27,7 @@ from tinypipe.planner.estimate import activation_peaks
 from tinypipe.planner.sizes import model_sizes
 from tinypipe.runtime.handlers import TaskHandlers
 from tinypipe.schedule.builder import build_schedule
-from tinypipe.schedule.ids import Kind
+from tinypipe.schedule.ids import Kind, compute_lane
 from tinypipe.schedule.plan import Plan, make_plan
 from tinypipe.schedule.validate import validate
 
@@ -166,7 +166,7 @@ def test_the_schedule_interleaves_the_turn_and_keeps_its_slots() -> None:
                      prefetch_window=1, stash="device", tied=False, turn_packs=2)
     sched = build_schedule(plan, 6, False)
     validate(sched)
-    lane = [sched.tasks[t] for t in sched.lanes["dev0:compute"]]
+    lane = [sched.tasks[t] for t in sched.lanes[compute_lane(0)]]
     short = [f"{t.kind.name[0].lower()}{t.pack if t.pack >= 0 else ''}" for t in lane]
     assert short == (["e"] + ["f0"] * 3 + ["f1"] * 3 + ["f2", "f3", "h", "b3", "b2"] * 3
                      + ["b1"] * 3 + ["b0"] * 3 + ["e"])
@@ -175,7 +175,7 @@ def test_the_schedule_interleaves_the_turn_and_keeps_its_slots() -> None:
         bwd = {t.slots for t in lane if t.kind is Kind.BWD and t.pack == q}
         assert fwd == bwd and len(fwd) == 1
     uploads = [t for t in sched.tasks.values() if t.kind is Kind.UPLOAD]
-    assert not [t for t in uploads if t.pack in (2, 3) and t.id.startswith("up/b")]
+    assert not [t for t in uploads if t.pack in (2, 3) and t.id.phase == "b"]
     assert plan.param_slots() == 3 and plan.grad_slot_count() == 3  # the turn's 2 + window 1; 2 + pack 1
 
 

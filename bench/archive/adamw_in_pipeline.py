@@ -20,19 +20,30 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # bench/, for benc
 
 from benchkit.workloads import WORKLOADS  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from tinypipe.schedule.ids import OPTIMIZER_LANE, Kind, Lane, TaskId  # noqa: E402
+
+
+def _task(lane: str, name: str) -> tuple[Lane, TaskId] | None:
+    """A span's lane and task, read back from the trace's text; None for other spans (SSD lanes,
+    sub-spans, a clipped step's leftover updates)."""
+    try:
+        return Lane.parse(lane), TaskId.parse(name)
+    except ValueError:
+        return None
 
 
 def rates(trace: Path, block_params: int) -> dict:
     """Median block-update rates (G params/s) during and after the traced step's backward."""
     events = json.loads(trace.read_text())["traceEvents"]
     lanes = {e["tid"]: e["args"]["name"] for e in events if e["ph"] == "M"}
-    spans = [e for e in events if e["ph"] == "X"]
-    bwd = [e for e in spans if lanes[e["tid"]].endswith("compute") and e["name"].startswith("bwd/")
-           and e["name"].count("/") == 2]
+    spans = [(e, _task(lanes[e["tid"]], e["name"])) for e in events if e["ph"] == "X"]
+    tasks = [(e, t) for e, t in spans if t is not None]
+    bwd = [e for e, (lane, tid) in tasks if lane.name == "compute" and tid.kind is Kind.BWD]
     end = max(e["ts"] + e["dur"] for e in bwd)
-    upd = [e for e in spans if lanes[e["tid"]] == "host:optimizer" and e["name"].startswith("upd/L")]
-    last = max(int(e["name"][5:]) for e in upd)
-    blocks = [e for e in upd if 0 < int(e["name"][5:]) < last]  # not the embedding, not the head
+    upd = [(e, tid.layer or 0) for e, (lane, tid) in tasks
+           if lane == OPTIMIZER_LANE and tid.kind is Kind.UPDATE]
+    last = max(layer for _, layer in upd)
+    blocks = [e for e, layer in upd if 0 < layer < last]  # not the embedding, not the head
     during = [e["dur"] for e in blocks if e["ts"] + e["dur"] <= end]
     after = [e["dur"] for e in blocks if e["ts"] >= end]
 

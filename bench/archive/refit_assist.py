@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import statistics
 import sys
 from pathlib import Path
@@ -37,9 +36,17 @@ from tinypipe.planner.candidate import evaluate  # noqa: E402
 from tinypipe.planner.clipped_step import clipped_race  # noqa: E402
 from tinypipe.planner.hardware import load_hardware  # noqa: E402
 from tinypipe.planner.sizes import model_sizes  # noqa: E402
+from tinypipe.schedule.ids import Kind, TaskId  # noqa: E402
 from tinypipe.schedule.plan import Plan  # noqa: E402
 
-_UPLOAD = re.compile(r"up/f\d+/L(\d+)$")
+def _forward_upload_layer(name: str) -> int | None:
+    """The layer of a forward upload span (``up/f<q>/L<layer>``, read back from the trace); None
+    for any other span."""
+    try:
+        tid = TaskId.parse(name)
+    except ValueError:
+        return None
+    return tid.layer if tid.kind is Kind.UPLOAD and tid.phase == "f" else None
 
 
 def _last_step_uploads(trace: dict) -> dict[int, float]:
@@ -48,9 +55,9 @@ def _last_step_uploads(trace: dict) -> dict[int, float]:
     spans = sorted((e for e in events if e.get("ph") == "X"), key=lambda e: e["ts"])
     out: dict[int, float] = {}
     for e in spans:  # a later step's span replaces an earlier one's
-        m = _UPLOAD.match(e["name"])
-        if m:
-            out[int(m.group(1))] = e["dur"] / 1e6
+        layer = _forward_upload_layer(e["name"])
+        if layer is not None:
+            out[layer] = e["dur"] / 1e6
     return out
 
 

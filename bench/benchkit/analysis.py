@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from tinypipe.devices.rates import MachineRates
+from tinypipe.schedule.ids import Lane
 
 
 @dataclass
@@ -142,12 +143,21 @@ def _intersect(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> fl
     return tot
 
 
+def is_compute_lane(lane: str) -> bool:
+    """Whether a trace event's lane (its text) is a device's compute lane."""
+    try:
+        parsed = Lane.parse(lane)
+    except ValueError:  # a lane outside the schedule (the SSD tier's)
+        return False
+    return parsed.device is not None and parsed.name == "compute"
+
+
 def overlap_table(events: list[dict]) -> list[tuple[str, float, float]]:
     """(lane, busy seconds, fraction of that time during which some compute lane was busy)."""
     busy = lane_busy(events)
     compute: list[tuple[float, float]] = []
     for lane, iv in busy.items():
-        if lane.endswith(":compute"):
+        if is_compute_lane(lane):
             compute += iv
     compute = lane_busy([{"lane": "c", "start_us": a, "dur_us": b - a} for a, b in compute]).get("c", [])
     rows = []

@@ -21,7 +21,6 @@ from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.rng import EMBED, HEAD, PACK, replay_pieces
 from tinypipe.runtime.stash_io import StashIO
 from tinypipe.runtime.weight_refs import WeightRefs
-from tinypipe.schedule.ids import Lane
 from tinypipe.schedule.tasks import Task
 
 
@@ -351,7 +350,7 @@ class ComputeHandlers(HandlerBase):
         start = time.perf_counter()
         if not dev.backend.is_cuda:
             return start, None
-        return start, dev.backend.record_event(dev.streams[Lane.parse(task.lane).name], timing=True)
+        return start, dev.backend.record_event(dev.streams[task.lane.name], timing=True)
 
     def _span_close(self, task: Task, dev: DeviceRuntime, what: str,
                     opened: tuple[float, object | None]) -> None:
@@ -360,7 +359,7 @@ class ComputeHandlers(HandlerBase):
         start, ev0 = opened
         ev1 = None
         if ev0 is not None:
-            ev1 = dev.backend.record_event(dev.streams[Lane.parse(task.lane).name], timing=True)
+            ev1 = dev.backend.record_event(dev.streams[task.lane.name], timing=True)
         self.ctx.timings.append(TaskTiming(task.lane, f"{task.id}/{what}", start, time.perf_counter(),
                                            (ev0, ev1) if ev0 is not None else None, parent=task.id))
 

@@ -19,20 +19,22 @@ from tinypipe.runtime.buffers import RowBuffer
 from tinypipe.runtime.inputs import StepInputs
 from tinypipe.runtime.optim.messages import GradStream
 from tinypipe.runtime.signals import Abort, Signal
+from tinypipe.schedule.ids import Lane, TaskId
 from tinypipe.schedule.tasks import Schedule, Task
 
 
 @dataclass
 class TaskTiming:
     """When one task ran (host perf_counter seconds; CUDA timing events with ``trace=True``), or,
-    with ``parent`` set, a traced sub-span inside that task (a backward's recompute) on its lane."""
+    with ``parent`` set, a traced sub-span inside that task (a backward's recompute) on its lane.
+    Kept as data while the step runs; ``str()`` makes the timeline's text afterwards."""
 
-    lane: str
-    task: str
+    lane: Lane | str  # a schedule lane, or the trace name of a lane outside it (the SSD's ``ssd:read``)
+    task: TaskId | str  # a task, or a span's name (a sub-span, a leftover update, SSD requests)
     host_start: float
     host_end: float
     events: tuple[object, object] | None = None
-    parent: str | None = None  # a sub-span's task id; None for a task
+    parent: TaskId | None = None  # a sub-span's task; None for a task
 
 
 @dataclass
@@ -44,7 +46,7 @@ class StepContext:
     inputs: StepInputs
     acts: list[RowBuffer]  # pack q's input (q == num_packs: the head's), also the backward's stash
     grads: list[RowBuffer]  # the gradient of pack q's input
-    signals: dict[str, Signal]  # task id -> set once its work is queued
+    signals: dict[TaskId, Signal]  # task -> set once its work is queued
     grad_streams: dict[int, GradStream]  # layer -> its download's messages to its update
     fault: Callable[[Task], None] | None = None  # test hook: called before every task
     abort: Abort = field(default_factory=Abort)
@@ -54,7 +56,7 @@ class StepContext:
     block_calls_lock: threading.Lock = field(default_factory=threading.Lock)
     loss_sum: torch.Tensor | None = None  # fp64 on the head's device
     loss_value: float | None = None  # on the host, once the head's update read it
-    side_streams: dict[str, list[object]] = field(default_factory=dict)  # lane -> its task's side streams
-    current: dict[str, str] = field(default_factory=dict)  # lane -> the task it runs (stall reports)
+    side_streams: dict[Lane, list[object]] = field(default_factory=dict)  # lane -> its task's side streams
+    current: dict[Lane, TaskId | None] = field(default_factory=dict)  # lane -> its task now (stall reports)
     stuck: str = ""  # lanes still inside a task when the step gave up on them
     reductions: dict[int, Reduction] = field(default_factory=dict)  # layer -> its replicas' reduction

@@ -10,7 +10,7 @@ from tinypipe.devices.backend import Backend
 from tinypipe.memory.device_pool import DevicePool
 from tinypipe.memory.grad_pool import HostGradPool
 from tinypipe.models.shell import Shell
-from tinypipe.schedule.ids import Lane
+from tinypipe.schedule.ids import Lane, compute_lane
 
 #: Streams per device: the lanes' (compute, uploads, gradient downloads, replicas' gradient
 #: collectives), the two side streams host-stashed activations move on (so compute never waits
@@ -31,12 +31,12 @@ class DeviceRuntime:
     pool: DevicePool
     grad_pool: HostGradPool
     streams: dict[str, object] = field(default_factory=dict)
-    compute_lane: str = ""  # the name of this device's compute lane (set from ``index``)
+    compute_lane: Lane = field(init=False)  # this device's compute lane (set from ``index``)
 
     def __post_init__(self) -> None:
         for name in STREAMS:
             self.streams[name] = self.backend.new_stream()
-        self.compute_lane = str(Lane(self.index, "compute"))
+        self.compute_lane = compute_lane(self.index)
 
     @property
     def device(self) -> torch.device:

@@ -290,9 +290,8 @@ class Engine:
             self._broken = "the SSD tier failed"
             raise
         # the last step's leftover updates ran during this one: in this step's timeline
-        lane = str(BACKGROUND_LANE)
-        ctx.timings[:0] = [TaskTiming(lane, f"{update_id(layer)} (last step's, left over)", start, end)
-                           for layer, start, end in outcome.background_timings]
+        ctx.timings[:0] = [TaskTiming(BACKGROUND_LANE, f"{update_id(layer)} (last step's, left over)", a, b)
+                           for layer, a, b in outcome.background_timings]
         if self.optimizer.tier is not None:  # the SSD lanes: what the disk did during the step
             ctx.timings += ssd_timings(self.optimizer.tier.records, t0)
         self._last = StepTimeline(ctx.timings, t0)

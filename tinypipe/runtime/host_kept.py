@@ -32,7 +32,7 @@ import torch
 
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.rng import replay_pieces
-from tinypipe.schedule.ids import Kind
+from tinypipe.schedule.ids import Kind, TaskId
 from tinypipe.schedule.tasks import Schedule
 
 
@@ -134,11 +134,11 @@ class HostKeptGraph:
         return saved.device
 
 
-def prefetch_order(sched: Schedule) -> dict[str, list[tuple[int, int]]]:
+def prefetch_order(sched: Schedule) -> dict[TaskId, list[tuple[int, int]]]:
     """Compute task id -> the host-kept graphs (pack, forward micro-batch) of the next backward
     task on its lane: what that task starts copying back once it is done (one task ahead)."""
     plan = sched.plan
-    out: dict[str, list[tuple[int, int]]] = {}
+    out: dict[TaskId, list[tuple[int, int]]] = {}
     if not plan.kept_on_host:
         return out
     frows = sched.fwd_rows()

@@ -101,17 +101,17 @@ def ssd_timings(records: list[IoRecord], origin: float) -> list[TaskTiming]:
 
 def host_times(timings: list[TaskTiming], origin: float) -> list[dict]:
     """Timings as trace events (microseconds since ``origin``); a sub-span's event also names
-    its task (``"parent"``)."""
+    its task (``"parent"``). Lanes and task ids become their text here."""
     out = []
     for t in timings:
         e = {
-            "lane": t.lane,
-            "name": t.task,
+            "lane": str(t.lane),
+            "name": str(t.task),
             "start_us": (t.host_start - origin) * 1e6,
             "dur_us": (t.host_end - t.host_start) * 1e6,
         }
         if t.parent is not None:
-            e["parent"] = t.parent
+            e["parent"] = str(t.parent)
         out.append(e)
     return out
 
@@ -136,7 +136,8 @@ def _device_events(timings: list[TaskTiming], host_events: list[dict]) -> list[d
             out.append(h)
             continue
         ev0, ev1 = t.events
-        dev = Lane.parse(t.lane).device  # events of one device share one time base
+        # events of one device share one time base (only a schedule lane's tasks have events)
+        dev = t.lane.device if isinstance(t.lane, Lane) else None
         if dev not in firsts:
             firsts[dev] = (ev0, h["start_us"])
         ref, ref_us = firsts[dev]

@@ -15,7 +15,7 @@ from tinypipe.devices.host_buffers import aligned_empty, registrable
 from tinypipe.runtime.buffers import RowBuffer
 from tinypipe.runtime.context import StepContext
 from tinypipe.runtime.device import DeviceRuntime
-from tinypipe.schedule.ids import EMBED_FWD_ID, Kind, bwd_id, fwd_id
+from tinypipe.schedule.ids import EMBED_FWD_ID, Kind, TaskId, bwd_id, fwd_id
 from tinypipe.runtime.ssd_stash import SsdRows
 from tinypipe.schedule.plan import Plan
 from tinypipe.schedule.stash_places import host_memory_stashes
@@ -127,7 +127,8 @@ class StashIO:
             return tensor
         return buf.read(lo, hi, dev.device)
 
-    def _read_ahead(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime, producers: list[str]) -> None:
+    def _read_ahead(self, buf: RowBuffer, lo: int, hi: int, dev: DeviceRuntime,
+                    producers: list[TaskId]) -> None:
         """Start copying host-stashed rows to ``dev`` on a side stream, if their producers are done
         (rows on the SSD: start reading them into a staging slot, on every backend)."""
         if isinstance(buf, SsdRows):
@@ -180,7 +181,7 @@ class StashIO:
         self._read_ahead(self.ctx.grads[0], lo, hi, dev, prods)
 
 
-def _producer(q: int, mb: int) -> str:
+def _producer(q: int, mb: int) -> TaskId:
     """The task that writes forward micro-batch ``mb``'s rows of pack ``q``'s input: the previous
     pack's forward, or (pack 0) the embedding's forward, which writes the whole batch."""
     return EMBED_FWD_ID if q == 0 else fwd_id(q - 1, mb)

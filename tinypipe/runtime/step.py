@@ -24,7 +24,7 @@ from tinypipe.runtime.inputs import StepInputs
 from tinypipe.runtime.optim.messages import GradStream
 from tinypipe.runtime.resources import EngineResources
 from tinypipe.runtime.signals import Aborted, Signal
-from tinypipe.schedule.ids import OPTIMIZER_LANE, Lane
+from tinypipe.schedule.ids import OPTIMIZER_LANE, Lane, TaskId
 from tinypipe.schedule.plan import host_gradient_boundaries, host_stashed_inputs
 from tinypipe.schedule.tasks import STREAMING_KINDS, Schedule, Task
 
@@ -112,10 +112,9 @@ class StepRunner:
         for d in self.res.devices:
             d.backend.synchronize()
 
-    def _lane(self, ctx: StepContext, handlers: TaskHandlers, name: str, ids: list[str]) -> None:
-        """Run lane ``name``'s tasks in order (on its worker thread)."""
-        lane = Lane.parse(name)
-        tid = ""
+    def _lane(self, ctx: StepContext, handlers: TaskHandlers, lane: Lane, ids: list[TaskId]) -> None:
+        """Run ``lane``'s tasks in order (on its worker thread)."""
+        tid: TaskId | None = None
         if lane == OPTIMIZER_LANE and self.res.optimizer_threads:
             torch.set_num_threads(self.res.optimizer_threads)
         # every task of a device lane runs on that device and feeds the lane's stream
@@ -128,33 +127,34 @@ class StepRunner:
         tasks, signals, abort, side = ctx.schedule.tasks, ctx.signals, ctx.abort, ctx.side_streams
         try:
             for tid in ids:
-                ctx.current[name] = tid
+                ctx.current[lane] = tid
                 task = tasks[tid]
                 if task.kind not in STREAMING_KINDS:  # an UPDATE streams its download's chunks
                     for dep in task.deps:
                         signals[dep].wait(abort, backend, stream)
                 start = time.perf_counter()
                 ev0 = backend.record_event(stream, timing=True) if timed and backend else None
-                side[name] = []
+                side[lane] = []
                 if dev is not None:
                     with dev.backend.use_stream(stream):
                         handlers.run(task, dev)
                 else:
                     handlers.run(task, None)
                 ev1 = backend.record_event(stream, timing=True) if ev0 is not None and backend else None
-                signals[tid].fire(backend, [stream] + side[name])
+                signals[tid].fire(backend, [stream] + side[lane])
                 ctx.timings.append(
-                    TaskTiming(name, tid, start, time.perf_counter(), (ev0, ev1) if ev0 is not None else None)
+                    TaskTiming(lane, tid, start, time.perf_counter(), (ev0, ev1) if ev0 is not None else None)
                 )
         except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - surfaced to the caller by run()
-            abort.fail(f"{name} task {tid}", exc)
+            abort.fail(f"{lane} task {tid}", exc)
         finally:
-            ctx.current[name] = ""
+            ctx.current[lane] = None
 
 
 def _waiting(ctx: StepContext) -> str:
-    """Each lane's current task (for stall reports)."""
-    return ", ".join(f"{lane}:{tid}" for lane, tid in sorted(ctx.current.items()) if tid)
+    """Each lane's current task (for stall reports), lanes in the order of their names."""
+    return ", ".join(f"{lane}:{tid}" for lane, tid in sorted(ctx.current.items(), key=lambda kv: str(kv[0]))
+                     if tid is not None)
 

@@ -20,10 +20,11 @@ from tinypipe.memory.host_store import HostStore
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.optim.path import OptimizerPath
 from tinypipe.runtime.signals import Abort
+from tinypipe.schedule.ids import TaskId
 
 
 def upload_layer(store: HostStore, optim: OptimizerPath, dev: DeviceRuntime, layer: int, dst: torch.Tensor,
-                 abort: Abort | None = None, task_id: str | None = None) -> None:
+                 abort: Abort | None = None, task_id: TaskId | None = None) -> None:
     """Queue ``layer``'s current weights into ``dst`` (its slot or resident buffer) on the current
     stream, after the last step's leftover update of that layer. ``task_id``: the step's upload
     task this is (its SSD staging); None outside a step."""

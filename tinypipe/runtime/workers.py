@@ -17,15 +17,17 @@ import queue
 import threading
 from typing import Callable
 
+from tinypipe.schedule.ids import Lane
+
 IDLE_EXIT_S = 30.0
 
 
-def _idle_name(lane: str) -> str:
+def _idle_name(lane: Lane) -> str:
     return f"tinypipe idle worker {lane}"
 
 
 class _Worker:
-    def __init__(self, lane: str, pool: "LaneWorkers") -> None:
+    def __init__(self, lane: Lane, pool: "LaneWorkers") -> None:
         self.lane = lane
         self.pool = pool
         self.queue: "queue.Queue[tuple[Callable[[], None], threading.Event] | None]" = queue.Queue()
@@ -58,13 +60,13 @@ class _Worker:
 
 
 class LaneWorkers:
-    """One persistent thread per lane name; :meth:`submit` runs a callable on a lane's thread."""
+    """One persistent thread per lane; :meth:`submit` runs a callable on a lane's thread."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._workers: dict[str, _Worker] = {}
+        self._workers: dict[Lane, _Worker] = {}
 
-    def submit(self, lane: str, fn: Callable[[], None]) -> threading.Event:
+    def submit(self, lane: Lane, fn: Callable[[], None]) -> threading.Event:
         """Run ``fn`` on ``lane``'s worker; the returned event is set when it has returned."""
         done = threading.Event()
         with self._lock:

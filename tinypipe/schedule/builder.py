@@ -25,6 +25,7 @@ from tinypipe.schedule.ids import (
     HEAD,
     Kind,
     Phase,
+    TaskId,
     bwd_id,
     download_id,
     fwd_id,
@@ -42,20 +43,20 @@ class _SlotRing:
     """Static slot assignment on one device: free slots, then earliest-released slots."""
 
     count: int
-    free: deque = field(default_factory=deque)
-    pending: deque = field(default_factory=deque)  # (slot, releasing task id), in release order
+    free: deque[int] = field(default_factory=deque)
+    pending: deque[tuple[int, TaskId]] = field(default_factory=deque)  # (slot, releasing task), in order
 
     def __post_init__(self) -> None:
         self.free = deque(range(self.count))
 
-    def acquire(self, what: str) -> tuple[int, str | None]:
+    def acquire(self, what: str) -> tuple[int, TaskId | None]:
         if self.free:
             return self.free.popleft(), None
         if not self.pending:
             raise ConfigError(f"schedule needs more slots than {self.count} for {what}")
         return self.pending.popleft()
 
-    def release(self, slot: int | None, task_id: str) -> None:
+    def release(self, slot: int | None, task_id: TaskId) -> None:
         if slot is not None:  # None: a resident layer's own buffer, not a ring slot
             self.pending.append((slot, task_id))
 
@@ -98,7 +99,7 @@ class _Builder:
         self.T = self.P - plan.turn_packs
         self.carry = plan.fwd_device[self.P - 1] == plan.bwd_device[self.P - 1] and self.T == self.P
         self.fwd_slots: dict[int, tuple[int | None, ...]] = {}
-        self.fwd_uploads: dict[int, list[str]] = {}
+        self.fwd_uploads: dict[int, list[TaskId]] = {}
         self.last_head = head_id(len(self.frows) - 1)
 
     def build(self) -> Schedule:
@@ -130,17 +131,18 @@ class _Builder:
         self._add(Task(EMBED_FWD_ID, Kind.EMBED_FWD, e_dev, layers=(0,), rows=(0, self.batch),
                        deps=(resident_upload_id(0),)))
 
-    def _uploads(self, q: int, device: int, phase: Phase) -> tuple[tuple[int | None, ...], list[str]]:
+    def _uploads(self, q: int, device: int, phase: Phase) -> tuple[tuple[int | None, ...], list[TaskId]]:
         """Slots and upload task ids of pack ``q`` for one pass."""
         if q < self.R:  # resident: no slot; the forward waits for the one-time load
             loads = [resident_upload_id(layer) for layer in self._layers(q)] if phase == "f" else []
             return (None,) * len(self.plan.packs[q]), loads
-        slots, ids = [], []
+        slots: list[int | None] = []
+        ids: list[TaskId] = []
         for layer in self._layers(q):
             slot, dep = self.param_rings[device].acquire(f"layer {layer}")
             tid = upload_id(phase, q, layer)
             self._add(Task(tid, Kind.UPLOAD, device, layers=(layer,), pack=q, slots=(slot,),
-                           deps=(dep,) if dep else ()))
+                           deps=(dep,) if dep is not None else ()))
             slots.append(slot)
             ids.append(tid)
         return tuple(slots), ids
@@ -215,7 +217,7 @@ class _Builder:
         self._add(Task(head_id(m), Kind.HEAD, self.plan.head_device, layers=(self.H,), mb=m, rows=(lo, hi),
                        first=m == 0, last=m == len(self.frows) - 1, deps=tuple(deps)))
 
-    def _download_and_update(self, layer: int, device: int, grad_slot: int | None, after: str) -> None:
+    def _download_and_update(self, layer: int, device: int, grad_slot: int | None, after: TaskId) -> None:
         dl = download_id(layer)
         slots = (grad_slot,) if grad_slot is not None else ()
         if self.reduce:  # summed across the replicas first; the download waits for it
@@ -226,21 +228,21 @@ class _Builder:
         self.grad_rings[device].release(grad_slot, dl)
         self._add(Task(update_id(layer), Kind.UPDATE, -1, layers=(layer,), deps=(dl,)))
 
-    def _grad_slots(self, q: int, device: int) -> tuple[list[int | None], list[str]]:
+    def _grad_slots(self, q: int, device: int) -> tuple[list[int | None], list[TaskId]]:
         """Gradient slots of pack ``q``'s layers and the downloads they wait for."""
         gslots: list[int | None] = []
-        gdeps = []
+        gdeps: list[TaskId] = []
         for layer in self._layers(q):
             if q < self.R:  # a resident layer accumulates into its own resident gradient buffer
                 gslots.append(None)
                 continue
             g, dep = self.grad_rings[device].acquire(f"gradients of layer {layer}")
             gslots.append(g)
-            if dep:
+            if dep is not None:
                 gdeps.append(dep)
         return gslots, gdeps
 
-    def _backward_deps(self, q: int, n: int, first_deps: list[str]) -> list[str]:
+    def _backward_deps(self, q: int, n: int, first_deps: list[TaskId]) -> list[TaskId]:
         lo, hi = self.brows[n]
         deps = [EMBED_FWD_ID] + (first_deps if n == 0 else [])
         if q == self.P - 1:

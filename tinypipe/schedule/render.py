@@ -10,14 +10,15 @@ from tinypipe.schedule.tasks import Schedule
 
 
 def to_text(sched: Schedule) -> str:
-    """One block per lane, one line per task: id, layers, rows, slots and dependencies."""
+    """One block per lane, one line per task: id, layers, rows, slots and dependencies (lanes in
+    the order of their names)."""
     p = sched.plan
     lines = [
         f"schedule: batch={sched.batch} packs={[list(x) for x in p.packs]} fwd_mb={p.micro_batch_size} "
         f"bwd_mb={p.backward_micro_batch_size} devices={p.num_devices} window={p.prefetch_window} "
         f"slots/device={p.param_slots()} grad_slots/device={p.grad_slot_count()}"
     ]
-    for lane in sorted(sched.lanes):
+    for lane in sorted(sched.lanes, key=str):
         lines.append(f"[{lane}]")
         for tid in sched.lanes[lane]:
             t = sched.tasks[tid]
@@ -28,8 +29,8 @@ def to_text(sched: Schedule) -> str:
                 extra.append(f"slots={list(t.slots)}")
             if t.grad_slots:
                 extra.append(f"gslots={list(t.grad_slots)}")
-            deps = f" after {', '.join(t.deps)}" if t.deps else ""
-            lines.append(f"  {t.id:<16} layers={list(t.layers)} {' '.join(extra)}{deps}")
+            deps = f" after {', '.join(map(str, t.deps))}" if t.deps else ""
+            lines.append(f"  {str(t.id):<16} layers={list(t.layers)} {' '.join(extra)}{deps}")
     return "\n".join(lines)
 
 

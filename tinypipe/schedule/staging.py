@@ -54,7 +54,7 @@ class StageSet:
     role: Role
     layer: int
     names: tuple[str, ...]
-    first: str
+    first: TaskId
 
 
 @dataclass(frozen=True)
@@ -64,7 +64,7 @@ class StagingOrder:
 
     uploads: tuple[StageSet, ...] = ()
     updates: tuple[StageSet, ...] = ()
-    upload_of: dict[str, int] = field(default_factory=dict)  # upload task id -> index in uploads
+    upload_of: dict[TaskId, int] = field(default_factory=dict)  # upload task id -> index in uploads
     master_of: dict[int, int] = field(default_factory=dict)  # layer -> index of its master set
     state_of: dict[int, int] = field(default_factory=dict)  # layer -> index of its state set
 
@@ -78,7 +78,7 @@ def staging_order(schedule: Schedule, regions: Mapping[int, Collection[str]]) ->
     LayerState fields and ``"grad"``)."""
     uploads: list[StageSet] = []
     updates: list[StageSet] = []
-    upload_of: dict[str, int] = {}
+    upload_of: dict[TaskId, int] = {}
     master_of: dict[int, int] = {}
     state_of: dict[int, int] = {}
     for tid in schedule.order:
@@ -90,7 +90,7 @@ def staging_order(schedule: Schedule, regions: Mapping[int, Collection[str]]) ->
         if not names:
             continue
         if task.kind in (Kind.UPLOAD, Kind.RESIDENT_UPLOAD):
-            backward = task.kind is Kind.UPLOAD and TaskId.parse(tid).phase == "b"
+            backward = task.kind is Kind.UPLOAD and tid.phase == "b"
             own = tuple(n for n in ("master", "frozen") if n in names and not (backward and n == "master"))
             if backward and "master" in names and layer not in master_of:
                 master_of[layer] = len(updates)

@@ -1,11 +1,12 @@
-"""Tasks and schedules: what runs where, in which order, after what (kinds, ids and lane names:
-:mod:`tinypipe.schedule.ids`)."""
+"""Tasks and schedules: what runs where, in which order, after what (kinds, task ids and lanes:
+:mod:`tinypipe.schedule.ids`). A schedule is keyed by :class:`TaskId` and :class:`Lane`, never by
+their text: ``str()`` makes the text where it is shown (traces, dumps, messages)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from tinypipe.schedule.ids import Kind, lane_of
+from tinypipe.schedule.ids import Kind, Lane, TaskId, lane_of
 from tinypipe.schedule.plan import Plan
 
 #: Kinds whose dependencies only need to have *started*: an UPDATE consumes its DOWNLOAD's chunks
@@ -20,7 +21,7 @@ class Task:
     """One unit of work on one lane. ``deps`` name tasks that must complete first; ids are built
     by :mod:`tinypipe.schedule.ids`."""
 
-    id: str
+    id: TaskId
     kind: Kind
     device: int
     layers: tuple[int, ...] = ()
@@ -31,10 +32,10 @@ class Task:
     grad_slots: tuple[int | None, ...] = ()
     first: bool = False
     last: bool = False
-    deps: tuple[str, ...] = ()
+    deps: tuple[TaskId, ...] = ()
 
     @property
-    def lane(self) -> str:
+    def lane(self) -> Lane:
         return lane_of(self.kind, self.device)
 
 
@@ -45,9 +46,9 @@ class Schedule:
     plan: Plan
     batch: int
     num_layers: int  # embedding + blocks + head
-    tasks: dict[str, Task] = field(default_factory=dict)
-    lanes: dict[str, list[str]] = field(default_factory=dict)
-    order: list[str] = field(default_factory=list)  # a global order consistent with all deps
+    tasks: dict[TaskId, Task] = field(default_factory=dict)
+    lanes: dict[Lane, list[TaskId]] = field(default_factory=dict)
+    order: list[TaskId] = field(default_factory=list)  # a global order consistent with all deps
     _upload_ranks: dict[int, int] | None = field(default=None, init=False, repr=False, compare=False)
 
     def upload_order(self) -> dict[int, int]:
@@ -63,6 +64,11 @@ class Schedule:
         return self._upload_ranks
 
     def add(self, task: Task) -> Task:
+        """Append ``task`` to its lane and the global order. A text id (``"fwd/0/0"``) is refused:
+        it would never equal the :class:`TaskId` the rest of the step looks up."""
+        if type(task.id) is not TaskId or not all(type(d) is TaskId for d in task.deps):
+            raise TypeError(f"task {task.id!r}: ids and deps must be TaskId (tinypipe.schedule.ids), "
+                            f"not text; deps {task.deps!r}")
         if task.id in self.tasks:
             raise ValueError(f"duplicate task id {task.id}")
         self.tasks[task.id] = task

@@ -6,7 +6,7 @@ backward."""
 from __future__ import annotations
 
 from tinypipe.errors import ConfigError
-from tinypipe.schedule.ids import Kind, resident_upload_id
+from tinypipe.schedule.ids import Kind, TaskId, resident_upload_id
 from tinypipe.schedule.tasks import STREAMING_KINDS, Schedule
 
 
@@ -25,8 +25,8 @@ def validate(sched: Schedule) -> None:
 def _check_no_deadlock(sched: Schedule) -> None:
     """Simulate the lanes: each runs its list in order, a task only once all deps have run."""
     heads = {lane: 0 for lane in sched.lanes}
-    done: set[str] = set()
-    started: set[str] = set()  # at the head of its lane with all deps done
+    done: set[TaskId] = set()
+    started: set[TaskId] = set()  # at the head of its lane with all deps done
     remaining = len(sched.tasks)
     while remaining:
         progressed = False
@@ -50,7 +50,7 @@ def _check_no_deadlock(sched: Schedule) -> None:
             for lane, ids in sched.lanes.items():
                 if heads[lane] < len(ids):
                     t = sched.tasks[ids[heads[lane]]]
-                    stuck.append(f"{lane}:{t.id} waits for {[d for d in t.deps if d not in done]}")
+                    stuck.append(f"{lane}:{t.id} waits for {[str(d) for d in t.deps if d not in done]}")
             raise ConfigError("schedule deadlocks: " + "; ".join(stuck))
 
 
@@ -58,9 +58,9 @@ def _check_slots(sched: Schedule) -> None:
     """Every upload into a slot must depend on the last task that used the slot's previous layer,
     and every compute task must depend (directly or via an earlier task of its pack) on the
     uploads of its layers."""
-    last_user: dict[tuple[int, int], str] = {}
+    last_user: dict[tuple[int, int], TaskId] = {}
     occupant: dict[tuple[int, int], int] = {}
-    loader: dict[tuple[int, int], str] = {}  # (device, slot) -> the upload that filled it
+    loader: dict[tuple[int, int], TaskId] = {}  # (device, slot) -> the upload that filled it
     for tid in sched.order:
         t = sched.tasks[tid]
         if t.kind is Kind.UPLOAD:
@@ -88,7 +88,7 @@ def _check_slots(sched: Schedule) -> None:
                     raise ConfigError(f"schedule: {t.id} uses slot {key} without waiting for "
                                       f"{loader.get(key)}")
                 last_user[key] = t.id
-    grad_user: dict[tuple[int, int], str] = {}
+    grad_user: dict[tuple[int, int], TaskId] = {}
     for tid in sched.order:
         t = sched.tasks[tid]
         if t.kind is Kind.BWD and t.first:

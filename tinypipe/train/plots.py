@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from types import MappingProxyType
+
+from tinypipe.schedule.ids import Lane
 
 GIB = 1024**3
-#: Lane kinds in the order they are drawn, with their colours.
-LANE_COLOURS = (("compute", "tab:blue"), ("h2d", "tab:green"), ("d2h", "tab:orange"),
-                ("optimizer", "tab:red"), ("ssd:read", "tab:purple"), ("ssd:write", "tab:brown"),
-                ("collective", "tab:cyan"))
+#: Colours of a schedule lane, by its ``Lane.name`` (a device stream or a host worker).
+LANE_COLOURS = MappingProxyType({"compute": "tab:blue", "h2d": "tab:green", "d2h": "tab:orange",
+                                 "optimizer": "tab:red", "deferred-optimizer": "tab:red",
+                                 "collective": "tab:cyan"})
+#: Colours of the SSD tier's trace lanes (no lanes of a schedule), by their text.
+SSD_LANE_COLOURS = MappingProxyType({"ssd:read": "tab:purple", "ssd:write": "tab:brown"})
 
 
 def _figure(width: float, height: float):  # noqa: ANN202 - matplotlib types
@@ -54,10 +59,12 @@ def plot_metrics(records: list[dict], out_png: str | os.PathLike[str]) -> Path:
 
 
 def _lane_colour(lane: str) -> str:
-    for key, colour in LANE_COLOURS:
-        if lane.endswith(key):
-            return colour
-    return "tab:gray"
+    """The colour of a timeline event's lane (its text: the timeline is read back here)."""
+    try:
+        name = Lane.parse(lane).name
+    except ValueError:
+        return SSD_LANE_COLOURS.get(lane, "tab:gray")
+    return LANE_COLOURS.get(name, "tab:gray")
 
 
 def plot_timeline(records: list[dict], events: list[dict], out_png: str | os.PathLike[str]) -> Path:

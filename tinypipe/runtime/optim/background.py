@@ -66,7 +66,7 @@ class BackgroundUpdates:
                     event.set()
                 self._done.set()
 
-        workers.submit(str(BACKGROUND_LANE), run)
+        workers.submit(BACKGROUND_LANE, run)
 
     @property
     def pending(self) -> bool:

@@ -28,6 +28,7 @@ from tinypipe.errors import StorageError
 from tinypipe.memory.host_store import HostStore, LayerState
 from tinypipe.runtime.signals import POLL_S, Abort, Aborted
 from tinypipe.runtime.workers import LaneWorkers
+from tinypipe.schedule.ids import Lane, TaskId
 from tinypipe.schedule.plan import Plan
 from tinypipe.schedule.staging import (
     DEFAULT_READ_AHEAD,
@@ -42,7 +43,7 @@ from tinypipe.storage import IoHandle, IoRecord, IoTotals, StagedLayer, StagingP
 from tinypipe.storage.staging import Pinner
 
 #: Lanes (worker threads) of the two stagers.
-UPLOAD_STAGER, UPDATE_STAGER = "host:ssd-stage-uploads", "host:ssd-stage-updates"
+UPLOAD_STAGER, UPDATE_STAGER = Lane(None, "ssd-stage-uploads"), Lane(None, "ssd-stage-updates")
 Key = tuple[int, str]
 
 
@@ -147,7 +148,7 @@ class SsdTier:
 
     def _stage_all(self, st: _Step, sets: tuple[StageSet, ...], staged: list[StagedLayer | None],
                    ready: list[threading.Event], pool: StagingPool | None, before: Callable[[StageSet], None],
-                   lane: str) -> None:
+                   lane: Lane) -> None:
         """A stager: issue ``sets`` in order (blocking while the pool is full)."""
         assert pool is not None
         try:
@@ -161,7 +162,7 @@ class SsdTier:
         except Aborted:
             return
         except BaseException as exc:  # noqa: BLE001 - surfaced as the step's failure
-            st.abort.fail(lane, exc)
+            st.abort.fail(str(lane), exc)
 
     def _stage(self, pool: StagingPool, keys: list[Key], reads: list[Key],
                check: Callable[[], None]) -> StagedLayer:
@@ -207,7 +208,7 @@ class SsdTier:
 
     # ------------------------------------------------------------------ the tasks' side
 
-    def upload_sources(self, task_id: str, layer: int, master: torch.Tensor, frozen: torch.Tensor | None
+    def upload_sources(self, task_id: TaskId, layer: int, master: torch.Tensor, frozen: torch.Tensor | None
                        ) -> tuple[torch.Tensor, torch.Tensor | None, StagedLayer | None]:
         """What upload ``task_id`` copies: staged views for what lives on the SSD, ``master`` /
         ``frozen`` (the DRAM tensors) otherwise, and the set to release after the copy."""
@@ -246,7 +247,7 @@ class SsdTier:
             frozen = self._view(sl, layer, "frozen")
         return master, frozen, sl
 
-    def uploaded(self, task_id: str, sl: StagedLayer) -> None:
+    def uploaded(self, task_id: TaskId, sl: StagedLayer) -> None:
         """The upload's copies out of ``sl`` are complete: its slots go back to the pool."""
         st = self._current()
         sl.release()
