@@ -87,7 +87,9 @@ def long_context_lines(result: PlanResult) -> list[str]:
             f"{sum(plan.stash_on_host[1:])} of {plan.num_packs - 1} pack inputs{embed} stashed in host "
             "memory"
             + ("" if not plan.stash_on_ssd else f" ({len(plan.stash_on_ssd)} of them on the SSD)") + "; "
-            f"{_attention_text(s.model_type, result.seq)}"]
+            f"{_attention_text(s.model_type, result.seq)}",
+            "caution: at long sequences the GPU estimate lacks part of a block's backward working set "
+            "(measured up to ~2x it on a GPU: docs/long_context.md); leave headroom under the cap"]
 
 
 def _attention_text(model_type: str, seq: int) -> str:
