@@ -78,6 +78,11 @@ ROWS: dict[str, Row] = {
     "long-8b-32k-packed": EngineRow("8b", seq=32768, batch=2, docs=8, warmup=1, steps=2, seconds=100),
     "long-qlora-8b-64k": EngineRow("8b", lora="nf4", lr=2e-4, seq=65536, batch=2, warmup=1, steps=1,
                                    seconds=190),
+    # diagnostic, in no tier (--rows): the 64K row with eager blocks -- on the CPU the engine's
+    # Inductor-compiled block backward held ~2x the eager one at long sequences (bench/archive/
+    # engine_task_rss.py), the planner's estimate sized for the eager one
+    "long-qlora-8b-64k-eager": EngineRow("8b", lora="nf4", lr=2e-4, seq=65536, batch=2, warmup=1, steps=1,
+                                         seconds=190, compile_blocks="off", memory_detail=True),
     # the machinery itself on a CPU (tests/test_acceptance.py): in no tier
     "tiny-cpu": EngineRow("tiny", devices=("cpu",), lr=1e-3, warmup=1, steps=2, seconds=30),
     "cli-cpu": CliRow(device="cpu", steps=4, seconds=120),

@@ -57,6 +57,7 @@ class EngineRow:
     #: alive at its peak, by the code that allocated it (benchkit/cuda_peak.py), in the raw file.
     #: None: only when the GPU peak exceeded the planner's estimate (the check would fail)
     memory_detail: bool | None = None
+    compile_blocks: str = "auto"  # Config.compile_blocks ("off": eager blocks, a diagnostic row)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,7 +182,7 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
                                  seq_len=int(batch["input_ids"].shape[1]),
                                  global_batch=int(batch["input_ids"].shape[0]),
                                  gpu_memory_bytes=budget if cuda else None, max_grad_norm=row.max_grad_norm,
-                                 **kw)
+                                 compile_blocks=row.compile_blocks, **kw)
         t1 = time.perf_counter()
         engine = tinypipe.Engine(model, config)
         engine_s = time.perf_counter() - t1
