@@ -2,7 +2,7 @@
 
 Question (issue #32): why did the 2 x 64K QLoRA row peak at 17.87 GiB on the GPU against 9.61
 planned? A model at the Llama-3.1-8B shape's ratios, scaled to hidden 1024 (intermediate 3584,
-8/2 heads, 4 blocks), NF4 + rank-16 adapters, trains 2 x S tokens on the CPU with the long-context
+8/2 heads, 4 blocks), NF4 + rank-16 adapters (--train), trains 2 x S tokens on the CPU with the long-context
 plan (pack 1, micro-batch 1, MLP chunks of S/8, host stash); a second step is sampled: the
 process's resident bytes every ~0.5 ms (run with ``MALLOC_MMAP_THRESHOLD_=65536`` so each large
 tensor is its own mapping, returned when freed), each task's span and, for pack 1's backward, the
@@ -32,6 +32,8 @@ def main() -> None:
     ap.add_argument("--chunk", type=int, default=None, help="MLP chunk tokens (default seq/8; 0: unchunked)")
     ap.add_argument("--precision", default="fp32")
     ap.add_argument("--segment-attention", type=int, default=1)
+    ap.add_argument("--train", choices=("qlora", "lora", "full"), default="qlora",
+                    help="NF4 base + adapters, a dense base + adapters, or full fine-tuning")
     a = ap.parse_args()
 
     import torch
@@ -49,10 +51,14 @@ def main() -> None:
                                    max_position_embeddings=seq, tie_word_embeddings=False)
     cfg._attn_implementation = "sdpa"
     torch.manual_seed(0)
-    model = apply_lora(transformers.AutoModelForCausalLM.from_config(cfg),
-                       LoraSettings(rank=16, alpha=32.0, quantize="nf4", compute_dtype=a.precision))
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    if a.train != "full":
+        quantize = "nf4" if a.train == "qlora" else None
+        settings = LoraSettings(rank=16, alpha=32.0, quantize=quantize, compute_dtype=a.precision)
+        model = apply_lora(model, settings)
     config = tinypipe.Config(devices=["cpu"], precision=a.precision, pack_size=1, micro_batch_size=1,
-                             backward_micro_batch_size=1, prefetch_window=1, stash="host", mlp_chunk_tokens=chunk,
+                             backward_micro_batch_size=1, prefetch_window=1, stash="host",
+                             mlp_chunk_tokens=chunk,
                              segment_attention=bool(a.segment_attention), seq_len=seq, global_batch=2,
                              compile_blocks=a.compile, lr=1e-4)
     engine = tinypipe.Engine(model, config)
@@ -96,8 +102,10 @@ def main() -> None:
     sampler.join()
     unit = seq * hidden * (2 if a.precision == "bf16" else 4)
     times = [t for t, _ in samples]
-    print(f"step 2: loss {second.loss:.4f}; {len(samples)} samples; u = one [S, H] tensor = {unit / 2**20:.0f} MiB; "
-          f"compile {a.compile}, S {seq}, MLP chunk {chunk}, {a.precision}, segment attention {a.segment_attention}")
+    print(f"step 2: loss {second.loss:.4f}; {len(samples)} samples; "
+          f"u = one [S, H] tensor = {unit / 2**20:.0f} MiB; "
+          f"{a.train}, compile {a.compile}, S {seq}, MLP chunk {chunk}, {a.precision}, "
+          f"segment attention {a.segment_attention}")
     for start, end, name in sorted(spans, key=lambda s: s[0]):
         if not name.startswith("bwd/"):
             continue
