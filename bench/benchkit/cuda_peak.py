@@ -39,21 +39,22 @@ def peak_breakdown(trace: Sequence[dict[str, Any]], baseline: int = 0, top: int 
     its ``free_requested`` (the program let go of it; ``free_completed``, when the allocator may
     reuse it, follows); a free of a block allocated before the trace began lowers the count below
     the baseline, as it did on the device."""
-    live: dict[int, dict[str, Any]] = {}
     current = peak = baseline
-    at_peak: dict[int, dict[str, Any]] = {}
     peak_index = -1
-    for i, e in enumerate(trace):
+    for i, e in enumerate(trace):  # first pass: when the count was highest
         action = e.get("action")
         if action == "alloc":
-            live[e["addr"]] = e
             current += int(e["size"])
             if current > peak:
                 peak, peak_index = current, i
-                at_peak = dict(live)
         elif action == "free_requested":  # (its free_completed follows: the same block, not again)
-            live.pop(e["addr"], None)
             current -= int(e["size"])
+    at_peak: dict[int, dict[str, Any]] = {}
+    for e in trace[: peak_index + 1]:  # second pass: the blocks alive then
+        if e.get("action") == "alloc":
+            at_peak[e["addr"]] = e
+        elif e.get("action") == "free_requested":
+            at_peak.pop(e["addr"], None)
     groups: dict[tuple[str, str, str], list[int]] = {}
     for e in at_peak.values():
         frames = e.get("frames") or []
