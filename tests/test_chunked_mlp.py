@@ -135,7 +135,8 @@ def test_memory_is_bounded_by_the_chunk() -> None:
 
 
 def test_compiled_chunked_block_equals_eager() -> None:
-    """Dynamo traces the chunk loop and its checkpoints (aot_eager: no C compiler needed)."""
+    """A compiled block with a chunked MLP (the loop a graph break, aot_eager: no C compiler
+    needed) gives the eager block's gradients."""
     model = make_model("llama", layers=1)
     chunk_mlps(_blocks(model), 5)
     block = _blocks(model)[0]
@@ -170,4 +171,42 @@ def test_a_compact_kept_block_with_a_chunked_mlp_equals_the_plain_block() -> Non
         y = y[0] if isinstance(y, tuple) else y
         grads.append(torch.autograd.grad(y.square().sum(), [x, *params]))
     for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_no_compiled_graph_spans_two_chunks() -> None:
+    """The shell's compiled blocks over long micro-batches (chunked MLP and folded norms): every
+    graph the compiler is given holds at most one chunk's matrix products (three, the MLP's), and
+    the result is the eager shell's. Why: traced into one graph, Inductor fused the chunks'
+    kernels across chunks and held every chunk's intermediates at once in the backward (+22
+    [S, H] tensors against eager's +8.4, issue #32; models/chunked_mlp.py)."""
+    from tinypipe.models.decompose import Decomposition
+    from tinypipe.models.shell import Shell
+
+    products: list[int] = []
+
+    def counting_backend(gm: torch.fx.GraphModule, example_inputs: list) -> object:
+        products.append(sum(n.op == "call_function" and "linear" in str(n.target)
+                            for sub in gm.modules() if isinstance(sub, torch.fx.GraphModule)
+                            for n in sub.graph.nodes))  # checkpoints' bodies are subgraphs
+        return gm.forward
+
+    model = make_model("llama", layers=1)
+    chunk = 5
+    x = torch.randn(2, 16, 32)  # 32 tokens: 7 chunks (the last of 2)
+    results = []
+    for backend in (None, counting_backend):
+        shell = Shell(model, Decomposition(model), torch.device("cpu"), mlp_chunk_tokens=chunk)
+        for name, p in model.named_parameters():
+            shell.bind(name, p.detach().clone().requires_grad_(True))
+        if backend is not None:
+            shell.compile_blocks(backend)
+        inp = x.clone().requires_grad_(True)
+        pos = torch.arange(16)[None].expand(2, 16)
+        cos, sin = model.model.rotary_emb(inp, pos)
+        call = ((), dict(position_embeddings=(cos, sin), attention_mask=None, position_ids=pos))
+        y = shell.block_forward(0, inp, call)
+        results.append((y.detach(), torch.autograd.grad(y.square().sum(), inp)[0]))
+    assert products and max(products) <= 3, products
+    for a, b in zip(*results):
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-6)

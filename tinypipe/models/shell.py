@@ -132,6 +132,13 @@ class Shell:
 
         self.runners = [CompiledBlock(b, backend, replay_random) for b in self.blocks]
         self.compact_runners = [CompiledBlock(CompactBlock(b), backend, replay_random) for b in self.blocks]
+        if self.mlp_chunk_tokens > 0:  # long micro-batches: the chunk loops run outside the graphs
+            from tinypipe.models.chunked_mlp import ChunkedMLP
+
+            for block in self.blocks:
+                for module in block.modules():
+                    if isinstance(module, ChunkedMLP):
+                        module.compile_chunks(backend, replay_random)
         self.compiled = True
 
     def bind(self, name: str, tensor: torch.Tensor) -> None:
