@@ -9,8 +9,11 @@ complete as soon as it is recorded, and pinning is a no-op.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import warnings
-from typing import Iterator
+import weakref
+from typing import Callable, Iterator
 
 import torch
 
@@ -126,13 +129,56 @@ def make_backend(name: str) -> Backend:
 _HOST_REGISTER_PORTABLE = 1  # pinned for every device's context, not just the current one
 
 
+@functools.lru_cache(maxsize=1)
+def _cuda_get_last_error() -> Callable[[], int] | None:
+    """The CUDA runtime's ``cudaGetLastError`` of the library torch loaded (None: not found).
+    torch binds cudaHostRegister/Unregister but not this; the runtime's error state is per
+    library instance, so it is looked up in the process's own mappings."""
+    paths = []
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "libcudart.so" in line})
+    except OSError:
+        pass
+    for lib in [*paths, None]:  # None: the symbols the process has loaded globally
+        try:
+            return getattr(ctypes.CDLL(lib), "cudaGetLastError")
+        except (OSError, AttributeError):
+            continue
+    return None
+
+
+def clear_cuda_error() -> bool:
+    """Reset this thread's CUDA last error after a runtime call that failed (returns whether it
+    could). Why: a failed cudaHostRegister or cudaHostUnregister leaves the error set, and torch
+    reports it at its next kernel launch as that kernel's own failure -- measured on an H100: an
+    optimizer's ``zero_()`` raised "part or all of the requested memory range is already mapped"
+    after a registration had fallen back to pageable memory as designed."""
+    get_last_error = _cuda_get_last_error()
+    if get_last_error is None:
+        return False
+    get_last_error()
+    return True
+
+
+def _unregister_all(registered: list[tuple[int, torch.Tensor]]) -> None:
+    """Undo the registrations in ``registered`` (the tensors are alive until this returns)."""
+    for ptr, _ in registered:
+        err = torch.cuda.cudart().cudaHostUnregister(ptr)
+        if getattr(err, "value", err) != 0:
+            clear_cuda_error()
+    registered.clear()
+
+
 class HostPinner:
     """Page-locks host tensors in place with cudaHostRegister (no copy, no size rounding).
 
     ``tensor.pin_memory()`` copies into a new allocation rounded up to a power of two; for tens
     of GB of master weights that doubles host memory transiently and wastes up to half of it
     permanently. Registering the buffer we already own costs neither. Registration is undone by
-    :meth:`release`. A no-op when CUDA is absent or ``enabled`` is False.
+    :meth:`release`, or when the pinner is garbage-collected (an engine never closed): memory
+    freed while still registered leaves its address range registered, and the next buffer the
+    allocator puts there fails to register. A no-op when CUDA is absent or ``enabled`` is False.
 
     The pinning mode is therefore not a trade-off the planner has to search: registered memory
     is the same bytes as pageable memory, and faster to copy. Pageable is only the fallback when
@@ -145,6 +191,8 @@ class HostPinner:
         self._registered: list[tuple[int, torch.Tensor]] = []
         self.bytes = 0
         self.failed = ""  # why registration stopped, if it did
+        self._finalizer = weakref.finalize(self, _unregister_all, self._registered)
+        self._finalizer.atexit = False  # at interpreter exit the process's memory goes anyway
 
     def pin(self, tensor: torch.Tensor) -> None:
         if not self.enabled or tensor.numel() == 0:
@@ -153,18 +201,19 @@ class HostPinner:
         err = torch.cuda.cudart().cudaHostRegister(ptr, size, _HOST_REGISTER_PORTABLE)
         code = getattr(err, "value", err)
         if code != 0:
+            cleared = clear_cuda_error()
             self.enabled = False  # keep what is registered; the rest stays pageable
             self.failed = f"cudaHostRegister of {size} bytes failed with CUDA error {code}"
             warnings.warn(f"{self.failed} after {self.bytes / 2**30:.1f} GiB: continuing with pageable host "
-                          "memory (slower host<->device copies)", RuntimeWarning, stacklevel=2)
+                          "memory (slower host<->device copies)"
+                          + ("" if cleared else "; the CUDA error state could not be reset"),
+                          RuntimeWarning, stacklevel=2)
             return
         self._registered.append((ptr, tensor))
         self.bytes += size
 
     def release(self) -> None:
-        for ptr, _ in self._registered:
-            torch.cuda.cudart().cudaHostUnregister(ptr)
-        self._registered.clear()
+        _unregister_all(self._registered)
         self.bytes = 0
 
 

@@ -172,11 +172,14 @@ class Shell:
             pass
         if rec.hidden is None or any(c is None for c in rec.calls):
             raise UnsupportedModelError("the trunk's forward did not reach every decoder block")
-        calls = list(rec.calls)
+        calls, hidden = list(rec.calls), rec.hidden
+        # the recorder lets go: it held the whole batch's embedding output until the next step's
+        # embedding (1 GiB at 2 x 64K tokens of the 8B shape, on the GPU while the blocks ran)
+        rec.hidden, rec.calls = None, [None] * rec.count
         if self.segment_attention:  # the trunk built no mask: every block gets the segments instead
             starts = segment_starts(input_ids, attention_mask, position_ids)
             calls = [(args, {**kwargs, STARTS_KWARG: starts}) for args, kwargs in calls]  # type: ignore[misc]
-        return rec.hidden, calls  # type: ignore[return-value]
+        return hidden, calls  # type: ignore[return-value]
 
     def block_forward(self, index: int, hidden: torch.Tensor, call: tuple[tuple, dict],
                       compact: bool = False) -> torch.Tensor:
