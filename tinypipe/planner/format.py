@@ -89,7 +89,7 @@ def long_context_lines(result: PlanResult) -> list[str]:
             + ("" if not plan.stash_on_ssd else f" ({len(plan.stash_on_ssd)} of them on the SSD)") + "; "
             f"{_attention_text(s.model_type, result.seq)}",
             "caution: at long sequences the GPU estimate lacks part of a block's backward working set "
-            "(measured up to ~2x it on a GPU: docs/long_context.md); leave headroom under the cap"]
+            "(measured 1.25x it on an H100 at 2 x 64K: docs/long_context.md); leave headroom under the cap"]
 
 
 def _attention_text(model_type: str, seq: int) -> str:
