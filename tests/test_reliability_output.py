@@ -85,6 +85,51 @@ def test_the_checkpoint_swap_refuses_a_foreign_directory(tmp_path) -> None:  # t
     assert (final / "optimizer.pt").read_bytes() == b"theirs"
 
 
+def _checkpoint_dir(path: Path, step: int) -> Path:
+    path.mkdir()
+    (path / "state.json").write_text(json.dumps({"format": 1, "layers": ["a", "b"], "extra": {"step": step}}))
+    for name in ("layer_000.safetensors", "layer_001.safetensors", "optim_000.safetensors"):
+        (path / name).write_bytes(b"x" * 64)
+    return path
+
+
+@pytest.mark.parametrize("survive", [0, 1, 2, 3, 4])
+def test_a_kill_while_the_old_checkpoint_is_deleted_leaves_it_tinypipes(tmp_path, monkeypatch, survive) -> None:  # type: ignore
+    """A SIGKILL part-way through deleting ``checkpoint.old`` after a swap: what is left still
+    carries tinypipe's state.json, so ``--resume`` and the next save accept it and the next swap
+    deletes it -- rmtree's order had left a marker-less remainder the output guard refused as
+    foreign (tests/test_ssd_kill.py, once in CI). ``survive``: deletions done before the kill."""
+    from tinypipe.cli.output_guard import check_output
+    from tinypipe.runtime import checkpoint as ckpt
+
+    final = _checkpoint_dir(tmp_path / "checkpoint", 2)
+    tmp = _checkpoint_dir(tmp_path / "checkpoint.tmp", 3)
+    import os
+
+    real_unlink = os.unlink
+    done: list[object] = []
+
+    def killed_after(path, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        if len(done) >= survive:
+            raise KeyboardInterrupt("killed")  # stands in for the SIGKILL: nothing after it runs
+        done.append(path)
+        real_unlink(path, *args, **kwargs)
+
+    old = tmp_path / "checkpoint.old"
+    _checkpoint_dir(old, 1)  # a previous interrupted save left one
+    monkeypatch.setattr(os, "unlink", killed_after)  # what rmtree and Path.unlink call
+    with pytest.raises(KeyboardInterrupt):
+        ckpt.swap_in(tmp, final)  # deletes the stale .old before moving checkpoint there
+    monkeypatch.setattr(os, "unlink", real_unlink)
+    assert not ckpt.is_foreign(old) and ckpt.find_checkpoint(final) == final
+    assert ckpt.is_tinypipe_checkpoint(old) or not any(old.iterdir())  # at worst an empty directory
+    check_output(tmp_path, resume=True, overwrite=False)  # --resume is not refused
+    shutil.rmtree(tmp)  # the next save starts by removing an interrupted one's temporary directory
+    nxt = _checkpoint_dir(tmp_path / "checkpoint.tmp", 3)
+    ckpt.swap_in(nxt, final)
+    assert not old.exists() and json.loads((final / "state.json").read_text())["extra"]["step"] == 3
+
+
 def test_output_equal_to_model_is_refused(capsys, tiny_model_dir, data, tmp_path) -> None:  # type: ignore
     model = tmp_path / "model"
     shutil.copytree(tiny_model_dir, model)

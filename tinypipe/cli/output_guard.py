@@ -37,7 +37,7 @@ def check_output(out: Path, *, resume: bool, overwrite: bool, resumable: bool = 
         raise ConfigError("give --resume (continue the checkpoint) or --overwrite (start over), not both")
     for name in (CHECKPOINT, CHECKPOINT + ".old"):
         foreign = out / name
-        if foreign.exists() and not _is_ours(foreign):
+        if _is_foreign(foreign):
             raise ConfigError(f"{foreign}: exists and was not written by tinypipe (no tinypipe state.json), "
                               "and tinypipe keeps its checkpoints there: move it away or choose another "
                               "--output")
@@ -61,10 +61,10 @@ def _same_dir(a: Path, b: Path) -> bool:
         return False
 
 
-def _is_ours(path: Path) -> bool:
-    from tinypipe.runtime.checkpoint import is_tinypipe_checkpoint  # torch: not at import
+def _is_foreign(path: Path) -> bool:
+    from tinypipe.runtime.checkpoint import is_foreign  # torch: not at import
 
-    return is_tinypipe_checkpoint(path)
+    return is_foreign(path)
 
 
 def _checkpoint_step(out: Path) -> int | str | None:

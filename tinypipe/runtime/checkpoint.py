@@ -151,13 +151,13 @@ def swap_in(tmp: Path, final: Path) -> None:
     ConfigError instead (the new checkpoint stays in ``tmp``)."""
     old = final.with_name(final.name + ".old")
     for existing in (final, old):
-        if existing.exists() and not is_tinypipe_checkpoint(existing):
+        if is_foreign(existing):
             raise ConfigError(f"{existing}: exists and is not a tinypipe checkpoint; tinypipe writes its "
                               "checkpoints there and would replace it: move it away or choose another "
                               "--output")
     if final.exists():
         if old.exists():
-            shutil.rmtree(old)
+            remove_checkpoint(old)
         os.replace(final, old)
         _fsync_dir(final.parent)
     phase("moved-old")
@@ -165,13 +165,44 @@ def swap_in(tmp: Path, final: Path) -> None:
     _fsync_dir(final.parent)
     phase("swapped")
     if old.exists():
-        shutil.rmtree(old)
+        remove_checkpoint(old)
+
+
+#: The files that mark a directory as a tinypipe checkpoint (:func:`is_tinypipe_checkpoint`).
+MARKERS = ("state.json", "manifest.json")
+
+
+def remove_checkpoint(path: Path) -> None:
+    """Delete the tinypipe checkpoint directory ``path``, its marker files last: a kill part-way
+    leaves a directory tinypipe still recognises as its own (and deletes at the next save), not a
+    marker-less remainder that the output guard must refuse as foreign (seen in the SSD kill test:
+    ``checkpoint.old: exists and was not written by tinypipe`` on ``--resume``)."""
+    for entry in sorted(path.iterdir()):
+        if entry.name in MARKERS:
+            continue
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry)
+        else:
+            entry.unlink()
+    for name in MARKERS:
+        (path / name).unlink(missing_ok=True)
+    path.rmdir()
+
+
+def is_foreign(path: str | os.PathLike) -> bool:
+    """Whether ``path`` exists and holds something tinypipe did not write: not one of its
+    checkpoints, and not the empty directory a kill between deleting one's markers and the
+    directory itself leaves (:func:`remove_checkpoint`)."""
+    p = Path(path)
+    if not p.exists() or is_tinypipe_checkpoint(p):
+        return False
+    return not (p.is_dir() and not any(p.iterdir()))
 
 
 def is_tinypipe_checkpoint(path: str | os.PathLike) -> bool:
     """Whether directory ``path`` is a checkpoint tinypipe wrote (a ``state.json`` or a sharded
     ``manifest.json`` with its format and layers): only those are ever replaced or deleted."""
-    for name in ("state.json", "manifest.json"):
+    for name in MARKERS:
         try:
             record = json.loads((Path(path) / name).read_text())
         except (OSError, ValueError):
