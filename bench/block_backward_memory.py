@@ -13,6 +13,10 @@ the planner's figure, in GiB and in [S, H] tensors of the compute dtype.
 
     python bench/block_backward_memory.py --seq 16384 --seq 65536              # on the GPU machine
     python bench/block_backward_memory.py --train lora --seq 16384 --seq 65536
+
+``--train lora`` needs peft: on the GPU machine carry the wheels (``.whl/``, see
+``bench/acceptance_device.sh``) and run ``python3 -m pip install -q --no-index --no-deps --target
+/tmp/site .whl/*.whl && PYTHONPATH=$PWD:/tmp/site python3 bench/block_backward_memory.py ...``.
     python bench/block_backward_memory.py --device cpu --model tiny --seq 1024 --chunk 256   # smoke
 
 On CUDA the numbers come from ``torch.cuda.max_memory_allocated``; on the CPU from the profiler's
