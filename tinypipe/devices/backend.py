@@ -151,9 +151,9 @@ def _cuda_get_last_error() -> Callable[[], int] | None:
 def clear_cuda_error() -> bool:
     """Reset this thread's CUDA last error after a runtime call that failed (returns whether it
     could). Why: a failed cudaHostRegister or cudaHostUnregister leaves the error set, and torch
-    reports it at its next kernel launch as that kernel's own failure -- measured on an H100: an
-    optimizer's ``zero_()`` raised "part or all of the requested memory range is already mapped"
-    after a registration had fallen back to pageable memory as designed."""
+    reports it at its next kernel launch as that kernel's own failure (e.g. an optimizer's
+    ``zero_()`` raising "part or all of the requested memory range is already mapped") after the
+    registration had fallen back to pageable memory as designed."""
     get_last_error = _cuda_get_last_error()
     if get_last_error is None:
         return False

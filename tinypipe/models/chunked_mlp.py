@@ -15,12 +15,10 @@ of the MLP acts on one token (row) alone, so it can run on a chunk of rows at a 
 
 Compiled blocks (:mod:`tinypipe.models.compiled`) leave the chunk loop out of their graph: the loop
 runs eagerly with the same checkpoints, each chunk through the MLP compiled on its own
-(:meth:`ChunkedMLP.compile_chunks`). Traced into the block's graph, Inductor fused the chunks'
-elementwise kernels across chunks (horizontally: they share the norm's weight) and deferred the
-weight-gradient products to the graph's end, so every chunk's recomputed intermediates were alive
-at once: a block's backward held +22 [S, H] tensors above its start against eager's +8.4 (CPU,
-Llama block at hidden 1024, 4096 tokens in chunks of 512), the 2 x 64K QLoRA row 17.9 GiB on an
-H100 against 9.6 planned (issue #32).
+(:meth:`ChunkedMLP.compile_chunks`). Traced into the block's graph, Inductor fuses the chunks'
+elementwise kernels across chunks (horizontally: they share the norm's weight) and defers the
+weight-gradient products to the graph's end, so every chunk's recomputed intermediates are alive
+at once -- about twice an eager block's backward (docs/long_context.md has the measurements).
 
 The result equals the unchunked MLP's to float rounding (a matrix product over fewer rows may be
 blocked differently); a micro-batch of at most ``chunk_tokens`` tokens runs the MLP unchunked, so

@@ -173,8 +173,8 @@ class Shell:
         if rec.hidden is None or any(c is None for c in rec.calls):
             raise UnsupportedModelError("the trunk's forward did not reach every decoder block")
         calls, hidden = list(rec.calls), rec.hidden
-        # the recorder lets go: it held the whole batch's embedding output until the next step's
-        # embedding (1 GiB at 2 x 64K tokens of the 8B shape, on the GPU while the blocks ran)
+        # the recorder lets go: holding it would keep the whole batch's embedding output on the
+        # device until the next step's embedding, whatever the plan does with it
         rec.hidden, rec.calls = None, [None] * rec.count
         if self.segment_attention:  # the trunk built no mask: every block gets the segments instead
             starts = segment_starts(input_ids, attention_mask, position_ids)

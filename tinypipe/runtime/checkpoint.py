@@ -175,8 +175,7 @@ MARKERS = ("state.json", "manifest.json")
 def remove_checkpoint(path: Path) -> None:
     """Delete the tinypipe checkpoint directory ``path``, its marker files last: a kill part-way
     leaves a directory tinypipe still recognises as its own (and deletes at the next save), not a
-    marker-less remainder that the output guard must refuse as foreign (seen in the SSD kill test:
-    ``checkpoint.old: exists and was not written by tinypipe`` on ``--resume``)."""
+    marker-less remainder that the output guard must refuse as foreign on ``--resume``."""
     for entry in sorted(path.iterdir()):
         if entry.name in MARKERS:
             continue
