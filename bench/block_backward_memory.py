@@ -40,7 +40,7 @@ from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for  # noqa: E402
 GIB = 1024**3
 
 
-def _cpu_peak(fn: Callable[[], object]) -> int:
+def cpu_peak(fn: Callable[[], object]) -> int:
     """Peak of bytes allocated minus freed while ``fn`` runs (profiler allocation timeline)."""
     from torch.profiler import ProfilerActivity, profile
     from torch.profiler import _memory_profiler as mp
@@ -54,11 +54,35 @@ def _cpu_peak(fn: Callable[[], object]) -> int:
     return peak
 
 
+def chunked_block(cfg, dtype: torch.dtype, lora, chunk: int, dev: torch.device, *,  # noqa: ANN001
+                  segment_attention: bool = False, backend: str | None = None) -> tuple[object, list[torch.Tensor]]:
+    """A shell of ``cfg``'s probe-initialised model (``lora``: with adapters) on ``dev``, its MLPs in
+    chunks of ``chunk`` tokens, its parameters bound; and block 0's trainable tensors as bound."""
+    from tinypipe.models.decompose import Decomposition
+    from tinypipe.models.shell import Shell
+    from tinypipe.planner.probe import probe_model
+
+    model = probe_model(cfg, dtype, lora)
+    dec = Decomposition(model)
+    shell = Shell(model, dec, dev, mlp_chunk_tokens=chunk, segment_attention=segment_attention)
+    if backend is not None:
+        shell.compile_blocks(backend)
+    named = dict(model.named_parameters())
+    for name in dec.aliases:
+        shell.bind(name, named[name].detach().to(dev).requires_grad_(named[name].requires_grad))
+    trained = []
+    for p in dec.layers[1].params:
+        module, attr = shell._slots[p.name][0]  # noqa: SLF001 - a measurement script
+        if module._parameters[attr].requires_grad:  # noqa: SLF001
+            trained.append(module._parameters[attr])  # noqa: SLF001
+    return shell, trained
+
+
 def _measure(dev: torch.device, fn: Callable[[], object]) -> tuple[object, int, int]:
     """(fn's result, bytes it left allocated, its peak above its start)."""
     if dev.type != "cuda":
         out: list[object] = []
-        peak = _cpu_peak(lambda: out.append(fn()))
+        peak = cpu_peak(lambda: out.append(fn()))
         return out[0], -1, peak
     torch.cuda.synchronize(dev)
     start = torch.cuda.memory_allocated(dev)
@@ -100,9 +124,6 @@ def main() -> int:
 
     from tinypipe.lora import LoraSettings
     from tinypipe.models.compiled import resolve_backend
-    from tinypipe.models.decompose import Decomposition
-    from tinypipe.models.shell import Shell
-    from tinypipe.planner.probe import build_model
     from tinypipe.planner.sizes import lora_sizes, model_sizes
 
     dev = torch.device(a.device)
@@ -116,28 +137,7 @@ def main() -> int:
     for seq in a.seq or [16384, 65536]:
         chunk = a.chunk if a.chunk is not None else mlp_chunk_tokens_for(None, sizes.intermediate, elem, seq)
         torch.manual_seed(0)
-        model = build_model(cfg, "cpu", dtype)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.normal_(0, 0.02)
-        if settings is not None:
-            from tinypipe.lora.hooks import split_peft
-            from tinypipe.lora.settings import apply_lora
-
-            _, model = split_peft(apply_lora(model, settings))
-            model.to(dtype)
-        dec = Decomposition(model)
-        shell = Shell(model, dec, dev, mlp_chunk_tokens=chunk, segment_attention=True)
-        if backend is not None:
-            shell.compile_blocks(backend)
-        named = dict(model.named_parameters())
-        for name in dec.aliases:
-            shell.bind(name, named[name].detach().to(dev).requires_grad_(named[name].requires_grad))
-        trained = []
-        for p in dec.layers[1].params:
-            module, attr = shell._slots[p.name][0]  # noqa: SLF001 - a measurement script
-            if module._parameters[attr].requires_grad:  # noqa: SLF001
-                trained.append(module._parameters[attr])  # noqa: SLF001
+        shell, trained = chunked_block(cfg, dtype, settings, chunk, dev, segment_attention=True, backend=backend)
         ids = torch.randint(0, sizes.vocab, (1, seq), device=dev)
         with torch.no_grad():
             hidden, calls = shell.embed_forward(ids, None)
@@ -161,7 +161,7 @@ def main() -> int:
         rows.append((seq, chunk, saved, plan_saved, bwd_peak, plan_transient, u))
         print(f"seq {seq}: chunk {chunk}, saved {saved / GIB:.2f} GiB (planner {plan_saved / GIB:.2f}), "
               f"backward above its start {bwd_peak / GIB:.2f} GiB (planner {plan_transient / GIB:.2f})", flush=True)
-        del x, gout, calls, shell, model, trained
+        del x, gout, calls, shell, trained
         if dev.type == "cuda":
             torch.cuda.empty_cache()
 

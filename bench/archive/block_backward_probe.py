@@ -19,59 +19,22 @@ backward peak measured on the GPU at long sequences is what the estimate needs (
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-
-
-def peak_created_bytes(fn) -> int:  # noqa: ANN001
-    """Peak of bytes allocated minus freed while ``fn`` runs (the profiler's memory timeline)."""
-    from torch.profiler import ProfilerActivity, profile
-    from torch.profiler import _memory_profiler as mp
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True, record_shapes=True) as prof:
-        fn()
-    cur = peak = 0
-    for _, action, _, size in mp.MemoryProfile(prof.profiler.kineto_results).timeline:
-        if action == mp.Action.CREATE:
-            cur += size
-        elif action == mp.Action.DESTROY:
-            cur -= size
-        peak = max(peak, cur)
-    return peak
+sys.path.insert(0, str(ROOT / "bench"))  # block_backward_memory
 
 
 def backward_extra(cfg, seq: int, chunk: int, lora) -> tuple[int, int]:  # noqa: ANN001
+    """(what block 0's backward allocates above its start, its trainable parameters' bytes)."""
     import torch
 
-    from tinypipe.models.decompose import Decomposition
-    from tinypipe.models.shell import Shell
-    from tinypipe.planner.probe import PROBE_VOCAB, build_model
+    from block_backward_memory import chunked_block, cpu_peak
+    from tinypipe.planner.probe import PROBE_VOCAB
 
-    dtype = torch.bfloat16
-    model = build_model(cfg, "cpu", dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    if lora is not None:
-        from tinypipe.lora.hooks import split_peft
-        from tinypipe.lora.settings import apply_lora
-
-        _, model = split_peft(apply_lora(model, dataclasses.replace(lora, quantize=None)))
-        model.to(dtype)
-    dec = Decomposition(model)
-    shell = Shell(model, dec, torch.device("cpu"), mlp_chunk_tokens=chunk)
-    named = dict(model.named_parameters())
-    for name in dec.aliases:
-        shell.bind(name, named[name].detach().requires_grad_(named[name].requires_grad or lora is None))
-    trained = []
-    for p in dec.layers[1].params:  # block 0's parameters as the shell binds them
-        module, attr = shell._slots[p.name][0]  # noqa: SLF001 - a measurement script
-        if module._parameters[attr].requires_grad:  # noqa: SLF001
-            trained.append(module._parameters[attr])  # noqa: SLF001
+    shell, trained = chunked_block(cfg, torch.bfloat16, lora, chunk, torch.device("cpu"))
     ids = torch.randint(0, PROBE_VOCAB, (2, seq), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         hidden, calls = shell.embed_forward(ids, None)
@@ -79,7 +42,7 @@ def backward_extra(cfg, seq: int, chunk: int, lora) -> tuple[int, int]:  # noqa:
     with torch.enable_grad():
         y = shell.block_forward(0, x, calls[0])
     gy = torch.randn_like(y)
-    extra = peak_created_bytes(lambda: torch.autograd.grad(y, [x, *trained], gy, allow_unused=True))
+    extra = cpu_peak(lambda: torch.autograd.grad(y, [x, *trained], gy, allow_unused=True))
     return extra, sum(t.numel() * t.element_size() for t in trained)
 
 

@@ -134,6 +134,24 @@ def build_model(cfg: transformers.PretrainedConfig, device: str, dtype: torch.dt
     return model
 
 
+def probe_model(cfg: transformers.PretrainedConfig, dtype: torch.dtype,
+                lora: LoraSettings | None = None) -> nn.Module:
+    """A model of ``cfg`` on the CPU with small random weights (what is measured on it does not
+    depend on their values), wrapped with ``lora``'s adapters over a dense base when given (PEFT's
+    inner model: a quantized base saves as a frozen dense one)."""
+    model = build_model(cfg, "cpu", dtype)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02)
+    if lora is not None:
+        from tinypipe.lora.hooks import split_peft
+        from tinypipe.lora.settings import apply_lora
+
+        _, model = split_peft(apply_lora(model, dataclasses.replace(lora, quantize=None)))
+        model.to(dtype)
+    return model
+
+
 def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtype,
                            lora: LoraSettings | None = None) -> tuple[float, float, float]:
     """Bytes autograd saves per token for block 0 of a (probe-sized) model, excluding its input
@@ -143,17 +161,7 @@ def _saved_bytes_per_token(cfg: transformers.PretrainedConfig, dtype: torch.dtyp
     a recomputed block saves then (the MLP's input, not its intermediates). ``lora``: with
     PEFT's adapters on a dense base (frozen base weights save no inputs for their gradients, the
     adapters add their own intermediates; a quantized base saves as a frozen dense one)."""
-    model = build_model(cfg, "cpu", dtype)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0, 0.02)
-    if lora is not None:
-        from tinypipe.lora.hooks import split_peft
-        from tinypipe.lora.settings import apply_lora
-
-
-        _, model = split_peft(apply_lora(model, dataclasses.replace(lora, quantize=None)))
-        model.to(dtype)
+    model = probe_model(cfg, dtype, lora)
     dec = Decomposition(model)
     shell = Shell(model, dec, torch.device("cpu"))
     chunked = Shell(model, dec, torch.device("cpu"), mlp_chunk_tokens=PROBE_BATCH * PROBE_SEQ // 4)
