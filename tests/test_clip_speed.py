@@ -112,8 +112,9 @@ def test_resident_packs_shorten_the_clipped_step_by_their_host_pass() -> None:
 
 
 def test_search_steps_more_on_the_gpu_under_clipping() -> None:
-    """W1 under 24 GiB: without clipping the fastest plan keeps at most its first pack resident
-    (the host lane's last work, planner/host_lane.py); under clipping the search ranks by the
+    """W1 under 24 GiB: without clipping the fastest plan keeps at most its first two one-block
+    packs resident (the host lane's last work, planner/host_lane.py: 1 until attention's backward
+    was priced at its own FLOP ratio, 2 since, 1 % faster predicted); under clipping the search ranks by the
     clipped step and steps more blocks on the GPU (resident packs, assisted layers), which is
     faster in a clipped step than the unclipped choice; a tighter GPU steps fewer there."""
     w, sizes = _w1()
@@ -121,7 +122,7 @@ def test_search_steps_more_on_the_gpu_under_clipping() -> None:
     cfg = transformers.LlamaConfig(**w.config)
     plain = plan_for(cfg, "h200-pcie5", gpu_memory_bytes=24 * GIB, **kw)
     clip = plan_for(cfg, "h200-pcie5", gpu_memory_bytes=24 * GIB, max_grad_norm=1.0, **kw)
-    assert plain.best.plan.resident_packs <= 1
+    assert plain.best.plan.resident_packs <= 2
     def stepped_on_gpu(p) -> int:  # blocks a clipped step updates on the GPU
         return sum(len(p.packs[q]) for q in range(p.resident_packs)) + len(p.assisted)
 

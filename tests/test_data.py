@@ -500,3 +500,15 @@ def test_fuzz_chat_round_trip(tok, turns, system):
     ids, labels = flat(ds)
     assert tok.decode(ids) == tok.apply_chat_template(messages, tokenize=False) + tok.eos_token
     assert _assistant_text(tok, labels) == "".join(a for _, a in turns)
+
+
+def test_document_tokens_is_the_token_weighted_mean_document_length():
+    """What the planner prices attention by (Config.document_tokens): rows of 8 hold documents of
+    5 and 3, 6 and a 2-token padding tail, one of 8 -> (25 + 9 + 36 + 4 + 64) / 24 tokens; one
+    document per row (no packing) is the row's length."""
+    docs = [(list(range(1, n + 1)), list(range(1, n + 1))) for n in (5, 3, 6, 8)]
+    packed, _ = pack(docs, 8, packing=True, pad_id=0)
+    assert len(packed) == 3
+    assert packed.document_tokens() == round((25 + 9 + 36 + 4 + 64) / 24)
+    unpacked, _ = pack(docs, 8, packing=False, pad_id=0)
+    assert unpacked.document_tokens() == 8

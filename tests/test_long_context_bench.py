@@ -55,6 +55,10 @@ def test_refusals_and_the_time_budget_skip_rows(tmp_path: Path) -> None:
 
 
 
+@pytest.mark.xfail(strict=True, reason="since the estimate counts a chunked block's attention backward "
+                   "(planner/estimate.py ATTENTION_BACKWARD_ROWS: 7 rows of [S, H], 7 GiB at 128K) the 24 GiB "
+                   "cap refuses 8B full fine-tuning at 128K (needs 26.3 GiB); fits again once attention's "
+                   "backward is chunked by queries (issue #32)")
 def test_the_ssd_row_plans_128k_full_fine_tuning_within_its_host_budget(tmp_path: Path) -> None:
     """Real shape, planning only: what 128 GiB of DRAM refuses (the row above), the SSD tier
     fits -- under the row's 120 GiB host budget and the 24 GiB cap, the moments on the disk."""

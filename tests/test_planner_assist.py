@@ -158,7 +158,7 @@ def test_assist_shortens_the_clipped_step_of_a_host_bound_plan(no_chunk_overhead
     chosen = evaluate(sizes, hw, plan, assist_within=24 * GIB, **kw)
     layers = chosen.plan.assisted
     assert 0 < len(layers) < sizes.num_blocks and set(layers) <= assistable(plan)
-    assert chosen.time.clipped_step_s < 0.9 * plain.time.clipped_step_s
+    assert chosen.time.clipped_step_s < 0.92 * plain.time.clipped_step_s  # 0.90 of it at CLIPPED_ADAMW_EFFICIENCY 0.918
     held = evaluate(sizes, floored, plan, assist_within=24 * GIB, **kw).time.clipped_step_s
     assert chosen.time.clipped_step_s < held < plain.time.clipped_step_s
     assert chosen.time.step_s == plain.time.step_s

@@ -215,6 +215,12 @@ class Config:
         shape in bf16). 0: never chunk. Blocks without an ``mlp`` module (OPT) are not
         chunked. For Llama, Mistral, Qwen2 and Qwen3 the blocks' norms run inside the chunks too
         (one more norm and q/k/v forward per chunked block in the backward).""")
+    document_tokens: int | None = setting(None, LONG_CONTEXT, """
+        The documents packed into each sequence, for the planner's time model: their token-weighted
+        mean length (sum of squared lengths / sum of lengths). Each document attends only within
+        itself, so attention's FLOPs scale with it, not with ``seq_len`` (a 32K sequence of eight
+        4K documents attends 8x less than one 32K document). None: one document per sequence.
+        Changes predictions and so the plan chosen, never what is computed.""")
     segment_attention: bool | None = setting(None, LONG_CONTEXT, """
         Attend within each packed document (and sliding window) without transformers' dense
         ``[B, 1, S, S]`` mask (:mod:`tinypipe.models.segment_attention`): 16 GiB per 128K-token
@@ -360,8 +366,8 @@ class Config:
             if not (d == "cpu" or d == "cuda" or d.startswith("cuda:")):
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
         optional = ("micro_batch_size", "prefetch_window", "backward_micro_batch_size", "grad_slots",
-                    "host_grad_buffers", "head_chunk_tokens", "mlp_chunk_tokens", "optimizer_threads",
-                    "seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes", "resident_packs",
+                    "host_grad_buffers", "head_chunk_tokens", "mlp_chunk_tokens", "document_tokens",
+                    "optimizer_threads", "seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes", "resident_packs",
                     "dropout_seed")
         for name in optional:
             value = getattr(self, name)
@@ -375,7 +381,7 @@ class Config:
                 and not all(isinstance(p, int) and not isinstance(p, bool) for p in self.pack_size))
         ):
             raise ConfigError(f"pack_size must be a whole number or a list of them, got {self.pack_size!r}")
-        for name in ("seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes"):
+        for name in ("seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes", "document_tokens"):
             value = getattr(self, name)
             if value is not None and value < (2 if name == "seq_len" else 1):
                 raise ConfigError(f"{name} must be >= {2 if name == 'seq_len' else 1}, got {value}")

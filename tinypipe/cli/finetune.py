@@ -59,6 +59,8 @@ def _finetune(args: argparse.Namespace, s: FinetuneSettings, config: Config, aut
         _cap_gpu_memory(config.devices, s.gpu_memory)
     if auto or s.gpu_memory or s.cpu_memory:  # plan for (or check the plan against) the workload
         config = config.replace(**config_values(s, workload=True, seq_len=seq_len))
+        if config.document_tokens is None and dataset.document_tokens() < seq_len:  # packed rows
+            config = config.replace(document_tokens=dataset.document_tokens())
     elif config.mlp_chunk_tokens is None:  # the automatic MLP chunk depends on the row length alone
         config = config.replace(mlp_chunk_tokens=_mlp_chunk(model, config.precision, seq_len))
     engine = Engine(model, config, plan=plan)

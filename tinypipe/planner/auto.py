@@ -290,7 +290,7 @@ def request_for(config: Config, model: nn.Module, hw: HardwareSpec) -> PlanReque
                        device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
                        ssd=ssd_for(config, hw), keep_activations=config.keep_activations,
                        assist_updates=config.assist_updates, turn_packs=config.turn_packs,
-                       mlp_chunk_tokens=config.mlp_chunk_tokens)
+                       mlp_chunk_tokens=config.mlp_chunk_tokens, document_tokens=config.document_tokens)
 
 
 def quantized_base(model: nn.Module) -> bool:

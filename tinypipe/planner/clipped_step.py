@@ -39,7 +39,7 @@ from tinypipe.schedule.plan import Plan, host_stashed_inputs
 #: uploads and the cores with the lanes. Fitted together with FORWARD_RATE_FACTOR (the pass races
 #: the forward) on the median of several clipped runs by ``bench/archive/refit_clipped.py``, and
 #: checked out of sample on a larger model's (docs/measured.md).
-CLIPPED_ADAMW_EFFICIENCY = 0.900
+CLIPPED_ADAMW_EFFICIENCY = 0.918
 
 
 def clipped_adamw_rate(rates: Rates) -> float:

@@ -81,6 +81,15 @@ STAGING_MAX = 32 * 1024 * 1024
 NORM_COPY_BYTES_PER_ELEMENT = 0
 #: cuBLAS workspaces per stream, loss scalars, contexts: measured residue on the H200 runs.
 CUDA_WORKSPACE_BYTES = 288 * 1024**2
+#: Rows of the query heads' width (``heads * head_dim``, compute dtype) per token that a block's
+#: attention backward allocates beside its saved tensors: the output gradient and the kernel's
+#: copy of it, dQ, dQ's fp32 accumulator (two rows' bytes), and dK, dV at the query heads' width
+#: (grouped-query attention expands them before summing each group). What sets the peak of a
+#: chunked block's backward, whose MLP holds one chunk's rows; an unchunked MLP's saved
+#: intermediates always outweigh it. The H100's allocator history at 2 x 64K tokens (QLoRA, the
+#: Llama-3.1-8B shape, bench/results/acceptance/e8bdd13/) shows 6.5 such rows with compiled
+#: blocks and 7.5 with eager ones (tests/test_long_context_planner.py).
+ATTENTION_BACKWARD_ROWS = 7
 
 def _is_cuda(device: str) -> bool:
     return device.startswith("cuda")
@@ -194,6 +203,7 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     kept_tok = min(act_tok, sizes.kept_block_bytes(precision))
     cuda = [_is_cuda(d) for d in devices]
     norm_copy = NORM_COPY_BYTES_PER_ELEMENT
+    q_width = sizes.num_heads * sizes.head_dim
 
     # ---- phases in global order: EF, F0..F(P-1), HEAD, B(P-1)..B0, EB, DLE ----------------
     EF, HEAD, EB, DLE = 0, P + 1, 2 * P + 2, 2 * P + 3
@@ -275,14 +285,18 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
             # (a compact graph recomputes one block's elementwise tensors for it: the difference)
             work[d][Bk(q)] += tf * 2 * sizes.intermediate * a + tf * max(0.0, act_tok - kept_tok)
             continue
+        mlp_tok = act_tok * sizes.mlp_bytes_per_token(precision) / sizes.block_act_bytes(precision)
         if mlp_rows(tb) < tb:  # chunked: no MLP intermediates saved, one chunk's recomputed at a time
-            mlp_tok = act_tok * sizes.mlp_bytes_per_token(precision) / sizes.block_act_bytes(precision)
             saved = (tb * (act_tok - mlp_tok) * len(pack) + mlp_rows(tb) * mlp_tok
                      + tb * H * a * (len(pack) - 1))
         else:
             saved = tb * act_tok * len(pack) + tb * H * a * (len(pack) - 1)
-        transient = mlp_rows(tb) * 2 * sizes.intermediate * a
-        work[d][Bk(q)] += saved + transient + remote_rows(q, d, tb)
+        # a block's backward runs its MLP's (one chunk's when chunked: its recomputed intermediates
+        # and their gradients), then its attention's, once the MLP's saved tensors are freed
+        mlp_phase = mlp_rows(tb) * 2 * sizes.intermediate * a
+        attention_phase = tb * (ATTENTION_BACKWARD_ROWS * q_width * a - mlp_tok) if mlp_rows(tb) == tb \
+            else tb * ATTENTION_BACKWARD_ROWS * q_width * a - mlp_rows(tb) * mlp_tok
+        work[d][Bk(q)] += saved + max(mlp_phase, attention_phase) + remote_rows(q, d, tb)
     # kept packs: every forward micro-batch's graph, from the pack's forward to its backward; in
     # host memory (Plan.kept_on_host) only what is in flight: two forward micro-batches' graphs
     # on their way down (until the forward ends: the link may lag), the backward's and the next

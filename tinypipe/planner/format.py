@@ -88,8 +88,8 @@ def long_context_lines(result: PlanResult) -> list[str]:
             "memory"
             + ("" if not plan.stash_on_ssd else f" ({len(plan.stash_on_ssd)} of them on the SSD)") + "; "
             f"{_attention_text(s.model_type, result.seq)}",
-            "caution: at long sequences the GPU estimate lacks part of a block's backward working set "
-            "(measured 1.25x it on an H100 at 2 x 64K: docs/long_context.md); leave headroom under the cap"]
+            "caution: at long sequences the GPU estimate's attention backward rests on one measured row "
+            "(2 x 64K QLoRA on an H100: docs/long_context.md); leave headroom under the cap"]
 
 
 def _attention_text(model_type: str, seq: int) -> str:

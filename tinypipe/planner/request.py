@@ -84,6 +84,10 @@ class PlanRequest:
     assist_updates: bool = True
     #: Tokens per MLP chunk (0: unchunked; None: the engine's automatic choice for ``seq``).
     mlp_chunk_tokens: int | None = None
+    #: Documents packed into each sequence: their token-weighted mean length (sum of squared
+    #: lengths / sum of lengths), which sets attention's FLOPs (each attends within itself);
+    #: None: one document per sequence.
+    document_tokens: int | None = None
     #: Host gradient buffers the runtime keeps (None: its default).
     host_grad_buffers: int | None = None
     #: Plans kept on the result's Pareto front.
@@ -116,6 +120,8 @@ class PlanRequest:
             raise ConfigError(f"GPU memory budget must be positive, got {self.gpu_memory_bytes}")
         if self.host_shards < 1:
             raise ConfigError(f"host_shards must be >= 1, got {self.host_shards}")
+        if self.document_tokens is not None and self.document_tokens < 1:
+            raise ConfigError(f"document_tokens must be >= 1, got {self.document_tokens}")
         if self.host_shards > 1 and self.ssd is not None:
             raise sharded_ssd_refusal()
         cfg, name = _resolve(self.model_config)

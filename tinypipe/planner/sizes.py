@@ -107,6 +107,14 @@ class ModelSizes:
     #: quantized per block (what the kernels dequantize every pass); "" / () for a dense base
     quantize: str = ""
     quant_block_params: tuple[int, ...] = ()
+    #: the workload's documents: the token-weighted mean length of the documents packed into a
+    #: sequence (each attends only within itself: models/segment_attention.py); 0: one per sequence
+    document_tokens: int = 0
+
+    def attended_tokens(self, seq: int) -> int:
+        """The causal span a token's attention covers on average, doubled (``seq`` for one document
+        per sequence): attention's FLOPs per token are ``2 * attended_tokens * heads * head_dim``."""
+        return min(seq, self.document_tokens) if self.document_tokens > 0 else seq
 
     @property
     def frozen_label(self) -> str:

@@ -33,6 +33,12 @@ HEAD_EFFICIENCY = 0.87
 #: of traced runs, whose backward sat on the hardware's rate; checked out of sample on runs of a
 #: larger model (``python bench/archive/refit_compute.py``, docs/measured.md).
 FORWARD_RATE_FACTOR = 1.125
+#: Attention's backward FLOPs per forward FLOP, whether or not the weights train: scaled
+#: dot-product attention's forward is two products (QK^T, AV), its backward five (the scores
+#: recomputed, dV, dP, dQ, dK), FlashAttention-2's count. A block's other matmuls cost 1x their
+#: forward in the backward when frozen (the input gradient only) and 2x when trained. It matters at
+#: long sequences: at 64K tokens attention is ~55 % of an 8B block's forward FLOPs, at 2K ~4 %.
+ATTENTION_BACKWARD_RATIO = 2.5
 #: Fixed cost per pack execution (forward or backward), seconds.
 PACK_OVERHEAD_S = 2.1e-3
 #: Speed-up of the block work per extra device: fitted on one two-GPU run (docs/measured.md).
@@ -179,6 +185,9 @@ class Work:
     #: the MLPs run in chunks (long sequences): the embedding's output may be host-stashed too
     #: (:func:`~tinypipe.schedule.plan.host_stashed_inputs`)
     long_sequences: bool = False
+    #: per pack, the part of ``fwd_flops`` that is attention's (its backward costs
+    #: :data:`ATTENTION_BACKWARD_RATIO` times it, trained weights or not)
+    attn_flops: list[float] = field(default_factory=list)
 
     @staticmethod
     def of(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int, precision: str,
@@ -186,7 +195,7 @@ class Work:
         tokens = batch * seq
         rates = rates_for(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
                        tb=min(plan.backward_micro_batch_size, batch) * seq)
-        attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim  # causal QK^T + AV, forward
+        attn_per_token = 2.0 * sizes.attended_tokens(seq) * sizes.num_heads * sizes.head_dim  # causal QK^T + AV
         stats = pack_stats(sizes, plan.packs)
         fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
         chunked = mlp_chunk > 0 and min(plan.backward_micro_batch_size, batch) * seq > mlp_chunk
@@ -201,13 +210,16 @@ class Work:
         # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
         slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
         return Work(rates, fwd_flops, packs, _dequant_work(sizes, plan, batch, hw),
-                     tokens * sizes.hidden * elem, slowdown, fwd_flops_again, long_sequences=mlp_chunk > 0)
+                     tokens * sizes.hidden * elem, slowdown, fwd_flops_again, long_sequences=mlp_chunk > 0,
+                     attn_flops=[attn_per_token * len(p) * tokens for p in plan.packs])
 
 
 def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
-               dequant: list[tuple[float, float]], chunk_flops: Sequence[float] = ()) -> Lanes:
+               dequant: list[tuple[float, float]], chunk_flops: Sequence[float] = (),
+               attn_flops: Sequence[float] = ()) -> Lanes:
     """Each pack's compute on its forward and backward device (``dequant``: QLoRA's dequantization
-    seconds per pack, forward and backward), and the uploads and gradient downloads of the packs
+    seconds per pack, forward and backward; ``attn_flops``: the attention part of ``fwd_flops``,
+    see :data:`ATTENTION_BACKWARD_RATIO`), and the uploads and gradient downloads of the packs
     that move (resident packs never do)."""
     plan = packs.plan
     n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
@@ -221,10 +233,12 @@ def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
         res = q < R
         lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0] + (
             packs.exposed(q, rates.h2d) if q > 0 and not res else 0.0)
+        attn = attn_flops[q] if attn_flops else 0.0
+        bwd_flops = bwd_mult * (fwd_flops[q] - attn) + ATTENTION_BACKWARD_RATIO * attn
         if plan.kept(q):  # no recompute: the forward's graph, one forward micro-batch at a time
-            pass_s = bwd_mult * fwd_flops[q] / rates.kept_backward
+            pass_s = bwd_flops / rates.kept_backward
         else:
-            pass_s = fwd_flops[q] / rates.recompute + bwd_mult * fwd_flops[q] / rates.backward
+            pass_s = fwd_flops[q] / rates.recompute + bwd_flops / rates.backward
         if chunk_flops:
             pass_s += chunk_flops[q] / rates.recompute
         b_s = pass_s + PACK_OVERHEAD_S + dequant[q][1] + (
@@ -379,7 +393,7 @@ def recompute_seconds(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     micro-batch's recompute rate) -- what keeping its activations saves."""
     rates = rates_for(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
                    tb=min(plan.backward_micro_batch_size, batch) * seq)
-    attn_per_token = 2.0 * seq * sizes.num_heads * sizes.head_dim
+    attn_per_token = 2.0 * sizes.attended_tokens(seq) * sizes.num_heads * sizes.head_dim
     stats = pack_stats(sizes, plan.packs)
     return [(2.0 * st[2] + attn_per_token * len(p)) * batch * seq / rates.recompute
             for st, p in zip(stats, plan.packs)]

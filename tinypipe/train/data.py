@@ -86,6 +86,20 @@ class PackedDataset:
     def seq_len(self) -> int:
         return self.input_ids.shape[1]
 
+    def document_tokens(self) -> int:
+        """The rows' documents' token-weighted mean length (sum of squared lengths / sum of
+        lengths; ``seq_len`` for one document per row): what attention's FLOPs scale with, for the
+        planner (``Config.document_tokens``)."""
+        if self.position_ids is None:
+            return self.seq_len
+        starts = (self.position_ids == 0).flatten().nonzero().flatten()
+        ends = torch.cat([starts[1:], starts.new_tensor([self.position_ids.numel()])])
+        rows = self.seq_len
+        # a document never crosses a row: each row starts one, so a span's end is clipped to its row
+        ends = torch.minimum(ends, (starts // rows + 1) * rows)
+        lengths = (ends - starts).double()
+        return max(1, round(float((lengths * lengths).sum() / lengths.sum())))
+
     def select(self, index: slice | torch.Tensor) -> "PackedDataset":
         """The rows at ``index`` (e.g. a held-out split), with their positions or masks."""
         def pick(t: torch.Tensor | None) -> torch.Tensor | None:
