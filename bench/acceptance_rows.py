@@ -182,7 +182,8 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
                                  seq_len=int(batch["input_ids"].shape[1]),
                                  global_batch=int(batch["input_ids"].shape[0]),
                                  gpu_memory_bytes=budget if cuda else None, max_grad_norm=row.max_grad_norm,
-                                 compile_blocks=row.compile_blocks, **kw)
+                                 compile_blocks=row.compile_blocks,
+                                 document_tokens=row.seq // row.docs if row.docs > 1 else None, **kw)
         t1 = time.perf_counter()
         engine = tinypipe.Engine(model, config)
         engine_s = time.perf_counter() - t1

@@ -159,6 +159,11 @@ def _lora_settings(row: Row, tiny: bool):  # -> LoraSettings | None
     return LoraSettings(rank=16, alpha=32.0, quantize=row.lora, compute_dtype="fp32" if tiny else "bf16")
 
 
+def _document_tokens(row: Row, seq: int) -> int | None:
+    """The planner's attention span for the row's packed documents (None: one per row)."""
+    return -(-seq // row.docs) if row.docs > 1 else None
+
+
 def plan_row(row: Row, seq: int, a: argparse.Namespace) -> dict[str, Any]:
     """The planner's answer for ``row`` at ``seq`` tokens: the prediction, or the refusal."""
     from tinypipe.errors import PlanDoesNotFitError
@@ -168,7 +173,8 @@ def plan_row(row: Row, seq: int, a: argparse.Namespace) -> dict[str, Any]:
         r = plan_for(_config(row, seq, a.tiny), a.hardware, gpus=1, gpu_memory_bytes=int(a.cap_gib * GiB),
                      cpu_memory_bytes=int(_host_gib(row, a) * GiB), seq=seq, global_batch=row.batch,
                      precision="fp32" if a.tiny else "bf16", lora=_lora_settings(row, a.tiny),
-                     mlp_chunk_tokens=TINY_MLP_CHUNK if a.tiny else None, ssd=_ssd_spec(row, a))
+                     mlp_chunk_tokens=TINY_MLP_CHUNK if a.tiny else None, ssd=_ssd_spec(row, a),
+                     document_tokens=_document_tokens(row, seq))
     except PlanDoesNotFitError as exc:
         return {"fits": False, "reason": " ".join(str(exc).split())}
     b = r.best
@@ -299,7 +305,8 @@ def run_row(name: str, row: Row, seq: int, a: argparse.Namespace) -> dict[str, A
                 ssd = dict(offload_dir=a.offload_dir, cpu_memory_bytes=int(_host_gib(row, a) * GiB),
                            hardware=a.hardware)
             config = tinypipe.Config(devices=[device], precision="bf16", lr=1e-5, seq_len=seq,
-                                     global_batch=row.batch, gpu_memory_bytes=cap, **ssd)
+                                     global_batch=row.batch, gpu_memory_bytes=cap,
+                                     document_tokens=_document_tokens(row, seq), **ssd)
         t1 = time.perf_counter()
         engine = tinypipe.Engine(model, config)
         engine_s = time.perf_counter() - t1
