@@ -367,8 +367,8 @@ class Config:
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
         optional = ("micro_batch_size", "prefetch_window", "backward_micro_batch_size", "grad_slots",
                     "host_grad_buffers", "head_chunk_tokens", "mlp_chunk_tokens", "document_tokens",
-                    "optimizer_threads", "seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes", "resident_packs",
-                    "dropout_seed")
+                    "optimizer_threads", "seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes",
+                    "resident_packs", "dropout_seed")
         for name in optional:
             value = getattr(self, name)
             if value is None and name in optional:

@@ -195,7 +195,8 @@ class Work:
         tokens = batch * seq
         rates = rates_for(hw, precision, seq, tf=min(plan.micro_batch_size, batch) * seq,
                        tb=min(plan.backward_micro_batch_size, batch) * seq)
-        attn_per_token = 2.0 * sizes.attended_tokens(seq) * sizes.num_heads * sizes.head_dim  # causal QK^T + AV
+        # causal QK^T + AV, forward
+        attn_per_token = 2.0 * sizes.attended_tokens(seq) * sizes.num_heads * sizes.head_dim
         stats = pack_stats(sizes, plan.packs)
         fwd_flops = [(2.0 * st[2] + attn_per_token * len(p)) * tokens for st, p in zip(stats, plan.packs)]
         chunked = mlp_chunk > 0 and min(plan.backward_micro_batch_size, batch) * seq > mlp_chunk
