@@ -356,11 +356,30 @@ def child(a: argparse.Namespace) -> int:
     return 0
 
 
+def full_tier_verdict(checks: dict[str, list[tuple[str, bool, str]]], commit: str) -> str:
+    """One line: whether the whole full tier passed at ``commit`` -- every row of every part run
+    there and passing -- and, when not, which rows failed and which did not run. A change to the
+    runtime or planner is finished only on "passed" (README, contributing)."""
+    names = [n for part in FULL_PARTS.values() for n in part]
+    failed = [n for n in names if n in checks and not all(p for _, p, _ in checks[n])]
+    missing = [n for n in names if n not in checks]
+    if not failed and not missing:
+        return f"full tier: passed at {commit} ({len(names)} rows)"
+    parts = sorted({k for k, part in FULL_PARTS.items() for n in part if n in missing})
+    said = [f"{len(names) - len(missing)}/{len(names)} rows ran"]
+    if failed:
+        said.append("failed: " + ", ".join(failed))
+    if missing:
+        said.append("not run: " + ", ".join(missing) + " (part " + ", ".join(map(str, parts)) + ")")
+    return f"full tier: NOT passed at {commit} -- " + "; ".join(said)
+
+
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if a.check:
         results, checks, commit = check_dir(Path(a.check))
         print(table(results, checks, commit))
+        print(full_tier_verdict(checks, commit))
         return 0 if all(all(p for _, p, _ in c) for c in checks.values()) else 1
     if a.accept:
         return accept(Path(a.accept).resolve(), a.note)

@@ -197,3 +197,18 @@ def test_the_readme_table_is_the_accepted_rows() -> None:
     text = acceptance.README.read_text()
     start = text.index(acceptance.README_BEGIN) + len(acceptance.README_BEGIN)
     assert text[start:text.index(acceptance.README_END)].strip() == acceptance.readme_table()
+
+
+def test_the_full_tier_passes_only_when_every_part_ran_and_passed() -> None:
+    """A directory holding one passing part is not a passed matrix: the verdict names the rows that
+    did not run (and their parts) and the ones that failed."""
+    names = [n for part in acceptance.FULL_PARTS.values() for n in part]
+    ok = [("runs", True, "")]
+    assert acceptance.full_tier_verdict({n: ok for n in names}, "abc").startswith("full tier: passed at abc")
+    part3 = {n: ok for n in acceptance.FULL_PARTS[3]}
+    verdict = acceptance.full_tier_verdict(part3, "abc")
+    assert verdict.startswith("full tier: NOT passed at abc")
+    assert "not run: " in verdict and "part 1, 2, 4" in verdict and "failed" not in verdict
+    one_bad = {n: ok for n in names} | {"w1": [("runs", True, ""), ("speed", False, "slow")]}
+    verdict = acceptance.full_tier_verdict(one_bad, "abc")
+    assert "failed: w1" in verdict and "not run" not in verdict
