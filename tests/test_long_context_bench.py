@@ -54,14 +54,10 @@ def test_refusals_and_the_time_budget_skip_rows(tmp_path: Path) -> None:
     assert budget["skipped"].startswith("time budget") and budget["planned"]["mlp_chunk_tokens"] == 8192
 
 
-
-@pytest.mark.xfail(strict=True, reason="since the estimate counts a chunked block's attention backward "
-                   "(planner/estimate.py ATTENTION_BACKWARD_ROWS: 7 rows of [S, H], 7 GiB at 128K) the 24 GiB "
-                   "cap refuses 8B full fine-tuning at 128K (needs 26.3 GiB); fits again once attention's "
-                   "backward is chunked by queries (issue #32)")
 def test_the_ssd_row_plans_128k_full_fine_tuning_within_its_host_budget(tmp_path: Path) -> None:
     """Real shape, planning only: what 128 GiB of DRAM refuses (the row above), the SSD tier
-    fits -- under the row's 120 GiB host budget and the 24 GiB cap, the moments on the disk."""
+    fits -- under the row's 120 GiB host budget and the 24 GiB cap, the moments on the disk (with
+    the embedding's and head's gradient accumulators transient: schedule/transient_grads.py)."""
     a = lc.parse(["--rows", "8b-full-128k-ssd", "--cpu-gib", "128", "--plan-only",
                   "--offload-dir", str(tmp_path)])
     row = lc.ROWS["8b-full-128k-ssd"]
@@ -70,6 +66,7 @@ def test_the_ssd_row_plans_128k_full_fine_tuning_within_its_host_budget(tmp_path
     assert "offload: moments" in p["plan"] and p["mlp_chunk_tokens"] > 0
     assert p["host_need"] <= 120 * lc.GiB and p["gpu_need"] <= 24 * lc.GiB
     assert not lc.plan_row(lc.ROWS["8b-full-128k"], row.seq, a)["fits"]
+
 
 def test_one_tiny_row_on_the_cpu(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "tiny"

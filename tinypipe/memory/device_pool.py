@@ -40,10 +40,14 @@ class DevicePool:
         grad_numel: int | None = None,
         resident_grad: dict[int, int] | None = None,
         assist: bool = False,
+        transient_grads: frozenset[int] = frozenset(),
     ) -> None:
         """``grad_numel`` / ``resident_grad``: gradient accumulator sizes when they differ from the
         parameter sizes (only trainable parameters have gradients; default: the same sizes).
-        ``assist``: hold the scratch of assisted clipped updates (:func:`assist_scratch_numel`)."""
+        ``assist``: hold the scratch of assisted clipped updates (:func:`assist_scratch_numel`).
+        ``transient_grads``: resident layers whose gradient accumulator is allocated at its first
+        use in a step and freed by :meth:`release_grads` after its download, not held
+        (:mod:`tinypipe.schedule.transient_grads`)."""
         dev = backend.device
         self.backend = backend
         self.dtype = dtype
@@ -53,8 +57,10 @@ class DevicePool:
         self.grad_slots = [torch.empty(grad_numel, dtype=torch.float32, device=dev)
                            for _ in range(num_grad_slots)]
         self.resident = {layer: torch.empty(n, dtype=dtype, device=dev) for layer, n in resident.items()}
+        self._grad_numels = dict(resident_grad)
+        self.transient_grads = frozenset(transient_grads) & set(resident_grad)
         self.resident_grads = {layer: torch.empty(n, dtype=torch.float32, device=dev)
-                               for layer, n in resident_grad.items()}
+                               for layer, n in resident_grad.items() if layer not in self.transient_grads}
         need_staging = backend.is_cuda and dtype != torch.float32
         self.staging = torch.empty(staging_numel, dtype=torch.float32, device=dev) if need_staging else None
         # per chunk buffer: master, exp_avg, exp_avg_sq, gradient, ASSIST_CHUNK_NUMEL each
@@ -65,10 +71,12 @@ class DevicePool:
         def size(ts: list[torch.Tensor]) -> int:
             return sum(t.numel() * t.element_size() for t in ts)
 
+        held = [g for layer, g in self.resident_grads.items() if layer not in self.transient_grads]
         cats = {
             "resident_layers": size(list(self.resident.values())),
             "layer_slots": size(self.slots),
-            "gradient_accumulators": size(self.grad_slots) + size(list(self.resident_grads.values())),
+            # a transient accumulator is a phase's working memory (the activation peak counts it)
+            "gradient_accumulators": size(self.grad_slots) + size(held),
             "staging": size([self.staging] if self.staging is not None else []),
         }
         if self.assist:  # only where updates are assisted (as the planner's estimate lists it)
@@ -79,4 +87,18 @@ class DevicePool:
         return self.resident[layer] if slot is None else self.slots[slot]
 
     def grads(self, layer: int, slot: int | None) -> torch.Tensor:
-        return self.resident_grads[layer] if slot is None else self.grad_slots[slot]
+        """``layer``'s gradient accumulator (its ``slot``'s, or its own resident one; a transient
+        one is allocated here when its step's first writer asks for it -- and zeroed by it)."""
+        if slot is not None:
+            return self.grad_slots[slot]
+        acc = self.resident_grads.get(layer)
+        if acc is None and layer in self.transient_grads:
+            acc = torch.empty(self._grad_numels[layer], dtype=torch.float32, device=self.backend.device)
+            self.resident_grads[layer] = acc
+        return self.resident_grads[layer]
+
+    def release_grads(self, layer: int) -> None:
+        """Free a transient accumulator (its download's copies must have completed: the caching
+        allocator may hand its memory to the next allocation on any stream)."""
+        if layer in self.transient_grads:
+            self.resident_grads.pop(layer, None)

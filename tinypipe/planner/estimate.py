@@ -72,6 +72,7 @@ from tinypipe.planner.work import pack_stats
 from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
 from tinypipe.schedule.stash_places import host_memory_stashes
 from tinypipe.storage import stash_layout
+from tinypipe.schedule.transient_grads import transient_grad_layers
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
 STAGING_MAX = 32 * 1024 * 1024
@@ -145,8 +146,10 @@ def device_stepped_numel(sizes: ModelSizes, plan: Plan, index: int | None = None
 
 
 def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
-                        precision: str) -> dict[str, int]:
-    """Preallocated bytes of device entry ``index`` (``DevicePool.bytes_by_category``)."""
+                        precision: str, long_sequences: bool = False) -> dict[str, int]:
+    """Preallocated bytes of device entry ``index`` (``DevicePool.bytes_by_category``; at long
+    sequences without the transient accumulators, which :func:`activation_peaks` counts)."""
+    transient = transient_grad_layers(plan, sizes.tied, long_sequences)
     a = dtype_bytes(precision)
     slot = sizes.slot_numel
     has_packs = index in plan.fwd_device or index in plan.bwd_device
@@ -154,10 +157,10 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
     resident = resident_grad = 0
     if index == plan.embed_device:
         resident += sizes.embed_numel
-        resident_grad += trains[0]
+        resident_grad += 0 if 0 in transient else trains[0]
     if index == plan.head_device:
         resident += sizes.head_numel
-        resident_grad += trains[-1]
+        resident_grad += 0 if len(trains) - 1 in transient else trains[-1]
     for layer in plan.resident_layers(index):  # resident packs: own buffers, never swapped
         resident += sizes.block_numels[layer - 1]
         resident_grad += trains[layer]
@@ -276,6 +279,16 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     # head: input-gradient rows, one chunk of logits (compute dtype, the gradient written over them)
     # and the eager path's fp32 row block (models/head_loss.py)
     work[h][HEAD] += tf * H * a + logit_bytes(chunk, V, a) + chunk * H * 4 + remote_rows(P, h, tf)
+    # transient gradient accumulators (schedule/transient_grads.py): alive in their phase only --
+    # the head's until its download, which the first backward waits for; the embedding's until its
+    # own download
+    transient = transient_grad_layers(plan, sizes.tied, mlp_chunk > 0)
+    trains = sizes.layer_train_numels
+    if len(trains) - 1 in transient:
+        work[h][HEAD] += 4 * trains[-1]
+    if 0 in transient:
+        work[e][EB] += 4 * trains[0]
+        work[e][DLE] += 4 * trains[0]
     # backward packs: saved activations of the whole pack for one micro-batch, the backward's
     # own transient (one block's intermediate gradients), the downloads running beside it
     for q in range(P):
@@ -390,18 +403,19 @@ def estimate_memory(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, prec
                                  act_per_token=act_per_token, mlp_chunk=mlp_chunk)
     devs = {}
     for i, d in enumerate(devices):
-        cats = device_static_bytes(sizes, plan, i, d, precision)
+        cats = device_static_bytes(sizes, plan, i, d, precision, long_sequences=mlp_chunk > 0)
         cats["activations_peak"] = peaks[i]
         devs[f"{i}:{d}"] = cats
-    on_cpu = cpu_pool_bytes(sizes, plan, devices, precision)
+    on_cpu = cpu_pool_bytes(sizes, plan, devices, precision, long_sequences=mlp_chunk > 0)
     if on_cpu:  # a CPU device's pools are host memory: the host budget must hold them
         host[CPU_DEVICE_POOLS] = on_cpu
     return MemoryReport(host, devs)
 
 
-def cpu_pool_bytes(sizes: ModelSizes, plan: Plan, devices: Sequence[str], precision: str) -> int:
+def cpu_pool_bytes(sizes: ModelSizes, plan: Plan, devices: Sequence[str], precision: str,
+                   long_sequences: bool = False) -> int:
     """The preallocated pools of the CPU entries among ``devices``: host memory."""
-    return sum(sum(device_static_bytes(sizes, plan, i, d, precision).values())
+    return sum(sum(device_static_bytes(sizes, plan, i, d, precision, long_sequences).values())
                for i, d in enumerate(devices) if not _is_cuda(d))
 
 

@@ -204,7 +204,8 @@ class Engine:
         if self._any_cuda:
             _prefer_expandable_segments()
         # an unschedulable plan fails here, not at step 1
-        validate(build_schedule(self.plan, 1, dec.tied, reduce=self.replicas is not None))
+        validate(build_schedule(self.plan, 1, dec.tied, reduce=self.replicas is not None,
+                                long_sequences=self.mlp_chunk > 0))
 
     # ------------------------------------------------------------------ training
 
@@ -217,7 +218,7 @@ class Engine:
         """The (validated) schedule for a global batch of ``batch`` sequences."""
         if batch not in self._schedules:
             sched = build_schedule(self.plan, batch, self.decomposition.tied,
-                                   reduce=self.replicas is not None)
+                                   reduce=self.replicas is not None, long_sequences=self.mlp_chunk > 0)
             validate(sched)
             self._schedules[batch] = sched
         return self._schedules[batch]

@@ -73,6 +73,10 @@ class TransferHandlers(HandlerBase):
                 buf[: b - a].copy_(acc[a:b], non_blocking=True)
             stream.put(GradChunk(a - lo, b - lo, buf, dev.backend.record_event(d2h), dev.backend, pool))
         stream.put(GradEnd())
+        if layer in dev.pool.transient_grads:  # its copies done, its memory goes back for the backward
+            dev.backend.sync_event(dev.backend.record_event(d2h))
+            del acc
+            dev.pool.release_grads(layer)
 
 
 def _chunked_norm(flat: torch.Tensor) -> torch.Tensor:

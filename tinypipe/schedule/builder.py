@@ -36,6 +36,7 @@ from tinypipe.schedule.ids import (
     upload_id,
 )
 from tinypipe.schedule.tasks import Schedule, Task
+from tinypipe.schedule.transient_grads import transient_grad_layers
 
 
 @dataclass
@@ -65,17 +66,21 @@ def _overlapping(rows: list[tuple[int, int]], lo: int, hi: int) -> list[int]:
     return [i for i, (a, b) in enumerate(rows) if a < hi and b > lo]
 
 
-def build_schedule(plan: Plan, batch: int, tied: bool, reduce: bool = False) -> Schedule:
+def build_schedule(plan: Plan, batch: int, tied: bool, reduce: bool = False,
+                   long_sequences: bool = False) -> Schedule:
     """The full step for a global batch of ``batch`` sequences. Each layer's gradient is reduced
     across replicas (a REDUCE task before its download) when ``plan.replicas > 1`` or ``reduce``
-    (the engine joined a process group of one rank: the same collectives, each an identity)."""
-    return _Builder(plan, batch, tied, reduce).build()
+    (the engine joined a process group of one rank: the same collectives, each an identity).
+    ``long_sequences`` (the MLPs run in chunks): the first backward waits for the head's gradient
+    download when that accumulator is transient (:mod:`~tinypipe.schedule.transient_grads`)."""
+    return _Builder(plan, batch, tied, reduce, long_sequences).build()
 
 
 class _Builder:
     """One schedule's construction, in the step's global order (one method per phase)."""
 
-    def __init__(self, plan: Plan, batch: int, tied: bool, reduce: bool = False) -> None:
+    def __init__(self, plan: Plan, batch: int, tied: bool, reduce: bool = False,
+                 long_sequences: bool = False) -> None:
         if batch < 1:
             raise ConfigError("global batch must hold at least one sequence")
         if tied and plan.head_device != plan.embed_device:
@@ -101,6 +106,8 @@ class _Builder:
         self.fwd_slots: dict[int, tuple[int | None, ...]] = {}
         self.fwd_uploads: dict[int, list[TaskId]] = {}
         self.last_head = head_id(len(self.frows) - 1)
+        # the head's gradient leaves the device before the first block backward allocates
+        self.head_grad_first = plan.num_blocks + 1 in transient_grad_layers(plan, tied, long_sequences)
 
     def build(self) -> Schedule:
         self._resident_uploads()
@@ -247,6 +254,8 @@ class _Builder:
         deps = [EMBED_FWD_ID] + (first_deps if n == 0 else [])
         if q == self.P - 1:
             deps += [head_id(m) for m in _overlapping(self.frows, lo, hi)]
+            if n == 0 and self.head_grad_first:
+                deps.append(download_id(self.H))
         elif q + 1 == self.T and self.T < self.P:  # after the turn, whose backward ran the forward's rows
             deps += [bwd_id(q + 1, m) for m in _overlapping(self.frows, lo, hi)]
         else:
