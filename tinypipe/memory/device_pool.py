@@ -91,10 +91,9 @@ class DevicePool:
         one is allocated here when its step's first writer asks for it -- and zeroed by it)."""
         if slot is not None:
             return self.grad_slots[slot]
-        acc = self.resident_grads.get(layer)
-        if acc is None and layer in self.transient_grads:
-            acc = torch.empty(self._grad_numels[layer], dtype=torch.float32, device=self.backend.device)
-            self.resident_grads[layer] = acc
+        if layer not in self.resident_grads and layer in self.transient_grads:
+            self.resident_grads[layer] = torch.empty(self._grad_numels[layer], dtype=torch.float32,
+                                                     device=self.backend.device)
         return self.resident_grads[layer]
 
     def release_grads(self, layer: int) -> None:

@@ -71,8 +71,8 @@ from tinypipe.planner.sizes import ModelSizes, dtype_bytes
 from tinypipe.planner.work import pack_stats
 from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
 from tinypipe.schedule.stash_places import host_memory_stashes
-from tinypipe.storage import stash_layout
 from tinypipe.schedule.transient_grads import transient_grad_layers
+from tinypipe.storage import stash_layout
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
 STAGING_MAX = 32 * 1024 * 1024
@@ -160,7 +160,7 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
         resident_grad += 0 if 0 in transient else trains[0]
     if index == plan.head_device:
         resident += sizes.head_numel
-        resident_grad += 0 if len(trains) - 1 in transient else trains[-1]
+        resident_grad += 0 if plan.num_blocks + 1 in transient else trains[-1]
     for layer in plan.resident_layers(index):  # resident packs: own buffers, never swapped
         resident += sizes.block_numels[layer - 1]
         resident_grad += trains[layer]
@@ -284,7 +284,7 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     # own download
     transient = transient_grad_layers(plan, sizes.tied, mlp_chunk > 0)
     trains = sizes.layer_train_numels
-    if len(trains) - 1 in transient:
+    if plan.num_blocks + 1 in transient:
         work[h][HEAD] += 4 * trains[-1]
     if 0 in transient:
         work[e][EB] += 4 * trains[0]
