@@ -174,7 +174,7 @@ def plan_row(row: Row, seq: int, a: argparse.Namespace) -> dict[str, Any]:
                      cpu_memory_bytes=int(_host_gib(row, a) * GiB), seq=seq, global_batch=row.batch,
                      precision="fp32" if a.tiny else "bf16", lora=_lora_settings(row, a.tiny),
                      mlp_chunk_tokens=TINY_MLP_CHUNK if a.tiny else None, ssd=_ssd_spec(row, a),
-                     document_tokens=_document_tokens(row, seq))
+                     document_tokens=_document_tokens(row, seq), attention_tile_tokens=a.attention_tile_tokens)
     except PlanDoesNotFitError as exc:
         return {"fits": False, "reason": " ".join(str(exc).split())}
     b = r.best
@@ -306,7 +306,8 @@ def run_row(name: str, row: Row, seq: int, a: argparse.Namespace) -> dict[str, A
                            hardware=a.hardware)
             config = tinypipe.Config(devices=[device], precision="bf16", lr=1e-5, seq_len=seq,
                                      global_batch=row.batch, gpu_memory_bytes=cap,
-                                     document_tokens=_document_tokens(row, seq), **ssd)
+                                     document_tokens=_document_tokens(row, seq),
+                                     attention_tile_tokens=a.attention_tile_tokens, **ssd)
         t1 = time.perf_counter()
         engine = tinypipe.Engine(model, config)
         engine_s = time.perf_counter() - t1
@@ -365,6 +366,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
                     help="the SSD rows' offload directory (its rates are measured before they plan)")
     ap.add_argument("--budget-s", type=float, default=530.0,
                     help="wall seconds for everything: rows whose estimate does not fit what is left are skipped")
+    ap.add_argument("--attention-tile-tokens", type=int, default=None,
+                    help="Config.attention_tile_tokens for plans and runs (default: the engine's; 0: whole segments)")
     ap.add_argument("--plan-only", action="store_true", help="print the planner's table; run nothing")
     ap.add_argument("--tiny", action="store_true", help="tiny shapes on the CPU (the smoke test)")
     ap.add_argument("--in-process", action="store_true", help="run the rows in this process (tests)")
@@ -407,7 +410,8 @@ def _run_child(name: str, seq: int, out: Path, timeout: float, a: argparse.Names
     argv = [sys.executable, os.path.abspath(__file__), "--child", f"{name}:{seq}:{out}",
             "--cap-gib", str(a.cap_gib), "--cpu-gib", str(a.cpu_gib), "--hardware", a.hardware,
             "--offload-dir", a.offload_dir,
-            *(["--tiny"] if a.tiny else [])]
+            *(["--tiny"] if a.tiny else []),
+            *([] if a.attention_tile_tokens is None else ["--attention-tile-tokens", str(a.attention_tile_tokens)])]
     try:
         proc = subprocess.run(argv, timeout=max(1.0, timeout), capture_output=True, text=True)
     except subprocess.TimeoutExpired as exc:

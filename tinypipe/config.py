@@ -229,6 +229,15 @@ class Config:
         Honoured for Llama, Mistral, Qwen2 and Qwen3 with SDPA attention; other models keep the
         mask.""")
 
+    attention_tile_tokens: int | None = setting(None, LONG_CONTEXT, """
+        Under segment attention, a document (or row) longer than this many tokens attends in
+        tiles of this many queries x keys through the fused kernel's own forward and backward
+        (:mod:`tinypipe.models.tiled_attention`): the whole-segment backward allocates about seven
+        rows of the query width per token (14 GiB at 256K tokens of the Llama-3.1-8B shape), the
+        tiled one about three plus one tile's temporaries. Exact: the tiles' softmaxes are merged
+        by their log-sum-exp. None: 8192; 0: whole segments. Used where a tile kernel exists
+        (CUDA flash attention in bf16/fp16, the CPU flash kernel) and attention has no dropout.""")
+
     lr: float = setting(1e-5, OPTIMIZER, """
         AdamW's learning rate; ``engine.step(batch, lr=...)`` overrides it for one step (the
         training loop's schedule does).""")
@@ -367,6 +376,7 @@ class Config:
                 raise ConfigError(f"devices: unknown device {d!r}; use 'cpu' or 'cuda:N'")
         optional = ("micro_batch_size", "prefetch_window", "backward_micro_batch_size", "grad_slots",
                     "host_grad_buffers", "head_chunk_tokens", "mlp_chunk_tokens", "document_tokens",
+                    "attention_tile_tokens",
                     "optimizer_threads", "seq_len", "global_batch", "gpu_memory_bytes", "cpu_memory_bytes",
                     "resident_packs", "dropout_seed")
         for name in optional:
@@ -426,6 +436,9 @@ class Config:
             raise ConfigError(f"head_chunk_tokens must be >= 1, got {self.head_chunk_tokens}")
         if self.mlp_chunk_tokens is not None and self.mlp_chunk_tokens < 0:
             raise ConfigError(f"mlp_chunk_tokens must be >= 0 (0: unchunked), got {self.mlp_chunk_tokens}")
+        if self.attention_tile_tokens is not None and self.attention_tile_tokens < 0:
+            raise ConfigError(f"attention_tile_tokens must be >= 0 (0: whole segments), "
+                              f"got {self.attention_tile_tokens}")
         turn = self.turn_packs
         if turn is not None and (isinstance(turn, bool) or not isinstance(turn, int) or turn < 0):
             raise ConfigError(f"turn_packs must be a whole number >= 0, got {self.turn_packs!r}")

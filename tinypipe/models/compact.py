@@ -34,6 +34,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from tinypipe.models.tiled_attention import tiled_attention_op
+
 _aten = torch.ops.aten
 
 #: Ops whose outputs a compact kept block saves: matmuls (FLOPs to avoid recomputing) and fused
@@ -44,6 +46,7 @@ SAVED_OPS = frozenset(op for op in (
     _aten._scaled_dot_product_efficient_attention.default,
     _aten._scaled_dot_product_cudnn_attention.default,
     _aten._scaled_dot_product_flash_attention_for_cpu.default,
+    tiled_attention_op._opoverload,
 ))
 
 

@@ -30,6 +30,7 @@ from torch import nn
 
 from tinypipe.errors import UnsupportedModelError
 from tinypipe.models.chunked_mlp import LONG_SEQUENCE_TOKENS
+from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS, tiled_causal_attention, tiles_apply
 
 #: The attention implementation's name in transformers' registry (the shell's config points at it).
 SEGMENT_ATTENTION = "tinypipe_segments"
@@ -38,6 +39,8 @@ STARTS_KWARG = "tinypipe_segment_starts"
 #: Model families whose layers pass ``**kwargs`` (and ``sliding_window``) on to the attention
 #: function and build their masks through ``masking_utils`` (transformers 5).
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+#: The shell config's attribute holding the attention tile (``Config.attention_tile_tokens``).
+TILE_ATTR = "tinypipe_attention_tile"
 #: Queries per block when a sliding window is shorter than a segment (at least the window): each
 #: block's mask is block x (block + window) booleans.
 WINDOW_BLOCK_TOKENS = 4096
@@ -60,15 +63,18 @@ def segment_attention_supported(model: nn.Module) -> bool:
             and getattr(config, "_attn_implementation", None) == "sdpa")
 
 
-def use_segment_attention(model: nn.Module) -> None:
+def use_segment_attention(model: nn.Module, tile: int | None = None) -> None:
     """Point ``model``'s config (a shell's own deep copy) at :data:`SEGMENT_ATTENTION`, registering
-    it with transformers first. Registration is transformers' extension point: a name mapped to a
+    it with transformers first, with ``tile`` tokens per attention tile (``Config.
+    attention_tile_tokens``; None: :data:`~tinypipe.models.tiled_attention.ATTENTION_TILE_TOKENS`,
+    0: whole segments). Registration is transformers' extension point: a name mapped to a
     function, idempotent, not read by anything else."""
     from transformers import AttentionInterface
 
     if SEGMENT_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(SEGMENT_ATTENTION, segment_attention_forward)
     model.config._attn_implementation = SEGMENT_ATTENTION
+    setattr(model.config, TILE_ATTR, ATTENTION_TILE_TOKENS if tile is None else int(tile))
 
 
 def segment_starts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -110,9 +116,14 @@ def _segment(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
              scaling: float | None, window: int | None) -> torch.Tensor:
     """Causal attention within one segment (``[B, H, L, D]`` -> ``[B, L, H, D]``); a key ``j``
     is seen by query ``i`` when ``j <= i`` and, with a window, ``j > i - window`` (transformers'
-    sliding-window overlay)."""
+    sliding-window overlay). A segment longer than the attention tile runs in tiles
+    (:mod:`~tinypipe.models.tiled_attention`: its backward holds a tile's temporaries, not the
+    whole segment's)."""
     length = q.shape[2]
     if window is None or length <= window:
+        tile = int(getattr(getattr(module, "config", None), TILE_ATTR, 0) or 0)
+        if tiles_apply(q, k, dropout, tile):
+            return tiled_causal_attention(q, k, v, scaling, tile)
         return _sdpa(module, q, k, v, None, dropout, scaling)
     block = max(int(window), WINDOW_BLOCK_TOKENS)
     parts = []
@@ -130,10 +141,12 @@ def _segment(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 def _row(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
          firsts: tuple[int, ...], dropout: float, scaling: float | None,
          window: int | None) -> torch.Tensor:
+    if len(firsts) == 1:  # one segment: no slices (their backward would copy q, k and v's gradients)
+        return _segment(module, q, k, v, dropout, scaling, window)
     ends = (*firsts[1:], q.shape[2])
     parts = [_segment(module, q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], dropout, scaling, window)
              for s, e in zip(firsts, ends)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    return torch.cat(parts, dim=1)
 
 
 @torch.compiler.disable

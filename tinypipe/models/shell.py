@@ -32,7 +32,7 @@ class Shell:
 
     def __init__(self, model: nn.Module, decomposition: Decomposition, device: torch.device,
                  dropout: bool = False, mlp_chunk_tokens: int = 0,
-                 segment_attention: bool = False) -> None:
+                 segment_attention: bool = False, attention_tile_tokens: int | None = None) -> None:
         memo: dict[int, Any] = {}
         # quantized weights (tinypipe.quant): rebuilt from a slot's payload bytes (once per slot)
         self._packed = {p.name: p.packed for s in decomposition.layers for p in s.params
@@ -91,7 +91,7 @@ class Shell:
         #: asked for long sequences and honoured for the families it supports
         self.segment_attention = bool(segment_attention) and segment_attention_supported(shell)
         if self.segment_attention:
-            use_segment_attention(shell)
+            use_segment_attention(shell, attention_tile_tokens)
 
     def _resolve(self, shell: nn.Module, path: str) -> nn.Module:
         dec = self.decomposition

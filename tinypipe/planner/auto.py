@@ -220,7 +220,7 @@ def _resolve_replicas(model: nn.Module, config: Config, *, num_blocks: int, tied
         global_batch=config.global_batch // replicas)
     if plan is None:
         plan, _ = resolve_plan(model, per_replica, num_blocks=num_blocks, tied=tied)
-    lp = weigh_plan(_sizes_of(model), hw, cluster, layout, plan, seq=config.seq_len,
+    lp = weigh_plan(_sizes_of(model, config), hw, cluster, layout, plan, seq=config.seq_len,
                     global_batch=config.global_batch, sharding=config.optimizer_sharding,
                     precision=config.precision, max_grad_norm=config.max_grad_norm,
                     host_grad_buffers=config.host_grad_buffers)
@@ -290,7 +290,8 @@ def request_for(config: Config, model: nn.Module, hw: HardwareSpec) -> PlanReque
                        device_optimizer=config.device_optimizer, resident_packs=config.resident_packs,
                        ssd=ssd_for(config, hw), keep_activations=config.keep_activations,
                        assist_updates=config.assist_updates, turn_packs=config.turn_packs,
-                       mlp_chunk_tokens=config.mlp_chunk_tokens, document_tokens=config.document_tokens)
+                       mlp_chunk_tokens=config.mlp_chunk_tokens, document_tokens=config.document_tokens,
+                       attention_tile_tokens=config.attention_tile_tokens)
 
 
 def quantized_base(model: nn.Module) -> bool:
@@ -312,11 +313,15 @@ def check_keepable(plan: Plan, model: nn.Module) -> None:
                           "re-reads; keep only resident packs and the last pack")
 
 
-def _sizes_of(model: nn.Module):  # -> ModelSizes
+def _sizes_of(model: nn.Module, config: Config | None = None):  # -> ModelSizes
+    """The model's sizes, with ``config``'s attention tile where it sets one."""
     from tinypipe.planner.sizes import lora_sizes, model_sizes
 
     lora = lora_settings_of(model)
-    return lora_sizes(model.config, lora) if lora is not None else model_sizes(model.config)
+    sizes = lora_sizes(model.config, lora) if lora is not None else model_sizes(model.config)
+    if config is not None and config.attention_tile_tokens is not None:
+        sizes = dataclasses.replace(sizes, attention_tile=config.attention_tile_tokens)
+    return sizes
 
 
 def _offload_without_workload(model: nn.Module, config: Config, plan: Plan) -> Plan:
@@ -351,7 +356,7 @@ def _check_fits(model: nn.Module, config: Config, plan: Plan) -> Plan:
     from tinypipe.planner.spill import Spill, ssd_for
 
     gpu, host = budgets(config)
-    sizes = _sizes_of(model)
+    sizes = _sizes_of(model, config)
     hw = hardware_for(config)
     ssd = ssd_for(config, hw)
     if ssd is not None:

@@ -65,6 +65,8 @@ from tinypipe.memory.device_pool import assist_scratch_numel
 from tinypipe.memory.grad_pool import buffer_count, chunk_numel
 from tinypipe.memory.report import CPU_DEVICE_POOLS, MemoryReport
 from tinypipe.models.head_loss import logit_bytes
+from tinypipe.models.segment_attention import FAMILIES, segment_attention_for
+from tinypipe.models.tiled_attention import tiled_backward_bytes_per_token
 from tinypipe.planner.offload import apply_offload
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes
@@ -94,6 +96,27 @@ ATTENTION_BACKWARD_ROWS = 7
 
 def _is_cuda(device: str) -> bool:
     return device.startswith("cuda")
+
+
+def attention_tile_of(sizes: ModelSizes, seq: int) -> int:
+    """The attention tile a run of ``seq``-token rows uses (0: whole segments): where segment
+    attention is on by default (models/segment_attention.py) and a row is longer than a tile."""
+    tile = sizes.attention_tile
+    on = segment_attention_for(None, seq) and sizes.model_type in FAMILIES
+    return tile if on and 0 < tile < seq else 0
+
+
+def attention_backward_bytes(sizes: ModelSizes, tokens: int, seq: int, elem: int) -> int:
+    """What one block's attention backward allocates for ``tokens`` tokens of ``seq``-token rows
+    beside the block's saved tensors: :data:`ATTENTION_BACKWARD_ROWS` rows of the query width per
+    token for the whole-segment kernel, the tiled backward's count
+    (:func:`~tinypipe.models.tiled_attention.tiled_backward_bytes_per_token`) in tiles."""
+    q_width = sizes.num_heads * sizes.head_dim
+    tile = attention_tile_of(sizes, seq)
+    if not tile:
+        return tokens * ATTENTION_BACKWARD_ROWS * q_width * elem
+    kv_width = sizes.num_kv_heads * sizes.head_dim
+    return int(tokens * tiled_backward_bytes_per_token(q_width, kv_width, elem, seq, tile))
 
 
 def head_chunk_tokens(vocab: int, budget_bytes: int = 512 * 1024**2) -> int:
@@ -206,7 +229,6 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     kept_tok = min(act_tok, sizes.kept_block_bytes(precision))
     cuda = [_is_cuda(d) for d in devices]
     norm_copy = NORM_COPY_BYTES_PER_ELEMENT
-    q_width = sizes.num_heads * sizes.head_dim
 
     # ---- phases in global order: EF, F0..F(P-1), HEAD, B(P-1)..B0, EB, DLE ----------------
     EF, HEAD, EB, DLE = 0, P + 1, 2 * P + 2, 2 * P + 3
@@ -307,8 +329,7 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         # a block's backward runs its MLP's (one chunk's when chunked: its recomputed intermediates
         # and their gradients), then its attention's, once the MLP's saved tensors are freed
         mlp_phase = mlp_rows(tb) * 2 * sizes.intermediate * a
-        attention_phase = tb * (ATTENTION_BACKWARD_ROWS * q_width * a - mlp_tok) if mlp_rows(tb) == tb \
-            else tb * ATTENTION_BACKWARD_ROWS * q_width * a - mlp_rows(tb) * mlp_tok
+        attention_phase = attention_backward_bytes(sizes, tb, S, a) - mlp_rows(tb) * mlp_tok
         work[d][Bk(q)] += saved + max(mlp_phase, attention_phase) + remote_rows(q, d, tb)
     # kept packs: every forward micro-batch's graph, from the pack's forward to its backward; in
     # host memory (Plan.kept_on_host) only what is in flight: two forward micro-batches' graphs

@@ -88,6 +88,9 @@ class PlanRequest:
     #: lengths / sum of lengths), which sets attention's FLOPs (each attends within itself);
     #: None: one document per sequence.
     document_tokens: int | None = None
+    #: Tokens per attention tile of a long segment (0: whole segments; None: the engine's
+    #: default, :data:`~tinypipe.models.tiled_attention.ATTENTION_TILE_TOKENS`).
+    attention_tile_tokens: int | None = None
     #: Host gradient buffers the runtime keeps (None: its default).
     host_grad_buffers: int | None = None
     #: Plans kept on the result's Pareto front.
@@ -122,6 +125,8 @@ class PlanRequest:
             raise ConfigError(f"host_shards must be >= 1, got {self.host_shards}")
         if self.document_tokens is not None and self.document_tokens < 1:
             raise ConfigError(f"document_tokens must be >= 1, got {self.document_tokens}")
+        if self.attention_tile_tokens is not None and self.attention_tile_tokens < 0:
+            raise ConfigError(f"attention_tile_tokens must be >= 0, got {self.attention_tile_tokens}")
         if self.host_shards > 1 and self.ssd is not None:
             raise sharded_ssd_refusal()
         cfg, name = _resolve(self.model_config)

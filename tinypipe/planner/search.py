@@ -210,7 +210,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
              resident_packs: int | None = None, ssd: SsdSpec | None = None,
              hiding_search: bool = True, keep_activations: bool | None = None,
              host_shards: int = 1, assist_updates: bool = True, turn_packs: int | None = None,
-             mlp_chunk_tokens: int | None = None, document_tokens: int | None = None) -> PlanResult:
+             mlp_chunk_tokens: int | None = None, document_tokens: int | None = None,
+             attention_tile_tokens: int | None = None) -> PlanResult:
     """:func:`plan` with the request's fields as keywords (each documented on
     :class:`~tinypipe.planner.request.PlanRequest`), kept for scripts, benches and tests that call
     the planner directly; tinypipe's own entries (the engine, ``tinypipe plan``, the replica
@@ -225,7 +226,8 @@ def plan_for(config: transformers.PretrainedConfig | str, hardware: HardwareSpec
                           device_optimizer=device_optimizer, resident_packs=resident_packs, ssd=ssd,
                           hiding_search=hiding_search, keep_activations=keep_activations,
                           host_shards=host_shards, assist_updates=assist_updates, turn_packs=turn_packs,
-                          mlp_chunk_tokens=mlp_chunk_tokens, document_tokens=document_tokens)
+                          mlp_chunk_tokens=mlp_chunk_tokens, document_tokens=document_tokens,
+                          attention_tile_tokens=attention_tile_tokens)
     return plan(request, hardware)
 
 
@@ -262,6 +264,8 @@ def plan(request: PlanRequest, hardware: HardwareSpec | str) -> PlanResult:
     gpu_mem = int(r.gpu_memory_bytes) if r.gpu_memory_bytes else hw.gpu_memory_bytes
     notes = []
     sizes = lora_sizes(cfg, lora) if lora is not None else model_sizes(cfg)
+    if r.attention_tile_tokens is not None:
+        sizes = dataclasses.replace(sizes, attention_tile=r.attention_tile_tokens)
     if r.document_tokens is not None and r.document_tokens < seq:
         sizes = dataclasses.replace(sizes, document_tokens=r.document_tokens)
         notes.append(f"attention priced for documents of {r.document_tokens} tokens (token-weighted "

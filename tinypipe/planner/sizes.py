@@ -32,6 +32,7 @@ from torch import nn
 
 from tinypipe.errors import ConfigError, UnsupportedModelError
 from tinypipe.models.decompose import ALIGN, Decomposition
+from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS
 from tinypipe.planner.probe import (
     act_formula,
     act_per_token,
@@ -110,6 +111,9 @@ class ModelSizes:
     #: the workload's documents: the token-weighted mean length of the documents packed into a
     #: sequence (each attends only within itself: models/segment_attention.py); 0: one per sequence
     document_tokens: int = 0
+    #: tokens per attention tile of a segment longer than it under segment attention
+    #: (``Config.attention_tile_tokens``, models/tiled_attention.py); 0: whole segments
+    attention_tile: int = ATTENTION_TILE_TOKENS
 
     def attended_tokens(self, seq: int) -> int:
         """The causal span a token's attention covers on average, doubled (``seq`` for one document

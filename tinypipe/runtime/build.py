@@ -171,7 +171,8 @@ class EngineBuilder:
         gpool = HostGradPool(pool_buffers, chunk_numel(max(1, grad_numel)), self.pinner, POLL_S)
         shell = Shell(self.model, dec, backend.device, dropout=cfg.dropout,
                       mlp_chunk_tokens=self.mlp_chunk_tokens,
-                      segment_attention=segment_attention_for(cfg.segment_attention, cfg.seq_len))
+                      segment_attention=segment_attention_for(cfg.segment_attention, cfg.seq_len),
+                      attention_tile_tokens=cfg.attention_tile_tokens)
         if compile_backend is not None:
             shell.compile_blocks(compile_backend, replay_random=cfg.dropout)
         runtime = DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool)
