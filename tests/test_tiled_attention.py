@@ -151,6 +151,31 @@ def test_tiles_off_runs_whole_segments(monkeypatch: pytest.MonkeyPatch) -> None:
         tinypipe.Config(attention_tile_tokens=-1).validate()
 
 
+def test_the_kernel_check_passes_tiles_and_catches_a_wrong_merge() -> None:
+    cpu = torch.device("cpu")
+    assert ta.tiles_agree(cpu, torch.bfloat16) and ta.tiles_agree(cpu, torch.float32)
+    real = torch.logaddexp
+    try:
+        ta.torch.logaddexp = lambda a, b: torch.maximum(a, b)  # type: ignore[assignment]
+        assert not ta.tiles_agree(cpu, torch.bfloat16)
+    finally:
+        ta.torch.logaddexp = real  # type: ignore[assignment]
+
+
+def test_a_shell_attends_whole_where_the_tile_kernels_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tinypipe.models.decompose import Decomposition
+    from tinypipe.models.segment_attention import TILE_ATTR
+    from tinypipe.models.shell import Shell
+
+    model = make_model("llama")
+    shell = Shell(model, Decomposition(model), torch.device("cpu"), segment_attention=True)
+    assert getattr(shell.model.config, TILE_ATTR) == ta.ATTENTION_TILE_TOKENS
+    monkeypatch.setattr(ta, "tile_kernel_works", lambda device, dtype: False)
+    with pytest.warns(RuntimeWarning, match="attend whole"):
+        shell = Shell(model, Decomposition(model), torch.device("cpu"), segment_attention=True)
+    assert getattr(shell.model.config, TILE_ATTR) == 0
+
+
 def test_the_estimate_counts_the_tiled_backward() -> None:
     """The 8B shape's attention phase at 256K tokens: ~3.5 rows of the query width per token in
     tiles against 7 whole; the QLoRA row of one 256K sequence plans inside 24 GiB only with tiles."""
@@ -195,6 +220,7 @@ def test_cuda_tiles_match_the_flash_kernel_and_hold_what_the_estimate_counts() -
     import torch.nn.functional as F
 
     length, tile = 131072, 8192
+    assert ta.tile_kernel_works(torch.device("cuda"), torch.bfloat16)  # shells use tiles here
     q, k, v, g = _inputs(torch.bfloat16, "cuda", batch=1, heads=32, kv_heads=8, length=length, dim=128)
 
     def backward_peak(fn) -> tuple[list[torch.Tensor], int]:  # type: ignore[no-untyped-def]
