@@ -139,6 +139,23 @@ def test_kept_packs_on_two_devices_train_in_tiles_as_pytorch_does(monkeypatch: p
     engine.close()
 
 
+def test_compiled_blocks_train_in_tiles_as_pytorch_does(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Compiled blocks (the attention function and its tile operators stay out of the graphs)."""
+    calls = _count_tiled_calls(monkeypatch)
+    torch._dynamo.reset()
+    model = make_model("qwen2", layers=2)
+    randomize_biases(model)
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    cfg = dict(devices=["cpu"], pack_size=2, micro_batch_size=3, compile_blocks="aot_eager",
+               segment_attention=True, attention_tile_tokens=3)
+    engine, ref = train_both(model, model, _batches("packed")[:2], cfg, lr=LR, eps=EPS, weight_decay=WD)
+    assert calls
+    worst, update_err = compare(engine.state_dict(), ref.model, init)
+    assert worst <= 1e-5 and update_err <= 1e-4, (worst, update_err)
+    engine.close()
+    torch._dynamo.reset()
+
+
 def test_tiles_off_runs_whole_segments(monkeypatch: pytest.MonkeyPatch) -> None:
     calls = _count_tiled_calls(monkeypatch)
     model = make_model("llama")
