@@ -27,7 +27,7 @@ BASE = ["finetune", "--model", "m", "--data", "d", "--output", "o"]
 SAMPLES = {"micro_batch": "3", "pack_size": "2,1", "gpu_memory": "1GiB", "cpu_memory": "2GiB",
            "offload_dir": "/tmp/tinypipe-a,/tmp/tinypipe-b", "lr": "0.25", "weight_decay": "0.5",
            "device_optimizer": "embed", "resident_packs": "1", "keep_activations": "on", "turn_packs": "1",
-           "mlp_chunk_tokens": "64", "optimizer_sharding": "shard", "max_grad_norm": "2.5", "seed": "11",
+           "mlp_chunk_tokens": "64", "attention_tile_tokens": "512", "optimizer_sharding": "shard", "max_grad_norm": "2.5", "seed": "11",
            "devices": "cpu", "precision": "bf16"}
 
 

@@ -230,6 +230,11 @@ class FinetuneSettings:
                                           "never (default: automatic -- off up to 16384 tokens per row, "
                                           "above that a chunk whose one intermediate is ~256 MiB)", "N",
                                           config="mlp_chunk_tokens")
+    attention_tile_tokens: int | None = option(_int, None, "a document longer than N tokens attends in tiles "
+                                               "of N x N through the fused kernel, so its backward holds one "
+                                               "tile's temporaries, not the whole document's; 0: whole "
+                                               "documents (default: 8192, where long documents attend "
+                                               "per segment)", "N", config="attention_tile_tokens")
     no_assist: bool = option(_bool, False, "never let the GPU take host AdamW updates (default: the planner "
                              "may step some layers' updates on the GPU, their fp32 state making a round trip "
                              "over the link)", flag=True, config="assist_updates", to_config=operator.not_)
@@ -376,6 +381,7 @@ def check_settings(s: FinetuneSettings) -> None:
     check_at_least("micro_batch", s.micro_batch)
     check_at_least("seq_len", s.seq_len, 2)
     check_at_least("mlp_chunk_tokens", s.mlp_chunk_tokens, 0)
+    check_at_least("attention_tile_tokens", s.attention_tile_tokens, 0)
     check_at_least("steps", s.steps)
     check_at_least("warmup_steps", s.warmup_steps, 0)
     if s.checkpoint_every is not None and s.checkpoint_every < 1:  # 0 or -1 would silently mean "never"
