@@ -170,13 +170,34 @@ def test_tiles_off_runs_whole_segments(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_the_kernel_check_passes_tiles_and_catches_a_wrong_merge() -> None:
     cpu = torch.device("cpu")
-    assert ta.tiles_agree(cpu, torch.bfloat16) and ta.tiles_agree(cpu, torch.float32)
+    assert ta.tiles_agree(cpu, torch.bfloat16, "cpu") and ta.tiles_agree(cpu, torch.float32, "cpu")
+    assert ta.tile_kernel_for(cpu, torch.float32) == "cpu"
     real = torch.logaddexp
     try:
         ta.torch.logaddexp = lambda a, b: torch.maximum(a, b)  # type: ignore[assignment]
-        assert not ta.tiles_agree(cpu, torch.bfloat16)
+        assert not ta.tiles_agree(cpu, torch.bfloat16, "cpu")
     finally:
         ta.torch.logaddexp = real  # type: ignore[assignment]
+
+
+def test_cuda_kernel_choice_takes_the_first_enabled_kernel_that_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
+    """SDPA's preference first; a kernel that is disabled or disagrees with softmax attention is
+    passed over; fp32 has no CUDA tile kernel."""
+    tried: list[str] = []
+
+    def agree(device, dtype, kernel):  # type: ignore[no-untyped-def]
+        tried.append(kernel)
+        return kernel == "flash"
+
+    monkeypatch.setattr(ta, "tiles_agree", agree)
+    monkeypatch.setattr(ta, "_kernel_order", lambda device, dtype: ("cudnn", "flash"))
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: True)
+    monkeypatch.setattr(torch.backends.cuda, "cudnn_sdp_enabled", lambda: True)
+    cuda = torch.device("cuda")
+    assert ta.tile_kernel_for(cuda, torch.bfloat16) == "flash" and tried == ["cudnn", "flash"]
+    monkeypatch.setattr(torch.backends.cuda, "flash_sdp_enabled", lambda: False)
+    assert ta.tile_kernel_for(cuda, torch.bfloat16) == ""
+    assert ta.tile_kernel_for(cuda, torch.float32) == ""
 
 
 def test_a_shell_attends_whole_where_the_tile_kernels_disagree(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -187,7 +208,7 @@ def test_a_shell_attends_whole_where_the_tile_kernels_disagree(monkeypatch: pyte
     model = make_model("llama")
     shell = Shell(model, Decomposition(model), torch.device("cpu"), segment_attention=True)
     assert getattr(shell.model.config, TILE_ATTR) == ta.ATTENTION_TILE_TOKENS
-    monkeypatch.setattr(ta, "tile_kernel_works", lambda device, dtype: False)
+    monkeypatch.setattr(ta, "tile_kernel_for", lambda device, dtype: "")
     with pytest.warns(RuntimeWarning, match="attend whole"):
         shell = Shell(model, Decomposition(model), torch.device("cpu"), segment_attention=True)
     assert getattr(shell.model.config, TILE_ATTR) == 0
@@ -229,15 +250,18 @@ def test_the_estimate_counts_the_tiled_backward() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_cuda_tiles_match_the_flash_kernel_and_hold_what_the_estimate_counts() -> None:
-    """bf16, the 8B shape's heads at 128K tokens: the tiled output and gradients against the
-    whole-segment flash kernel (bf16 rounding), and each backward's peak above its inputs (the
-    output gradient already there): the tiled one within :func:`tiled_backward_bytes_per_token`
-    (+64 MiB) and under the whole-segment one."""
+@pytest.mark.parametrize("kernel", ["flash", "cudnn"])
+def test_cuda_tiles_match_sdpa_and_hold_what_the_estimate_counts(kernel: str) -> None:
+    """bf16, the 8B shape's heads at 128K tokens, each CUDA tile kernel: the tiled output and
+    gradients against whole-segment SDPA (bf16 rounding), and each backward's peak above its inputs
+    (the output gradient already there): the tiled one within
+    :func:`tiled_backward_bytes_per_token` (+64 MiB) and under the whole-segment one."""
     import torch.nn.functional as F
 
     length, tile = 131072, 8192
-    assert ta.tile_kernel_works(torch.device("cuda"), torch.bfloat16)  # shells use tiles here
+    cuda = torch.device("cuda")
+    assert ta.tile_kernel_for(cuda, torch.bfloat16)  # shells use tiles here
+    assert ta.tiles_agree(cuda, torch.bfloat16, kernel)
     q, k, v, g = _inputs(torch.bfloat16, "cuda", batch=1, heads=32, kv_heads=8, length=length, dim=128)
 
     def backward_peak(fn) -> tuple[list[torch.Tensor], int]:  # type: ignore[no-untyped-def]
@@ -251,13 +275,13 @@ def test_cuda_tiles_match_the_flash_kernel_and_hold_what_the_estimate_counts() -
 
     whole, whole_peak = backward_peak(lambda: F.scaled_dot_product_attention(
         q, k, v, is_causal=True, enable_gqa=True).transpose(1, 2))
-    tiled, tiled_peak = backward_peak(lambda: ta.tiled_causal_attention(q, k, v, None, tile=tile))
+    tiled, tiled_peak = backward_peak(lambda: ta.tiled_causal_attention(q, k, v, None, tile, kernel))
     for x, y in zip(tiled, whole):
         err = (x.float() - y.float()).abs().max().item() / y.float().abs().max().item()
         assert err < 2e-2, err
     bound = ta.tiled_backward_bytes_per_token(32 * 128, 8 * 128, 2, length, tile) * length
     row = length * 32 * 128 * 2
-    print(f"backward above its inputs, rows of the query width: whole-segment kernel "
+    print(f"{kernel}: backward above its inputs, rows of the query width: whole-segment SDPA "
           f"{whole_peak / row:.2f}, tiled {tiled_peak / row:.2f}, tiled count {bound / row:.2f}")
     assert tiled_peak <= bound + 64 * 1024**2, (tiled_peak, bound)
     assert tiled_peak < whole_peak, (tiled_peak, whole_peak)

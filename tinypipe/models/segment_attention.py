@@ -30,7 +30,7 @@ from torch import nn
 
 from tinypipe.errors import UnsupportedModelError
 from tinypipe.models.chunked_mlp import LONG_SEQUENCE_TOKENS
-from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS, tiled_causal_attention, tiles_apply
+from tinypipe.models.tiled_attention import tiled_causal_attention, tiles_apply
 
 #: The attention implementation's name in transformers' registry (the shell's config points at it).
 SEGMENT_ATTENTION = "tinypipe_segments"
@@ -39,8 +39,10 @@ STARTS_KWARG = "tinypipe_segment_starts"
 #: Model families whose layers pass ``**kwargs`` (and ``sliding_window``) on to the attention
 #: function and build their masks through ``masking_utils`` (transformers 5).
 FAMILIES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
-#: The shell config's attribute holding the attention tile (``Config.attention_tile_tokens``).
+#: The shell config's attributes holding the attention tile (``Config.attention_tile_tokens``; 0:
+#: whole segments) and its kernel (models/tiled_attention.py ``KERNELS``).
 TILE_ATTR = "tinypipe_attention_tile"
+KERNEL_ATTR = "tinypipe_attention_kernel"
 #: Queries per block when a sliding window is shorter than a segment (at least the window): each
 #: block's mask is block x (block + window) booleans.
 WINDOW_BLOCK_TOKENS = 4096
@@ -63,18 +65,18 @@ def segment_attention_supported(model: nn.Module) -> bool:
             and getattr(config, "_attn_implementation", None) == "sdpa")
 
 
-def use_segment_attention(model: nn.Module, tile: int | None = None) -> None:
+def use_segment_attention(model: nn.Module, tile: int = 0, kernel: str = "") -> None:
     """Point ``model``'s config (a shell's own deep copy) at :data:`SEGMENT_ATTENTION`, registering
-    it with transformers first, with ``tile`` tokens per attention tile (``Config.
-    attention_tile_tokens``; None: :data:`~tinypipe.models.tiled_attention.ATTENTION_TILE_TOKENS`,
-    0: whole segments). Registration is transformers' extension point: a name mapped to a
-    function, idempotent, not read by anything else."""
+    it with transformers first, with ``tile`` tokens per attention tile run by ``kernel``
+    (:mod:`~tinypipe.models.tiled_attention`; 0: whole segments). Registration is transformers'
+    extension point: a name mapped to a function, idempotent, not read by anything else."""
     from transformers import AttentionInterface
 
     if SEGMENT_ATTENTION not in AttentionInterface._global_mapping:
         AttentionInterface.register(SEGMENT_ATTENTION, segment_attention_forward)
     model.config._attn_implementation = SEGMENT_ATTENTION
-    setattr(model.config, TILE_ATTR, ATTENTION_TILE_TOKENS if tile is None else int(tile))
+    setattr(model.config, TILE_ATTR, int(tile) if kernel else 0)
+    setattr(model.config, KERNEL_ATTR, kernel)
 
 
 def segment_starts(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
@@ -121,9 +123,10 @@ def _segment(module: nn.Module, q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     whole segment's)."""
     length = q.shape[2]
     if window is None or length <= window:
-        tile = int(getattr(getattr(module, "config", None), TILE_ATTR, 0) or 0)
+        config = getattr(module, "config", None)
+        tile = int(getattr(config, TILE_ATTR, 0) or 0)
         if tiles_apply(q, k, dropout, tile):
-            return tiled_causal_attention(q, k, v, scaling, tile)
+            return tiled_causal_attention(q, k, v, scaling, tile, getattr(config, KERNEL_ATTR))
         return _sdpa(module, q, k, v, None, dropout, scaling)
     block = max(int(window), WINDOW_BLOCK_TOKENS)
     parts = []

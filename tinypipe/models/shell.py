@@ -92,21 +92,24 @@ class Shell:
         #: asked for long sequences and honoured for the families it supports
         self.segment_attention = bool(segment_attention) and segment_attention_supported(shell)
         if self.segment_attention:
-            use_segment_attention(shell, self._attention_tile(attention_tile_tokens, device))
+            use_segment_attention(shell, *self._attention_tiles(attention_tile_tokens, device))
 
-    def _attention_tile(self, setting: int | None, device: torch.device) -> int:
-        """The attention tile for this shell (``Config.attention_tile_tokens``): 0 (whole segments,
-        with a warning) where the tile kernels do not agree with the whole-segment kernel here."""
-        from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS, tile_kernel_works
+    def _attention_tiles(self, setting: int | None, device: torch.device) -> tuple[int, str]:
+        """The attention tile and its kernel for this shell (``Config.attention_tile_tokens``):
+        0 (whole segments, with a warning) where no tile kernel agrees with softmax attention."""
+        from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS, tile_kernel_for
 
         tile = ATTENTION_TILE_TOKENS if setting is None else int(setting)
+        if tile <= 0:
+            return 0, ""
         dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        if tile > 0 and not tile_kernel_works(device, dtype):
+        kernel = tile_kernel_for(device, dtype)
+        if not kernel:
             warnings.warn(f"tinypipe: attention tiles do not run on {device} in {dtype} here; "
                           "long documents attend whole (more GPU memory in their backward)",
                           RuntimeWarning, stacklevel=2)
-            return 0
-        return tile
+            return 0, ""
+        return tile, kernel
 
     def _resolve(self, shell: nn.Module, path: str) -> nn.Module:
         dec = self.decomposition
