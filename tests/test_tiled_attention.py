@@ -180,6 +180,13 @@ def test_the_kernel_check_passes_tiles_and_catches_a_wrong_merge() -> None:
         ta.torch.logaddexp = real  # type: ignore[assignment]
 
 
+def test_sdpas_choice_is_read_where_the_shell_reads_it() -> None:
+    """The private entry point the kernel order comes from answers with this torch's signature
+    (on the CPU: its flash kernel)."""
+    q, k, _, _ = _inputs(torch.bfloat16, length=64, dim=64)
+    assert ta.sdpa_choice(q, k) == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+
+
 def test_cuda_kernel_choice_takes_the_first_enabled_kernel_that_agrees(monkeypatch: pytest.MonkeyPatch) -> None:
     """SDPA's preference first; a kernel that is disabled or disagrees with softmax attention is
     passed over; fp32 has no CUDA tile kernel."""
@@ -260,7 +267,9 @@ def test_cuda_tiles_match_sdpa_and_hold_what_the_estimate_counts(kernel: str) ->
 
     length, tile = 131072, 8192
     cuda = torch.device("cuda")
-    assert ta.tile_kernel_for(cuda, torch.bfloat16)  # shells use tiles here
+    chosen = ta.tile_kernel_for(cuda, torch.bfloat16)
+    assert chosen  # shells use tiles here, on the kernel SDPA itself would pick
+    assert chosen == ta._kernel_order(cuda, torch.bfloat16)[0]
     assert ta.tiles_agree(cuda, torch.bfloat16, kernel)
     q, k, v, g = _inputs(torch.bfloat16, "cuda", batch=1, heads=32, kv_heads=8, length=length, dim=128)
 

@@ -156,14 +156,18 @@ def tiles_agree(device: torch.device, dtype: torch.dtype, kernel: str) -> bool:
         return False
 
 
+def sdpa_choice(query: torch.Tensor, key: torch.Tensor) -> int:
+    """The backend SDPA would run a causal grouped-head call on (``SDPBackend`` as an int)."""
+    return int(torch._fused_sdp_choice(query, key, key, None, 0.0, True, scale=None, enable_gqa=True))
+
+
 def _kernel_order(device: torch.device, dtype: torch.dtype) -> tuple[str, ...]:
     """CUDA tile kernels in the order SDPA would prefer them for a tile-shaped causal call."""
     flash_first = ("flash", "cudnn")
     try:
-        x = torch.empty(1, 32, 8192, 128, device=device, dtype=dtype)
-        kv = torch.empty(1, 8, 8192, 128, device=device, dtype=dtype)
-        choice = torch._fused_sdp_choice(x, kv, kv, None, 0.0, True, None, True)
-    except (RuntimeError, TypeError, AttributeError):
+        choice = sdpa_choice(torch.empty(1, 32, 8192, 128, device=device, dtype=dtype),
+                             torch.empty(1, 8, 8192, 128, device=device, dtype=dtype))
+    except (RuntimeError, TypeError, AttributeError):  # a private entry point: never fatal
         return flash_first
     return ("cudnn", "flash") if choice == int(torch.nn.attention.SDPBackend.CUDNN_ATTENTION) else flash_first
 
