@@ -41,13 +41,16 @@ class DevicePool:
         resident_grad: dict[int, int] | None = None,
         assist: bool = False,
         transient_grads: frozenset[int] = frozenset(),
+        transient_weights: frozenset[int] = frozenset(),
     ) -> None:
         """``grad_numel`` / ``resident_grad``: gradient accumulator sizes when they differ from the
         parameter sizes (only trainable parameters have gradients; default: the same sizes).
         ``assist``: hold the scratch of assisted clipped updates (:func:`assist_scratch_numel`).
         ``transient_grads``: resident layers whose gradient accumulator is allocated at its first
         use in a step and freed by :meth:`release_grads` after its download, not held
-        (:mod:`tinypipe.schedule.transient_grads`)."""
+        (:mod:`tinypipe.schedule.transient_grads`). ``transient_weights``: frozen resident layers
+        whose weight buffer is allocated by its step's upload and freed by :meth:`release_params`
+        after its last reader (same module)."""
         dev = backend.device
         self.backend = backend
         self.dtype = dtype
@@ -56,7 +59,10 @@ class DevicePool:
         resident_grad = resident if resident_grad is None else resident_grad
         self.grad_slots = [torch.empty(grad_numel, dtype=torch.float32, device=dev)
                            for _ in range(num_grad_slots)]
-        self.resident = {layer: torch.empty(n, dtype=dtype, device=dev) for layer, n in resident.items()}
+        self._numels = dict(resident)
+        self.transient_weights = frozenset(transient_weights) & set(resident)
+        self.resident = {layer: torch.empty(n, dtype=dtype, device=dev) for layer, n in resident.items()
+                         if layer not in self.transient_weights}
         self._grad_numels = dict(resident_grad)
         self.transient_grads = frozenset(transient_grads) & set(resident_grad)
         self.resident_grads = {layer: torch.empty(n, dtype=torch.float32, device=dev)
@@ -73,7 +79,8 @@ class DevicePool:
 
         held = [g for layer, g in self.resident_grads.items() if layer not in self.transient_grads]
         cats = {
-            "resident_layers": size(list(self.resident.values())),
+            "resident_layers": size([t for layer, t in self.resident.items()
+                                     if layer not in self.transient_weights]),
             "layer_slots": size(self.slots),
             # a transient accumulator is a phase's working memory (the activation peak counts it)
             "gradient_accumulators": size(self.grad_slots) + size(held),
@@ -84,7 +91,20 @@ class DevicePool:
         return cats
 
     def params(self, layer: int, slot: int | None) -> torch.Tensor:
-        return self.resident[layer] if slot is None else self.slots[slot]
+        """``layer``'s weight buffer (its ``slot``, or its own resident one; a transient one is
+        allocated here when its step's upload asks for it)."""
+        if slot is not None:
+            return self.slots[slot]
+        if layer not in self.resident and layer in self.transient_weights:
+            self.resident[layer] = torch.empty(self._numels[layer], dtype=self.dtype,
+                                               device=self.backend.device)
+        return self.resident[layer]
+
+    def release_params(self, layer: int) -> None:
+        """Free a transient weight buffer (the kernels reading it must have completed, and nothing
+        may still point at it: the caching allocator hands its memory to the next allocation)."""
+        if layer in self.transient_weights:
+            self.resident.pop(layer, None)
 
     def grads(self, layer: int, slot: int | None) -> torch.Tensor:
         """``layer``'s gradient accumulator (its ``slot``'s, or its own resident one; a transient

@@ -73,7 +73,7 @@ from tinypipe.planner.sizes import ModelSizes, dtype_bytes
 from tinypipe.planner.work import pack_stats
 from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
 from tinypipe.schedule.stash_places import host_memory_stashes
-from tinypipe.schedule.transient_grads import transient_grad_layers
+from tinypipe.schedule.transient_grads import transient_grad_layers, transient_weight_layers
 from tinypipe.storage import stash_layout
 
 #: Elements of the fp32 upload staging buffer (``tinypipe.runtime.engine.STAGING_MAX``).
@@ -168,21 +168,31 @@ def device_stepped_numel(sizes: ModelSizes, plan: Plan, index: int | None = None
     return sum(trains[layer] for d in devices for layer in plan.device_optimized(d))
 
 
+def transient_weights(sizes: ModelSizes, plan: Plan, long_sequences: bool) -> frozenset[int]:
+    """The frozen embedding / head whose weight buffer lives only while read (schedule/
+    transient_grads.py ``transient_weight_layers``)."""
+    trains = sizes.layer_train_numels
+    frozen = frozenset(layer for layer in (0, plan.num_blocks + 1) if not trains[layer])
+    return transient_weight_layers(plan, sizes.tied, frozen, long_sequences)
+
+
 def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
                         precision: str, long_sequences: bool = False) -> dict[str, int]:
     """Preallocated bytes of device entry ``index`` (``DevicePool.bytes_by_category``; at long
-    sequences without the transient accumulators, which :func:`activation_peaks` counts)."""
+    sequences without the transient accumulators and weights, which :func:`activation_peaks`
+    counts)."""
     transient = transient_grad_layers(plan, sizes.tied, long_sequences)
+    passing = transient_weights(sizes, plan, long_sequences)
     a = dtype_bytes(precision)
     slot = sizes.slot_numel
     has_packs = index in plan.fwd_device or index in plan.bwd_device
     trains = sizes.layer_train_numels
     resident = resident_grad = 0
     if index == plan.embed_device:
-        resident += sizes.embed_numel
+        resident += 0 if 0 in passing else sizes.embed_numel
         resident_grad += 0 if 0 in transient else trains[0]
     if index == plan.head_device:
-        resident += sizes.head_numel
+        resident += 0 if plan.num_blocks + 1 in passing else sizes.head_numel
         resident_grad += 0 if plan.num_blocks + 1 in transient else trains[-1]
     for layer in plan.resident_layers(index):  # resident packs: own buffers, never swapped
         resident += sizes.block_numels[layer - 1]
@@ -311,6 +321,13 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     if 0 in transient:
         work[e][EB] += 4 * trains[0]
         work[e][DLE] += 4 * trains[0]
+    # transient frozen weights: the embedding's for its forward, the head's from its upload (queued
+    # behind the first pack's, so possibly during the embedding's forward) through the head tasks
+    passing = transient_weights(sizes, plan, mlp_chunk > 0)
+    if 0 in passing:
+        work[e][EF] += sizes.embed_numel * a
+    if plan.num_blocks + 1 in passing:
+        alive(h, EF, HEAD, sizes.head_numel * a)
     # backward packs: saved activations of the whole pack for one micro-batch, the backward's
     # own transient (one block's intermediate gradients), the downloads running beside it
     for q in range(P):

@@ -41,7 +41,7 @@ from tinypipe.runtime.stash_io import HostStash, ReadAheadBuffers
 from tinypipe.runtime.workers import LaneWorkers
 from tinypipe.schedule.plan import Plan
 from tinypipe.schedule.staging import DEFAULT_READ_AHEAD, staging_pools
-from tinypipe.schedule.transient_grads import transient_grad_layers
+from tinypipe.schedule.transient_grads import transient_grad_layers, transient_weight_layers
 
 STAGING_MAX = 32 * 1024 * 1024  # elements: the fp32 upload staging buffer (128 MiB) -- chunks larger layers
 
@@ -162,6 +162,9 @@ class EngineBuilder:
                 resident_grad={layer: pad(s.train_numel) for layer, s in resident.items()},
                 assist=bool(plan.assisted),
                 transient_grads=transient_grad_layers(plan, dec.tied, self.mlp_chunk_tokens > 0),
+                transient_weights=transient_weight_layers(
+                    plan, dec.tied, frozenset(layer for layer, s in resident.items() if not s.train_numel),
+                    self.mlp_chunk_tokens > 0),
             )
         except torch.OutOfMemoryError as exc:
             raise self._no_room(i, exc) from exc

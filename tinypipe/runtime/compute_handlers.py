@@ -79,6 +79,7 @@ class ComputeHandlers(HandlerBase):
         with self.ctx.block_calls_lock:
             self.ctx.block_calls[dev.index] = calls
         self._embed_drew = self._drew_now(dev)
+        self._release_weights(dev, 0)
         buf = self.ctx.acts[0]
         if buf.owner is None:  # in host memory (long sequences): one forward micro-batch at a time
             out = hidden.to(self.dtype)
@@ -88,6 +89,16 @@ class ComputeHandlers(HandlerBase):
             buf.adopt(hidden.to(self.dtype))
         else:
             buf.write(0, inp.batch, hidden.to(self.dtype))
+
+    def _release_weights(self, dev: DeviceRuntime, layer: int) -> None:
+        """Free ``layer``'s transient weight buffer (schedule/transient_grads.py) once the kernels
+        queued on this compute stream have read it; the shell lets go of its views first."""
+        if layer not in dev.pool.transient_weights:
+            return
+        dev.backend.sync_event(dev.backend.record_event(dev.streams["compute"]))
+        for p in self._spec(layer).params:
+            dev.shell.bind(p.name, torch.empty(p.shape, dtype=self.dtype, device="meta"))
+        dev.pool.release_params(layer)
 
     def _drew_now(self, dev: DeviceRuntime) -> bool:
         """Whether ``dev``'s running compute task drew random numbers since its last seed."""
@@ -253,6 +264,8 @@ class ComputeHandlers(HandlerBase):
             self._check(task, "input gradient", gx)
             ctx.loss_sum += loss.double()  # type: ignore[operator]
         ctx.grads[P].write(*task.rows, grad_x.view_as(x))
+        if task.last:
+            self._release_weights(dev, H)
         self._start_prefetch(task)
         if task.last and ctx.acts[P].owner is not None:
             ctx.acts[P].free()

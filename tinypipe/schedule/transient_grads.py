@@ -1,4 +1,5 @@
-"""Which resident gradient accumulators exist only while they are in use.
+"""Which resident gradient accumulators -- and frozen resident weights -- exist only while they are
+in use.
 
 The embedding's and the head's fp32 gradient accumulators are, by default, buffers of the device
 pool: alive the whole step and every step. For a Llama-3.1-8B shape they are 2 GiB each (a
@@ -19,6 +20,14 @@ stepped on the device (``Plan.device_optimizer``), an assisted update (the round
 a micro-batch-wise turn (head tasks interleave with block backwards),
 or, for the embedding, a tied head (the head's weight gradient lands in the embedding's buffer
 long before the embedding's backward).
+
+The same holds for the embedding's and the head's *weights* when they are frozen (LoRA, QLoRA):
+uploaded every step into resident buffers (1 GiB each in bf16 for the 8B shape), yet read only by
+the embedding's forward (a frozen embedding's backward has nothing to differentiate) and by the
+head tasks. At long sequences each is allocated by its upload and freed once the last task that
+reads it has finished, so neither is on the GPU during the block backwards, where the step peaks.
+Not under a tied head (one buffer serves both) or a micro-batch-wise turn (head tasks interleave
+with block backwards).
 """
 
 from __future__ import annotations
@@ -39,3 +48,13 @@ def transient_grad_layers(plan: Plan, tied: bool, long_sequences: bool) -> froze
     if not tied and 0 not in plan.device_optimized(plan.embed_device):
         out.add(0)
     return frozenset(out)
+
+
+def transient_weight_layers(plan: Plan, tied: bool, frozen: frozenset[int],
+                            long_sequences: bool) -> frozenset[int]:
+    """Layers (0: the embedding, ``num_blocks + 1``: the head) among ``frozen`` (no trainable
+    element) whose resident weight buffer is allocated by the step's upload and freed after its
+    last reader (see the module documentation)."""
+    if not long_sequences or tied or plan.turn_packs:
+        return frozenset()
+    return frozenset({0, plan.num_blocks + 1} & set(frozen))
