@@ -95,10 +95,7 @@ class DevicePool:
         allocated here when its step's upload asks for it)."""
         if slot is not None:
             return self.slots[slot]
-        if layer not in self.resident and layer in self.transient_weights:
-            self.resident[layer] = torch.empty(self._numels[layer], dtype=self.dtype,
-                                               device=self.backend.device)
-        return self.resident[layer]
+        return self._held(self.resident, layer, self.transient_weights, self._numels, self.dtype)
 
     def release_params(self, layer: int) -> None:
         """Free a transient weight buffer (the kernels reading it must have completed, and nothing
@@ -111,10 +108,14 @@ class DevicePool:
         one is allocated here when its step's first writer asks for it -- and zeroed by it)."""
         if slot is not None:
             return self.grad_slots[slot]
-        if layer not in self.resident_grads and layer in self.transient_grads:
-            self.resident_grads[layer] = torch.empty(self._grad_numels[layer], dtype=torch.float32,
-                                                     device=self.backend.device)
-        return self.resident_grads[layer]
+        return self._held(self.resident_grads, layer, self.transient_grads, self._grad_numels, torch.float32)
+
+    def _held(self, held: dict[int, torch.Tensor], layer: int, transient: frozenset[int],
+              numels: dict[int, int], dtype: torch.dtype) -> torch.Tensor:
+        """A resident buffer of ``held``, allocated first if it is a transient one not yet alive."""
+        if layer not in held and layer in transient:
+            held[layer] = torch.empty(numels[layer], dtype=dtype, device=self.backend.device)
+        return held[layer]
 
     def release_grads(self, layer: int) -> None:
         """Free a transient accumulator (its download's copies must have completed: the caching
