@@ -9,15 +9,7 @@
 # unpack it into bench/results/acceptance/SHA/ and check with --check.
 set -u
 commit=$1; shift
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    || exit 1
-  export PYTHONPATH=$PWD:/tmp/site:${PYTHONPATH:-}
-else
-  export PYTHONPATH=$PWD:${PYTHONPATH:-}
-fi
-export HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1 TRANSFORMERS_VERBOSITY=error
-OUT=${OUT:-/tmp/out}
+. bench/device_env.sh
 python3 bench/acceptance.py --commit "$commit" --out "$OUT/acc" --deadline "${DEADLINE:-540}" "$@"
 rc=$?
 (cd "$OUT" && tar czf acc.tgz acc && rm -rf acc)
