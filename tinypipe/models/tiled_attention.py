@@ -26,6 +26,7 @@ one tile, the caller keeps the whole-segment SDPA call.
 from __future__ import annotations
 
 import torch
+from transformers.integrations.sdpa_attention import repeat_kv
 
 #: Tokens per query / key block. A tile's temporaries are ~18 bytes per query-width element of one
 #: block (8K tokens of the 8B shape: ~0.6 GiB); at 8K x 8K a tile keeps the kernel near its rate
@@ -49,15 +50,6 @@ def _accumulation(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _expand(x: torch.Tensor, groups: int) -> torch.Tensor:
-    """Key/value heads repeated to the query heads (head ``h`` of the queries reads ``h // groups``),
-    contiguous as the kernels want it."""
-    if groups == 1:
-        return x.contiguous()
-    b, h, n, d = x.shape
-    return x[:, :, None].expand(b, h, groups, n, d).reshape(b, h * groups, n, d)
-
-
 def _reduce(dx: torch.Tensor, groups: int) -> torch.Tensor:
     """A gradient at the query heads summed back to the key heads, in the accumulation dtype
     (summed there without an upcast copy of ``dx``)."""
@@ -79,10 +71,10 @@ def _tile_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: boo
         lse = lse.squeeze(-1)  # [B, H, Lq, 1]
     elif kernel == "flash":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention(
-            q, _expand(k, groups), _expand(v, groups), 0.0, causal, False, scale=scale)[:2]
+            q, repeat_kv(k, groups), repeat_kv(v, groups), 0.0, causal, False, scale=scale)[:2]
     elif kernel == "cpu":
         out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            q, _expand(k, groups), _expand(v, groups), 0.0, causal, scale=scale)
+            q, repeat_kv(k, groups), repeat_kv(v, groups), 0.0, causal, scale=scale)
     else:
         raise ValueError(f"unknown attention tile kernel {kernel!r}; one of {KERNELS}")
     return out, lse.to(_accumulation(q.dtype))
@@ -102,7 +94,7 @@ def _tile_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torc
             k.shape[2], 0.0, causal, scale=scale)
         acc = _accumulation(dk.dtype)
         return dq, dk.to(acc), dv.to(acc)
-    kw, vw = _expand(k, groups), _expand(v, groups)
+    kw, vw = repeat_kv(k, groups), repeat_kv(v, groups)
     if kernel == "flash":
         unused = torch.empty((), dtype=torch.long)
         dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
@@ -122,7 +114,7 @@ def _softmax_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: 
     runs inside whatever autograd or checkpoint context builds the shell)."""
     groups = q.shape[1] // k.shape[1]
     q, k, v, dout = (x.float() for x in (q, k, v, dout))
-    kw, vw = _expand(k, groups), _expand(v, groups)
+    kw, vw = repeat_kv(k, groups), repeat_kv(v, groups)
     n = q.shape[2]
     s = (q @ kw.transpose(-1, -2)) * scale
     s = s.masked_fill(torch.ones(n, n, dtype=torch.bool, device=q.device).triu(1), float("-inf"))

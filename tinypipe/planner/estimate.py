@@ -182,17 +182,17 @@ def device_static_bytes(sizes: ModelSizes, plan: Plan, index: int, device: str,
     sequences without the transient accumulators and weights, which :func:`activation_peaks`
     counts)."""
     transient = transient_grad_layers(plan, sizes.tied, long_sequences)
-    passing = transient_weights(sizes, plan, long_sequences)
+    lent = transient_weights(sizes, plan, long_sequences)
     a = dtype_bytes(precision)
     slot = sizes.slot_numel
     has_packs = index in plan.fwd_device or index in plan.bwd_device
     trains = sizes.layer_train_numels
     resident = resident_grad = 0
     if index == plan.embed_device:
-        resident += 0 if 0 in passing else sizes.embed_numel
+        resident += 0 if 0 in lent else sizes.embed_numel
         resident_grad += 0 if 0 in transient else trains[0]
     if index == plan.head_device:
-        resident += 0 if plan.num_blocks + 1 in passing else sizes.head_numel
+        resident += 0 if plan.num_blocks + 1 in lent else sizes.head_numel
         resident_grad += 0 if plan.num_blocks + 1 in transient else trains[-1]
     for layer in plan.resident_layers(index):  # resident packs: own buffers, never swapped
         resident += sizes.block_numels[layer - 1]
@@ -323,10 +323,10 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         work[e][DLE] += 4 * trains[0]
     # transient frozen weights: the embedding's for its forward, the head's from its upload (queued
     # behind the first pack's, so possibly during the embedding's forward) through the head tasks
-    passing = transient_weights(sizes, plan, mlp_chunk > 0)
-    if 0 in passing:
+    lent = transient_weights(sizes, plan, mlp_chunk > 0)
+    if 0 in lent:
         work[e][EF] += sizes.embed_numel * a
-    if plan.num_blocks + 1 in passing:
+    if plan.num_blocks + 1 in lent:
         alive(h, EF, HEAD, sizes.head_numel * a)
     # backward packs: saved activations of the whole pack for one micro-batch, the backward's
     # own transient (one block's intermediate gradients), the downloads running beside it
