@@ -8,6 +8,7 @@ must pass it on the GPU machine at its commit (README, "Contributing").
     python3 bench/acceptance.py --tier full --part 3 --commit SHA --out $OUT/acc
     python3 bench/acceptance.py --tier full --part 4 --commit SHA --out $OUT/acc
     python3 bench/acceptance.py --check bench/results/acceptance/SHA            # re-check saved rows
+    python3 bench/acceptance.py --check DIR_NEW DIR_OLD  # + the rows of an older commit, same code
     python3 bench/acceptance.py --accept bench/results/acceptance/SHA           # make them the baseline
 
 Rows (real shapes, the GPU capped at 24 GiB, the planner's default plans: how users run it) are
@@ -115,7 +116,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--deadline", type=float, default=None, metavar="S",
                     help="skip (and fail) the rows that would end more than S seconds after the start: the "
                          "table is printed before the device call's limit")
-    ap.add_argument("--check", default=None, metavar="DIR", help="check the rows saved in DIR; run nothing")
+    ap.add_argument("--check", nargs="+", default=None, metavar="DIR",
+                    help="check the rows saved in DIR (newest first); further DIRs add the rows the first lacks "
+                         "where their commit's code under test is the first's (CODE_UNDER_TEST); run nothing")
     ap.add_argument("--accept", default=None, metavar="DIR", help="write DIR's passing rows as the baseline")
     ap.add_argument("--note", default="", help="with --accept: why (e.g. a slower row explained)")
     ap.add_argument("--readme", action="store_true",
@@ -274,6 +277,47 @@ def save_baselines(gpus: dict[str, dict[str, Any]]) -> None:
     BASELINE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
+#: What a row's result depends on. Two commits whose trees agree on these paths run the same code
+#: on the GPU (a later commit may add raw files, notes or this checker), so the rows measured at
+#: either count for both: a matrix of four device calls can span sessions while the code stays put.
+CODE_UNDER_TEST = ("tinypipe", "tests", "bench/acceptance_rows.py", "bench/benchkit", "bench/qlora_bench.py",
+                   "bench/device_env.sh", "bench/acceptance_device.sh", "pyproject.toml", "requirements")
+
+
+def code_differs(a: str, b: str) -> list[str]:
+    """The paths of :data:`CODE_UNDER_TEST` whose files differ between commits ``a`` and ``b``
+    (``["?"]`` when git cannot compare them: an unknown commit differs)."""
+    if a == b:
+        return []
+    proc = subprocess.run(["git", "diff", "--name-only", a, b, "--", *CODE_UNDER_TEST], cwd=ROOT,
+                          capture_output=True, text=True)
+    if proc.returncode != 0:
+        return ["?"]
+    return proc.stdout.split()
+
+
+def check_dirs(directories: list[Path]) -> tuple[dict, dict, str, list[str]]:
+    """:func:`check_dir` of the first directory, with the rows it lacks taken from the others whose
+    commit runs the same code under test (:func:`code_differs`); the notes say what was taken or
+    left out, and why."""
+    results, checks, commit = check_dir(directories[0])
+    notes = []
+    for directory in directories[1:]:
+        more, more_checks, other = check_dir(directory)
+        differs = code_differs(commit, other)
+        if differs:
+            shown = ", ".join(differs[:4]) + (f" and {len(differs) - 4} more" if len(differs) > 4 else "")
+            notes.append(f"{directory.name}: not counted, its code under test differs from {commit} ({shown})")
+            continue
+        taken = [n for n in more if n not in results]
+        for n in taken:
+            results[n], checks[n] = more[n], more_checks[n]
+        notes.append(f"{directory.name}: rows {', '.join(taken) or 'none'} counted (measured at {other}, "
+                     f"the same code under test as {commit})")
+    order = [n for n in ROWS if n in results]
+    return {n: results[n] for n in order}, {n: checks[n] for n in order}, commit, notes
+
+
 def check_dir(directory: Path) -> tuple[dict, dict, str]:
     results = {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
     order = [n for n in ROWS if n in results]
@@ -377,8 +421,10 @@ def full_tier_verdict(checks: dict[str, list[tuple[str, bool, str]]], commit: st
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if a.check:
-        results, checks, commit = check_dir(Path(a.check))
+        results, checks, commit, notes = check_dirs([Path(d) for d in a.check])
         print(table(results, checks, commit))
+        for note in notes:
+            print(note)
         print(full_tier_verdict(checks, commit))
         return 0 if all(all(p for _, p, _ in c) for c in checks.values()) else 1
     if a.accept:

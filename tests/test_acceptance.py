@@ -212,3 +212,58 @@ def test_the_full_tier_passes_only_when_every_part_ran_and_passed() -> None:
     one_bad = {n: ok for n in names} | {"w1": [("runs", True, ""), ("speed", False, "slow")]}
     verdict = acceptance.full_tier_verdict(one_bad, "abc")
     assert "failed: w1" in verdict and "not run" not in verdict
+
+
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *args], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+
+
+def test_rows_of_another_commit_count_only_where_the_code_under_test_is_the_same(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The full tier may span device calls at several commits: a row measured at an older commit
+    counts where only files outside ``CODE_UNDER_TEST`` changed since (raw results, notes); where
+    ``tinypipe/`` changed it does not, and the verdict says it did not run."""
+    repo = tmp_path / "repo"
+    (repo / "tinypipe").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    (repo / "tinypipe" / "engine.py").write_text("A = 1\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "code")
+    old = _git(repo, "rev-parse", "HEAD")
+    (repo / "RESULTS.md").write_text("rows\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "results only")
+    same = _git(repo, "rev-parse", "HEAD")
+    (repo / "tinypipe" / "engine.py").write_text("A = 2\n")
+    _git(repo, "add", "-A")
+    _git(repo, "commit", "-qm", "code changed")
+    changed = _git(repo, "rev-parse", "HEAD")
+    monkeypatch.setattr(acceptance, "ROOT", repo)
+    monkeypatch.setattr(acceptance, "BASELINE", tmp_path / "baseline.json")
+    assert acceptance.code_differs(old, same) == []
+    assert acceptance.code_differs(old, changed) == ["tinypipe/engine.py"]
+    assert acceptance.code_differs(old, "0" * 40) == ["?"]
+
+    names = [n for part in acceptance.FULL_PARTS.values() for n in part]
+    first, rest = names[:3], names[3:]
+
+    def saved(commit: str, rows: list[str]) -> Path:
+        d = tmp_path / commit[:7]
+        d.mkdir()
+        for n in rows:
+            (d / f"{n}.json").write_text(json.dumps(_engine_record(commit=commit)))
+        return d
+
+    newest, older, stale = saved(same, first), saved(old, rest), saved(changed, rest)
+    results, checks, commit, notes = acceptance.check_dirs([newest, older])
+    assert commit == same and sorted(results) == sorted(names)
+    assert acceptance.full_tier_verdict(checks, commit).startswith(f"full tier: passed at {same}")
+    assert "counted (measured at" in notes[0]
+    results, checks, commit, notes = acceptance.check_dirs([newest, stale])
+    assert sorted(results) == sorted(first) and "not counted" in notes[0] and "tinypipe/engine.py" in notes[0]
+    assert "NOT passed" in acceptance.full_tier_verdict(checks, commit)
+    # a row the first directory holds is not replaced by an older one
+    (older / f"{first[0]}.json").write_text(json.dumps(_engine_record(commit=old, losses=[1.0, 2.0])))
+    _, checks, _, _ = acceptance.check_dirs([newest, older])
+    assert all(ok for _, ok, _ in checks[first[0]])
