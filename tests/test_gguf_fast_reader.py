@@ -6,14 +6,14 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tinypipe.train import model_io
+from tinypipe.train import demo_model, model_io
 
 gguf = pytest.importorskip("gguf")
 
 
 def test_plain_array_reader_reads_what_gguf_reads() -> None:
     try:
-        path = str(model_io.smollm2_path())
+        path = str(demo_model.smollm2_path())
     except Exception as exc:  # noqa: BLE001 - the package that ships the demo model is absent
         pytest.skip(f"no SmolLM2 GGUF here: {exc}")
     ref = gguf.GGUFReader(path)

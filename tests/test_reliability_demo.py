@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-import tinypipe.train.model_io as model_io
+import tinypipe.train.demo_model as demo_model
 from test_cli import assert_one_line_error, run_cli
 from tinypipe.cli.output_lock import output_lock
 
@@ -30,7 +30,7 @@ def _no_model(monkeypatch: pytest.MonkeyPatch) -> None:
     def stop() -> Path:
         raise Reached
 
-    monkeypatch.setattr(model_io, "smollm2_path", stop)
+    monkeypatch.setattr(demo_model, "smollm2_path", stop)
 
 
 def _with_checkpoint(out: Path) -> None:

@@ -108,7 +108,7 @@ def _demo(args: argparse.Namespace, out: Path) -> int:
     )
     _check_devices(config.devices)
     from tinypipe.train.corpus import demo_corpus_path
-    from tinypipe.train.model_io import smollm2_path
+    from tinypipe.train.demo_model import smollm2_path
 
     gguf = smollm2_path()
     corpus = demo_corpus_path()

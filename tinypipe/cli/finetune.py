@@ -53,7 +53,7 @@ def _finetune(args: argparse.Namespace, s: FinetuneSettings, config: Config, aut
 
     init_from_environment()  # torchrun: every rank trains its rows of each global batch; rank 0 reports
     torch.manual_seed(s.seed)
-    model, tokenizer = _load_model(s.model, lora)
+    model, tokenizer = _load_model(s.model, lora, s.seq_len if s.extend_context else None)
     (dataset, eval_set), seq_len, steps = _load_data(s, data_path, tokenizer, model)
     if any(d.startswith("cuda") for d in config.devices) and s.gpu_memory:
         _cap_gpu_memory(config.devices, s.gpu_memory)
@@ -129,13 +129,14 @@ def _check_inputs(s: FinetuneSettings, held: ExitStack) -> tuple[Path, Path]:
     return data_path, out
 
 
-def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
-    """The model (with LoRA adapters when ``lora`` is given) and its tokenizer, reported."""
+def _load_model(path: str, lora: Any, context_tokens: int | None = None) -> tuple[Any, Any]:
+    """The model (with LoRA adapters when ``lora`` is given; its RoPE scaled to ``context_tokens``
+    positions when given) and its tokenizer, reported."""
     from tinypipe.train.model_io import load_model
 
     t0 = time.perf_counter()
     quant = lora.quant_spec if lora is not None else None
-    model, tokenizer = load_model(path, quantize=quant)
+    model, tokenizer = load_model(path, quantize=quant, context_tokens=context_tokens)
     n_params = sum(p.numel() for p in model.parameters())
     if quant is not None:  # QLoRA: count the quantized weights' dense elements, not their bytes
         from tinypipe.quant.model import dense_param_count
@@ -143,6 +144,8 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
         n_params = dense_param_count(model)
     say(f"model: {path} ({type(model).__name__}, {format_count(n_params)} parameters) "
         f"loaded in {time.perf_counter() - t0:.1f} s")
+    if context_tokens is not None:
+        say(f"context: {_rope_text(model.config)}")
     if lora is None:
         return model, tokenizer
     from tinypipe.lora import apply_lora
@@ -156,6 +159,18 @@ def _load_model(path: str, lora: Any) -> tuple[Any, Any]:
     return model, tokenizer
 
 
+def _rope_text(config: Any) -> str:
+    """The positions a model reaches and the RoPE scaling that gets it there."""
+    from tinypipe.models.rope_extension import rope_parameters
+
+    params = rope_parameters(config)
+    kind = params.get("rope_type", params.get("type", "default"))
+    scale = f", factor {params['factor']:g}" if "factor" in params else ""
+    base = params.get("original_max_position_embeddings")
+    return (f"{config.max_position_embeddings:,} positions (RoPE {kind}{scale}"
+            + (f" over {base:,}" if base else "") + ")")
+
+
 def _load_data(s: FinetuneSettings, data_path: Path, tokenizer: Any,
                model: Any) -> tuple[tuple[Any, Any], int, int]:
     """The tokenized training rows and held-out rows (None without --eval-*), the sequence length
@@ -165,7 +180,8 @@ def _load_data(s: FinetuneSettings, data_path: Path, tokenizer: Any,
     max_pos = getattr(model.config, "max_position_embeddings", None)
     seq_len = s.seq_len or min(1024, int(max_pos or 1024))
     if max_pos is not None and seq_len > int(max_pos):
-        raise ConfigError(f"seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos}")
+        raise ConfigError(f"seq_len {seq_len} exceeds the model's max_position_embeddings {max_pos} "
+                          "(--extend-context scales its RoPE to reach it)")
     packing = s.packing == "on" and _document_masks(model)
     dataset, stats = load_dataset(data_path, tokenizer, seq_len, skip_bad_lines=s.skip_bad_lines,
                                   packing=packing)

@@ -70,6 +70,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu-memory", default=None, metavar="SIZE",
                    help="host memory for training, e.g. 128GiB (default: this machine's RAM)")
     p.add_argument("--seq-len", default=None, metavar="L", help="tokens per sequence (required)")
+    p.add_argument("--extend-context", action="store_true",
+                   help="a --seq-len beyond the model's max positions: plan with its RoPE scaled to reach it "
+                        "(as `tinypipe finetune --extend-context` trains it)")
     p.add_argument("--global-batch", default=None, metavar="B",
                    help="sequences per optimizer step (required)")
     p.add_argument("--hardware", default=DEFAULT_HARDWARE, metavar="PRESET|FILE",
@@ -178,6 +181,8 @@ def run(args: argparse.Namespace) -> int:
         gpus = _positive_int("--gpus", args.gpus)
         seq = _positive_int("--seq-len", args.seq_len)
         batch = _positive_int("--global-batch", args.global_batch)
+        if getattr(args, "extend_context", False):
+            args.model = _extended(args.model, seq)
         gpu_mem = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
         cpu_mem = parse_bytes(args.cpu_memory) if args.cpu_memory is not None else _host_ram()
         clip = None
@@ -295,6 +300,18 @@ def _links(text: str | None, nodes: int, hardware: Any) -> tuple[float, float]:
             raise ConfigError(f"--interconnect {one} links GPUs within a node; for {nodes} nodes give the "
                               f"link between them too, e.g. {one},ib200")
     return interconnect_gbs(intra), interconnect_gbs(inter)
+
+
+def _extended(model: str, seq: int) -> Any:
+    """The model's config with its RoPE scaled to reach ``seq`` positions (``--extend-context``)."""
+    from tinypipe.models.rope_extension import extend_rope
+    from tinypipe.planner.presets import load_model_config
+
+    config = load_model_config(str(model))
+    extend_rope(config, seq)
+    if not getattr(config, "name_or_path", ""):
+        config.name_or_path = str(model)
+    return config
 
 
 def _run_layouts(args: argparse.Namespace, hardware: Any, *, gpus: int, seq: int, batch: int,

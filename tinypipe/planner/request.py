@@ -135,7 +135,7 @@ class PlanRequest:
         max_pos = getattr(cfg, "max_position_embeddings", None) or getattr(cfg, "n_positions", None)
         if isinstance(max_pos, int) and self.seq > max_pos:
             raise ConfigError(f"sequence length {self.seq} exceeds the model's max_position_embeddings "
-                              f"{max_pos}")
+                              f"{max_pos} (--extend-context scales its RoPE to reach it)")
 
     @property
     def config(self) -> transformers.PretrainedConfig:

