@@ -124,3 +124,35 @@ def test_on_cuda_transient_weights_train_lora_bit_identically(monkeypatch: pytes
     """On CUDA (the weights uploaded on one stream, read on another, freed to the caching
     allocator): the same training, bit for bit, and neither weight held after a step."""
     _train_both(monkeypatch, "cuda:0", precision="bf16")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_freed_weights_go_back_to_the_compute_streams_pool() -> None:
+    """The caching allocator reuses a freed block only for allocations on the stream it was made
+    on. The transient weights come from the compute stream's pool, so the activations after their
+    release reuse them: no free block of their size is left in a segment of the upload stream
+    (allocated there, the 8B shape's 2 GiB stayed reserved and unused: a 64K QLoRA row's reserved
+    peak 2 GiB above its allocated one, bench/results/acceptance/cee9907aabd5)."""
+    import transformers
+
+    torch.manual_seed(0)
+    vocab, hidden = 32000, 256
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=512, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    model = apply_lora(transformers.LlamaForCausalLM(cfg), LoraSettings(rank=4, alpha=8.0))
+    engine = tinypipe.Engine(model, tinypipe.Config(devices=["cuda:0"], pack_size=1, micro_batch_size=2,
+                                                    precision="bf16", mlp_chunk_tokens=8, head_chunk_tokens=8,
+                                                    lr=1e-3))
+    dev = engine.devices[0]
+    assert dev.pool.transient_weights == {0, engine.plan.num_blocks + 1}
+    batch = {"input_ids": torch.randint(0, vocab, (2, 32), generator=torch.Generator().manual_seed(0))}
+    for _ in range(2):
+        engine.step(batch)
+    torch.cuda.synchronize()
+    h2d = dev.streams["h2d"].cuda_stream
+    weight = vocab * hidden * 2
+    stranded = [b["size"] for seg in torch.cuda.memory_snapshot() if seg["stream"] == h2d
+                for b in seg["blocks"] if b["state"] == "inactive" and b["size"] >= weight]
+    assert not stranded, f"free blocks of the upload stream's pool: {stranded}"
+    engine.close()

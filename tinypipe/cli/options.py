@@ -175,9 +175,9 @@ class FinetuneSettings:
                          "loss.png and timeline.png", "DIR")
     seq_len: int | None = option(_int, None, "tokens per training row (default: min(1024, the model's max "
                                  "positions))", "N", config="seq_len", workload=True)
-    extend_context: bool = option(_bool, False, "a --seq-len beyond the model's max positions: scale its RoPE "
-                                  "to reach it (YaRN for plain RoPE, a larger factor for llama3/yarn/linear "
-                                  "scaling); the saved config carries it", flag=True)
+    extend_context: bool = option(_bool, False, "a --seq-len beyond the model's max positions: scale its "
+                                  "RoPE to reach it (YaRN for plain RoPE, a larger factor for llama3/yarn/"
+                                  "linear scaling); the saved config carries it", flag=True)
     global_batch: int = option(_int, 8, "rows per optimizer step (default: 8)", "N", config="global_batch",
                                workload=True)
     micro_batch: int | None = option(_int, None, "rows per micro-batch on a device; bigger is faster and "

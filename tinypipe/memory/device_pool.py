@@ -97,6 +97,11 @@ class DevicePool:
             return self.slots[slot]
         return self._held(self.resident, layer, self.transient_weights, self._numels, self.dtype)
 
+    def params_alive(self, layer: int) -> bool:
+        """Whether ``layer``'s own weight buffer exists now (a transient one lives between its
+        upload and its release)."""
+        return layer in self.resident
+
     def release_params(self, layer: int) -> None:
         """Free a transient weight buffer (the kernels reading it must have completed, and nothing
         may still point at it: the caching allocator hands its memory to the next allocation)."""

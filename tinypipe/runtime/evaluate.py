@@ -34,7 +34,7 @@ from tinypipe.models.head import IGNORE
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.inputs import StepInputs
 from tinypipe.runtime.resources import EngineResources
-from tinypipe.runtime.upload import upload_layer
+from tinypipe.runtime.upload import upload_destination, upload_layer
 from tinypipe.schedule.plan import Plan
 
 
@@ -181,7 +181,7 @@ class Evaluator:
         with dev.backend.use_stream(h2d):
             if prev is not None:
                 dev.backend.wait_event(h2d, freed.get(prev))
-            dst = dev.pool.params(st.layer, st.slot)
+            dst = upload_destination(dev, st.layer, st.slot)
             upload_layer(self.res.store, self.res.optimizer, dev, st.layer, dst)
             ready[i] = dev.backend.record_event(h2d)
 

@@ -10,7 +10,7 @@ from tinypipe.distributed.reduce import reduce_gradient
 from tinypipe.runtime.device import DeviceRuntime
 from tinypipe.runtime.handler_base import HandlerBase
 from tinypipe.runtime.optim.messages import GradChunk, GradEnd, GradNorm
-from tinypipe.runtime.upload import upload_layer
+from tinypipe.runtime.upload import upload_destination, upload_layer
 from tinypipe.schedule.tasks import Task
 
 NORM_CHUNK = 1 << 24  # elements per partial gradient norm
@@ -21,7 +21,7 @@ class TransferHandlers(HandlerBase):
 
     def _upload(self, task: Task, dev: DeviceRuntime) -> None:
         layer = task.layers[0]
-        dst = dev.pool.params(layer, task.slots[0] if task.slots else None)
+        dst = upload_destination(dev, layer, task.slots[0] if task.slots else None)
         upload_layer(self.store, self.optim, dev, layer, dst, self.ctx.abort, task_id=task.id)
 
     def _reduce(self, task: Task, dev: DeviceRuntime) -> None:

@@ -23,6 +23,25 @@ from tinypipe.runtime.signals import Abort
 from tinypipe.schedule.ids import TaskId
 
 
+def upload_destination(dev: DeviceRuntime, layer: int, slot: int | None) -> torch.Tensor:
+    """The buffer ``layer``'s upload writes on ``dev`` (its ``slot``, or its own resident one).
+
+    A transient weight buffer (schedule/transient_grads.py) is allocated from the compute stream's
+    pool: the caching allocator hands a freed block only to later allocations on the stream it was
+    made on, and what follows its release -- the activations -- allocates on the compute stream
+    (made on the upload stream, the embedding and head weights of a 64K QLoRA row stayed reserved
+    and unused: 2 GiB above the allocated peak). A block the compute stream freed may still be read
+    by kernels queued there, so the upload stream waits for those before writing into it."""
+    pool = dev.pool
+    if slot is not None or layer not in pool.transient_weights or pool.params_alive(layer):
+        return pool.params(layer, slot)
+    compute = dev.streams["compute"]
+    with dev.backend.use_stream(compute):
+        dst = pool.params(layer, None)
+    dev.backend.wait_event(dev.streams["h2d"], dev.backend.record_event(compute))
+    return dst
+
+
 def upload_layer(store: HostStore, optim: OptimizerPath, dev: DeviceRuntime, layer: int, dst: torch.Tensor,
                  abort: Abort | None = None, task_id: TaskId | None = None) -> None:
     """Queue ``layer``'s current weights into ``dst`` (its slot or resident buffer) on the current
