@@ -1,5 +1,8 @@
 """One attention layer at 64K tokens of the 8B heads (bf16, causal, GQA 32/8): forward + backward
-time of SDPA per backend (default choice, flash, cuDNN, efficient) against the tiles. Prints a table."""
+time of SDPA per backend (default choice, flash, cuDNN, efficient) against the tiles on flash and on
+cuDNN (8K, 16K, 32K tiles). Prints a table: the attention rate a long-context time model needs.
+
+    PYTHONPATH=. python3 bench/archive/tile_speed_probe.py"""
 import time
 
 import torch
@@ -47,10 +50,16 @@ for name, backends in (("sdpa default", None), ("flash", [SDPBackend.FLASH_ATTEN
     except RuntimeError as e:
         rows.append((name, float("nan"), float("nan")))
         print(name, "failed:", str(e).splitlines()[0][:120])
-for tile in (8192, 16384):
-    rows.append((f"tiles {tile}", *timed(lambda: tiled_causal_attention(q, k, v, None, tile))))
+for kernel in ("flash", "cudnn"):
+    for tile in (8192, 16384, 32768):
+        try:
+            rows.append((f"{kernel} tiles {tile}",
+                         *timed(lambda: tiled_causal_attention(q, k, v, None, tile, kernel))))
+        except RuntimeError as e:
+            rows.append((f"{kernel} tiles {tile}", float("nan"), float("nan")))
+            print(kernel, tile, "failed:", str(e).splitlines()[0][:120])
 flops = 4 * L * L / 2 * D * H
 print(torch.__version__, torch.cuda.get_device_name())
-print(f"{'kernel':14} {'fwd ms':>8} {'bwd ms':>8} {'fwd TFLOPS':>10}")
-for name, f, b in rows:
-    print(f"{name:14} {f * 1e3:8.1f} {b * 1e3:8.1f} {flops / f / 1e12:10.1f}")
+print(f"{'kernel':20} {'fwd ms':>8} {'bwd ms':>8} {'fwd TFLOPS':>10} {'bwd TFLOPS':>10}")
+for name, f, b in rows:  # backward FLOPs: 2.5x the forward's (FlashAttention-2's count)
+    print(f"{name:20} {f * 1e3:8.1f} {b * 1e3:8.1f} {flops / f / 1e12:10.1f} {2.5 * flops / b / 1e12:10.1f}")

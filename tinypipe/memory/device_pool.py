@@ -124,6 +124,7 @@ class DevicePool:
 
     def release_grads(self, layer: int) -> None:
         """Free a transient accumulator (its download's copies must have completed: the caching
-        allocator may hand its memory to the next allocation on any stream)."""
+        allocator hands its memory to the next allocation of the stream it was made on, without
+        waiting for other streams' reads)."""
         if layer in self.transient_grads:
             self.resident_grads.pop(layer, None)
