@@ -1,0 +1,149 @@
+"""Where a long-context QLoRA step's time goes on the GPU: the 8B shape cut to a few blocks, one
+row of 64K tokens, the planner's own plan (24 GiB cap), one step under torch.profiler after two
+warm-up steps. Prints the step's wall time, the GPU kernels' time by category (attention, matmul,
+4-bit dequantization, the rest), the part of the step no kernel ran, and the planner's prediction
+of the same step, part by part -- what the time model misses at long sequences (the 2 x 64K
+acceptance row ran 20 % under its prediction: bench/results/acceptance/cee9907aabd5).
+
+    PYTHONPATH=.:bench python3 bench/archive/long_step_profile.py [--layers 4] [--seq 65536] [--out DIR]
+    PYTHONPATH=.:bench python3 bench/archive/long_step_profile.py --tiny     # the CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+
+GiB = 1024**3
+#: kernel name -> category (first match wins)
+CATEGORIES = (
+    ("attention", re.compile(r"flash|fmha|cudnn|sdpa|attention|softmax", re.I)),
+    ("dequantize", re.compile(r"dequant|kDequant|nf4|fp4", re.I)),
+    ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|sm90_|sm80_", re.I)),
+)
+
+
+def category(name: str) -> str:
+    return next((c for c, rx in CATEGORIES if rx.search(name)), "other")
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=65536)
+    ap.add_argument("--scheme", default="nf4", help="nf4, fp4 or none (a bf16 base)")
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--cap-gib", type=float, default=24.0)
+    ap.add_argument("--tiny", action="store_true", help="tiny dims on the CPU: checks the script runs")
+    ap.add_argument("--out", default=None, help="directory for the JSON summary (and the trace)")
+    ap.add_argument("--trace", action="store_true", help="also write the Chrome trace (gzipped) under --out")
+    return ap.parse_args(argv)
+
+
+def build(a: argparse.Namespace, device: str):  # -> (model, batch, dtype)
+    import torch
+    import transformers
+
+    from qlora_bench import SHAPES, TINY
+    from qlora_bench import build as build_random
+    from tinypipe.lora import LoraSettings, apply_lora
+
+    dims = dict((TINY if a.tiny else SHAPES)["8b"], num_hidden_layers=a.layers)
+    cfg = transformers.LlamaConfig(max_position_embeddings=max(131072, a.seq), tie_word_embeddings=False,
+                                   rms_norm_eps=1e-5, rope_theta=500000.0, **dims)
+    cfg._attn_implementation = "sdpa"
+    scheme = None if a.scheme == "none" else a.scheme
+    dtype = torch.bfloat16
+    model = build_random(cfg, scheme, device, dtype)
+    model = apply_lora(model, LoraSettings(rank=a.rank, alpha=2.0 * a.rank, quantize=scheme, compute_dtype="bf16"))
+    ids = torch.randint(0, cfg.vocab_size, (1, a.seq), generator=torch.Generator().manual_seed(1))
+    return model, {"input_ids": ids}
+
+
+def kernel_times(prof) -> dict[str, float]:  # noqa: ANN001
+    """Seconds of device time per category, from the profiler's per-kernel averages."""
+    out: dict[str, float] = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", 0.0) or 0.0
+        if us > 0:
+            c = category(evt.key)
+            out[c] = out.get(c, 0.0) + us * 1e-6
+    return out
+
+
+def top_kernels(prof, n: int = 15) -> list[tuple[str, float, int]]:  # noqa: ANN001
+    rows = [(evt.key, (getattr(evt, "self_device_time_total", 0.0) or 0.0) * 1e-6, evt.count)
+            for evt in prof.key_averages()]
+    return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:n]
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import tinypipe
+
+    a = parse(argv)
+    if a.tiny:
+        a.seq, a.scheme = min(a.seq, 4096), "none"
+    cuda = torch.cuda.is_available() and not a.tiny
+    device = "cuda:0" if cuda else "cpu"
+    if cuda:
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, a.cap_gib * GiB / total), torch.device(device))
+    torch.manual_seed(0)
+    model, batch = build(a, device)
+    config = tinypipe.Config(devices=[device], precision="bf16" if cuda else "fp32", lr=2e-4, weight_decay=0.0,
+                             seq_len=a.seq, global_batch=1, gpu_memory_bytes=int(a.cap_gib * GiB) if cuda else None)
+    engine = tinypipe.Engine(model, config)
+    print("plan:", engine.plan.describe(), flush=True)
+    for i in range(2):
+        r = engine.step(batch)
+        print(f"warm-up step {i + 1}: {r.seconds:.2f} s, loss {r.loss:.4f}", flush=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    engine.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        r = engine.step(batch)
+        engine.synchronize()
+        wall = time.perf_counter() - t0
+    times = kernel_times(prof) if cuda else {}
+    busy = sum(times.values())
+    best = engine.plan_result.best if engine.plan_result is not None else None
+    predicted = ({k: v for k, v in dataclasses.asdict(best.time).items() if isinstance(v, float)}
+                 if best is not None else {})
+    summary = {"gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
+               "layers": a.layers, "seq": a.seq, "scheme": a.scheme, "plan": engine.plan.describe(),
+               "step_s": r.seconds, "wall_s": wall, "kernel_s": times, "kernels_busy_s": busy,
+               "predicted": predicted, "top": top_kernels(prof) if cuda else []}
+    if a.out:
+        out = Path(a.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "long_step_profile.json").write_text(json.dumps(summary, indent=1))
+        if cuda and a.trace:
+            prof.export_chrome_trace(str(out / "long_step_trace.json.gz"))
+    print(f"\n{summary['gpu']}, {a.layers} blocks of the 8B shape, 1 x {a.seq:,} tokens, {a.scheme}")
+    print(f"step {r.seconds:.3f} s (profiled wall {wall:.3f} s); kernels {busy:.3f} s; "
+          f"no kernel running {max(0.0, wall - busy):.3f} s")
+    for name, s in sorted(times.items(), key=lambda kv: -kv[1]):
+        print(f"  {name:<12} {s:8.3f} s  {100 * s / max(wall, 1e-9):5.1f} % of the step")
+    if predicted:
+        print("planner: " + ", ".join(f"{k} {v:.3f}" for k, v in predicted.items() if v))
+    for name, s, count in summary["top"]:
+        print(f"  {s:8.3f} s {count:6d}x  {name[:100]}")
+    engine.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
