@@ -20,6 +20,7 @@ import dataclasses
 import json
 import math
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -362,7 +363,8 @@ def run_tests_row(row: TestsRow, scratch: Path, cap_gib: float) -> dict[str, Any
     workers = ["-n", "4"] if importlib.util.find_spec("xdist") is not None else []
     # no:logging: a failure's captured log (torch's DEBUG trace lines) would bury its assertion
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfE", "--tb=short", "-p", "no:cacheprovider",
-                           "-p", "no:logging", *workers, "-m", "gpu", "tests"], cwd=ROOT, capture_output=True,
+                           "-p", "no:logging", "--durations=20", *workers, "-m", "gpu", "tests"], cwd=ROOT,
+                          capture_output=True,
                           text=True, timeout=row.seconds * 2 + 60)
     text = proc.stdout + proc.stderr
     summary = next((line for line in reversed(text.splitlines()) if " passed" in line or " failed" in line), "")
@@ -378,7 +380,16 @@ def run_tests_row(row: TestsRow, scratch: Path, cap_gib: float) -> dict[str, Any
     return {"kind": "tests", "row": dataclasses.asdict(row), "rc": proc.returncode, "summary": summary,
             "passed": count("passed"), "failed": count("failed"), "errors": count("error"),
             "failures": failures[:20], "failure_text": failure_text(text), "seconds": time.perf_counter() - t0,
-            "log_tail": text[-4000:]}
+            "log_tail": text[-4000:], "slowest": _slowest(text)}
+
+
+def _slowest(text: str) -> list[str]:
+    """pytest's ``--durations`` lines (the slowest GPU tests): where the row's minutes go."""
+    lines = text.splitlines()
+    start = next((i for i, line in enumerate(lines) if "slowest" in line and "durations" in line), None)
+    if start is None:
+        return []
+    return [line.strip() for line in lines[start + 1:start + 30] if re.match(r"\s*\d+\.\d+s ", line)]
 
 
 def failure_text(text: str, limit: int = 16000) -> str:
