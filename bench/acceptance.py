@@ -279,11 +279,13 @@ def save_baselines(gpus: dict[str, dict[str, Any]]) -> None:
     BASELINE.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
-#: What a row's result depends on. Two commits whose trees agree on these paths run the same code
-#: on the GPU (a later commit may add raw files, notes or this checker), so the rows measured at
-#: either count for both: a matrix of four device calls can span sessions while the code stays put.
-CODE_UNDER_TEST = ("tinypipe", "tests", "bench/acceptance_rows.py", "bench/benchkit", "bench/qlora_bench.py",
-                   "bench/device_env.sh", "bench/acceptance_device.sh", "pyproject.toml", "requirements")
+#: What a row's result depends on: the package, the tests, the rows' definitions (this file's
+#: ROWS) and runners, the pins. Two commits whose trees agree on these paths run the same code on
+#: the GPU (a later commit may add raw files and notes), so the rows measured at either count for
+#: both: a matrix of four device calls can span sessions while the code stays put.
+CODE_UNDER_TEST = ("tinypipe", "tests", "bench/acceptance.py", "bench/acceptance_rows.py", "bench/benchkit",
+                   "bench/qlora_bench.py", "bench/device_env.sh", "bench/acceptance_device.sh", "pyproject.toml",
+                   "requirements")
 
 
 def code_differs(a: str, b: str) -> list[str]:
