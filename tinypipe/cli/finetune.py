@@ -145,7 +145,9 @@ def _load_model(path: str, lora: Any, context_tokens: int | None = None) -> tupl
     say(f"model: {path} ({type(model).__name__}, {format_count(n_params)} parameters) "
         f"loaded in {time.perf_counter() - t0:.1f} s")
     if context_tokens is not None:
-        say(f"context: {_rope_text(model.config)}")
+        from tinypipe.models.rope_extension import describe_rope
+
+        say(f"context: {describe_rope(model.config)}")
     if lora is None:
         return model, tokenizer
     from tinypipe.lora import apply_lora
@@ -157,18 +159,6 @@ def _load_model(path: str, lora: Any, context_tokens: int | None = None) -> tupl
         f"{format_count(trainable)} trainable parameters ({100.0 * trainable / n_params:.2f}%)"
         + (f" over a {quant.label} base" if quant is not None else ""))
     return model, tokenizer
-
-
-def _rope_text(config: Any) -> str:
-    """The positions a model reaches and the RoPE scaling that gets it there."""
-    from tinypipe.models.rope_extension import rope_parameters
-
-    params = rope_parameters(config)
-    kind = params.get("rope_type", params.get("type", "default"))
-    scale = f", factor {params['factor']:g}" if "factor" in params else ""
-    base = params.get("original_max_position_embeddings")
-    return (f"{config.max_position_embeddings:,} positions (RoPE {kind}{scale}"
-            + (f" over {base:,}" if base else "") + ")")
 
 
 def _load_data(s: FinetuneSettings, data_path: Path, tokenizer: Any,

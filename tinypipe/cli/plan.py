@@ -181,8 +181,7 @@ def run(args: argparse.Namespace) -> int:
         gpus = _positive_int("--gpus", args.gpus)
         seq = _positive_int("--seq-len", args.seq_len)
         batch = _positive_int("--global-batch", args.global_batch)
-        if getattr(args, "extend_context", False):
-            args.model = _extended(args.model, seq)
+        model = _extended(args.model, seq) if getattr(args, "extend_context", False) else args.model
         gpu_mem = parse_bytes(args.gpu_memory) if args.gpu_memory is not None else None
         cpu_mem = parse_bytes(args.cpu_memory) if args.cpu_memory is not None else _host_ram()
         clip = None
@@ -227,14 +226,14 @@ def run(args: argparse.Namespace) -> int:
                 from tinypipe.errors import ConfigError
 
                 raise ConfigError("--evaluate prices one replica's plan: drop --nodes / --gpus-per-replica")
-            return _run_layouts(args, hardware, gpus=gpus, seq=seq, batch=batch, gpu_mem=gpu_mem,
+            return _run_layouts(args, model, hardware, gpus=gpus, seq=seq, batch=batch, gpu_mem=gpu_mem,
                                 cpu_mem=cpu_mem, clip=clip, lora=lora)
         given = None
         if getattr(args, "evaluate", None):  # read first: a file that is no plan fails before the search
             from tinypipe.cli.options import read_plan_file
 
             given = read_plan_file(args.evaluate, gpus, "--gpus is")
-        request = PlanRequest(model_config=args.model, gpus=gpus, gpu_memory_bytes=gpu_mem or None,
+        request = PlanRequest(model_config=model, gpus=gpus, gpu_memory_bytes=gpu_mem or None,
                               cpu_memory_bytes=cpu_mem, seq=seq, global_batch=batch, precision=args.precision,
                               max_grad_norm=clip, lora=lora, device_optimizer=args.device_optimizer,
                               resident_packs=None if args.resident_packs is None else _nonnegative_int(
@@ -314,7 +313,7 @@ def _extended(model: str, seq: int) -> Any:
     return config
 
 
-def _run_layouts(args: argparse.Namespace, hardware: Any, *, gpus: int, seq: int, batch: int,
+def _run_layouts(args: argparse.Namespace, model: Any, hardware: Any, *, gpus: int, seq: int, batch: int,
                  gpu_mem: int | None, cpu_mem: int, clip: float | None, lora: Any) -> int:
     """The data-parallel layouts' table and the choice (``--nodes`` / ``--gpus-per-replica``)."""
     from tinypipe.planner.replica_format import format_comparison
@@ -328,7 +327,7 @@ def _run_layouts(args: argparse.Namespace, hardware: Any, *, gpus: int, seq: int
     cluster = Cluster(nodes, gpus, intra, inter, cpu_mem)
     resident = (None if args.resident_packs is None
                 else _nonnegative_int("--resident-packs", args.resident_packs))
-    cmp = compare_layouts(args.model, hardware, cluster, seq=seq, global_batch=batch,
+    cmp = compare_layouts(model, hardware, cluster, seq=seq, global_batch=batch,
                           gpus_per_replica=per_replica, sharding=args.optimizer_sharding,
                           gpu_memory_bytes=gpu_mem, precision=args.precision, max_grad_norm=clip, lora=lora,
                           device_optimizer=args.device_optimizer, resident_packs=resident,

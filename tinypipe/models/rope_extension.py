@@ -36,6 +36,20 @@ def rope_parameters(config: Any) -> dict[str, Any]:
     return dict(params or {})
 
 
+def rope_kind(params: dict[str, Any]) -> str:
+    """The RoPE type of ``params`` ("default" for plain RoPE; older configs say ``type``)."""
+    return str(params.get("rope_type", params.get("type", "default")))
+
+
+def describe_rope(config: Any) -> str:
+    """The positions a model reaches and the RoPE scaling that gets it there, in one phrase."""
+    params = rope_parameters(config)
+    scale = f", factor {params['factor']:g}" if "factor" in params else ""
+    base = params.get("original_max_position_embeddings")
+    return (f"{config.max_position_embeddings:,} positions (RoPE {rope_kind(params)}{scale}"
+            + (f" over {base:,}" if base else "") + ")")
+
+
 def extend_rope(config: Any, tokens: int) -> str:
     """Scale ``config``'s RoPE in place so positions reach ``tokens``; a one-line description of
     what changed ("" when the model already reaches ``tokens``). ConfigError (one line) for a model
@@ -52,7 +66,7 @@ def extend_rope(config: Any, tokens: int) -> str:
                           "--extend-context scales one RoPE per model")
     if not params and not hasattr(config, "rope_theta"):
         raise ConfigError(f"{config.model_type}: no rotary position embedding to extend")
-    kind = params.get("rope_type", params.get("type", "default"))
+    kind = rope_kind(params)
     ratio = tokens / old
     if kind == "default":
         theta = params.get("rope_theta", getattr(config, "rope_theta", None))
