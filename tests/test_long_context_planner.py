@@ -203,3 +203,39 @@ def test_packed_documents_price_attention_per_document() -> None:
     docs = plan_for("llama-3.1-8b", "h200-pcie5", seq=32768, global_batch=2, document_tokens=4096, **BOX)
     assert docs.best.time.step_s < 0.8 * whole.best.time.step_s
     assert any("documents of 4096 tokens" in n for n in docs.notes)
+
+
+def test_qlora_dequantizes_each_chunked_weight_once_per_chunk() -> None:
+    """bitsandbytes dequantizes a weight on every call, so a weight that runs in token chunks
+    (the MLP, and q/k/v with the first norm folded in) is dequantized once per chunk: at 2 x 64K
+    tokens in 8K chunks eight times per forward pass and sixteen per backward (recompute and
+    input gradient), o_proj once and twice. Within one chunk (2K tokens) the count is what it was:
+    one per forward micro-batch, two per backward one."""
+    import dataclasses
+
+    from tinypipe.planner.hardware import load_hardware
+    from tinypipe.planner.work import Work
+    from tinypipe.quant.cost import dequant_seconds
+
+    s = _sizes()
+    o_proj = s.hidden * s.num_heads * s.head_dim
+    per_block = o_proj + s.hidden * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim + 3 * s.hidden * s.intermediate
+    s = dataclasses.replace(s, quantize="nf4+dq", quant_block_params=(per_block,) * s.num_blocks)
+    hw = load_hardware("h200-pcie5")
+    plan = make_plan(s.num_blocks, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1,
+                     num_devices=1, prefetch_window=1, stash="host", tied=s.tied)
+    chunked = per_block - o_proj
+
+    def priced(n: int) -> float:
+        return dequant_seconds(n, 1, hw.bf16_tflops)
+
+    w = Work.of(s, plan, hw, batch=2, seq=65536, precision="bf16", mlp_chunk=8192)
+    assert w.dequant[0][0] == pytest.approx(priced(2 * (o_proj + 8 * chunked)), rel=1e-12)
+    assert w.dequant[0][1] == pytest.approx(priced(2 * 2 * (o_proj + 8 * chunked)), rel=1e-12)
+    short = Work.of(s, plan, hw, batch=2, seq=2048, precision="bf16", mlp_chunk=8192)
+    assert short.dequant[0] == pytest.approx((priced(2 * per_block), priced(4 * per_block)), rel=1e-12)
+    # a family whose norms are not folded (GPT-2 style): only the MLP runs in chunks
+    gpt = dataclasses.replace(s, model_type="gpt2")
+    attn = o_proj + s.hidden * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
+    g = Work.of(gpt, plan, hw, batch=2, seq=65536, precision="bf16", mlp_chunk=8192)
+    assert g.dequant[0][0] == pytest.approx(priced(2 * (attn + 8 * (per_block - attn))), rel=1e-12)

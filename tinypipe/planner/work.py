@@ -16,7 +16,8 @@ from typing import Sequence
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.host_lane import Arrival, BackwardOrder
 from tinypipe.planner.sizes import ModelSizes
-from tinypipe.quant.cost import dequant_seconds, passes_per_step
+from tinypipe.models.chunked_mlp import FOLDABLE
+from tinypipe.quant.cost import dequant_seconds
 from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
 
 
@@ -210,7 +211,7 @@ class Work:
         n = plan.num_devices
         # N devices share the block work; measured scaling is well below N (see MULTI_DEVICE_SCALING)
         slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
-        return Work(rates, fwd_flops, packs, _dequant_work(sizes, plan, batch, hw),
+        return Work(rates, fwd_flops, packs, _dequant_work(sizes, plan, batch, hw, seq, mlp_chunk),
                      tokens * sizes.hidden * elem, slowdown, fwd_flops_again, long_sequences=mlp_chunk > 0,
                      attn_flops=[attn_per_token * len(p) * tokens for p in plan.packs])
 
@@ -255,19 +256,47 @@ def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
     return lanes
 
 
-def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec) -> list[tuple[float, float]]:
+def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec, seq: int = 0,
+                  mlp_chunk: int = 0) -> list[tuple[float, float]]:
     """QLoRA: seconds each pack spends dequantizing its base weights, in the forward and in the
-    backward (one dequantization per micro-batch pass; zeros without a quantized base)."""
+    backward (zeros without a quantized base).
+
+    bitsandbytes dequantizes a weight on every call: once per micro-batch pass, and once per token
+    chunk for the weights that run in chunks at long sequences (models/chunked_mlp.py: the MLP,
+    and q/k/v where the block's first norm is folded into their chunks) -- eight times per pass at
+    8K-token chunks of a 64K sequence. A chunked weight's backward always recomputes its chunk
+    (a checkpoint per chunk, kept pack or not), so it dequantizes twice per chunk."""
     if not sizes.quant_block_params:
         return [(0.0, 0.0)] * plan.num_packs
-    dq_f, dq_b = passes_per_step(batch, plan.micro_batch_size, plan.backward_micro_batch_size)
+    n_f = -(-batch // max(1, plan.micro_batch_size))
+    n_b = -(-batch // max(1, plan.backward_micro_batch_size))
+    c_f = _token_chunks(min(plan.micro_batch_size, batch) * seq, mlp_chunk)
+    c_b = _token_chunks(min(plan.backward_micro_batch_size, batch) * seq, mlp_chunk)
+    unchunked_attn = sizes.hidden * sizes.num_heads * sizes.head_dim  # o_proj
+    if sizes.model_type not in FOLDABLE:  # q/k/v read an unfolded norm's output: whole too
+        unchunked_attn += sizes.hidden * (sizes.num_heads + 2 * sizes.num_kv_heads) * sizes.head_dim
     out = []
     for q, p in enumerate(plan.packs):
         qparams = sum(sizes.quant_block_params[b] for b in p)
-        # a kept pack's backward dequantizes once per forward micro-batch (the input gradient only)
-        out.append((dequant_seconds(qparams, dq_f, hw.bf16_tflops),
-                    dequant_seconds(qparams, dq_f if plan.kept(q) else dq_b, hw.bf16_tflops)))
+        # the part of the quantized weights that run in chunks (none where nothing is chunked)
+        chunked = sum(max(0, sizes.quant_block_params[b] - unchunked_attn) for b in p) if (
+            c_f > 1 or c_b > 1) else 0
+        whole = qparams - chunked
+        fwd = n_f * (whole + chunked * c_f)
+        if plan.kept(q):  # the kept graph's backward: the input gradient once per forward micro-batch
+            bwd = n_f * (whole + chunked * (2 * c_f if c_f > 1 else 1))
+        else:  # the recompute's forward, then the input gradient
+            bwd = n_b * 2 * (whole + chunked * c_b)
+        out.append((dequant_seconds(fwd, 1, hw.bf16_tflops), dequant_seconds(bwd, 1, hw.bf16_tflops)))
     return out
+
+
+def _token_chunks(tokens: int, mlp_chunk: int) -> int:
+    """How many chunks a micro-batch of ``tokens`` runs its chunked weights in (1: unchunked, as
+    :class:`~tinypipe.models.chunked_mlp.ChunkedMLP` runs any micro-batch of at most a chunk)."""
+    if mlp_chunk <= 0 or tokens <= mlp_chunk:
+        return 1
+    return -(-tokens // mlp_chunk)
 
 
 def add_stash_traffic(lanes: Lanes, plan: Plan, stash_bytes: int, long_sequences: bool = False) -> None:

@@ -25,9 +25,3 @@ def dequant_seconds(params: int, passes: int, bf16_tflops: float) -> float:
     if params <= 0 or passes <= 0:
         return 0.0
     return params * passes * DEQUANT_S_PER_PARAM * REFERENCE_TFLOPS / max(bf16_tflops, 1e-9)
-
-
-def passes_per_step(batch: int, fwd_micro_batch: int, bwd_micro_batch: int) -> tuple[int, int]:
-    """(forward, backward) dequantizations of each weight per step: one per forward micro-batch,
-    two per backward micro-batch (recompute + input gradient)."""
-    return -(-batch // max(1, fwd_micro_batch)), 2 * -(-batch // max(1, bwd_micro_batch))
