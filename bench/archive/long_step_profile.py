@@ -27,6 +27,7 @@ os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 GiB = 1024**3
 #: kernel name -> category (first match wins)
 CATEGORIES = (
+    ("link copies", re.compile(r"^Memcpy|^Memset", re.I)),  # the copy engines: beside the compute
     ("attention", re.compile(r"flash|fmha|cudnn|sdpa|attention|softmax", re.I)),
     ("dequantize", re.compile(r"dequant|kDequant|nf4|fp4", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|sm90_|sm80_", re.I)),
@@ -73,7 +74,7 @@ def build(a: argparse.Namespace, device: str):  # -> (model, batch, dtype)
 def kernel_times(prof) -> dict[str, float]:  # noqa: ANN001
     """Seconds of device time per category, from the profiler's per-kernel averages."""
     out: dict[str, float] = {}
-    for evt in prof.key_averages():
+    for evt in _kernels(prof):
         us = getattr(evt, "self_device_time_total", 0.0) or 0.0
         if us > 0:
             c = category(evt.key)
@@ -81,9 +82,17 @@ def kernel_times(prof) -> dict[str, float]:  # noqa: ANN001
     return out
 
 
-def top_kernels(prof, n: int = 15) -> list[tuple[str, float, int]]:  # noqa: ANN001
+def _kernels(prof) -> list:  # noqa: ANN001
+    """The device-side events only: a CPU op's row also carries the device time of the kernels it
+    launched, so summing every row would count each kernel twice."""
+    from torch.autograd import DeviceType
+
+    return [evt for evt in prof.key_averages() if getattr(evt, "device_type", None) == DeviceType.CUDA]
+
+
+def top_kernels(prof, n: int = 25) -> list[tuple[str, float, int]]:  # noqa: ANN001
     rows = [(evt.key, (getattr(evt, "self_device_time_total", 0.0) or 0.0) * 1e-6, evt.count)
-            for evt in prof.key_averages()]
+            for evt in _kernels(prof)]
     return sorted((r for r in rows if r[1] > 0), key=lambda r: -r[1])[:n]
 
 
@@ -118,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         engine.synchronize()
         wall = time.perf_counter() - t0
     times = kernel_times(prof) if cuda else {}
-    busy = sum(times.values())
+    busy = sum(v for k, v in times.items() if k != "link copies")  # the compute stream's kernels
     best = engine.plan_result.best if engine.plan_result is not None else None
     predicted = ({k: v for k, v in dataclasses.asdict(best.time).items() if isinstance(v, float)}
                  if best is not None else {})
