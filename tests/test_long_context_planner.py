@@ -79,7 +79,8 @@ def test_64k_fits_with_host_stashed_inputs_counted() -> None:
         plan_for("llama-3.1-8b", "h200-pcie5", seq=65536, global_batch=2, mlp_chunk_tokens=0, **BOX)
 
 
-def test_plan_command_prints_the_chunk_and_refuses_in_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+def test_plan_command_prints_the_chunk_and_refuses_in_one_line(capsys: pytest.CaptureFixture[str],
+                                                              tmp_path) -> None:  # noqa: ANN001
     args = ["--model", "llama-3.1-8b", "--hardware", "h200-pcie5", "--gpu-memory", "24GiB",
             "--cpu-memory", "128GiB", "--global-batch", "2"]
     assert main([*args, "--seq-len", "65536"]) == EXIT_OK
@@ -92,6 +93,17 @@ def test_plan_command_prints_the_chunk_and_refuses_in_one_line(capsys: pytest.Ca
     assert main([*args, "--seq-len", "131072"]) == EXIT_NO_FIT
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "needs" in err and "GiB GPU memory" in err
+    # host memory is what the GPU-lean plans lack (2 x 128K full FT: 32 GiB of block inputs
+    # beside 90 GiB of master weights and moments): the SSD tier is the way, and it fits there
+    assert "--offload-dir DIR (the SSD tier)" in err, err
+    ssd = ["--offload-dir", str(tmp_path), "--ssd-read-gbps", "2", "--ssd-write-gbps", "3"]
+    assert main([*args, "--seq-len", "131072", *ssd]) == EXIT_OK
+    assert "moments of" in capsys.readouterr().out
+    # a LoRA run refused for GPU memory is not told to try LoRA
+    lora = [*args, "--seq-len", "262144", "--lora", "--quantize", "nf4", "--extend-context"]
+    assert main(lora) == EXIT_NO_FIT
+    err = capsys.readouterr().err.strip()
+    assert "GiB GPU memory" in err and "--lora" not in err and "--offload-dir" not in err, err
     assert main([*args, "--seq-len", "65536", "--mlp-chunk-tokens", "4096"]) == EXIT_OK
     assert "chunks of 4,096 tokens" in capsys.readouterr().out
 

@@ -415,13 +415,22 @@ def plan(request: PlanRequest, hardware: HardwareSpec | str) -> PlanResult:
                       hiding=hiding, mlp_chunk_tokens=mlp_chunk)
 
 
+def _alternatives(items: list[str]) -> str:
+    """``a``, ``a or b``, ``a, b or c``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
 def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd: bool = False) -> str:
     """One line: what the smallest configuration needs and what to try (``ssd``: host memory
-    was not the limit, the SSD takes the overflow)."""
+    was not the limit, the SSD takes the overflow). It suggests only what would change the
+    answer: not LoRA to a LoRA run, the SSD tier only where host memory is what is short and no
+    offload directory was given."""
     host_ok = cands if ssd else [c for c in cands if c.host_need <= cpu_mem]
     gpu_ok = [c for c in cands if c.gpu_need <= gpu_mem]
     min_host = min(cands, key=lambda c: c.host_need)
     min_gpu = min(cands, key=lambda c: c.gpu_need)
+    lora = any(k.startswith("frozen_weights") and v for k, v in min_host.memory.host.items())
+    ssd_hint = "" if ssd else ", --offload-dir DIR (the SSD tier)"
     if not host_ok:
         host = min_host.memory.host
         frozen = next((k for k in host if k.startswith("frozen_weights")), None)  # "frozen_weights (nf4)"
@@ -429,18 +438,19 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd:
             need, have = gib_pair(min_host.host_need, cpu_mem)
             return (f"needs {need} host memory even with LoRA, "
                     f"have {have} ({gib_text(host[frozen])} of it the frozen base weights); "
-                    "add RAM" + ("" if "(" in frozen else " or quantize the base (--quantize nf4)"))
+                    + _alternatives(["add RAM", *([] if "(" in frozen else ["quantize the base (--quantize nf4)"]),
+                                     *([] if ssd else ["put them on an SSD (--offload-dir DIR)"])]))
         need, have = gib_pair(min_host.host_need, cpu_mem)
         return (f"needs {need} host memory, have {have} "
                 f"({gib_text(host['master_weights'] + host['optimizer_state'])} of it "
-                "fp32 master weights + AdamW state); try --lora or more RAM")
+                f"fp32 master weights + AdamW state); try --lora{ssd_hint} or more RAM")
     if not gpu_ok:
         return (f"needs {gib_text(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}), have "
-                f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch, more GPUs "
-                "or --lora")
+                f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch"
+                + (" or more GPUs" if lora else ", more GPUs or --lora"))
     # each budget can be met alone, but no plan meets both: the GPU-lean plans stash on the host
     best = min(host_ok, key=lambda c: c.gpu_need)
     return (f"needs {gib_text(best.gpu_need)} GPU memory per device with host memory under "
             f"{gib_text(cpu_mem)} (or {gib_text(min_gpu.host_need)} host memory at "
             f"{gib_text(min_gpu.gpu_need)} GPU memory); have "
-            f"{gib_text(gpu_mem)} GPU memory; try a shorter --seq-len, more RAM or more GPUs")
+            f"{gib_text(gpu_mem)} GPU memory; try a shorter --seq-len{ssd_hint}, more RAM or more GPUs")
