@@ -251,3 +251,32 @@ def test_qlora_dequantizes_each_chunked_weight_once_per_chunk() -> None:
     attn = o_proj + s.hidden * (s.num_heads + 2 * s.num_kv_heads) * s.head_dim
     g = Work.of(gpt, plan, hw, batch=2, seq=65536, precision="bf16", mlp_chunk=8192)
     assert g.dequant[0][0] == pytest.approx(priced(2 * (attn + 8 * (per_block - attn))), rel=1e-12)
+
+
+def test_a_given_plan_and_a_replicas_plan_are_priced_with_the_chunks_the_engine_runs() -> None:
+    """`tinypipe plan --evaluate FILE` (planner/given.py) and a fixed per-replica plan
+    (planner/replica_search.py weigh_plan) priced a long-sequence plan as unchunked: MLP
+    intermediates of a whole 64K sequence (the plan "did not fit"), no embedding-output stash, no
+    chunk recompute. The search's own best, given back, must price and size exactly as the search
+    did; a replica's host memory counts the embedding's output in its stash."""
+    from tinypipe.planner.given import with_given_plan
+    from tinypipe.planner.hardware import load_hardware
+    from tinypipe.planner.replica_search import weigh_plan
+    from tinypipe.planner.replicas import Cluster, Layout
+
+    r = plan_for("llama-3.1-8b", "h200-pcie5", seq=65536, global_batch=2, **BOX)
+    assert r.mlp_chunk_tokens == 8192
+    given = with_given_plan(r, r.best.plan)
+    assert given.best.time.step_s == r.best.time.step_s
+    assert given.best.gpu_need == r.best.gpu_need and given.best.memory.host == r.best.memory.host
+
+    s, hw = _sizes(), load_hardware("h200-pcie5")
+    plan = make_plan(s.num_blocks, pack_size=1, micro_batch_size=1, backward_micro_batch_size=1,
+                     num_devices=1, prefetch_window=1, stash="host", tied=s.tied)
+    cluster, layout = Cluster(1, 2, 50.0, 12.5, 512 * GIB), Layout(2, 1, 2)
+    kw = dict(seq=65536, global_batch=4, sharding="replicate")
+    chunked = weigh_plan(s, hw, cluster, layout, plan, mlp_chunk=8192, **kw).options["replicate"].host
+    whole = weigh_plan(s, hw, cluster, layout, plan, **kw).options["replicate"].host
+    # one replica: 2 sequences; the embedding's output joins the 31 stashed block inputs
+    row = 2 * 65536 * s.hidden * 2
+    assert chunked["stashed_activations"] - whole["stashed_activations"] == row

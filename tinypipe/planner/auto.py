@@ -208,7 +208,9 @@ def _resolve_replicas(model: nn.Module, config: Config, *, num_blocks: int, tied
                          gpu_memory_bytes=gpu, precision=config.precision,
                          max_grad_norm=config.max_grad_norm, host_grad_buffers=config.host_grad_buffers,
                          lora=lora_settings_of(model), device_optimizer=config.device_optimizer,
-                         resident_packs=config.resident_packs)
+                         resident_packs=config.resident_packs, mlp_chunk_tokens=config.mlp_chunk_tokens,
+                         document_tokens=config.document_tokens,
+                         attention_tile_tokens=config.attention_tile_tokens)
         if not lp.fits:
             raise PlanDoesNotFitError(f"{layout.describe()} replicas: {lp.reason}")
         chosen = lp.plan()
@@ -220,10 +222,13 @@ def _resolve_replicas(model: nn.Module, config: Config, *, num_blocks: int, tied
         global_batch=config.global_batch // replicas)
     if plan is None:
         plan, _ = resolve_plan(model, per_replica, num_blocks=num_blocks, tied=tied)
-    lp = weigh_plan(_sizes_of(model, config), hw, cluster, layout, plan, seq=config.seq_len,
+    sizes = _sizes_of(model, config)
+    lp = weigh_plan(sizes, hw, cluster, layout, plan, seq=config.seq_len,
                     global_batch=config.global_batch, sharding=config.optimizer_sharding,
                     precision=config.precision, max_grad_norm=config.max_grad_norm,
-                    host_grad_buffers=config.host_grad_buffers)
+                    host_grad_buffers=config.host_grad_buffers,
+                    mlp_chunk=mlp_chunk_tokens_for(config.mlp_chunk_tokens, sizes.intermediate,
+                                                   dtype_bytes(config.precision), config.seq_len))
     if lp.choice is None:
         if given or not have_workload:  # a plan passed in, or nothing to check it with: the leanest
             lean = "shard" if config.optimizer_sharding != "replicate" else "replicate"

@@ -30,7 +30,8 @@ def with_given_plan(result: PlanResult, plan: Plan) -> PlanResult:
     if plan.num_devices != result.gpus:
         raise ConfigError(f"the plan is for {plan.num_devices} GPU(s), --gpus is {result.gpus}")
     cand = evaluate(result.sizes, result.hardware, plan, seq=result.seq, global_batch=result.global_batch,
-                    precision=result.precision, max_grad_norm=result.max_grad_norm)
+                    precision=result.precision, max_grad_norm=result.max_grad_norm,
+                    mlp_chunk=result.mlp_chunk_tokens)
     if cand.gpu_need > result.gpu_memory_bytes:
         need, have = gib_pair(cand.gpu_need, result.gpu_memory_bytes)
         raise PlanDoesNotFitError(f"this plan ({plan.describe()}) needs {need} on its fullest GPU, "

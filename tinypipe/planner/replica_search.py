@@ -141,10 +141,12 @@ def _replicated_host(sizes: ModelSizes, result: PlanResult, host_grad_buffers: i
 def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layout: Layout, plan: Plan, *,
                seq: int | None, global_batch: int | None, sharding: ShardingChoice = "auto",
                precision: str = "bf16", max_grad_norm: float | None = None,
-               host_grad_buffers: int | None = None) -> LayoutPlan:
+               host_grad_buffers: int | None = None, mlp_chunk: int = 0) -> LayoutPlan:
     """A fixed per-replica ``plan`` (given or hand-set) under each sharding ``sharding`` allows, and
     the one chosen. Without the workload (``seq`` / ``global_batch``) only host memory decides:
-    replicate when it fits (stashed activations not counted), shard otherwise."""
+    replicate when it fits (stashed activations not counted), shard otherwise. ``mlp_chunk``: the
+    token chunk the blocks' MLPs run in at this workload (0: unchunked), as the engine runs them:
+    long sequences stash more in host memory (the embedding's output) and recompute more."""
     workload = seq is not None and global_batch is not None
     batch = split_batch(global_batch, layout.replicas) if global_batch is not None else None
     names = ["replicate"] if layout.replicas == 1 else (
@@ -159,7 +161,8 @@ def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layo
             assert seq is not None and batch is not None
             c = evaluate(sizes, replica_hardware(hardware, layout, opt.sharding), plan, seq=seq,
                          global_batch=batch, precision=precision,  # type: ignore[arg-type]
-                         max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers)
+                         max_grad_norm=max_grad_norm, host_grad_buffers=host_grad_buffers,
+                         mlp_chunk=mlp_chunk)
             host = dict(c.memory.host)
         else:
             host = host_bytes(sizes, plan, batch=0, seq=0, precision=precision, num_devices=plan.num_devices,
