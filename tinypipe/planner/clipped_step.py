@@ -154,10 +154,10 @@ def deferred_forward_end(w: Work, dev: OnDevice, deferred: tuple[int, ...]) -> f
 
 
 def clipped_race(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
-                 precision: str = "bf16") -> ClippedRace:
+                 precision: str = "bf16", mlp_chunk: int = 0) -> ClippedRace:
     """The inputs of ``plan``'s clipped race (what :func:`predict_step_time` runs for
-    ``StepTime.clipped_step_s``), for choosers that walk it and tests."""
-    w = Work.of(sizes, plan, hw, batch=batch, seq=seq, precision=precision)
+    ``StepTime.clipped_step_s``), for choosers that walk it and tests (``mlp_chunk``: as there)."""
+    w = Work.of(sizes, plan, hw, batch=batch, seq=seq, precision=precision, mlp_chunk=mlp_chunk)
     return race_of(w, on_device(w.packs))
 
 

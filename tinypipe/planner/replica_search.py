@@ -135,7 +135,7 @@ def _replicated_host(sizes: ModelSizes, result: PlanResult, host_grad_buffers: i
     plan = result.best.plan
     return host_bytes(sizes, plan, batch=result.global_batch, seq=result.seq, precision=result.precision,
                       num_devices=plan.num_devices, host_grad_buffers=host_grad_buffers,
-                      retain_grads=result.retain_grads)
+                      retain_grads=result.retain_grads, mlp_chunk=result.mlp_chunk_tokens)
 
 
 def weigh_plan(sizes: ModelSizes, hardware: HardwareSpec, cluster: Cluster, layout: Layout, plan: Plan, *,
