@@ -39,6 +39,8 @@ CATEGORIES = (
     ("attention", re.compile(r"flash|fmha|cudnn|sdpa|attention|softmax", re.I)),
     ("dequantize", re.compile(r"dequant|kDequant|nf4|fp4", re.I)),
     ("matmul", re.compile(r"gemm|cutlass|xmma|nvjet|matmul|sm90_|sm80_", re.I)),
+    ("fused (Inductor)", re.compile(r"^triton_")),  # the compiled blocks' and chunks' elementwise work
+    ("eager elementwise", re.compile(r"elementwise|reduce_kernel|CatArray|copy|fill|index|scatter|gather", re.I)),
 )
 
 
