@@ -13,10 +13,10 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
+from tinypipe.models.chunked_mlp import FOLDABLE
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.host_lane import Arrival, BackwardOrder
 from tinypipe.planner.sizes import ModelSizes
-from tinypipe.models.chunked_mlp import FOLDABLE
 from tinypipe.quant.cost import dequant_seconds
 from tinypipe.schedule.plan import Plan, host_gradient_boundaries, host_stashed_inputs
 
