@@ -233,11 +233,15 @@ def main(argv: list[str] | None = None) -> int:
     settings = [_setting(t) for t in a.runs.split(",")] if a.runs else [(a.seq, None, None)]
     if a.tiny:
         settings = [(min(seq, 4096), chunk, tile) for seq, chunk, tile in settings]
-    summaries = [s for s in (profile_one(a, *st) for st in settings) if s is not None]
-    if a.out:
-        out = Path(a.out)
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "long_step_profile.json").write_text(json.dumps(summaries, indent=1))
+    summaries: list[dict] = []
+    for st in settings:  # written after each setting: a call cut short keeps what it measured
+        one = profile_one(a, *st)
+        if one is not None:
+            summaries.append(one)
+        if a.out:
+            out = Path(a.out)
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "long_step_profile.json").write_text(json.dumps(summaries, indent=1))
     if len(summaries) > 1:
         print("\n" + comparison(summaries))
     return 0
