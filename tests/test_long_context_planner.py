@@ -280,3 +280,37 @@ def test_a_given_plan_and_a_replicas_plan_are_priced_with_the_chunks_the_engine_
     # one replica: 2 sequences; the embedding's output joins the 31 stashed block inputs
     row = 2 * 65536 * s.hidden * 2
     assert chunked["stashed_activations"] - whole["stashed_activations"] == row
+
+
+def test_long_sequences_price_their_chunk_calls_and_tile_merges() -> None:
+    """What chunking and tiling cost beyond their FLOPs (planner/work.py, fitted on a profiled 64K
+    step of four blocks): per chunked-module call and pass CHUNK_CALL_S -- 4 modules (q, k, v, MLP)
+    x 8 chunks, one pass forward and three backward, per sequence and block at 2 x 64K in 8K
+    chunks -- and (T - 1) / 2 tile merges per token for a segment of T tiles. Nothing for short
+    sequences, whole-segment attention prices no merges, a family without segment attention or
+    folded norms chunks its MLP alone."""
+    import dataclasses
+
+    from tinypipe.planner.hardware import load_hardware
+    from tinypipe.planner.work import (CHUNK_CALL_S, TILE_MERGE_REFERENCE_TFLOPS, TILE_MERGE_S,
+                                       long_sequence_overheads)
+
+    s, hw = _sizes(), load_hardware("h200-pcie5")
+    plan = make_plan(s.num_blocks, pack_size=2, micro_batch_size=1, backward_micro_batch_size=1,
+                     num_devices=1, prefetch_window=1, stash="host", tied=s.tied)
+    assert long_sequence_overheads(s, plan, hw, batch=2, seq=2048, mlp_chunk=0) == [(0.0, 0.0)] * plan.num_packs
+    merges = 3.5 * 2 * 65536 * TILE_MERGE_S * TILE_MERGE_REFERENCE_TFLOPS / hw.bf16_tflops  # T = 8 tiles
+    calls = 2 * 8 * 4 * CHUNK_CALL_S  # two sequences, eight chunks, four modules: per block and pass
+    got = long_sequence_overheads(s, plan, hw, batch=2, seq=65536, mlp_chunk=8192)
+    assert got[0] == pytest.approx((2 * (calls + merges / 3), 2 * (3 * calls + 2 * merges / 3)), rel=1e-12)
+    whole = long_sequence_overheads(dataclasses.replace(s, attention_tile=0), plan, hw, batch=2, seq=65536,
+                                    mlp_chunk=8192)
+    assert whole[0] == pytest.approx((2 * calls, 2 * 3 * calls), rel=1e-12)
+    # packed 16K documents: segments of two tiles, half a merge per token
+    docs = long_sequence_overheads(dataclasses.replace(s, document_tokens=16384), plan, hw, batch=2,
+                                   seq=65536, mlp_chunk=8192)
+    assert docs[0][0] - whole[0][0] == pytest.approx(2 * 0.5 * 2 * 65536 * TILE_MERGE_S * TILE_MERGE_REFERENCE_TFLOPS
+                                                     / hw.bf16_tflops / 3, rel=1e-12)
+    gpt = long_sequence_overheads(dataclasses.replace(s, model_type="gpt2"), plan, hw, batch=2, seq=65536,
+                                  mlp_chunk=8192)
+    assert gpt[0] == pytest.approx((2 * calls / 4, 2 * 3 * calls / 4), rel=1e-12)

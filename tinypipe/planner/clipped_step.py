@@ -135,8 +135,8 @@ def race_of(w: Work, dev: OnDevice) -> ClippedRace:
         embed: StashMove = (plan.embed_device, w.stash_bytes)
         writes[0] = embed if writes[0] is None else (embed, writes[0])
     # each pack's forward compute, the N devices' share of it as in the forward phase
-    pack_fwd = tuple((w.fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + w.dequant[q][0]) * w.slowdown / n
-                     for q in range(P))
+    pack_fwd = tuple((w.fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + w.dequant[q][0]
+                      + (w.overheads[q][0] if w.overheads else 0.0)) * w.slowdown / n for q in range(P))
     kwargs = dict(slots=plan.param_slots(), devices=n, h2d=rates.h2d, d2h=rates.d2h, bidir=rates.bidir,
                   adamw_rate=clipped_adamw_rate(rates), stash_reads=tuple(reads),
                   stash_writes=tuple(writes), chunk_down_bytes=ASSIST_CHUNK_NUMEL * ASSIST_DOWN_BYTES)

@@ -204,7 +204,7 @@ def predict_step_time(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch:
     trains = sizes.layer_train_numels
     lora = bool(sizes.frozen_total)
 
-    lanes = pack_work(packs, fwd_flops, rates, lora, dequant, w.chunk_flops, w.attn_flops)
+    lanes = pack_work(packs, fwd_flops, rates, lora, dequant, w.chunk_flops, w.attn_flops, w.overheads)
     add_stash_traffic(lanes, plan, stash_bytes=w.stash_bytes, long_sequences=w.long_sequences)
     add_host_gradient_traffic(lanes, plan, w.stash_bytes, mlp_chunk > 0)
     if plan.kept_on_host:

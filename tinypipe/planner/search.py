@@ -438,7 +438,8 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd:
             need, have = gib_pair(min_host.host_need, cpu_mem)
             return (f"needs {need} host memory even with LoRA, "
                     f"have {have} ({gib_text(host[frozen])} of it the frozen base weights); "
-                    + _alternatives(["add RAM", *([] if "(" in frozen else ["quantize the base (--quantize nf4)"]),
+                    + _alternatives(["add RAM",
+                                     *([] if "(" in frozen else ["quantize the base (--quantize nf4)"]),
                                      *([] if ssd else ["put them on an SSD (--offload-dir DIR)"])]))
         need, have = gib_pair(min_host.host_need, cpu_mem)
         return (f"needs {need} host memory, have {have} "

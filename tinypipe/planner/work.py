@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import Sequence
 
-from tinypipe.models.chunked_mlp import FOLDABLE
+from tinypipe.models.chunked_mlp import FOLDABLE, LONG_SEQUENCE_TOKENS
+from tinypipe.models.segment_attention import FAMILIES as SEGMENT_FAMILIES
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.host_lane import Arrival, BackwardOrder
 from tinypipe.planner.sizes import ModelSizes
@@ -42,6 +43,25 @@ FORWARD_RATE_FACTOR = 1.125
 ATTENTION_BACKWARD_RATIO = 2.5
 #: Fixed cost per pack execution (forward or backward), seconds.
 PACK_OVERHEAD_S = 2.1e-3
+#: Seconds per call of a token-chunked module (models/chunked_mlp.py: the MLP, and q/k/v with the
+#: first norm folded in; four per block and chunk) per pass, beyond its FLOPs and dequantization:
+#: the GPU idles while the host launches each chunk's small kernels and checkpoint, and autograd
+#: gathers every chunk's input gradient into a zeroed full-sequence buffer (a fill and an add of
+#: the whole [S, hidden] per chunk). Fitted on one profiled step of four 8B QLoRA blocks at 1 x 64K
+#: on an H100 (chunked step minus unchunked, less what the model prices of the difference: 0.309 s
+#: over 512 calls; bench/results/long_context/diagnose_f420d4828575), checked on the 32-block
+#: 2 x 64K acceptance rows it was not fitted on (docs/long_context.md). A host-side cost: not scaled
+#: by the GPU's rate.
+CHUNK_CALL_S = 0.60e-3
+#: Seconds per query token and tile merge of tiled attention (models/tiled_attention.py), per block
+#: and step (its forward, recompute and backward together) at the reference GPU rate: the eager
+#: log-sum-exp merges and fp32 accumulations of a query block's tiles. A query block of a segment of
+#: T tiles merges 0..T-1 times: (T - 1) / 2 merges per token on average. Fitted on the same profile
+#: (tiled step minus whole-segment: 0.200 s over 4 blocks x 65,536 tokens x 3.5 merges).
+TILE_MERGE_S = 218e-9
+#: The rate of the preset the fitted run was priced with (h200-pcie5: H100s and H200s plan with it);
+#: other GPUs scale :data:`TILE_MERGE_S` by their rate relative to it.
+TILE_MERGE_REFERENCE_TFLOPS = 525.0
 #: Speed-up of the block work per extra device: fitted on one two-GPU run (docs/measured.md).
 #: Pipeline bubbles and host-side contention between the lanes are folded into it.
 MULTI_DEVICE_SCALING = 0.36
@@ -189,6 +209,9 @@ class Work:
     #: per pack, the part of ``fwd_flops`` that is attention's (its backward costs
     #: :data:`ATTENTION_BACKWARD_RATIO` times it, trained weights or not)
     attn_flops: list[float] = field(default_factory=list)
+    #: per pack, (forward, backward) seconds of the long-sequence overheads outside the FLOP rates:
+    #: chunked modules' calls and tiled attention's merges (:func:`long_sequence_overheads`)
+    overheads: list[tuple[float, float]] = field(default_factory=list)
 
     @staticmethod
     def of(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int, precision: str,
@@ -213,16 +236,19 @@ class Work:
         slowdown = n / (1.0 + (n - 1) * MULTI_DEVICE_SCALING)
         return Work(rates, fwd_flops, packs, _dequant_work(sizes, plan, batch, hw, seq, mlp_chunk),
                      tokens * sizes.hidden * elem, slowdown, fwd_flops_again, long_sequences=mlp_chunk > 0,
-                     attn_flops=[attn_per_token * len(p) * tokens for p in plan.packs])
+                     attn_flops=[attn_per_token * len(p) * tokens for p in plan.packs],
+                     overheads=long_sequence_overheads(sizes, plan, hw, batch=batch, seq=seq,
+                                                       mlp_chunk=mlp_chunk))
 
 
 def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
                dequant: list[tuple[float, float]], chunk_flops: Sequence[float] = (),
-               attn_flops: Sequence[float] = ()) -> Lanes:
+               attn_flops: Sequence[float] = (), overheads: Sequence[tuple[float, float]] = ()) -> Lanes:
     """Each pack's compute on its forward and backward device (``dequant``: QLoRA's dequantization
     seconds per pack, forward and backward; ``attn_flops``: the attention part of ``fwd_flops``,
-    see :data:`ATTENTION_BACKWARD_RATIO`), and the uploads and gradient downloads of the packs
-    that move (resident packs never do)."""
+    see :data:`ATTENTION_BACKWARD_RATIO`; ``overheads``: the long-sequence seconds outside the
+    FLOP rates, forward and backward), and the uploads and gradient downloads of the packs that
+    move (resident packs never do)."""
     plan = packs.plan
     n, P, R = plan.num_devices, plan.num_packs, plan.resident_packs
     bwd_mult = 1.0 if lora else 2.0  # the backward skips the frozen weights' gradient GEMMs
@@ -233,7 +259,8 @@ def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
     for q in range(P):
         df, db = plan.fwd_device[q], plan.bwd_device[q]
         res = q < R
-        lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0] + (
+        extra_f, extra_b = overheads[q] if overheads else (0.0, 0.0)
+        lanes.f_comp[df] += fwd_flops[q] / rates.forward + PACK_OVERHEAD_S + dequant[q][0] + extra_f + (
             packs.exposed(q, rates.h2d) if q > 0 and not res else 0.0)
         attn = attn_flops[q] if attn_flops else 0.0
         bwd_flops = bwd_mult * (fwd_flops[q] - attn) + ATTENTION_BACKWARD_RATIO * attn
@@ -243,7 +270,7 @@ def pack_work(packs: Packs, fwd_flops: list[float], rates: Rates, lora: bool,
             pass_s = fwd_flops[q] / rates.recompute + bwd_flops / rates.backward
         if chunk_flops:
             pass_s += chunk_flops[q] / rates.recompute
-        b_s = pass_s + PACK_OVERHEAD_S + dequant[q][1] + (
+        b_s = pass_s + PACK_OVERHEAD_S + dequant[q][1] + extra_b + (
             packs.exposed(q, rates.h2d) if q not in carried and not res else 0.0)
         lanes.b_comp[db] += b_s
         lanes.b_pack.append(b_s)
@@ -289,6 +316,36 @@ def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec, s
             bwd = n_b * 2 * (whole + chunked * c_b)
         out.append((dequant_seconds(fwd, 1, hw.bf16_tflops), dequant_seconds(bwd, 1, hw.bf16_tflops)))
     return out
+
+
+def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
+                            mlp_chunk: int) -> list[tuple[float, float]]:
+    """Per pack, (forward, backward) seconds that long sequences cost beyond their FLOPs: every
+    call of a token-chunked module (:data:`CHUNK_CALL_S`; one pass in the forward, three in the
+    backward: the recompute, the chunk's own recompute under its checkpoint, its backward) and
+    tiled attention's merges (:data:`TILE_MERGE_S`, a third in the forward, two in the backward,
+    scaled by the GPU's rate like the other memory-bound work) wherever segment attention runs
+    (sequences above :data:`~tinypipe.models.chunked_mlp.LONG_SEQUENCE_TOKENS` of its families,
+    chunked or not). Zeros for short sequences: they price exactly as before."""
+    if seq <= LONG_SEQUENCE_TOKENS and mlp_chunk <= 0:
+        return [(0.0, 0.0)] * plan.num_packs
+    n_f = -(-batch // max(1, plan.micro_batch_size))
+    n_b = -(-batch // max(1, plan.backward_micro_batch_size))
+    c_f = _token_chunks(min(plan.micro_batch_size, batch) * seq, mlp_chunk)
+    c_b = _token_chunks(min(plan.backward_micro_batch_size, batch) * seq, mlp_chunk)
+    folded = sizes.model_type in FOLDABLE  # q, k, v and the MLP in chunks; else the MLP alone
+    modules = 4 if folded else 1
+    calls_f = n_f * (c_f if c_f > 1 else 0) * modules
+    calls_b = n_b * (c_b if c_b > 1 else 0) * modules * 3
+    merges = 0.0
+    segment = min(seq, sizes.document_tokens) if sizes.document_tokens > 0 else seq
+    tile = sizes.attention_tile
+    if sizes.model_type in SEGMENT_FAMILIES and seq > LONG_SEQUENCE_TOKENS and 0 < tile < segment:
+        tiles = -(-segment // tile)
+        merges = (tiles - 1) / 2.0 * batch * seq * TILE_MERGE_S * TILE_MERGE_REFERENCE_TFLOPS / max(
+            hw.bf16_tflops, 1e-9)
+    return [(calls_f * CHUNK_CALL_S * len(p) + merges * len(p) / 3.0,
+             calls_b * CHUNK_CALL_S * len(p) + merges * len(p) * 2.0 / 3.0) for p in plan.packs]
 
 
 def _token_chunks(tokens: int, mlp_chunk: int) -> int:
