@@ -5,6 +5,9 @@
 # peft==0.21.2` (the pins of requirements/lock.txt), then `run` with carry [".whl"]):
 #   bash bench/acceptance_device.sh SHA --tier quick
 #   bash bench/acceptance_device.sh SHA --tier full --part 2
+# SHA: the commit under test, written on this side (`git rev-parse --short=12 HEAD` before the call):
+# the device's copy of the repository may carry older git metadata than its files (it did on
+# 2026-12-07: rows of f420d48 were labelled with the session's first commit).
 # Rows go to $OUT/acc/ and come back as one file, $OUT/acc.tgz (a call returns at most 8 files);
 # unpack it into bench/results/acceptance/SHA/ and check with --check.
 set -u
