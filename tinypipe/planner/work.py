@@ -295,10 +295,7 @@ def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec, s
     (a checkpoint per chunk, kept pack or not), so it dequantizes twice per chunk."""
     if not sizes.quant_block_params:
         return [(0.0, 0.0)] * plan.num_packs
-    n_f = -(-batch // max(1, plan.micro_batch_size))
-    n_b = -(-batch // max(1, plan.backward_micro_batch_size))
-    c_f = _token_chunks(min(plan.micro_batch_size, batch) * seq, mlp_chunk)
-    c_b = _token_chunks(min(plan.backward_micro_batch_size, batch) * seq, mlp_chunk)
+    n_f, n_b, c_f, c_b = _micro_batches_and_chunks(plan, batch, seq, mlp_chunk)
     unchunked_attn = sizes.hidden * sizes.num_heads * sizes.head_dim  # o_proj
     if sizes.model_type not in FOLDABLE:  # q/k/v read an unfolded norm's output: whole too
         unchunked_attn += sizes.hidden * (sizes.num_heads + 2 * sizes.num_kv_heads) * sizes.head_dim
@@ -329,10 +326,7 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
     chunked or not). Zeros for short sequences: they price exactly as before."""
     if seq <= LONG_SEQUENCE_TOKENS and mlp_chunk <= 0:
         return [(0.0, 0.0)] * plan.num_packs
-    n_f = -(-batch // max(1, plan.micro_batch_size))
-    n_b = -(-batch // max(1, plan.backward_micro_batch_size))
-    c_f = _token_chunks(min(plan.micro_batch_size, batch) * seq, mlp_chunk)
-    c_b = _token_chunks(min(plan.backward_micro_batch_size, batch) * seq, mlp_chunk)
+    n_f, n_b, c_f, c_b = _micro_batches_and_chunks(plan, batch, seq, mlp_chunk)
     folded = sizes.model_type in FOLDABLE  # q, k, v and the MLP in chunks; else the MLP alone
     modules = 4 if folded else 1
     calls_f = n_f * (c_f if c_f > 1 else 0) * modules
@@ -346,6 +340,14 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
             hw.bf16_tflops, 1e-9)
     return [(calls_f * CHUNK_CALL_S * len(p) + merges * len(p) / 3.0,
              calls_b * CHUNK_CALL_S * len(p) + merges * len(p) * 2.0 / 3.0) for p in plan.packs]
+
+
+def _micro_batches_and_chunks(plan: Plan, batch: int, seq: int, mlp_chunk: int) -> tuple[int, int, int, int]:
+    """Forward and backward micro-batches per step, and the token chunks each runs its chunked
+    modules in."""
+    return (-(-batch // max(1, plan.micro_batch_size)), -(-batch // max(1, plan.backward_micro_batch_size)),
+            _token_chunks(min(plan.micro_batch_size, batch) * seq, mlp_chunk),
+            _token_chunks(min(plan.backward_micro_batch_size, batch) * seq, mlp_chunk))
 
 
 def _token_chunks(tokens: int, mlp_chunk: int) -> int:
