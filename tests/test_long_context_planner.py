@@ -314,3 +314,9 @@ def test_long_sequences_price_their_chunk_calls_and_tile_merges() -> None:
     gpt = long_sequence_overheads(dataclasses.replace(s, model_type="gpt2"), plan, hw, batch=2, seq=65536,
                                   mlp_chunk=8192)
     assert gpt[0] == pytest.approx((2 * calls / 4, 2 * 3 * calls / 4), rel=1e-12)
+    # a kept pack's backward recomputes no block: its chunks' recompute and backward only
+    keep = (True,) + (False,) * (plan.num_packs - 1)
+    kept = long_sequence_overheads(s, dataclasses.replace(plan, keep_activations=keep), hw, batch=2,
+                                   seq=65536, mlp_chunk=8192)
+    assert kept[0][1] == pytest.approx(2 * (2 * calls + 2 * merges / 3), rel=1e-12)
+    assert kept[1] == got[1]

@@ -319,7 +319,8 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
                             mlp_chunk: int) -> list[tuple[float, float]]:
     """Per pack, (forward, backward) seconds that long sequences cost beyond their FLOPs: every
     call of a token-chunked module (:data:`CHUNK_CALL_S`; one pass in the forward, three in the
-    backward: the recompute, the chunk's own recompute under its checkpoint, its backward) and
+    backward: the recompute, the chunk's own recompute under its checkpoint, its backward; a kept
+    pack's backward the last two) and
     tiled attention's merges (:data:`TILE_MERGE_S`, a third in the forward, two in the backward,
     scaled by the GPU's rate like the other memory-bound work) wherever segment attention runs
     (sequences above :data:`~tinypipe.models.chunked_mlp.LONG_SEQUENCE_TOKENS` of its families,
@@ -331,6 +332,7 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
     modules = 4 if folded else 1
     calls_f = n_f * (c_f if c_f > 1 else 0) * modules
     calls_b = n_b * (c_b if c_b > 1 else 0) * modules * 3
+    calls_kept = calls_f * 2  # a kept pack's backward: the chunk's recompute and its backward only
     merges = 0.0
     segment = min(seq, sizes.document_tokens) if sizes.document_tokens > 0 else seq
     tile = sizes.attention_tile
@@ -339,7 +341,8 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
         merges = (tiles - 1) / 2.0 * batch * seq * TILE_MERGE_S * TILE_MERGE_REFERENCE_TFLOPS / max(
             hw.bf16_tflops, 1e-9)
     return [(calls_f * CHUNK_CALL_S * len(p) + merges * len(p) / 3.0,
-             calls_b * CHUNK_CALL_S * len(p) + merges * len(p) * 2.0 / 3.0) for p in plan.packs]
+             (calls_kept if plan.kept(q) else calls_b) * CHUNK_CALL_S * len(p) + merges * len(p) * 2.0 / 3.0)
+            for q, p in enumerate(plan.packs)]
 
 
 def _micro_batches_and_chunks(plan: Plan, batch: int, seq: int, mlp_chunk: int) -> tuple[int, int, int, int]:
