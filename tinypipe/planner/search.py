@@ -429,12 +429,12 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd:
     gpu_ok = [c for c in cands if c.gpu_need <= gpu_mem]
     min_host = min(cands, key=lambda c: c.host_need)
     min_gpu = min(cands, key=lambda c: c.gpu_need)
-    lora = any(k.startswith("frozen_weights") and v for k, v in min_host.memory.host.items())
+    host = min_host.memory.host
+    frozen = next((k for k in host if k.startswith("frozen_weights")), None)  # "frozen_weights (nf4)"
+    lora = frozen is not None and bool(host[frozen])
     ssd_hint = "" if ssd else ", --offload-dir DIR (the SSD tier)"
     if not host_ok:
-        host = min_host.memory.host
-        frozen = next((k for k in host if k.startswith("frozen_weights")), None)  # "frozen_weights (nf4)"
-        if frozen is not None and host[frozen]:
+        if frozen is not None and lora:
             need, have = gib_pair(min_host.host_need, cpu_mem)
             return (f"needs {need} host memory even with LoRA, "
                     f"have {have} ({gib_text(host[frozen])} of it the frozen base weights); "
