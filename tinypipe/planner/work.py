@@ -320,8 +320,9 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
     """Per pack, (forward, backward) seconds that long sequences cost beyond their FLOPs: every
     call of a token-chunked module (:data:`CHUNK_CALL_S`; one pass in the forward, three in the
     backward: the recompute, the chunk's own recompute under its checkpoint, its backward; a kept
-    pack's backward the last two) and tiled attention's merges (:data:`TILE_MERGE_S`, a third in the forward, two in the backward,
-    scaled by the GPU's rate like the other memory-bound work) wherever segment attention runs
+    pack's backward the last two) and tiled attention's merges (:data:`TILE_MERGE_S`, a third in
+    the forward, two in the backward, scaled by the GPU's rate like the other memory-bound work)
+    wherever segment attention runs
     (sequences above :data:`~tinypipe.models.chunked_mlp.LONG_SEQUENCE_TOKENS` of its families,
     chunked or not). Zeros for short sequences: they price exactly as before."""
     if seq <= LONG_SEQUENCE_TOKENS and mlp_chunk <= 0:
