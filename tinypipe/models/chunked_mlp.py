@@ -101,14 +101,40 @@ class ChunkedMLP(nn.Module):
         grad = torch.is_grad_enabled()
         run = self.compiled_chunk or self.mlp
         out: torch.Tensor | None = None
-        for lo in range(0, tokens, self.chunk_tokens):
-            part = flat[lo : lo + self.chunk_tokens]
+        lo = 0
+        # split, not slices: autograd joins the chunks' input gradients with one concatenation,
+        # where a slice's backward writes its chunk into a zeroed copy of the whole input and adds
+        # that up -- two passes over the whole input per chunk
+        for part in flat.split(self.chunk_tokens):
             y = checkpoint(run, part, use_reentrant=False) if grad else run(part)
             if out is None:
                 out = hidden.new_empty((tokens, y.shape[-1]), dtype=y.dtype)
-            out[lo : lo + part.shape[0]] = y  # autograd records the slice copies: gradients flow back
+            if grad:
+                out = _Place.apply(out, y, lo)
+            else:
+                out[lo : lo + part.shape[0]] = y
+            lo += part.shape[0]
         assert out is not None
         return out.reshape(*hidden.shape[:-1], out.shape[-1])
+
+
+class _Place(torch.autograd.Function):
+    """Writes one chunk's output into the whole output, in place. The backward hands the chunk its
+    slice of the output's gradient (a view) and passes the gradient on unchanged: the chunks' slices
+    are disjoint and the buffer's first values are never read, so nothing needs zeroing. Why not
+    ``out[lo:hi] = y``: autograd's in-place slice copy clones the whole gradient once per chunk."""
+
+    @staticmethod
+    def forward(ctx: Any, out: torch.Tensor, y: torch.Tensor, lo: int) -> torch.Tensor:
+        ctx.bounds = (lo, lo + y.shape[0])
+        out[lo : lo + y.shape[0]].copy_(y)
+        ctx.mark_dirty(out)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        lo, hi = ctx.bounds
+        return grad, grad[lo:hi], None
 
 
 def chunk_mlps(blocks: Iterable[nn.Module], chunk_tokens: int) -> int:
