@@ -258,14 +258,15 @@ def test_the_estimate_counts_the_tiled_backward() -> None:
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("kernel", ["flash", "cudnn"])
-def test_cuda_tiles_match_sdpa_and_hold_what_the_estimate_counts(kernel: str) -> None:
-    """bf16, the 8B shape's heads at 128K tokens, each CUDA tile kernel: the tiled output and
+@pytest.mark.parametrize("tile", [8192, 32768])  # the smallest and the largest the planner weighs
+def test_cuda_tiles_match_sdpa_and_hold_what_the_estimate_counts(kernel: str, tile: int) -> None:
+    """bf16, the 8B shape's heads at 128K tokens, each CUDA tile kernel and tile: the tiled output and
     gradients against whole-segment SDPA (bf16 rounding), and each backward's peak above its inputs
     (the output gradient already there): the tiled one within
     :func:`tiled_backward_bytes_per_token` (+64 MiB) and under the whole-segment one."""
     import torch.nn.functional as F
 
-    length, tile = 131072, 8192
+    length = 131072
     cuda = torch.device("cuda")
     chosen = ta.tile_kernel_for(cuda, torch.bfloat16)
     assert chosen  # shells use tiles here, on the kernel SDPA itself would pick
@@ -290,7 +291,7 @@ def test_cuda_tiles_match_sdpa_and_hold_what_the_estimate_counts(kernel: str) ->
         assert err < 2e-2, err
     bound = ta.tiled_backward_bytes_per_token(32 * 128, 8 * 128, 2, length, tile) * length
     row = length * 32 * 128 * 2
-    print(f"{kernel}: backward above its inputs, rows of the query width: whole-segment SDPA "
+    print(f"{kernel}, tiles of {tile}: backward above its inputs, rows of the query width: whole-segment SDPA "
           f"{whole_peak / row:.2f}, tiled {tiled_peak / row:.2f}, tiled count {bound / row:.2f}")
     assert tiled_peak <= bound + 64 * 1024**2, (tiled_peak, bound)
     assert tiled_peak < whole_peak, (tiled_peak, whole_peak)

@@ -235,7 +235,9 @@ class Config:
         (:mod:`tinypipe.models.tiled_attention`): the whole-segment backward allocates about seven
         rows of the query width per token (14 GiB at 256K tokens of the Llama-3.1-8B shape), the
         tiled one about three plus one tile's temporaries. Exact: the tiles' softmaxes are merged
-        by their log-sum-exp. None: 8192; 0: whole segments. Used where a tile kernel passes its
+        by their log-sum-exp. None: the planner's choice among 8192, 16384 and 32768 (the
+        fastest plan that fits: larger tiles merge less and hold more), 8192 for a hand-set plan;
+        0: whole segments. Used where a tile kernel passes its
         check on the device (cuDNN or flash attention in bf16/fp16 on CUDA, SDPA's own pick first;
         the CPU flash kernel) and attention has no dropout; elsewhere segments attend whole.""")
 

@@ -32,6 +32,11 @@ from transformers.integrations.sdpa_attention import repeat_kv
 #: block (8K tokens of the 8B shape: ~0.6 GiB); at 8K x 8K a tile keeps the kernel near its rate
 #: (flash on an H100: ~20 % under the whole-segment call at 64K tokens, 16K tiles ~2 %).
 ATTENTION_TILE_TOKENS = 8192
+#: The tiles the planner weighs when ``Config.attention_tile_tokens`` is unset (planner/search.py):
+#: larger tiles merge less and run the kernel nearer its whole-segment rate (cuDNN on an H100 at
+#: 64K, forward + backward per layer: 252 ms in 8K tiles, 233 in 16K, 226 in 32K, 228 whole), and
+#: hold more per tile in the backward (:func:`tiled_backward_bytes_per_token`).
+ATTENTION_TILE_OPTIONS = (ATTENTION_TILE_TOKENS, 2 * ATTENTION_TILE_TOKENS, 4 * ATTENTION_TILE_TOKENS)
 _HALF = (torch.float16, torch.bfloat16)
 
 

@@ -66,7 +66,7 @@ from tinypipe.memory.grad_pool import buffer_count, chunk_numel
 from tinypipe.memory.report import CPU_DEVICE_POOLS, MemoryReport
 from tinypipe.models.head_loss import logit_bytes
 from tinypipe.models.segment_attention import FAMILIES, segment_attention_for
-from tinypipe.models.tiled_attention import tiled_backward_bytes_per_token
+from tinypipe.models.tiled_attention import ATTENTION_TILE_OPTIONS, tiled_backward_bytes_per_token
 from tinypipe.planner.offload import apply_offload
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.sizes import ModelSizes, dtype_bytes
@@ -104,6 +104,15 @@ def attention_tile_of(sizes: ModelSizes, seq: int) -> int:
     tile = sizes.attention_tile
     on = segment_attention_for(None, seq) and sizes.model_type in FAMILIES
     return tile if on and 0 < tile < seq else 0
+
+
+def attention_tile_options(model_type: str, seq: int) -> tuple[int, ...]:
+    """The attention tiles worth weighing for ``seq``-token rows of ``model_type``: those of
+    :data:`~tinypipe.models.tiled_attention.ATTENTION_TILE_OPTIONS` shorter than a row where
+    segment attention runs by default; () where it does not (the tile changes nothing there)."""
+    if not (segment_attention_for(None, seq) and model_type in FAMILIES):
+        return ()
+    return tuple(t for t in ATTENTION_TILE_OPTIONS if t < seq)
 
 
 def attention_backward_bytes(sizes: ModelSizes, tokens: int, seq: int, elem: int) -> int:

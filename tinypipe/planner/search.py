@@ -30,6 +30,7 @@ import transformers
 from tinypipe.config import Precision
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
+from tinypipe.planner.estimate import attention_tile_of, attention_tile_options
 from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search's public names
     FRAGMENTATION,
     GPU_CONTEXT_BYTES,
@@ -100,6 +101,13 @@ class PlanResult:
     def retain_grads(self) -> bool:
         return self.max_grad_norm is not None
 
+    @property
+    def attention_tile_tokens(self) -> int:
+        """The attention tile the plans were sized and timed with (0: whole segments, or no
+        segment attention at this length): the engine runs the planner's choice
+        (``Config.attention_tile_tokens`` unset)."""
+        return attention_tile_of(self.sizes, self.seq)
+
     def seconds(self, candidate: Candidate | None = None) -> float:
         """The step time the search ranked ``candidate`` (default: the best plan) by: the clipped
         step under ``max_grad_norm`` (:func:`ranking_seconds`)."""
@@ -116,6 +124,8 @@ class PlanResult:
         out["max_grad_norm"] = self.max_grad_norm
         if self.mlp_chunk_tokens:
             out["mlp_chunk_tokens"] = self.mlp_chunk_tokens
+        if self.attention_tile_tokens:
+            out["attention_tile_tokens"] = self.attention_tile_tokens
         if c.plan.offload:  # the engine derives the same offload set from these (offload_dir: yours)
             if self.ssd is not None and self.ssd.directory is not None:
                 out["offload_dir"] = self.ssd.directory
@@ -250,9 +260,17 @@ def plan(request: PlanRequest, hardware: HardwareSpec | str) -> PlanResult:
     :func:`~tinypipe.models.chunked_mlp.mlp_chunk_tokens_for`) bounds the MLP intermediates in every
     plan's activation estimate; the result says what was planned with.
 
+    ``attention_tile_tokens`` None: where long segments attend in tiles, the search runs once per
+    tile of :data:`~tinypipe.models.tiled_attention.ATTENTION_TILE_OPTIONS` and keeps the fastest
+    plan that fits (:func:`_fastest_tile`).
+
     Raises :class:`PlanDoesNotFitError` (one line: what the smallest plan needs) when nothing fits.
     """
     r = request
+    if r.attention_tile_tokens is None:
+        tiles = attention_tile_options(str(getattr(r.config, "model_type", "")), r.seq)
+        if len(tiles) > 1:
+            return _fastest_tile(r, hardware, tiles)
     cfg, name = r.config, r.model_name
     gpus, seq, global_batch, precision = r.gpus, r.seq, r.global_batch, r.precision
     max_grad_norm, lora, ssd, host_shards = r.max_grad_norm, r.lora, r.ssd, r.host_shards
@@ -413,6 +431,32 @@ def plan(request: PlanRequest, hardware: HardwareSpec | str) -> PlanResult:
                       global_batch=global_batch, precision=precision, max_grad_norm=max_grad_norm,
                       considered=len(cands), fitting=len(fits), model_name=name, notes=notes, ssd=ssd,
                       hiding=hiding, mlp_chunk_tokens=mlp_chunk)
+
+
+def _fastest_tile(request: PlanRequest, hardware: HardwareSpec | str, tiles: Sequence[int]) -> PlanResult:
+    """:func:`plan` once per attention tile (ascending): the leanest of the fitting plans within
+    :data:`NEAR_FASTEST` of the fastest, with a note; when none fits, the smallest tile's refusal
+    (it needs the least memory). Why a search: a larger tile runs faster but holds more in the
+    attention's backward, and at the longest sequences that is what decides whether a plan fits."""
+    results: list[PlanResult] = []
+    refusal: PlanDoesNotFitError | None = None
+    for tile in sorted(tiles):
+        try:
+            results.append(plan(dataclasses.replace(request, attention_tile_tokens=tile), hardware))
+        except PlanDoesNotFitError as exc:
+            refusal = refusal or exc
+    if not results:
+        assert refusal is not None
+        raise refusal
+    clipping = request.max_grad_norm is not None
+    fastest = min(ranking_seconds(res.best, clipping) for res in results)
+    best = min((res for res in results if ranking_seconds(res.best, clipping) <= fastest * (1 + NEAR_FASTEST)),
+               key=lambda res: res.best.gpu_need)
+    tried = ", ".join(str(t) for t in sorted(tiles))
+    note = (f"attention in tiles of {best.attention_tile_tokens} tokens: the fastest of {tried} "
+            f"that fits (Config.attention_tile_tokens to fix one)")
+    return dataclasses.replace(best, notes=[*best.notes, note],
+                               considered=sum(res.considered for res in results))
 
 
 def _alternatives(items: list[str]) -> str:

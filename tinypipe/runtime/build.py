@@ -55,9 +55,10 @@ class EngineBuilder:
 
     def __init__(self, model: nn.Module, config: Config, plan: Plan, decomposition: Decomposition,
                  backends: list[Backend], dtype: torch.dtype, replicas: Replicas | None = None,
-                 mlp_chunk_tokens: int = 0) -> None:
+                 mlp_chunk_tokens: int = 0, attention_tile_tokens: int | None = None) -> None:
         self.model, self.config, self.plan, self.dec = model, config, plan, decomposition
         self.mlp_chunk_tokens = mlp_chunk_tokens  # the blocks' MLP chunk (0: unchunked)
+        self.attention_tile_tokens = attention_tile_tokens  # None: the default tile
         self.backends, self.dtype = backends, dtype
         self.replicas = replicas  # data-parallel replicas (None: this engine alone)
         self.sharded = replicas is not None and plan.optimizer_sharding == "shard"
@@ -175,7 +176,7 @@ class EngineBuilder:
         shell = Shell(self.model, dec, backend.device, dropout=cfg.dropout,
                       mlp_chunk_tokens=self.mlp_chunk_tokens,
                       segment_attention=segment_attention_for(cfg.segment_attention, cfg.seq_len),
-                      attention_tile_tokens=cfg.attention_tile_tokens)
+                      attention_tile_tokens=self.attention_tile_tokens)
         if compile_backend is not None:
             shell.compile_blocks(compile_backend, replay_random=cfg.dropout)
         runtime = DeviceRuntime(i, cfg.devices[i], backend, shell, pool, gpool)

@@ -22,7 +22,7 @@ import time
 import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator, Mapping
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import torch
 from torch import nn
@@ -65,6 +65,10 @@ from tinypipe.schedule.validate import validate
 from tinypipe.storage import IoTotals
 from tinypipe.write_errors import describe, os_errors
 
+if TYPE_CHECKING:
+    from tinypipe.distributed.group import Replicas
+    from tinypipe.planner.search import PlanResult
+
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _ENGINE_KEY = "_tinypipe_engine"  # the engine's own state inside a checkpoint's extra
 
@@ -106,6 +110,19 @@ def _prefer_expandable_segments() -> None:
         torch.cuda.memory._set_allocator_settings("expandable_segments:True")
     except Exception:  # noqa: BLE001 - an allocator without the option: keep its default
         pass
+
+
+def _attention_tile(cfg: Config, result: PlanResult | None, replicas: Replicas | None) -> int | None:
+    """The attention tile the shells run: ``Config.attention_tile_tokens`` if set, else the tile the
+    planner sized and timed its plan with (rank 0's, as its plan is: every replica rounds alike),
+    else None (the default tile)."""
+    if cfg.attention_tile_tokens is not None:
+        return cfg.attention_tile_tokens
+    tile = (result.attention_tile_tokens or None) if result is not None else None
+    if replicas is not None:
+        first = replicas.host.all_gather_object(tile)[0]
+        tile = None if first is None else int(first)  # type: ignore[call-overload]
+    return tile
 
 
 def _mlp_chunk(cfg: Config, model: nn.Module, dtype: torch.dtype) -> int:
@@ -174,8 +191,11 @@ class Engine:
         self.dtype = _DTYPES[cfg.precision]
         #: tokens per chunk of the decoder blocks' MLPs (0: unchunked; Config.mlp_chunk_tokens)
         self.mlp_chunk = _mlp_chunk(cfg, model, self.dtype)
+        #: tokens per attention tile of a long segment (Config.attention_tile_tokens, else the
+        #: planner's choice, else the default; models/tiled_attention.py)
+        self.attention_tile = _attention_tile(cfg, self.plan_result, self.replicas)
         build = EngineBuilder(model, cfg, self.plan, dec, self.backends, self.dtype, self.replicas,
-                              mlp_chunk_tokens=self.mlp_chunk)
+                              mlp_chunk_tokens=self.mlp_chunk, attention_tile_tokens=self.attention_tile)
         self._any_cuda = build.any_cuda
         self.pinner = build.pinner
         self.store = build.host_store()
