@@ -180,6 +180,7 @@ def plan_row(row: Row, seq: int, a: argparse.Namespace) -> dict[str, Any]:
     b = r.best
     return {"fits": True, "plan": b.describe(), "step_s": b.time.step_s, "tokens_per_s": b.time.tokens_per_s,
             "gpu_need": b.gpu_need, "host_need": b.host_need, "mlp_chunk_tokens": r.mlp_chunk_tokens,
+            "attention_tile_tokens": r.attention_tile_tokens,
             "activations_peak": max(c.get("activations_peak", 0) for c in b.memory.devices.values()),
             "host": dict(b.memory.host)}
 
@@ -431,21 +432,22 @@ def _gib(x: float | None) -> str:
 def table(records: dict[str, dict[str, Any]], commit: str) -> str:
     lines = [f"long context at {commit} (GPU cap, global batch as listed; model TFLOPS: Megatron, causal)",
              f"{'row':<16} {'seq':>7} {'B':>2} {'tok/s':>8} {'TFLOPS':>7} {'GPU GiB':>8} {'host GiB':>8} "
-             f"{'chunk':>6} {'pred tok/s':>10} {'pred GPU':>8} {'pred host':>9}  note"]
+             f"{'chunk':>6} {'tile':>6} {'pred tok/s':>10} {'pred GPU':>8} {'pred host':>9}  note"]
     for name, r in records.items():
         p = r.get("planned", {})
+        tile = f"{p.get('attention_tile_tokens', '-')!s:>6}"
         pred = (f"{p['tokens_per_s']:>10,.0f} {_gib(p['gpu_need']):>8} {_gib(p['host_need']):>9}"
                 if p.get("fits") else f"{'-':>10} {'-':>8} {'-':>9}")
         if "tokens_per_s" in r:
             lines.append(f"{name:<16} {r['seq']:>7} {r['global_batch']:>2} {r['tokens_per_s']:>8,.0f} "
                          f"{r['model_tflops']:>7.1f} {_gib(r['gpu_peak_reserved']):>8} {_gib(r['host_peak']):>8} "
-                         f"{r['mlp_chunk_tokens']:>6} {pred}  {r['plan']}")
+                         f"{r['mlp_chunk_tokens']:>6} {tile} {pred}  {r['plan']}")
         else:
             note = r.get("skipped") or r.get("error") or ""
             lines.append(f"{name:<16} {r.get('seq', 0):>7} {ROWS[name].batch:>2} {'-':>8} {'-':>7} {'-':>8} "
-                         f"{'-':>8} {p.get('mlp_chunk_tokens', '-')!s:>6} {pred}  {note}")
+                         f"{'-':>8} {p.get('mlp_chunk_tokens', '-')!s:>6} {tile} {pred}  {note}")
     ref = records.get("8b-full-2k", {}).get("model_tflops")
-    for name in ("8b-full-128k", "8b-full-longest"):
+    for name in ("8b-full-128k", "8b-full-128k-ssd", "8b-full-longest"):
         got = records.get(name, {}).get("model_tflops")
         if ref and got:
             lines.append(f"{name}: {got / ref:.2f}x the 2K run's model TFLOPS (goal >= 0.8)")
