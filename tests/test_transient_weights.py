@@ -103,7 +103,9 @@ def test_the_estimate_moves_the_weights_into_their_phases() -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     import long_context as lc
 
-    a = lc.parse(["--rows", "8b-qlora-256k-b1", "--cpu-gib", "128", "--plan-only"])
+    # one tile for both (the planner would otherwise spend the freed 2 GiB on a larger tile)
+    a = lc.parse(["--rows", "8b-qlora-256k-b1", "--cpu-gib", "128", "--plan-only",
+                  "--attention-tile-tokens", "8192"])
     row = lc.ROWS["8b-qlora-256k-b1"]
     now = lc.plan_row(row, 256 * 1024, a)
     real = estimate.transient_weights

@@ -237,7 +237,8 @@ class FinetuneSettings:
                                                "of N x N through the fused kernel, so its backward holds one "
                                                "tile's temporaries, not the whole document's; 0: whole "
                                                "documents (default: the planner's choice of 8192, 16384 or "
-                                               "32768, where long documents attend per segment)", "N", config="attention_tile_tokens")
+                                               "32768, where long documents attend per segment)", "N",
+                                               config="attention_tile_tokens")
     no_assist: bool = option(_bool, False, "never let the GPU take host AdamW updates (default: the planner "
                              "may step some layers' updates on the GPU, their fp32 state making a round trip "
                              "over the link)", flag=True, config="assist_updates", to_config=operator.not_)

@@ -450,8 +450,8 @@ def _fastest_tile(request: PlanRequest, hardware: HardwareSpec | str, tiles: Seq
         raise refusal
     clipping = request.max_grad_norm is not None
     fastest = min(ranking_seconds(res.best, clipping) for res in results)
-    best = min((res for res in results if ranking_seconds(res.best, clipping) <= fastest * (1 + NEAR_FASTEST)),
-               key=lambda res: res.best.gpu_need)
+    near = [res for res in results if ranking_seconds(res.best, clipping) <= fastest * (1 + NEAR_FASTEST)]
+    best = min(near, key=lambda res: res.best.gpu_need)
     tried = ", ".join(str(t) for t in sorted(tiles))
     note = (f"attention in tiles of {best.attention_tile_tokens} tokens: the fastest of {tried} "
             f"that fits (Config.attention_tile_tokens to fix one)")
