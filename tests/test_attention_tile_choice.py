@@ -117,3 +117,20 @@ def test_the_engine_runs_the_planners_tile() -> None:
     assert _attention_tile(tinypipe.Config(seq_len=20480), chosen, None) == other
     assert _attention_tile(tinypipe.Config(seq_len=20480), None, None) is None
     assert torch.get_num_threads() >= 1
+
+
+def test_the_plan_command_prints_the_tile_and_prices_a_given_plan_at_the_engines(
+        capsys: pytest.CaptureFixture[str], tmp_path) -> None:  # noqa: ANN001
+    """`tinypipe plan` says which tile it chose and puts it in the Config it prints; `--evaluate`
+    prices a saved plan at the default tile, the one the engine runs a given plan with."""
+    from tinypipe.cli.plan import EXIT_OK, main
+
+    saved = tmp_path / "plan.json"
+    args = ["--model", "llama-3.1-8b", "--hardware", "h200-pcie5", "--gpu-memory", "24GiB",
+            "--cpu-memory", "128GiB", "--global-batch", "2", "--seq-len", "65536", "--lora", "--quantize", "nf4"]
+    assert main([*args, "--save-plan", str(saved)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert "attention in tiles of 32768 tokens" in out and "attention_tile_tokens=32768" in out
+    assert main([*args, "--evaluate", str(saved)]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"attention_tile_tokens={ATTENTION_TILE_TOKENS}" in out and "attention in tiles of" not in out

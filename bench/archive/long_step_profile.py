@@ -188,9 +188,16 @@ def priced(model, config, plan):  # noqa: ANN001, ANN201 -- (nn.Module, Config, 
     from tinypipe.planner.given import with_given_plan
     from tinypipe.planner.search import plan as search
 
+    import dataclasses
+
+    from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS
+
     hw = hardware_for(config)
+    # the engine runs a given plan at the configured tile, else the default one
+    tile = ATTENTION_TILE_TOKENS if config.attention_tile_tokens is None else config.attention_tile_tokens
+    request = dataclasses.replace(request_for(config, model, hw), attention_tile_tokens=tile)
     try:
-        return with_given_plan(search(request_for(config, model, hw), hw), plan).best
+        return with_given_plan(search(request, hw), plan).best
     except PlanDoesNotFitError as e:
         print(f"  (the planner would not fit this plan: {e})", flush=True)
         return None

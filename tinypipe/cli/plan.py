@@ -175,6 +175,7 @@ def run(args: argparse.Namespace) -> int:
             return EXIT_OK
         from tinypipe.planner.hardware import load_hardware, parse_bytes
         from tinypipe.planner.format import format_plan
+        from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS
         from tinypipe.planner.request import PlanRequest
         from tinypipe.planner.search import plan
 
@@ -240,7 +241,10 @@ def run(args: argparse.Namespace) -> int:
                                   "--resident-packs", args.resident_packs), ssd=ssd,
                               assist_updates=not getattr(args, "no_assist", False),
                               mlp_chunk_tokens=None if getattr(args, "mlp_chunk_tokens", None) is None
-                              else _nonnegative_int("--mlp-chunk-tokens", args.mlp_chunk_tokens))
+                              else _nonnegative_int("--mlp-chunk-tokens", args.mlp_chunk_tokens),
+                              # a plan given to the engine runs the default tile (the search weighs
+                              # tiles for its own plans only): price it with that one
+                              attention_tile_tokens=None if given is None else ATTENTION_TILE_TOKENS)
         result = plan(request, hardware)
         if given is not None:  # a plan the user has, priced like the search's
             from tinypipe.planner.given import with_given_plan

@@ -20,7 +20,9 @@ from tinypipe.units import gib_pair, gib_text
 
 def with_given_plan(result: PlanResult, plan: Plan) -> PlanResult:
     """``result`` (a search for the same model, machine and workload) with ``plan`` as its best
-    and only candidate, and a note comparing it with the search's choice. Raises
+    and only candidate, and a note comparing it with the search's choice. The plan is sized with
+    ``result``'s attention tile: search at the tile the engine runs the plan with (a plan given to
+    the engine runs ``Config.attention_tile_tokens``, else the default tile). Raises
     :class:`ConfigError` when ``plan`` is not for this model's blocks or this many GPUs, and
     :class:`PlanDoesNotFitError` (saying what it needs) when it does not fit the budgets."""
     blocks = sorted(b for pack in plan.packs for b in pack)
