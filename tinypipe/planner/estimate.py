@@ -102,15 +102,20 @@ def attention_tile_of(sizes: ModelSizes, seq: int) -> int:
     """The attention tile a run of ``seq``-token rows uses (0: whole segments): where segment
     attention is on by default (models/segment_attention.py) and a row is longer than a tile."""
     tile = sizes.attention_tile
-    on = segment_attention_for(None, seq) and sizes.model_type in FAMILIES
-    return tile if on and 0 < tile < seq else 0
+    return tile if _tiles_run(sizes.model_type, seq) and 0 < tile < seq else 0
+
+
+def _tiles_run(model_type: str, seq: int) -> bool:
+    """Whether ``seq``-token rows of ``model_type`` attend per segment by default: where tiles
+    run."""
+    return segment_attention_for(None, seq) and model_type in FAMILIES
 
 
 def attention_tile_options(model_type: str, seq: int) -> tuple[int, ...]:
     """The attention tiles worth weighing for ``seq``-token rows of ``model_type``: those of
     :data:`~tinypipe.models.tiled_attention.ATTENTION_TILE_OPTIONS` shorter than a row where
     segment attention runs by default; () where it does not (the tile changes nothing there)."""
-    if not (segment_attention_for(None, seq) and model_type in FAMILIES):
+    if not _tiles_run(model_type, seq):
         return ()
     return tuple(t for t in ATTENTION_TILE_OPTIONS if t < seq)
 

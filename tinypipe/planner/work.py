@@ -43,15 +43,15 @@ FORWARD_RATE_FACTOR = 1.125
 ATTENTION_BACKWARD_RATIO = 2.5
 #: Fixed cost per pack execution (forward or backward), seconds.
 PACK_OVERHEAD_S = 2.1e-3
-#: Seconds per call of a token-chunked module (models/chunked_mlp.py: the MLP, and q/k/v with the
-#: first norm folded in; four per block and chunk) per pass, beyond its FLOPs and dequantization:
-#: the GPU idles while the host launches each chunk's small kernels and checkpoint, and autograd
-#: gathers every chunk's input gradient into a zeroed full-sequence buffer (a fill and an add of
-#: the whole [S, hidden] per chunk). Fitted on one profiled step of four 8B QLoRA blocks at 1 x 64K
-#: on an H100 (chunked step minus unchunked, less what the model prices of the difference: 0.309 s
-#: over 512 calls; bench/results/long_context/diagnose_f420d4828575), checked on the 32-block
-#: 2 x 64K acceptance rows it was not fitted on (docs/long_context.md). A host-side cost: not scaled
-#: by the GPU's rate.
+#: Seconds per call of a token-chunked module (models/chunked_mlp.py: the MLP, and q/k/v with the first
+#: norm folded in; four per block and chunk) per pass, beyond its FLOPs and dequantization: the GPU idles
+#: while the host launches each chunk's small kernels and checkpoint, and (when it was fitted) autograd
+#: gathered every chunk's input gradient into a zeroed full-sequence buffer -- a fill and an add of the
+#: whole [S, hidden] per chunk, gone since 6b188ca (chunks joined by a split; the constant is to be
+#: refitted from a new profile). Fitted on one profiled step of four 8B QLoRA blocks at 1 x 64K on an H100
+#: (chunked step minus unchunked, less what the model prices of the difference: 0.309 s over 512 calls;
+#: bench/results/long_context/diagnose_f420d4828575), checked on the 32-block 2 x 64K acceptance rows it
+#: was not fitted on (docs/long_context.md). A host-side cost: not scaled by the GPU's rate.
 CHUNK_CALL_S = 0.60e-3
 #: Seconds per query token and tile merge of tiled attention (models/tiled_attention.py), per block
 #: and step (its forward, recompute and backward together) at the reference GPU rate: the eager
@@ -334,7 +334,7 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
     calls_b = n_b * (c_b if c_b > 1 else 0) * modules * 3
     calls_kept = calls_f * 2  # a kept pack's backward: the chunk's recompute and its backward only
     merges = 0.0
-    segment = min(seq, sizes.document_tokens) if sizes.document_tokens > 0 else seq
+    segment = sizes.attended_tokens(seq)
     tile = sizes.attention_tile
     if sizes.model_type in SEGMENT_FAMILIES and seq > LONG_SEQUENCE_TOKENS and 0 < tile < segment:
         tiles = -(-segment // tile)
