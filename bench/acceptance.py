@@ -9,6 +9,7 @@ must pass it on the GPU machine at its commit (README, "Contributing").
     python3 bench/acceptance.py --tier full --part 4 --commit SHA --out $OUT/acc
     python3 bench/acceptance.py --check bench/results/acceptance/SHA            # re-check saved rows
     python3 bench/acceptance.py --check DIR_NEW DIR_OLD  # + the rows of an older commit, same code
+    python3 bench/acceptance.py --remaining       # every saved row of HEAD's code, and the calls left
     python3 bench/acceptance.py --accept bench/results/acceptance/SHA           # make them the baseline
 
 Rows (real shapes, the GPU capped at 24 GiB, the planner's default plans: how users run it) are
@@ -89,20 +90,26 @@ ROWS: dict[str, Row] = {
                                          seconds=190, compile_blocks="off", memory_detail=True),
     # the machinery itself on a CPU (tests/test_acceptance.py): in no tier
     "tiny-cpu": EngineRow("tiny", devices=("cpu",), lr=1e-3, warmup=1, steps=2, seconds=30),
+    "tiny-cpu-clip": EngineRow("tiny", devices=("cpu",), lr=1e-3, max_grad_norm=0.5, warmup=1, steps=2, seconds=30),
     "cli-cpu": CliRow(device="cpu", steps=4, seconds=120),
 }
 #: one device call (``seconds``: each row's wall time in 214e2e1's raw files on the H200, plus ~10 %;
 #: the long rows' are guesses until they have run)
 QUICK = ("lora-8b", "qlora-8b-nf4", "w1", "w1-clip", "w1-2stage", "w3", "cli")
-#: the full tier: four device calls of <= ~9 minutes each (the call's limit is 10; measured: 614 s
-#: for quick + w3-clip + fp4 alone, over it; w3-clip + fp4 + 70B + SSD took ~460 s on the H200,
-#: which left the 32K row of a part of five under the 540 s deadline; at 99b77f6 gpu-tests took 377 s
-#: and the 64K row 248 s, over one call together); one long-context row in each of parts 2 and 4
+#: rows that check correctness only (no speed, no host peak) and run beside another row of the same
+#: call, each in its own process: ``cli`` (a small model, ~130 s) beside ``gpu-tests`` (~370 s, mostly
+#: compiling on the CPU). GPU peaks are per process, so neither row's checks see the other; the
+#: full tier saves the CLI row's minutes of a session's 30 device minutes.
+BESIDE = {"cli": "gpu-tests"}
+#: the full tier: four device calls of <= ~9 minutes each (the call's limit is 10; rows' measured
+#: walls: quick engine rows ~380 s + W3 clipped ~80; FP4 ~65 + 70B ~175 + 64K ~230-250; gpu-tests
+#: ~370 with the CLI row beside it + the 32K row; SSD ~145), about 26 minutes together: the whole
+#: tier fits one session's device time when the machine starts at the first try
 FULL_PARTS = {
-    1: QUICK,
+    1: ("lora-8b", "qlora-8b-nf4", "w1", "w1-clip", "w1-2stage", "w3", "w3-clip"),
     2: ("qlora-8b-fp4", "qlora-70b-nf4", "long-qlora-8b-64k"),
-    3: ("gpu-tests", "w3-clip"),
-    4: ("ssd-w3", "long-8b-32k-packed"),
+    3: ("gpu-tests", "cli", "long-8b-32k-packed"),
+    4: ("ssd-w3",),
 }
 
 
@@ -121,6 +128,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--check", nargs="+", default=None, metavar="DIR",
                     help="check the rows saved in DIR (newest first); further DIRs add the rows the first lacks "
                          "where their commit's code under test is the first's (CODE_UNDER_TEST); run nothing")
+    ap.add_argument("--remaining", nargs="?", const="HEAD", default=None, metavar="COMMIT",
+                    help="join every saved directory whose code under test is COMMIT's (default HEAD), newest "
+                         "first; print the table, the full tier's verdict and the device calls still to make")
     ap.add_argument("--accept", default=None, metavar="DIR", help="write DIR's passing rows as the baseline")
     ap.add_argument("--note", default="", help="with --accept: why (e.g. a slower row explained)")
     ap.add_argument("--readme", action="store_true",
@@ -322,6 +332,68 @@ def check_dirs(directories: list[Path]) -> tuple[dict, dict, str, list[str]]:
     return {n: results[n] for n in order}, {n: checks[n] for n in order}, commit, notes
 
 
+RESULTS = ROOT / "bench" / "results" / "acceptance"
+
+
+def _commit_time(commit: str) -> int:
+    proc = subprocess.run(["git", "log", "-1", "--format=%ct", commit], cwd=ROOT, capture_output=True, text=True)
+    return int(proc.stdout.strip() or 0) if proc.returncode == 0 else 0
+
+
+def same_code_dirs(commit: str, root: Path | None = None) -> list[Path]:
+    """The saved directories under ``root`` (default :data:`RESULTS`) whose rows ran ``commit``'s
+    code under test (:func:`code_differs`), newest commit first: what ``--check`` joins for it."""
+    found = []
+    for directory in sorted((root or RESULTS).iterdir()):
+        records = [json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))] if directory.is_dir() else []
+        measured = next((r["commit"] for r in records if r.get("commit")), None)
+        if measured is not None and not code_differs(commit, measured):
+            found.append((_commit_time(measured), directory))
+    return [d for _, d in sorted(found, key=lambda t: -t[0])]
+
+
+def remaining(commit: str, root: Path | None = None) -> int:
+    """What the full tier still needs at ``commit``'s code: the joined table of every saved row
+    measured at that code, the verdict, and the device calls (parts or rows) still to make. The
+    tier may span sessions while the code stays put; this says where it stands. 0: passed."""
+    resolved = subprocess.run(["git", "rev-parse", "--short=12", commit], cwd=ROOT, capture_output=True,
+                              text=True)
+    sha = resolved.stdout.strip() if resolved.returncode == 0 else commit
+    if commit == "HEAD":  # the device runs the working tree: uncommitted code is not HEAD's
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *CODE_UNDER_TEST], cwd=ROOT,
+                               capture_output=True, text=True).stdout.split("\n")
+        dirty = [line[3:] for line in dirty if line.strip()]
+        if dirty:
+            print(f"warning: uncommitted changes to the code under test ({', '.join(dirty[:4])}"
+                  f"{' ...' if len(dirty) > 4 else ''}): commit them before a device call, or the rows "
+                  f"will be labelled {sha} but run other code")
+    dirs = same_code_dirs(sha, root)
+    checks: dict[str, list[tuple[str, bool, str]]] = {}
+    if dirs:
+        results, checks, _, notes = check_dirs(dirs)
+        print(table(results, checks, sha))
+        for note in notes:
+            print(note)
+    else:
+        print(f"no saved rows ran the code under test of {sha}")
+    verdict = full_tier_verdict(checks, sha)
+    print(verdict)
+    names = [n for part in FULL_PARTS.values() for n in part]
+    todo = [n for n in names if n not in checks or not all(p for _, p, _ in checks[n])]
+    if not todo:
+        return 0
+    parts = [k for k, part in FULL_PARTS.items() if all(n in todo for n in part)]
+    loose = [n for n in todo if not any(n in FULL_PARTS[k] for k in parts)]
+    print("device calls still to make (carry .whl, timeout_s 600; unpack acc.tgz into "
+          f"bench/results/acceptance/{sha}/):")
+    for k in parts:
+        print(f"  DEADLINE=540 bash bench/acceptance_device.sh {sha} --tier full --part {k}"
+              f"   # {', '.join(FULL_PARTS[k])}")
+    if loose:
+        print(f"  DEADLINE=540 bash bench/acceptance_device.sh {sha} --rows {','.join(loose)}")
+    return 1
+
+
 def check_dir(directory: Path) -> tuple[dict, dict, str]:
     results = {p.stem: json.loads(p.read_text()) for p in sorted(directory.glob("*.json"))}
     order = [n for n in ROWS if n in results]
@@ -431,6 +503,8 @@ def main(argv: list[str] | None = None) -> int:
             print(note)
         print(full_tier_verdict(checks, commit))
         return 0 if all(all(p for _, p, _ in c) for c in checks.values()) else 1
+    if a.remaining:
+        return remaining(a.remaining)
     if a.accept:
         return accept(Path(a.accept).resolve(), a.note)
     if a.readme:
@@ -442,49 +516,90 @@ def main(argv: list[str] | None = None) -> int:
     if a.row:
         return child(a)
     names = selected(a)
-    planned = sum(ROWS[n].seconds for n in names)
-    print(f"acceptance at {a.commit}: {len(names)} rows, ~{planned} s (row estimates): {', '.join(names)}",
-          flush=True)
+    run = groups(names)
+    planned = sum(max(ROWS[n].seconds for n in g) for g in run)
+    print(f"acceptance at {a.commit}: {len(names)} rows, ~{planned} s (row estimates): "
+          + ", ".join(" + ".join(g) if len(g) > 1 else g[0] for g in run), flush=True)
     results, checks = {}, {}
     start = time.perf_counter()
-    for name in names:
-        row = ROWS[name]
-        t0 = time.perf_counter()
-        left = None if a.deadline is None else a.deadline - (t0 - start)
-        if left is not None and left < row.seconds:
-            rec = {"kind": row.kind, "commit": a.commit, "error": f"skipped: {left:.0f} s left of the deadline, "
-                                                                  f"the row takes ~{row.seconds} s"}
-            results[name], checks[name] = rec, check(name, rec, {})  # an error: no speed check
-            print(f"== {name}: {rec['error']}", flush=True)
+    for group in run:
+        seconds = max(ROWS[n].seconds for n in group)
+        left = None if a.deadline is None else a.deadline - (time.perf_counter() - start)
+        if left is not None and left < seconds:
+            for name in group:
+                rec = {"kind": ROWS[name].kind, "commit": a.commit,
+                       "error": f"skipped: {left:.0f} s left of the deadline, the row takes ~{seconds} s"}
+                results[name], checks[name] = rec, check(name, rec, {})  # an error: no speed check
+                print(f"== {name}: {rec['error']}", flush=True)
             continue
-        print(f"== {name} ({row.kind}, ~{row.seconds} s)", flush=True)
-        cmd = [sys.executable, os.path.abspath(__file__), "--row", name, "--commit", a.commit, "--out", a.out,
-               "--cap-gib", str(a.cap_gib)]
-        limit = row.seconds * 2 + 120 if left is None else max(30, int(left) + 30)
-        try:
-            proc = subprocess.run(cmd, timeout=limit, capture_output=True, text=True)
-            rc, text = proc.returncode, proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            rc, text = -1, f"timed out after {limit} s\n{exc.stdout or ''}{exc.stderr or ''}"
-        path = out / f"{name}.json"
-        if rc == 0 and path.exists():
-            rec = json.loads(path.read_text())
-        else:
-            tail = [line for line in str(text).splitlines() if line.strip()][-3:]
-            rec = {"kind": row.kind, "commit": a.commit, "error": f"exit {rc}: " + " | ".join(tail)[-600:],
-                   "log_tail": str(text)[-6000:]}
-            path.write_text(json.dumps(rec, indent=1))
-        rec["wall_s"] = time.perf_counter() - t0
-        path.write_text(json.dumps(rec, indent=1, default=str))
-        # the baseline of the GPU model this row ran on (the machine may be an H100 or an H200)
-        results[name], checks[name] = rec, check(name, rec, load_baseline(gpu_of(rec)))
-        for c, p, d in checks[name]:
-            print(f"   {'ok ' if p else 'FAIL'} {c}: {d}", flush=True)
-        print(f"   ({rec['wall_s']:.0f} s)", flush=True)
+        for name, rec in run_group(group, a, out, left).items():
+            # the baseline of the GPU model this row ran on (the machine may be an H100 or an H200)
+            results[name], checks[name] = rec, check(name, rec, load_baseline(gpu_of(rec)))
+            print(f"== {name} ({ROWS[name].kind}, {rec['wall_s']:.0f} s)", flush=True)
+            for c, p, d in checks[name]:
+                print(f"   {'ok ' if p else 'FAIL'} {c}: {d}", flush=True)
     text = table(results, checks, a.commit)
     (out / "table.txt").write_text(text + "\n")
     print(text)
     return 0 if all(all(p for _, p, _ in c) for c in checks.values()) else 1
+
+
+def groups(names: list[str]) -> list[list[str]]:
+    """The selected rows in the order they run, a row of :data:`BESIDE` in one group with the row
+    it runs beside (when that row is selected too; else on its own, where it stands)."""
+    out = []
+    for name in names:
+        if BESIDE.get(name) in names:
+            continue  # runs in its host's group
+        out.append([name, *(n for n in names if BESIDE.get(n) == name)])
+    return out
+
+
+def run_group(group: list[str], a: argparse.Namespace, out: Path, left: float | None) -> dict[str, dict[str, Any]]:
+    """Each row of ``group`` in a child process of its own, all at once; their records (an error
+    record where a child failed or outran its limit), each with its own ``wall_s``."""
+    import tempfile
+
+    print(f"== {' + '.join(group)} (~{max(ROWS[n].seconds for n in group)} s)", flush=True)
+    children = {}
+    for name in group:
+        cmd = [sys.executable, os.path.abspath(__file__), "--row", name, "--commit", a.commit, "--out", str(out),
+               "--cap-gib", str(a.cap_gib)]
+        log = tempfile.TemporaryFile(mode="w+")
+        limit = ROWS[name].seconds * 2 + 120 if left is None else max(30, int(left) + 30)
+        children[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log,
+                          time.perf_counter(), limit)
+    ended: dict[str, tuple[int, float, str]] = {}  # name -> (exit code, wall seconds, why killed)
+    while len(ended) < len(children):
+        for name, (proc, _, t0, limit) in children.items():
+            if name in ended:
+                continue
+            wall = time.perf_counter() - t0
+            if proc.poll() is not None:
+                ended[name] = (proc.returncode, wall, "")
+            elif wall > limit:
+                proc.kill()
+                ended[name] = (proc.wait(), wall, f"timed out after {limit} s\n")
+        time.sleep(0.2)
+    records = {}
+    for name, (proc, log, _, _) in children.items():
+        rc, wall, timed_out = ended[name]
+        log.seek(0)
+        text = timed_out + log.read()
+        log.close()
+        path = out / f"{name}.json"
+        if rc == 0 and not timed_out and path.exists():
+            rec = json.loads(path.read_text())
+        else:
+            tail = [line for line in text.splitlines() if line.strip()][-3:]
+            rec = {"kind": ROWS[name].kind, "commit": a.commit, "error": f"exit {rc}: " + " | ".join(tail)[-600:],
+                   "log_tail": text[-6000:]}
+        rec["wall_s"] = wall
+        if len(group) > 1:
+            rec["beside"] = [n for n in group if n != name]  # ran at the same time (BESIDE)
+        path.write_text(json.dumps(rec, indent=1, default=str))
+        records[name] = rec
+    return records
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -267,3 +268,77 @@ def test_rows_of_another_commit_count_only_where_the_code_under_test_is_the_same
     (older / f"{first[0]}.json").write_text(json.dumps(_engine_record(commit=old, losses=[1.0, 2.0])))
     _, checks, _, _ = acceptance.check_dirs([newest, older])
     assert all(ok for _, ok, _ in checks[first[0]])
+
+
+def test_the_cli_row_runs_beside_the_gpu_tests_and_only_there() -> None:
+    """The full tier's part with the GPU tests runs the CLI row in the same group (at the same time);
+    the quick tier, which has no GPU tests, runs it on its own, after the engine rows."""
+    part = list(next(p for p in acceptance.FULL_PARTS.values() if "gpu-tests" in p))
+    assert ["gpu-tests", "cli"] in acceptance.groups(part)
+    assert acceptance.groups(list(acceptance.QUICK))[-1] == ["cli"]
+    assert acceptance.groups(["cli", "w1", "gpu-tests"]) == [["w1"], ["gpu-tests", "cli"]]
+    names = [n for p in acceptance.FULL_PARTS.values() for n in p]
+    assert sorted(names) == sorted(set(names)) and set(acceptance.QUICK) <= set(names)
+
+
+def test_a_group_runs_its_rows_at_the_same_time(tmp_path: Path) -> None:
+    """Two real CPU rows as one group: each writes its own record and wall time, and the group takes
+    less than the two walls one after the other (they overlapped)."""
+    args = acceptance.parse(["--commit", "test", "--out", str(tmp_path)])
+    t0 = time.perf_counter()
+    recs = acceptance.run_group(["tiny-cpu", "tiny-cpu-clip"], args, tmp_path, None)
+    elapsed = time.perf_counter() - t0
+    for name, other in (("tiny-cpu", "tiny-cpu-clip"), ("tiny-cpu-clip", "tiny-cpu")):
+        rec = json.loads((tmp_path / f"{name}.json").read_text())
+        assert not rec.get("error"), rec.get("error")
+        assert rec["beside"] == [other] and rec["wall_s"] == recs[name]["wall_s"]
+        assert rec["losses"][-1] < rec["losses"][0]
+    assert recs["tiny-cpu-clip"]["row"]["max_grad_norm"] == 0.5 and recs["tiny-cpu"]["row"]["max_grad_norm"] is None
+    assert elapsed < 0.8 * (recs["tiny-cpu"]["wall_s"] + recs["tiny-cpu-clip"]["wall_s"])
+
+
+def test_remaining_joins_the_rows_of_this_code_and_names_the_calls_left(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--remaining``: rows measured at older commits count where the code under test is HEAD's
+    (not where it differs); a failed row is to be run again; whole parts left are named as parts,
+    the rest as ``--rows``; uncommitted code under test is warned about."""
+    repo = tmp_path / "repo"
+    (repo / "tinypipe").mkdir(parents=True)
+    _git(repo, "init", "-q")
+    commits = []
+    for i, (path, text) in enumerate([("tinypipe/engine.py", "A = 1\n"), ("tinypipe/engine.py", "A = 2\n"),
+                                      ("NOTES.md", "rows\n")]):
+        (repo / path).write_text(text)
+        _git(repo, "add", "-A")
+        _git(repo, "commit", "-qm", f"c{i}", "--date", f"2026-12-0{i + 1}T00:00:00")
+        commits.append(_git(repo, "rev-parse", "--short=12", "HEAD"))
+    old, code, head = commits
+    monkeypatch.setattr(acceptance, "ROOT", repo)
+    monkeypatch.setattr(acceptance, "BASELINE", tmp_path / "baseline.json")
+    results = tmp_path / "results"
+    parts = acceptance.FULL_PARTS
+
+    def saved(commit: str, rows: list[str], **over: object) -> None:
+        d = results / commit
+        d.mkdir(parents=True, exist_ok=True)
+        for n in rows:
+            (d / f"{n}.json").write_text(json.dumps(_engine_record(commit=commit, **over)))
+
+    saved(old, [n for p in parts.values() for n in p])  # every row, but at other code: not counted
+    saved(code, list(parts[2]) + list(parts[1][1:]))  # the same code as HEAD: counted
+    saved(head, [parts[1][0]], losses=[1.0, 2.0])  # HEAD itself: a row that failed (loss rose)
+    assert acceptance.remaining("HEAD", results) == 1
+    out = capsys.readouterr().out
+    assert old not in out  # not joined at all: other code
+    assert f"full tier: NOT passed at {head}" in out and f"failed: {parts[1][0]}" in out
+    calls = [line.strip() for line in out.splitlines() if "acceptance_device.sh" in line]
+    assert [c.split("   #")[0] for c in calls] == [
+        f"DEADLINE=540 bash bench/acceptance_device.sh {head} --tier full --part {k}" for k in (3, 4)
+    ] + [f"DEADLINE=540 bash bench/acceptance_device.sh {head} --rows {parts[1][0]}"]
+    assert "warning" not in out
+    (repo / "tinypipe" / "engine.py").write_text("A = 3\n")
+    acceptance.remaining("HEAD", results)
+    assert "warning: uncommitted changes to the code under test (tinypipe/engine.py)" in capsys.readouterr().out
+    saved(head, [n for p in parts.values() for n in p])  # everything passing at HEAD: done
+    assert acceptance.remaining(head, results) == 0
+    assert f"full tier: passed at {head}" in capsys.readouterr().out
