@@ -279,6 +279,7 @@ def test_the_cli_row_runs_beside_the_gpu_tests_and_only_there() -> None:
     assert acceptance.groups(["cli", "w1", "gpu-tests"]) == [["w1"], ["gpu-tests", "cli"]]
     names = [n for p in acceptance.FULL_PARTS.values() for n in p]
     assert sorted(names) == sorted(set(names)) and set(acceptance.QUICK) <= set(names)
+    assert sorted(acceptance.PART_ORDER) == sorted(acceptance.FULL_PARTS)
 
 
 def test_a_group_runs_its_rows_at_the_same_time(tmp_path: Path) -> None:
@@ -333,7 +334,8 @@ def test_remaining_joins_the_rows_of_this_code_and_names_the_calls_left(
     assert f"full tier: NOT passed at {head}" in out and f"failed: {parts[1][0]}" in out
     calls = [line.strip() for line in out.splitlines() if "acceptance_device.sh" in line]
     assert [c.split("   #")[0] for c in calls] == [
-        f"DEADLINE=540 bash bench/acceptance_device.sh {head} --tier full --part {k}" for k in (3, 4)
+        f"DEADLINE=540 bash bench/acceptance_device.sh {head} --tier full --part {k}"
+        for k in acceptance.PART_ORDER if k in (3, 4)
     ] + [f"DEADLINE=540 bash bench/acceptance_device.sh {head} --rows {parts[1][0]}"]
     assert "warning" not in out
     (repo / "tinypipe" / "engine.py").write_text("A = 3\n")
