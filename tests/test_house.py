@@ -9,6 +9,8 @@
   ``runtime/optim/counters.py: set_layer_step`` and ``OptimizerPath.restore_counters``.
 - Task ids and lanes are data (``schedule/ids.py``: ``TaskId``, ``Lane``); the package parses their
   text back only in :data:`PARSE_HOMES` -- never on a step's path.
+- A module's private names (``_x``) are its own: another module that needs one gets a public name
+  (an alias *to* a private name, ``import x as _x``, is the importer's own business).
 """
 
 from __future__ import annotations
@@ -144,6 +146,32 @@ def id_parsing(root: Path, homes: tuple[str, ...] = PARSE_HOMES) -> list[str]:
     return found
 
 
+def private_imports(root: Path) -> list[str]:
+    """``path:line: module._name`` of every import, anywhere in a module under ``root`` (function
+    bodies too), of a private name from another module of the package."""
+    found = []
+    pkg = root.name
+    for path in sorted(root.rglob("*.py")):
+        tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.ImportFrom):
+                continue
+            module = node.module or ""
+            if node.level == 0 and module != pkg and not module.startswith(pkg + "."):
+                continue  # another library's
+            for alias in node.names:
+                if alias.name.startswith("_") and not alias.name.startswith("__"):
+                    found.append(f"{path.relative_to(root.parent).as_posix()}:{node.lineno}: "
+                                 f"{'.' * node.level}{module}.{alias.name}")
+    return found
+
+
+def test_no_private_names_cross_modules() -> None:
+    found = private_imports(PACKAGE)
+    assert not found, ("a private name imported from another module: give it a public name where it "
+                       "lives:\n" + "\n".join(found))
+
+
 def test_step_counters_change_only_in_the_optimizer() -> None:
     found = counter_writes(PACKAGE)
     assert not found, ("the optimizer's step counters change only in tinypipe/runtime/optim (a checkpoint "
@@ -182,6 +210,15 @@ def test_checkers_find_what_they_look_for(tmp_path: Path) -> None:
     assert session_references(pkg) == ["pkg/a.py:1: \"\"\"Fitted in Session 14 on W1.\"\"\"",
                                         "pkg/a.py:2: X = 1  # sessions 7-9"]
     assert long_modules(pkg, limit=5) == ["pkg/long.py: 11 lines"]
+
+
+def test_private_import_checker_finds_them_in_functions_too(tmp_path: Path) -> None:
+    pkg = tmp_path / "pkg"
+    pkg.mkdir()
+    (pkg / "a.py").write_text("from pkg.b import public, _private\nfrom torch import _C\n"
+                              "from pkg.b import helper as _helper\nfrom pkg import __version__\n"
+                              "def f():\n    from .b import _late\n")
+    assert private_imports(pkg) == ["pkg/a.py:1: pkg.b._private", "pkg/a.py:6: .b._late"]
 
 
 def test_counter_checker_finds_every_kind_of_write(tmp_path: Path) -> None:

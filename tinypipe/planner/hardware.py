@@ -117,7 +117,10 @@ _OPTIONAL = ("fp32_tflops", "description", "layer_profile", "ssd_read_gbps", "ss
              "ssd_mixed_gbps", "host_dram_gbs", "stages_per_gpu", "device_kind")
 
 
-def _from_dict(d: dict, default_name: str) -> HardwareSpec:
+def spec_from_dict(d: dict, default_name: str) -> HardwareSpec:
+    """A :class:`HardwareSpec` from a hardware file's or ``tinypipe profile``'s JSON (named
+    ``default_name`` where it names nothing). A profile keeps only the planner's fields; any other
+    file with an unknown or missing field is a one-line :class:`ConfigError`, not a silent guess."""
     known = {f.name for f in fields(HardwareSpec)}
     d = dict(d)
     if d.get("format") == PROFILE_FORMAT:  # tinypipe profile output: keep the planner's fields
@@ -177,7 +180,7 @@ def load_hardware(spec: str | HardwareSpec) -> HardwareSpec:
             raise ConfigError(f"cannot read hardware file {path}: {exc}") from None
         if not isinstance(d, dict):
             raise ConfigError(f"hardware file {path}: expected a JSON object")
-        return _from_dict(d, path.stem)
+        return spec_from_dict(d, path.stem)
     raise ConfigError(f"unknown hardware {spec!r}; presets: {', '.join(HARDWARE)} (or a JSON file)")
 
 

@@ -27,7 +27,7 @@ import torch
 import transformers
 
 from tinypipe.models.head_loss import HeadLoss
-from tinypipe.planner.hardware import PROFILE_FORMAT, HardwareSpec, _from_dict
+from tinypipe.planner.hardware import PROFILE_FORMAT, HardwareSpec, spec_from_dict
 from tinypipe.planner.layer_profile import LayerProfile, ProfilePoint
 from tinypipe.planner.probe import saved_tensor_bytes
 
@@ -346,7 +346,7 @@ def run_profile(device: str = "cpu", model: str | transformers.PretrainedConfig 
 
 def hardware_from_profile(d: dict) -> HardwareSpec:
     """The :class:`HardwareSpec` a profile dict describes (what ``--hardware FILE`` loads)."""
-    return _from_dict(d, d.get("name", "profile"))
+    return spec_from_dict(d, d.get("name", "profile"))
 
 
 def save_profile(d: dict, path: str | Path) -> Path:
