@@ -207,6 +207,10 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
         for g in at_peak["groups"][:8]:
             print(f"    {g['bytes'] / GiB:6.2f} GiB in {g['blocks']:4d}: {g['ours']} | {g['library']} | "
                   f"{g['innermost']}", flush=True)
+    # the planner's activation peak taken apart, beside what the allocator held at the measured peak
+    estimated = engine.plan_result.peak_breakdown() if engine.plan_result is not None else []
+    for b in estimated:
+        print(f"  estimate ({b.phase}): " + ", ".join(f"{k} {v / GiB:.2f}" for k, v in b.parts), flush=True)
     timed = results[row.warmup:]
     seconds = sum(r.seconds for r in timed) / len(timed)
     tokens = timed[0].tokens
@@ -238,6 +242,7 @@ def run_engine_row(row: EngineRow, scratch: Path, cap_gib: float) -> dict[str, A
         if row.offload else None,
         "memory_report": report.as_dict(),
         "memory_at_peak": at_peak,
+        "activation_estimate": [{"phase": b.phase, "parts": dict(b.parts)} for b in estimated],
         "torch": torch.__version__,
         "gpu_name": torch.cuda.get_device_name(torch.device(row.devices[0])) if cuda else "cpu",
     }

@@ -189,6 +189,9 @@ def test_a_row_runs_in_a_child_and_is_checked(tmp_path: Path) -> None:
     assert rec["kind"] == "engine" and rec["commit"] == "test", proc.stdout + proc.stderr
     assert len(rec["losses"]) == 3 and rec["losses"][-1] < rec["losses"][0]
     assert rec["host_peak"] > 0 and rec["host_need"] > 0 and rec["plan"]
+    # the planner's activation peak taken apart, for a row whose GPU peak exceeds the estimate
+    estimate, = rec["activation_estimate"]
+    assert estimate["phase"] and all(v > 0 for v in estimate["parts"].values())
     table = (tmp_path / "table.txt").read_text()
     assert "tiny-cpu" in table and "rows pass" in table
 

@@ -19,7 +19,8 @@ from tinypipe.config import Precision
 from tinypipe.memory.device_pool import assist_scratch_numel
 from tinypipe.memory.report import MemoryReport
 from tinypipe.planner.cost import StepTime, predict_step_time
-from tinypipe.planner.estimate import cpu_activation_bytes, estimate_memory
+from tinypipe.planner.estimate import (PeakBreakdown, activation_breakdown, cpu_activation_bytes,
+                                       estimate_memory)
 from tinypipe.planner.hardware import HardwareSpec
 from tinypipe.planner.sizes import ModelSizes
 from tinypipe.schedule.plan import Plan
@@ -79,11 +80,8 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     assist = assist_within is not None
     if assist and plan.assisted:
         plan = dataclasses.replace(plan, assisted=())
-    devices = [f"{hardware.device_kind}:{i}" for i in range(plan.num_devices)]
-    prof = hardware.layer_profile
-    act = None
-    if prof is not None and prof.precision == precision:  # measured saved activations of this block shape
-        act = prof.activation_bytes_for(sizes.block_params[0], sizes.num_heads * sizes.head_dim)
+    devices = _devices(hardware, plan)
+    act = profiled_act_per_token(sizes, hardware, precision)
 
     def memory(p: Plan, peaks: Sequence[int] | None) -> MemoryReport:
         return estimate_memory(sizes, p, batch=global_batch, seq=seq, precision=precision, devices=devices,
@@ -102,3 +100,26 @@ def evaluate(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int,
     # CPU device entries: their pools are a host category already, their activations are host memory too
     host_need = mem.host_total + cpu_activation_bytes(mem) + HOST_BASELINE_BYTES
     return Candidate(plan, mem, t, need, host_need)
+
+
+def _devices(hardware: HardwareSpec, plan: Plan) -> list[str]:
+    return [f"{hardware.device_kind}:{i}" for i in range(plan.num_devices)]
+
+
+def profiled_act_per_token(sizes: ModelSizes, hardware: HardwareSpec, precision: Precision) -> float | None:
+    """Saved activation bytes per token and block that ``hardware``'s measured layer profile gives
+    for this block shape (None: no profile of this precision; the probe model's count is used)."""
+    prof = hardware.layer_profile
+    if prof is None or prof.precision != precision:
+        return None
+    return prof.activation_bytes_for(sizes.block_params[0], sizes.num_heads * sizes.head_dim)
+
+
+def peak_breakdown(sizes: ModelSizes, hardware: HardwareSpec, plan: Plan, *, seq: int, global_batch: int,
+                   precision: Precision = "bf16", mlp_chunk: int = 0) -> list[PeakBreakdown]:
+    """What :func:`evaluate`'s activation peak of ``plan`` is made of, per device entry
+    (:func:`~tinypipe.planner.estimate.activation_breakdown`, with the same inputs)."""
+    return activation_breakdown(sizes, plan, batch=global_batch, seq=seq, precision=precision,
+                                devices=_devices(hardware, plan),
+                                act_per_token=profiled_act_per_token(sizes, hardware, precision),
+                                mlp_chunk=mlp_chunk)

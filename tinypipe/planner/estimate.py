@@ -58,6 +58,7 @@ pack 4 / micro-batch 4 / device stash 9.38 GB, pack 1 / micro-batch 2 / host sta
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Sequence
 
 from tinypipe.errors import ConfigError
@@ -239,11 +240,107 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     MLP intermediates in its forward, and its backward saves every token's block activations but
     the MLP's (:meth:`~tinypipe.planner.sizes.ModelSizes.chunked_block_bytes`) plus one chunk's
     recomputed ones. See the module documentation for the model."""
+    ledger = _Ledger(len(devices), 2 * plan.num_packs + 4, labelled=False)
+    _account(ledger, sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices, hidden=hidden,
+             vocab=vocab, head_chunk=head_chunk, act_per_token=act_per_token, mlp_chunk=mlp_chunk)
+    peaks, where = [], []
+    for d in range(len(devices)):
+        k, total = ledger.peak(d)
+        peaks.append(total)
+        where.append(_phase_name(k, plan.num_packs))
+    return (peaks, where) if detail else peaks
+
+
+@dataclass(frozen=True)
+class PeakBreakdown:
+    """What one device's estimated activation peak is made of: the phase that sets it and the
+    bytes of each kind of tensor alive then (``parts``, largest first; they add up to the peak)."""
+
+    phase: str
+    parts: tuple[tuple[str, int], ...]
+
+    @property
+    def total(self) -> int:
+        return sum(b for _, b in self.parts)
+
+
+def activation_breakdown(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
+                         devices: Sequence[str], hidden: int | None = None, vocab: int | None = None,
+                         head_chunk: int | None = None, act_per_token: float | None = None,
+                         mlp_chunk: int = 0) -> list[PeakBreakdown]:
+    """Per device entry, :func:`activation_peaks`' peak taken apart: which tensors the estimate
+    holds alive in the phase that sets it. Why: a plan that does not fit, or a GPU peak above the
+    estimate, is acted on by knowing which term dominates (the saved activations, the attention
+    backward, the stash's read-ahead, ...), not only the total."""
+    ledger = _Ledger(len(devices), 2 * plan.num_packs + 4, labelled=True)
+    _account(ledger, sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices, hidden=hidden,
+             vocab=vocab, head_chunk=head_chunk, act_per_token=act_per_token, mlp_chunk=mlp_chunk)
+    out = []
+    for d in range(len(devices)):
+        k, _ = ledger.peak(d)
+        out.append(PeakBreakdown(_phase_name(k, plan.num_packs), ledger.parts(d, k)))
+    return out
+
+
+class _Ledger:
+    """Bytes per device entry and phase of one step: ``work`` a phase's own working set, ``span``
+    what lives across phases (a difference array), ``const`` what a device holds in every phase.
+    ``labelled``: also keep what each byte is, for :func:`activation_breakdown` (the search's many
+    estimates skip that)."""
+
+    def __init__(self, devices: int, phases: int, labelled: bool) -> None:
+        self.delta = [[0] * (phases + 1) for _ in range(devices)]
+        self.load = [[0] * phases for _ in range(devices)]
+        self.fixed = [0] * devices
+        self.labelled = labelled
+        self._work: list[list[list[tuple[str, int]]]] = [[[] for _ in range(phases)] for _ in range(devices)]
+        self._spans: list[list[tuple[int, int, str, int]]] = [[] for _ in range(devices)]
+        self._fixed: list[list[tuple[str, int]]] = [[] for _ in range(devices)]
+
+    def work(self, dev: int, phase: int, *parts: tuple[str, int | float]) -> None:
+        """``parts``: (label, bytes) entered as one sum (the float sums of the saved activations
+        then round as they always have)."""
+        self.load[dev][phase] += sum(b for _, b in parts)  # type: ignore[assignment]
+        if self.labelled:
+            self._work[dev][phase] += [(label, int(b)) for label, b in parts if b]
+
+    def span(self, dev: int, lo: int, hi: int, nbytes: int, label: str) -> None:
+        self.delta[dev][lo] += nbytes
+        self.delta[dev][hi + 1] -= nbytes
+        if self.labelled and nbytes:
+            self._spans[dev].append((lo, hi, label, nbytes))
+
+    def const(self, dev: int, nbytes: int, label: str) -> None:
+        self.fixed[dev] += nbytes
+        if self.labelled and nbytes:
+            self._fixed[dev].append((label, nbytes))
+
+    def peak(self, dev: int) -> tuple[int, int]:
+        """(phase, bytes) of ``dev``'s fullest phase (the first of equals)."""
+        totals, run = [], 0
+        for k, load in enumerate(self.load[dev]):
+            run += self.delta[dev][k]
+            totals.append(run + load)
+        k = max(range(len(totals)), key=totals.__getitem__)
+        return k, int(totals[k] + self.fixed[dev])
+
+    def parts(self, dev: int, phase: int) -> tuple[tuple[str, int], ...]:
+        merged: dict[str, int] = {}
+        alive = [(label, b) for lo, hi, label, b in self._spans[dev] if lo <= phase <= hi]
+        for label, b in alive + self._work[dev][phase] + self._fixed[dev]:
+            merged[label] = merged.get(label, 0) + b
+        return tuple(sorted(merged.items(), key=lambda t: -t[1]))
+
+
+def _account(ledger: _Ledger, sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
+             devices: Sequence[str], hidden: int | None, vocab: int | None, head_chunk: int | None,
+             act_per_token: float | None, mlp_chunk: int) -> None:
+    """Everything :func:`activation_peaks` counts, entered in ``ledger`` (the model: the module
+    documentation)."""
     H = hidden or sizes.hidden
     V = vocab or sizes.vocab
     a = dtype_bytes(precision)
     P = plan.num_packs
-    n = len(devices)
     B, S = batch, seq
     tf = min(plan.micro_batch_size, B) * S  # tokens per forward / backward micro-batch
     tb = min(plan.backward_micro_batch_size, B) * S
@@ -264,18 +361,16 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         return P + 2 + (P - 1 - q)
 
     nphase = 2 * P + 4
-    delta = [[0] * (nphase + 1) for _ in range(n)]  # boundary bytes as a difference array
-    work = [[0] * nphase for _ in range(n)]
+    work = ledger.work
 
     # the micro-batch-wise turn (Plan.turn_packs) interleaves its packs' forward, head and backward
     # phases, once per forward micro-batch: whatever is alive in one of them is alive in all
     turn_lo, turn_hi = (F(P - plan.turn_packs), Bk(P - plan.turn_packs)) if plan.turn_packs else (nphase, -1)
 
-    def alive(dev: int, lo: int, hi: int, nbytes: int) -> None:
+    def alive(dev: int, lo: int, hi: int, nbytes: int, label: str) -> None:
         if lo <= turn_hi and hi >= turn_lo:
             lo, hi = min(lo, turn_lo), max(hi, turn_hi)
-        delta[dev][lo] += nbytes
-        delta[dev][hi + 1] -= nbytes
+        ledger.span(dev, lo, hi, nbytes, label)
 
     # activation buffers: acts[q] is the input of pack q (q == P: the head's); in host memory where
     # host_stashed_inputs says so (at long sequences the embedding's output too)
@@ -285,11 +380,11 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
             continue
         owner = plan.embed_device if q == 0 else (plan.fwd_device[q] if q < P else plan.head_device)
         if q == 0:
-            alive(owner, EF, EB, bsh)
+            alive(owner, EF, EB, bsh, "pack inputs kept on the device")
         elif q < P:
-            alive(owner, F(q - 1), Bk(q), bsh)
+            alive(owner, F(q - 1), Bk(q), bsh, "pack inputs kept on the device")
         else:
-            alive(owner, F(P - 1), HEAD, bsh)
+            alive(owner, F(P - 1), HEAD, bsh, "pack inputs kept on the device")
     # gradient buffers: grads[q] is d loss / d (input of pack q), written by pack q's backward;
     # at long sequences a host-stashed boundary's lives in its stash's rows (host_gradient_boundaries):
     # the reading backward holds one micro-batch's rows of it instead (boundary 0's reader, the
@@ -298,12 +393,12 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     for q in range(P + 1):
         if host_grads[q]:
             if q > 0:
-                work[plan.bwd_device[q - 1]][Bk(q - 1)] += tb * H * a
+                work(plan.bwd_device[q - 1], Bk(q - 1), ("boundary gradient rows", tb * H * a))
             continue
         owner = plan.embed_device if q == 0 else plan.bwd_device[q - 1]
         start = HEAD if q == P else Bk(q)
         end = EB if q == 0 else Bk(q - 1)
-        alive(owner, start, end, bsh)
+        alive(owner, start, end, bsh, "boundary gradients")
 
     def remote_rows(q: int, dev: int, tokens: int) -> int:
         """A micro-batch's input rows copied onto ``dev`` when the pack input lives elsewhere."""
@@ -313,7 +408,8 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     e, h = plan.embed_device, plan.head_device
     # embedding forward: the trunk's own temporaries beside its output (acts[0], counted above; in
     # host memory, the output is on the device until its micro-batches are copied down)
-    work[e][EF] += bsh * (2 if stashed[0] else 1)
+    work(e, EF, ("embedding forward (whole batch)", bsh * (2 if stashed[0] else 1)))
+
     def mlp_rows(tokens: int) -> int:
         """Tokens whose MLP intermediates exist at once: a chunk's, when the MLP is chunked."""
         return min(tokens, mlp_chunk) if mlp_chunk > 0 else tokens
@@ -321,27 +417,31 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     # forward packs (no autograd): one block's largest temporaries for one micro-batch
     for q in range(P):
         d = plan.fwd_device[q]
-        work[d][F(q)] += (mlp_rows(tf) * 3 * sizes.intermediate + tf * 4 * H) * a + remote_rows(q, d, tf)
+        temporaries = (mlp_rows(tf) * 3 * sizes.intermediate + tf * 4 * H) * a
+        work(d, F(q), ("a block's forward temporaries", temporaries),
+             ("input rows copied in", remote_rows(q, d, tf)))
     # head: input-gradient rows, one chunk of logits (compute dtype, the gradient written over them)
     # and the eager path's fp32 row block (models/head_loss.py)
-    work[h][HEAD] += tf * H * a + logit_bytes(chunk, V, a) + chunk * H * 4 + remote_rows(P, h, tf)
+    work(h, HEAD, ("head input gradient", tf * H * a),
+         ("head logit chunk", logit_bytes(chunk, V, a) + chunk * H * 4),
+         ("input rows copied in", remote_rows(P, h, tf)))
     # transient gradient accumulators (schedule/transient_grads.py): alive in their phase only --
     # the head's until its download, which the first backward waits for; the embedding's until its
     # own download
     transient = transient_grad_layers(plan, sizes.tied, mlp_chunk > 0)
     trains = sizes.layer_train_numels
     if plan.num_blocks + 1 in transient:
-        work[h][HEAD] += 4 * trains[-1]
+        work(h, HEAD, ("transient gradient accumulator", 4 * trains[-1]))
     if 0 in transient:
-        work[e][EB] += 4 * trains[0]
-        work[e][DLE] += 4 * trains[0]
+        work(e, EB, ("transient gradient accumulator", 4 * trains[0]))
+        work(e, DLE, ("transient gradient accumulator", 4 * trains[0]))
     # transient frozen weights: the embedding's for its forward, the head's from its upload (queued
     # behind the first pack's, so possibly during the embedding's forward) through the head tasks
     lent = transient_weights(sizes, plan, mlp_chunk > 0)
     if 0 in lent:
-        work[e][EF] += sizes.embed_numel * a
+        work(e, EF, ("transient frozen weights", sizes.embed_numel * a))
     if plan.num_blocks + 1 in lent:
-        alive(h, EF, HEAD, sizes.head_numel * a)
+        alive(h, EF, HEAD, sizes.head_numel * a, "transient frozen weights")
     # backward packs: saved activations of the whole pack for one micro-batch, the backward's
     # own transient (one block's intermediate gradients), the downloads running beside it
     for q in range(P):
@@ -349,7 +449,8 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         pack = plan.packs[q]
         if plan.kept(q):  # no recompute: one forward micro-batch's graph differentiated at a time
             # (a compact graph recomputes one block's elementwise tensors for it: the difference)
-            work[d][Bk(q)] += tf * 2 * sizes.intermediate * a + tf * max(0.0, act_tok - kept_tok)
+            work(d, Bk(q), ("kept pack's backward transient",
+                            tf * 2 * sizes.intermediate * a + tf * max(0.0, act_tok - kept_tok)))
             continue
         mlp_tok = act_tok * sizes.mlp_bytes_per_token(precision) / sizes.block_act_bytes(precision)
         if mlp_rows(tb) < tb:  # chunked: no MLP intermediates saved, one chunk's recomputed at a time
@@ -361,7 +462,11 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
         # and their gradients), then its attention's, once the MLP's saved tensors are freed
         mlp_phase = mlp_rows(tb) * 2 * sizes.intermediate * a
         attention_phase = attention_backward_bytes(sizes, tb, S, a) - mlp_rows(tb) * mlp_tok
-        work[d][Bk(q)] += saved + max(mlp_phase, attention_phase) + remote_rows(q, d, tb)
+        larger = ("attention backward temporaries" if attention_phase > mlp_phase
+                  else "MLP backward intermediates")
+        work(d, Bk(q), ("the pack's recomputed saved activations", saved),
+             (larger, max(mlp_phase, attention_phase)),
+             ("input rows copied in", remote_rows(q, d, tb)))
     # kept packs: every forward micro-batch's graph, from the pack's forward to its backward; in
     # host memory (Plan.kept_on_host) only what is in flight: two forward micro-batches' graphs
     # on their way down (until the forward ends: the link may lag), the backward's and the next
@@ -377,12 +482,12 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
             if plan.on_host(q):
                 one = -(-held // nf)
                 # the link may still be carrying them down while the later packs run forward
-                alive(plan.fwd_device[q], F(q), F(P - 1), 2 * one)
-                work[plan.bwd_device[q]][Bk(q)] += 2 * one
+                alive(plan.fwd_device[q], F(q), F(P - 1), 2 * one, "kept graphs in flight to the host")
+                work(plan.bwd_device[q], Bk(q), ("kept graphs in flight to the host", 2 * one))
                 before = HEAD if q == P - 1 else Bk(q + 1)  # its first graph comes back meanwhile
-                work[plan.bwd_device[q]][before] += one
+                work(plan.bwd_device[q], before, ("kept graphs in flight to the host", one))
                 continue
-            alive(plan.fwd_device[q], F(q), Bk(q), held)
+            alive(plan.fwd_device[q], F(q), Bk(q), held, "kept pack graphs")
     # embedding backward: recomputed output, dense weight gradient, CUDA fp32 partial sums, and
     # the downloads of pack 0's layers beside it -- with its input gradient in host memory one
     # forward micro-batch at a time (its rows and its recomputed output), unless dropout may draw
@@ -392,27 +497,18 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     partials = min(rows, V) * H * 4 if cuda[e] else 0
     beside0 = pack_stats(sizes, plan.packs)[0][1] if plan.bwd_device[0] == e else 0
     gout = rows * H * a if host_grads[0] else 0
-    work[e][EB] += rows * H * a + gout + sizes.embed_numel * a + partials + norm_copy * beside0
+    work(e, EB, ("embedding backward", rows * H * a + gout + sizes.embed_numel * a + partials),
+         ("gradient norm copies", norm_copy * beside0))
     # the embedding's own gradient download (after everything else)
-    work[e][DLE] += norm_copy * sizes.embed_numel
+    work(e, DLE, ("gradient norm copies", norm_copy * sizes.embed_numel))
 
-    peaks, where = [], []
-    for d in range(n):
-        totals, run = [], 0
-        for k in range(nphase):
-            run += delta[d][k]
-            totals.append(run + work[d][k])
-        k = max(range(nphase), key=totals.__getitem__)
-        const = 0
+    for d in range(len(devices)):
         if cuda[d]:
             reads_host = any(stashed[q] and (plan.fwd_device[q] == d or plan.bwd_device[q] == d)
                              for q in range(P)) or (by_rows and d == e)
             if reads_host and (B > plan.micro_batch_size or B > plan.backward_micro_batch_size):
-                const += 2 * max(tf, tb) * H * a
-            const += CUDA_WORKSPACE_BYTES
-        peaks.append(int(totals[k] + const))
-        where.append(_phase_name(k, P))
-    return (peaks, where) if detail else peaks
+                ledger.const(d, 2 * max(tf, tb) * H * a, "host-stash read-ahead buffers")
+            ledger.const(d, CUDA_WORKSPACE_BYTES, "CUDA workspaces")
 
 
 def _phase_name(k: int, P: int) -> str:

@@ -4,6 +4,7 @@ time-memory trade-offs."""
 
 from __future__ import annotations
 
+from tinypipe.planner.estimate import PeakBreakdown
 from tinypipe.planner.offload import disk_bytes, staging_shape, summary
 from tinypipe.planner.search import HOST_BASELINE_BYTES, PlanResult
 from tinypipe.planner.spill import HIDDEN_SHARE
@@ -40,11 +41,13 @@ def format_plan(result: PlanResult) -> str:
         "",
         "GPU memory per device (static pools exact, activations estimated):",
     ]
-    for name, cats in b.memory.devices.items():
+    peaks = result.peak_breakdown()
+    for (name, cats), peak in zip(b.memory.devices.items(), peaks):
         act = cats.get("activations_peak", 0)
         parts = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in cats.items())
         total = b.memory.device_total(name) + act
         lines.append(f"  {name}: {fmt_bytes(total)} ({parts})")
+        lines.append(f"    {breakdown_text(peak)}")
     lines.append(f"  + headroom (CUDA context, fragmentation): need {fmt_bytes(b.gpu_need)} of "
                  f"{fmt_bytes(result.gpu_memory_bytes)} on the fullest device")
     lines.append("host memory:")
@@ -69,6 +72,11 @@ def format_plan(result: PlanResult) -> str:
     for note in result.notes:
         lines.append(f"note: {note}")
     return "\n".join(lines)
+
+
+def breakdown_text(peak: PeakBreakdown) -> str:
+    """One device's activation peak taken apart, for a reader: where it is and what it holds."""
+    return f"activations peak ({peak.phase}): " + ", ".join(f"{k} {fmt_bytes(v)}" for k, v in peak.parts)
 
 
 def long_context_lines(result: PlanResult) -> list[str]:

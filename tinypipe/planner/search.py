@@ -23,20 +23,21 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 import transformers
 
 from tinypipe.config import Precision
 from tinypipe.errors import ConfigError, PlanDoesNotFitError
 from tinypipe.models.chunked_mlp import mlp_chunk_tokens_for
-from tinypipe.planner.estimate import attention_tile_of, attention_tile_options
+from tinypipe.planner.estimate import PeakBreakdown, attention_tile_of, attention_tile_options
 from tinypipe.planner.candidate import (  # noqa: F401 - re-exported: the search's public names
     FRAGMENTATION,
     GPU_CONTEXT_BYTES,
     HOST_BASELINE_BYTES,
     Candidate,
     evaluate,
+    peak_breakdown,
 )
 from tinypipe.planner.kept import kept_bytes
 from tinypipe.planner.grow import (
@@ -107,6 +108,13 @@ class PlanResult:
         segment attention at this length): the engine runs the planner's choice
         (``Config.attention_tile_tokens`` unset)."""
         return attention_tile_of(self.sizes, self.seq)
+
+    def peak_breakdown(self, candidate: Candidate | None = None) -> list[PeakBreakdown]:
+        """What ``candidate``'s (default: the best plan's) estimated activation peak on each device
+        entry is made of: the phase and the bytes of each kind of tensor alive then."""
+        c = candidate or self.best
+        return peak_breakdown(self.sizes, self.hardware, c.plan, seq=self.seq, global_batch=self.global_batch,
+                              precision=self.precision, mlp_chunk=self.mlp_chunk_tokens)
 
     def seconds(self, candidate: Candidate | None = None) -> float:
         """The step time the search ranked ``candidate`` (default: the best plan) by: the clipped
@@ -367,8 +375,15 @@ def plan(request: PlanRequest, hardware: HardwareSpec | str) -> PlanResult:
                           "device)")
     if not fits:
         gpu_ok = any(c.gpu_need <= gpu_mem for c in cands)
-        raise PlanDoesNotFitError((spill.why_not() if gpu_ok else None)
-                                  or _why_not(cands, gpu_mem, cpu_memory_bytes, gpus, ssd is not None))
+
+        def peak_of(c: Candidate) -> PeakBreakdown:
+            parts = peak_breakdown(sizes, hw, c.plan, seq=seq, global_batch=global_batch, precision=precision,
+                                   mlp_chunk=mlp_chunk)
+            return max(parts, key=lambda b: b.total)
+
+        why = (spill.why_not() if gpu_ok else None) or _why_not(cands, gpu_mem, cpu_memory_bytes, gpus,
+                                                                 ssd is not None, peak_of)
+        raise PlanDoesNotFitError(why)
     if resident_packs is None:  # spend what GPU memory the fastest plans leave on resident packs
         more, more_fits = with_resident_packs(_pareto(fits, clipping)[:RESIDENT_SEEDS], ev, settle, gpu_mem)
         cands += more
@@ -464,11 +479,14 @@ def _alternatives(items: list[str]) -> str:
     return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
 
 
-def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd: bool = False) -> str:
+def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd: bool = False,
+             peak_of: Callable[[Candidate], PeakBreakdown] | None = None) -> str:
     """One line: what the smallest configuration needs and what to try (``ssd``: host memory
     was not the limit, the SSD takes the overflow). It suggests only what would change the
     answer: not LoRA to a LoRA run, the SSD tier only where host memory is what is short and no
-    offload directory was given."""
+    offload directory was given. ``peak_of``: where GPU memory is short, the leanest plan's
+    activation peak taken apart -- its four largest parts are named, so the reader sees what
+    to change (tokens per micro-batch, the batch, the tile)."""
     host_ok = cands if ssd else [c for c in cands if c.host_need <= cpu_mem]
     gpu_ok = [c for c in cands if c.gpu_need <= gpu_mem]
     min_host = min(cands, key=lambda c: c.host_need)
@@ -490,7 +508,13 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd:
                 f"({gib_text(host['master_weights'] + host['optimizer_state'])} of it "
                 f"fp32 master weights + AdamW state); try --lora{ssd_hint} or more RAM")
     if not gpu_ok:
-        return (f"needs {gib_text(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}), have "
+        held = ""
+        if peak_of is not None:
+            peak = peak_of(min_gpu)
+            held = (f"; its activation peak ({peak.phase}) holds "
+                    + ", ".join(f"{label} {gib_text(b)}" for label, b in peak.parts[:4]))
+        return (f"needs {gib_text(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}{held}), "
+                f"have "
                 f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch"
                 + (" or more GPUs" if lora else ", more GPUs or --lora"))
     # each budget can be met alone, but no plan meets both: the GPU-lean plans stash on the host
