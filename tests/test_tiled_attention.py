@@ -263,7 +263,11 @@ def test_cuda_tiles_match_sdpa_and_hold_what_the_estimate_counts(kernel: str, ti
     """bf16, the 8B shape's heads at 128K tokens, each CUDA tile kernel and tile: the tiled output and
     gradients against whole-segment SDPA (bf16 rounding), and each backward's peak above its inputs
     (the output gradient already there): the tiled one within
-    :func:`tiled_backward_bytes_per_token` (+64 MiB) and under the whole-segment one."""
+    :func:`tiled_backward_bytes_per_token` (+64 MiB) -- what the planner sizes plans by, whichever
+    tile it chose -- and, with the smallest tile, under the whole-segment one. Larger tiles are
+    chosen for speed, not memory: one tile's temporaries grow with the tile (by the count, 0.625
+    rows of the query width per token at 8K tiles of a 128K row, 2.5 at 32K), and the
+    whole-segment kernel's own peak is not what the planner compares them with."""
     import torch.nn.functional as F
 
     length = 131072
@@ -294,4 +298,5 @@ def test_cuda_tiles_match_sdpa_and_hold_what_the_estimate_counts(kernel: str, ti
     print(f"{kernel}, tiles of {tile}: backward above its inputs, rows of the query width: whole-segment SDPA "
           f"{whole_peak / row:.2f}, tiled {tiled_peak / row:.2f}, tiled count {bound / row:.2f}")
     assert tiled_peak <= bound + 64 * 1024**2, (tiled_peak, bound)
-    assert tiled_peak < whole_peak, (tiled_peak, whole_peak)
+    if tile == min(ta.ATTENTION_TILE_OPTIONS):
+        assert tiled_peak < whole_peak, (tiled_peak, whole_peak)
