@@ -159,9 +159,18 @@ def profile_one(a: argparse.Namespace, seq: int, chunk: int | None, tile: int | 
     best = engine.plan_result.best if engine.plan_result is not None else priced(model, config, engine.plan)
     predicted = ({k: v for k, v in dataclasses.asdict(best.time).items() if isinstance(v, float)}
                  if best is not None else {})
+    from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS
+    from tinypipe.planner import work
+
     summary = {"label": label, "gpu": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
                "layers": a.layers, "seq": seq, "mlp_chunk_tokens": engine.config.mlp_chunk_tokens,
                "attention_tile_tokens": tile, "scheme": a.scheme, "plan": engine.plan.describe(),
+               # what ran (auto resolved) and the constants the prediction was priced with: what
+               # bench/archive/fit_long_overheads.py refits them from
+               "mlp_chunk_resolved": engine.mlp_chunk,
+               "attention_tile_resolved": (ATTENTION_TILE_TOKENS if engine.attention_tile is None
+                                           else engine.attention_tile),
+               "priced_with": {"CHUNK_CALL_S": work.CHUNK_CALL_S, "TILE_MERGE_S": work.TILE_MERGE_S},
                "step_s": r.seconds, "wall_s": wall, "kernel_s": times, "kernels_busy_s": busy,
                "idle_s": max(0.0, wall - busy), "predicted": predicted, "top": top_kernels(prof) if cuda else []}
     print(f"\n{summary['gpu']}, {a.layers} blocks of the 8B shape, 1 x {seq:,} tokens, {a.scheme}, {label}")

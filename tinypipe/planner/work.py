@@ -48,8 +48,9 @@ PACK_OVERHEAD_S = 2.1e-3
 #: while the host launches each chunk's small kernels and checkpoint, and (when it was fitted) autograd
 #: gathered every chunk's input gradient into a zeroed full-sequence buffer -- a fill and an add of the
 #: whole [S, hidden] per chunk, gone since 6b188ca (chunks joined by a split; the constant is to be
-#: refitted from a new profile). Fitted on one profiled step of four 8B QLoRA blocks at 1 x 64K on an H100
-#: (chunked step minus unchunked, less what the model prices of the difference: 0.309 s over 512 calls;
+#: refitted from a new profile: bench/long_diagnose_device.sh runs bench/archive/fit_long_overheads.py
+#: on it). Fitted on one profiled step of four 8B QLoRA blocks at 1 x 64K on an H100 (chunked step
+#: minus unchunked, less what the model prices of the difference: 0.309 s over 512 calls;
 #: bench/results/long_context/diagnose_f420d4828575), checked on the 32-block 2 x 64K acceptance rows it
 #: was not fitted on (docs/long_context.md). A host-side cost: not scaled by the GPU's rate.
 CHUNK_CALL_S = 0.60e-3
