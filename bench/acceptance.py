@@ -39,6 +39,7 @@ import json
 import math
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -575,8 +576,7 @@ def run_group(group: list[str], a: argparse.Namespace, out: Path, left: float | 
                "--cap-gib", str(a.cap_gib)]
         log = tempfile.TemporaryFile(mode="w+")
         limit = ROWS[name].seconds * 2 + 120 if left is None else max(30, int(left) + 30)
-        children[name] = (subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True), log,
-                          time.perf_counter(), limit)
+        children[name] = (launch(cmd, log), log, time.perf_counter(), limit)
     ended: dict[str, tuple[int, float, str]] = {}  # name -> (exit code, wall seconds, why killed)
     while len(ended) < len(children):
         for name, (proc, _, t0, limit) in children.items():
@@ -586,8 +586,7 @@ def run_group(group: list[str], a: argparse.Namespace, out: Path, left: float | 
             if proc.poll() is not None:
                 ended[name] = (proc.returncode, wall, "")
             elif wall > limit:
-                proc.kill()
-                ended[name] = (proc.wait(), wall, f"timed out after {limit} s\n")
+                ended[name] = (kill_group(proc), wall, f"timed out after {limit} s\n")
         time.sleep(0.2)
     records = {}
     for name, (proc, log, _, _) in children.items():
@@ -608,6 +607,22 @@ def run_group(group: list[str], a: argparse.Namespace, out: Path, left: float | 
         path.write_text(json.dumps(rec, indent=1, default=str))
         records[name] = rec
     return records
+
+
+def launch(cmd: list[str], log: Any) -> subprocess.Popen:
+    """``cmd`` in a process group of its own (in this session: the device call's end still ends it),
+    so that a row that outruns its limit is stopped with everything it started -- pytest's workers,
+    the CLI row's training runs -- and nothing of it runs on beside the rows after it."""
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, process_group=0)
+
+
+def kill_group(proc: subprocess.Popen) -> int:
+    """SIGKILL ``proc``'s process group (:func:`launch`); its exit code."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:  # ended meanwhile
+        pass
+    return proc.wait()
 
 
 if __name__ == "__main__":

@@ -347,3 +347,31 @@ def test_remaining_joins_the_rows_of_this_code_and_names_the_calls_left(
     saved(head, [n for p in parts.values() for n in p])  # everything passing at HEAD: done
     assert acceptance.remaining(head, results) == 0
     assert f"full tier: passed at {head}" in capsys.readouterr().out
+
+
+def test_a_row_past_its_limit_is_stopped_with_what_it_started(tmp_path: Path) -> None:
+    """A child that started a grandchild (as the tests row starts pytest's workers): killing the
+    row's process group ends both, so nothing of it runs on beside the next row."""
+    import os
+
+    pid_file = tmp_path / "grandchild.pid"
+    with (tmp_path / "log").open("w+") as log:
+        proc = acceptance.launch(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], log)
+        deadline = time.monotonic() + 10
+        while not pid_file.exists() or not pid_file.read_text().strip():
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        grandchild = int(pid_file.read_text())
+        assert acceptance.kill_group(proc) == -9
+    deadline = time.monotonic() + 10
+    while True:  # the grandchild is gone (a zombie of its reaped parent counts as gone)
+        try:
+            with open(f"/proc/{grandchild}/stat") as fh:
+                state = fh.read().split(")")[-1].split()[0]
+        except FileNotFoundError:
+            break
+        if state == "Z":
+            break
+        assert time.monotonic() < deadline, f"grandchild {grandchild} still {state}"
+        time.sleep(0.05)
+    assert os.getpgid(os.getpid()) != proc.pid  # the row's group was its own, not the runner's
