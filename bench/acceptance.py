@@ -39,7 +39,6 @@ import json
 import math
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
@@ -53,6 +52,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 from acceptance_rows import CliRow, EngineRow, Row, TestsRow, finite, run_row  # noqa: E402
+from acceptance_runner import groups, run_group  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 BASELINE = ROOT / "bench" / "acceptance_baseline.json"
@@ -302,7 +302,8 @@ def save_baselines(gpus: dict[str, dict[str, Any]]) -> None:
 #: ROWS) and runners, the pins. Two commits whose trees agree on these paths run the same code on
 #: the GPU (a later commit may add raw files and notes), so the rows measured at either count for
 #: both: a matrix of four device calls can span sessions while the code stays put.
-CODE_UNDER_TEST = ("tinypipe", "tests", "bench/acceptance.py", "bench/acceptance_rows.py", "bench/benchkit",
+CODE_UNDER_TEST = ("tinypipe", "tests", "bench/acceptance.py", "bench/acceptance_rows.py",
+                   "bench/acceptance_runner.py", "bench/benchkit",
                    "bench/qlora_bench.py", "bench/device_env.sh", "bench/acceptance_device.sh", "pyproject.toml",
                    "requirements")
 
@@ -525,7 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.row:
         return child(a)
     names = selected(a)
-    run = groups(names)
+    run = groups(names, BESIDE)
     planned = sum(max(ROWS[n].seconds for n in g) for g in run)
     print(f"acceptance at {a.commit}: {len(names)} rows, ~{planned} s (row estimates): "
           + ", ".join(" + ".join(g) if len(g) > 1 else g[0] for g in run), flush=True)
@@ -541,7 +542,7 @@ def main(argv: list[str] | None = None) -> int:
                 results[name], checks[name] = rec, check(name, rec, {})  # an error: no speed check
                 print(f"== {name}: {rec['error']}", flush=True)
             continue
-        for name, rec in run_group(group, a, out, left).items():
+        for name, rec in run_rows(group, a, out, left).items():
             # the baseline of the GPU model this row ran on (the machine may be an H100 or an H200)
             results[name], checks[name] = rec, check(name, rec, load_baseline(gpu_of(rec)))
             print(f"== {name} ({ROWS[name].kind}, {rec['wall_s']:.0f} s)", flush=True)
@@ -553,76 +554,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(all(p for _, p, _ in c) for c in checks.values()) else 1
 
 
-def groups(names: list[str]) -> list[list[str]]:
-    """The selected rows in the order they run, a row of :data:`BESIDE` in one group with the row
-    it runs beside (when that row is selected too; else on its own, where it stands)."""
-    out = []
-    for name in names:
-        if BESIDE.get(name) in names:
-            continue  # runs in its host's group
-        out.append([name, *(n for n in names if BESIDE.get(n) == name)])
-    return out
+def run_rows(group: list[str], a: argparse.Namespace, out: Path, left: float | None) -> dict[str, dict[str, Any]]:
+    """:func:`acceptance_runner.run_group` of ``group``, each row a child of this script
+    (``--row NAME``)."""
+    def command(name: str) -> list[str]:
+        return [sys.executable, os.path.abspath(__file__), "--row", name, "--commit", a.commit, "--out", str(out),
+                "--cap-gib", str(a.cap_gib)]
 
-
-def run_group(group: list[str], a: argparse.Namespace, out: Path, left: float | None) -> dict[str, dict[str, Any]]:
-    """Each row of ``group`` in a child process of its own, all at once; their records (an error
-    record where a child failed or outran its limit), each with its own ``wall_s``."""
-    import tempfile
-
-    print(f"== {' + '.join(group)} (~{max(ROWS[n].seconds for n in group)} s)", flush=True)
-    children = {}
-    for name in group:
-        cmd = [sys.executable, os.path.abspath(__file__), "--row", name, "--commit", a.commit, "--out", str(out),
-               "--cap-gib", str(a.cap_gib)]
-        log = tempfile.TemporaryFile(mode="w+")
-        limit = ROWS[name].seconds * 2 + 120 if left is None else max(30, int(left) + 30)
-        children[name] = (launch(cmd, log), log, time.perf_counter(), limit)
-    ended: dict[str, tuple[int, float, str]] = {}  # name -> (exit code, wall seconds, why killed)
-    while len(ended) < len(children):
-        for name, (proc, _, t0, limit) in children.items():
-            if name in ended:
-                continue
-            wall = time.perf_counter() - t0
-            if proc.poll() is not None:
-                ended[name] = (proc.returncode, wall, "")
-            elif wall > limit:
-                ended[name] = (kill_group(proc), wall, f"timed out after {limit} s\n")
-        time.sleep(0.2)
-    records = {}
-    for name, (proc, log, _, _) in children.items():
-        rc, wall, timed_out = ended[name]
-        log.seek(0)
-        text = timed_out + log.read()
-        log.close()
-        path = out / f"{name}.json"
-        if rc == 0 and not timed_out and path.exists():
-            rec = json.loads(path.read_text())
-        else:
-            tail = [line for line in text.splitlines() if line.strip()][-3:]
-            rec = {"kind": ROWS[name].kind, "commit": a.commit, "error": f"exit {rc}: " + " | ".join(tail)[-600:],
-                   "log_tail": text[-6000:]}
-        rec["wall_s"] = wall
-        if len(group) > 1:
-            rec["beside"] = [n for n in group if n != name]  # ran at the same time (BESIDE)
-        path.write_text(json.dumps(rec, indent=1, default=str))
-        records[name] = rec
-    return records
-
-
-def launch(cmd: list[str], log: Any) -> subprocess.Popen:
-    """``cmd`` in a process group of its own (in this session: the device call's end still ends it),
-    so that a row that outruns its limit is stopped with everything it started -- pytest's workers,
-    the CLI row's training runs -- and nothing of it runs on beside the rows after it."""
-    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, text=True, process_group=0)
-
-
-def kill_group(proc: subprocess.Popen) -> int:
-    """SIGKILL ``proc``'s process group (:func:`launch`); its exit code."""
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:  # ended meanwhile
-        pass
-    return proc.wait()
+    return run_group(group, ROWS, command, out, left, a.commit)
 
 
 if __name__ == "__main__":

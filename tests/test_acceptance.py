@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "bench"))
 
 import acceptance  # noqa: E402
+import acceptance_runner  # noqa: E402
 
 GiB = 1024**3
 H200, H100 = "NVIDIA H200", "NVIDIA H100 80GB HBM3"
@@ -277,9 +278,9 @@ def test_the_cli_row_runs_beside_the_gpu_tests_and_only_there() -> None:
     """The full tier's part with the GPU tests runs the CLI row in the same group (at the same time);
     the quick tier, which has no GPU tests, runs it on its own, after the engine rows."""
     part = list(next(p for p in acceptance.FULL_PARTS.values() if "gpu-tests" in p))
-    assert ["gpu-tests", "cli"] in acceptance.groups(part)
-    assert acceptance.groups(list(acceptance.QUICK))[-1] == ["cli"]
-    assert acceptance.groups(["cli", "w1", "gpu-tests"]) == [["w1"], ["gpu-tests", "cli"]]
+    assert ["gpu-tests", "cli"] in acceptance.groups(part, acceptance.BESIDE)
+    assert acceptance.groups(list(acceptance.QUICK), acceptance.BESIDE)[-1] == ["cli"]
+    assert acceptance.groups(["cli", "w1", "gpu-tests"], acceptance.BESIDE) == [["w1"], ["gpu-tests", "cli"]]
     names = [n for p in acceptance.FULL_PARTS.values() for n in p]
     assert sorted(names) == sorted(set(names)) and set(acceptance.QUICK) <= set(names)
     assert sorted(acceptance.PART_ORDER) == sorted(acceptance.FULL_PARTS)
@@ -290,7 +291,7 @@ def test_a_group_runs_its_rows_at_the_same_time(tmp_path: Path) -> None:
     less than the two walls one after the other (they overlapped)."""
     args = acceptance.parse(["--commit", "test", "--out", str(tmp_path)])
     t0 = time.perf_counter()
-    recs = acceptance.run_group(["tiny-cpu", "tiny-cpu-clip"], args, tmp_path, None)
+    recs = acceptance.run_rows(["tiny-cpu", "tiny-cpu-clip"], args, tmp_path, None)
     elapsed = time.perf_counter() - t0
     for name, other in (("tiny-cpu", "tiny-cpu-clip"), ("tiny-cpu-clip", "tiny-cpu")):
         rec = json.loads((tmp_path / f"{name}.json").read_text())
@@ -356,13 +357,13 @@ def test_a_row_past_its_limit_is_stopped_with_what_it_started(tmp_path: Path) ->
 
     pid_file = tmp_path / "grandchild.pid"
     with (tmp_path / "log").open("w+") as log:
-        proc = acceptance.launch(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], log)
+        proc = acceptance_runner.launch(["sh", "-c", f"sleep 60 & echo $! > {pid_file}; wait"], log)
         deadline = time.monotonic() + 10
         while not pid_file.exists() or not pid_file.read_text().strip():
             assert time.monotonic() < deadline
             time.sleep(0.05)
         grandchild = int(pid_file.read_text())
-        assert acceptance.kill_group(proc) == -9
+        assert acceptance_runner.kill_group(proc) == -9
     deadline = time.monotonic() + 10
     while True:  # the grandchild is gone (a zombie of its reaped parent counts as gone)
         try:
