@@ -122,6 +122,11 @@ FULL_PARTS = {
 PART_ORDER = (2, 3, 4, 1)
 
 
+
+def full_tier_rows() -> list[str]:
+    """Every row of the full tier, part by part."""
+    return [n for part in FULL_PARTS.values() for n in part]
+
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tier", choices=("quick", "full"), default="quick")
@@ -156,7 +161,7 @@ def selected(a: argparse.Namespace) -> list[str]:
     elif a.part is not None:
         names = list(FULL_PARTS[a.part])
     else:
-        names = [n for part in FULL_PARTS.values() for n in part]
+        names = full_tier_rows()
     unknown = [n for n in names if n not in ROWS]
     if unknown:
         raise SystemExit(f"acceptance: unknown rows {', '.join(unknown)}; choose from {', '.join(ROWS)}")
@@ -388,7 +393,7 @@ def remaining(commit: str, root: Path | None = None) -> int:
         print(f"no saved rows ran the code under test of {sha}")
     verdict = full_tier_verdict(checks, sha)
     print(verdict)
-    names = [n for part in FULL_PARTS.values() for n in part]
+    names = full_tier_rows()
     todo = [n for n in names if n not in checks or not all(p for _, p, _ in checks[n])]
     if not todo:
         return 0
@@ -490,7 +495,7 @@ def full_tier_verdict(checks: dict[str, list[tuple[str, bool, str]]], commit: st
     """One line: whether the whole full tier passed at ``commit`` -- every row of every part run
     there and passing -- and, when not, which rows failed and which did not run. A change to the
     runtime or planner is finished only on "passed" (README, contributing)."""
-    names = [n for part in FULL_PARTS.values() for n in part]
+    names = full_tier_rows()
     failed = [n for n in names if n in checks and not all(p for _, p, _ in checks[n])]
     missing = [n for n in names if n not in checks]
     if not failed and not missing:

@@ -60,7 +60,7 @@ def resolved(rec: dict[str, Any]) -> tuple[int, int]:
 
 def counts(rec: dict[str, Any], hardware: str) -> tuple[float, float]:
     """(chunked-module calls and passes, token merges at the reference rate) the planner prices for
-    the setting: its ``long_sequence_overheads`` with each constant set to 1 in turn."""
+    the setting: its ``long_sequence_overheads`` with one constant 1 and the other 0, in turn."""
     from tinypipe.lora.settings import LoraSettings
     from tinypipe.planner import work
     from tinypipe.planner.hardware import load_hardware
@@ -82,18 +82,13 @@ def counts(rec: dict[str, Any], hardware: str) -> tuple[float, float]:
         raise SystemExit(f"fit_long_overheads: {rec['label']} ran '{rec['plan']}', not the plan counted here "
                          f"('{plan.describe()}')")
     hw = load_hardware(hardware)
-    saved = {c: getattr(work, c) for c in CONSTANTS}
-    out = []
-    try:
-        for one in CONSTANTS:
-            for c in CONSTANTS:
-                setattr(work, c, 1.0 if c == one else 0.0)
-            per_pack = work.long_sequence_overheads(sizes, plan, hw, batch=1, seq=rec["seq"], mlp_chunk=chunk)
-            out.append(sum(f + b for f, b in per_pack))
-    finally:
-        for c, v in saved.items():
-            setattr(work, c, v)
-    return out[0], out[1]
+
+    def priced(chunk_call_s: float, tile_merge_s: float) -> float:
+        per_pack = work.long_sequence_overheads(sizes, plan, hw, batch=1, seq=rec["seq"], mlp_chunk=chunk,
+                                                chunk_call_s=chunk_call_s, tile_merge_s=tile_merge_s)
+        return sum(f + b for f, b in per_pack)
+
+    return priced(1.0, 0.0), priced(0.0, 1.0)
 
 
 def priced_with(rec: dict[str, Any], given: tuple[float, float] | None) -> tuple[float, float]:

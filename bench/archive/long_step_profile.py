@@ -195,11 +195,8 @@ def priced(model, config, plan):  # noqa: ANN001, ANN201 -- (nn.Module, Config, 
     from tinypipe.errors import PlanDoesNotFitError
     from tinypipe.planner.auto import hardware_for, request_for
     from tinypipe.planner.given import with_given_plan
-    from tinypipe.planner.search import plan as search
-
-    import dataclasses
-
     from tinypipe.models.tiled_attention import ATTENTION_TILE_TOKENS
+    from tinypipe.planner.search import plan as search
 
     hw = hardware_for(config)
     # the engine runs a given plan at the configured tile, else the default one

@@ -240,9 +240,9 @@ def activation_peaks(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, pre
     MLP intermediates in its forward, and its backward saves every token's block activations but
     the MLP's (:meth:`~tinypipe.planner.sizes.ModelSizes.chunked_block_bytes`) plus one chunk's
     recomputed ones. See the module documentation for the model."""
-    ledger = _Ledger(len(devices), 2 * plan.num_packs + 4, labelled=False)
-    _account(ledger, sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices, hidden=hidden,
-             vocab=vocab, head_chunk=head_chunk, act_per_token=act_per_token, mlp_chunk=mlp_chunk)
+    ledger = _account(_Ledger(len(devices), 2 * plan.num_packs + 4, labelled=False), sizes, plan, batch=batch,
+                      seq=seq, precision=precision, devices=devices, hidden=hidden, vocab=vocab,
+                      head_chunk=head_chunk, act_per_token=act_per_token, mlp_chunk=mlp_chunk)
     peaks, where = [], []
     for d in range(len(devices)):
         k, total = ledger.peak(d)
@@ -272,9 +272,9 @@ def activation_breakdown(sizes: ModelSizes, plan: Plan, *, batch: int, seq: int,
     holds alive in the phase that sets it. Why: a plan that does not fit, or a GPU peak above the
     estimate, is acted on by knowing which term dominates (the saved activations, the attention
     backward, the stash's read-ahead, ...), not only the total."""
-    ledger = _Ledger(len(devices), 2 * plan.num_packs + 4, labelled=True)
-    _account(ledger, sizes, plan, batch=batch, seq=seq, precision=precision, devices=devices, hidden=hidden,
-             vocab=vocab, head_chunk=head_chunk, act_per_token=act_per_token, mlp_chunk=mlp_chunk)
+    ledger = _account(_Ledger(len(devices), 2 * plan.num_packs + 4, labelled=True), sizes, plan, batch=batch,
+                      seq=seq, precision=precision, devices=devices, hidden=hidden, vocab=vocab,
+                      head_chunk=head_chunk, act_per_token=act_per_token, mlp_chunk=mlp_chunk)
     out = []
     for d in range(len(devices)):
         k, _ = ledger.peak(d)
@@ -334,8 +334,8 @@ class _Ledger:
 
 def _account(ledger: _Ledger, sizes: ModelSizes, plan: Plan, *, batch: int, seq: int, precision: str,
              devices: Sequence[str], hidden: int | None, vocab: int | None, head_chunk: int | None,
-             act_per_token: float | None, mlp_chunk: int) -> None:
-    """Everything :func:`activation_peaks` counts, entered in ``ledger`` (the model: the module
+             act_per_token: float | None, mlp_chunk: int) -> _Ledger:
+    """``ledger`` with everything :func:`activation_peaks` counts entered (the model: the module
     documentation)."""
     H = hidden or sizes.hidden
     V = vocab or sizes.vocab
@@ -509,6 +509,7 @@ def _account(ledger: _Ledger, sizes: ModelSizes, plan: Plan, *, batch: int, seq:
             if reads_host and (B > plan.micro_batch_size or B > plan.backward_micro_batch_size):
                 ledger.const(d, 2 * max(tf, tb) * H * a, "host-stash read-ahead buffers")
             ledger.const(d, CUDA_WORKSPACE_BYTES, "CUDA workspaces")
+    return ledger
 
 
 def _phase_name(k: int, P: int) -> str:

@@ -514,8 +514,7 @@ def _why_not(cands: list[Candidate], gpu_mem: int, cpu_mem: int, gpus: int, ssd:
             held = (f"; its activation peak ({peak.phase}) holds "
                     + ", ".join(f"{label} {gib_text(b)}" for label, b in peak.parts[:4]))
         return (f"needs {gib_text(min_gpu.gpu_need)} GPU memory per device ({min_gpu.describe()}{held}), "
-                f"have "
-                f"{gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch"
+                f"have {gib_text(gpu_mem)}; try a shorter --seq-len, a smaller --global-batch"
                 + (" or more GPUs" if lora else ", more GPUs or --lora"))
     # each budget can be met alone, but no plan meets both: the GPU-lean plans stash on the host
     best = min(host_ok, key=lambda c: c.gpu_need)

@@ -317,7 +317,8 @@ def _dequant_work(sizes: ModelSizes, plan: Plan, batch: int, hw: HardwareSpec, s
 
 
 def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, batch: int, seq: int,
-                            mlp_chunk: int) -> list[tuple[float, float]]:
+                            mlp_chunk: int, chunk_call_s: float = CHUNK_CALL_S,
+                            tile_merge_s: float = TILE_MERGE_S) -> list[tuple[float, float]]:
     """Per pack, (forward, backward) seconds that long sequences cost beyond their FLOPs: every
     call of a token-chunked module (:data:`CHUNK_CALL_S`; one pass in the forward, three in the
     backward: the recompute, the chunk's own recompute under its checkpoint, its backward; a kept
@@ -325,7 +326,8 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
     the forward, two in the backward, scaled by the GPU's rate like the other memory-bound work)
     wherever segment attention runs
     (sequences above :data:`~tinypipe.models.chunked_mlp.LONG_SEQUENCE_TOKENS` of its families,
-    chunked or not). Zeros for short sequences: they price exactly as before."""
+    chunked or not). Zeros for short sequences: they price exactly as before. ``chunk_call_s`` /
+    ``tile_merge_s``: other values of the two constants (their refit counts calls and merges with 1)."""
     if seq <= LONG_SEQUENCE_TOKENS and mlp_chunk <= 0:
         return [(0.0, 0.0)] * plan.num_packs
     n_f, n_b, c_f, c_b = _micro_batches_and_chunks(plan, batch, seq, mlp_chunk)
@@ -339,10 +341,10 @@ def long_sequence_overheads(sizes: ModelSizes, plan: Plan, hw: HardwareSpec, *, 
     tile = sizes.attention_tile
     if sizes.model_type in SEGMENT_FAMILIES and seq > LONG_SEQUENCE_TOKENS and 0 < tile < segment:
         tiles = -(-segment // tile)
-        merges = (tiles - 1) / 2.0 * batch * seq * TILE_MERGE_S * TILE_MERGE_REFERENCE_TFLOPS / max(
+        merges = (tiles - 1) / 2.0 * batch * seq * tile_merge_s * TILE_MERGE_REFERENCE_TFLOPS / max(
             hw.bf16_tflops, 1e-9)
-    return [(calls_f * CHUNK_CALL_S * len(p) + merges * len(p) / 3.0,
-             (calls_kept if plan.kept(q) else calls_b) * CHUNK_CALL_S * len(p) + merges * len(p) * 2.0 / 3.0)
+    return [(calls_f * chunk_call_s * len(p) + merges * len(p) / 3.0,
+             (calls_kept if plan.kept(q) else calls_b) * chunk_call_s * len(p) + merges * len(p) * 2.0 / 3.0)
             for q, p in enumerate(plan.packs)]
 
 
